@@ -1,0 +1,29 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test demo venv ext clean bench
+
+venv: $(STAMP)
+
+# Re-install only when the pinned requirements or the build description change.
+$(STAMP): requirements/requirements.txt requirements/constraints.txt setup.py pyproject.toml $(wildcard csrc/*)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/requirements.txt -c requirements/constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/megatron-video demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/attention_comm.py
+
+clean:
+	rm -rf build *.egg-info megatron_video/*.so

@@ -1,0 +1,301 @@
+"""All communication of megatron_video lives here: autograd all-to-all, ring P2P, and a tracer.
+
+Every collective / P2P call made by this package goes through these functions, so ``CommTracer``
+sees all of them and tests and benchmarks can assert exact call and byte counts.
+
+Byte convention (what the tracer records as ``bytes_sent`` by this rank):
+  * all-to-all: the bytes leaving this rank, i.e. ``nbytes * (N-1)/N`` (the self chunk stays);
+  * ring send: the bytes of every tensor sent to the next rank;
+  * all-reduce: ``nbytes * (N-1)/N`` (the ring-algorithm volume per rank);
+  * all-gather: ``nbytes * (N-1)`` (this rank's input reaches every other rank);
+  * shape checks (``check_same_shape``) are recorded with ``op="shape_check"`` so they never mix
+    with data traffic.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommEvent", "CommTracer", "all_to_all", "all_to_all_single", "ring_shift", "RingExchange",
+    "check_same_shape", "group_ranks", "group_size", "group_rank", "all_reduce", "all_gather_cat",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracer
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class CommEvent:
+    op: str                 # "all_to_all", "send", "recv", "all_reduce", "all_gather", "shape_check"
+    group_size: int
+    bytes_sent: int         # bytes leaving this rank (see module docstring)
+    intra_node: bool        # every rank of the group (or both P2P peers) on this rank's node
+    tag: str = ""          # free-form label set by the caller ("ulysses.q", "ring.kv", ...)
+    direction: str = "fwd"  # "fwd" or "bwd" (autograd backward)
+
+
+_ACTIVE: List["CommTracer"] = []
+
+
+class CommTracer(contextlib.ContextDecorator):
+    """Record every communication call made inside the ``with`` block on this rank.
+
+    >>> with CommTracer() as t:
+    ...     y = all_to_all(x, group, scatter_dim=2, gather_dim=1)
+    >>> t.count("all_to_all"), t.bytes("all_to_all")
+    """
+
+    def __init__(self):
+        self.events: List[CommEvent] = []
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return False
+
+    def _filter(self, op=None, direction=None, intra_node=None, tag=None):
+        for e in self.events:
+            if op is not None and e.op != op:
+                continue
+            if direction is not None and e.direction != direction:
+                continue
+            if intra_node is not None and e.intra_node != intra_node:
+                continue
+            if tag is not None and not e.tag.startswith(tag):
+                continue
+            yield e
+
+    def count(self, op=None, direction=None, intra_node=None, tag=None) -> int:
+        return sum(1 for _ in self._filter(op, direction, intra_node, tag))
+
+    def bytes(self, op=None, direction=None, intra_node=None, tag=None) -> int:
+        return sum(e.bytes_sent for e in self._filter(op, direction, intra_node, tag))
+
+    def summary(self) -> Dict[Tuple[str, str, bool], Tuple[int, int]]:
+        """``{(op, direction, intra_node): (calls, bytes)}``."""
+        out: Dict[Tuple[str, str, bool], Tuple[int, int]] = {}
+        for e in self.events:
+            key = (e.op, e.direction, e.intra_node)
+            c, b = out.get(key, (0, 0))
+            out[key] = (c + 1, b + e.bytes_sent)
+        return out
+
+    def table(self) -> str:
+        rows = [f"{'op':<12} {'dir':<4} {'link':<6} {'calls':>6} {'bytes':>14}"]
+        for (op, d, intra), (c, b) in sorted(self.summary().items()):
+            rows.append(f"{op:<12} {d:<4} {'intra' if intra else 'inter':<6} {c:>6} {b:>14,}")
+        return "\n".join(rows)
+
+
+def _ranks_per_node() -> int:
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    if v is None:
+        return dist.get_world_size() if dist.is_initialized() else 1
+    return int(v)
+
+
+def _same_node(global_ranks: Sequence[int]) -> bool:
+    rpn = _ranks_per_node()
+    return len({r // rpn for r in global_ranks}) <= 1
+
+
+def _record(op: str, group, nbytes: int, tag: str, direction: str, peers: Optional[Sequence[int]] = None):
+    if not _ACTIVE:
+        return
+    ranks = group_ranks(group) if peers is None else list(peers)
+    ev = CommEvent(op=op, group_size=group_size(group), bytes_sent=int(nbytes),
+                   intra_node=_same_node(ranks), tag=tag, direction=direction)
+    for t in _ACTIVE:
+        t.events.append(ev)
+
+
+# ----------------------------------------------------------------------------------------------
+# Group helpers
+# ----------------------------------------------------------------------------------------------
+def group_ranks(group) -> List[int]:
+    return list(dist.get_process_group_ranks(group)) if group is not None else list(
+        range(dist.get_world_size()))
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape agreement (before any data collective, so a mismatch raises instead of hanging)
+# ----------------------------------------------------------------------------------------------
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.bool, torch.uint8, torch.int8, torch.int16]
+
+
+def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -> None:
+    """Raise ``ValueError`` on every rank if the named tensors' shapes/dtypes differ across ``group``.
+
+    One small all-gather of the shape signature; recorded by the tracer as ``shape_check``.
+    """
+    if group is None or group_size(group) == 1:
+        return
+    sig = []
+    for name, t in tensors.items():
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
+        sig.extend([t.dim(), code] + list(t.shape))
+    width = 64
+    if len(sig) > width:
+        raise ValueError(f"check_same_shape: too many dims to compare ({len(sig)} > {width})")
+    local = torch.full((width,), -1, dtype=torch.int64)
+    local[: len(sig)] = torch.tensor(sig, dtype=torch.int64)
+    gathered = [torch.empty_like(local) for _ in range(group_size(group))]
+    _record("shape_check", group, local.nbytes * (group_size(group) - 1), where, "fwd")
+    dist.all_gather(gathered, local, group=group)
+    ref = gathered[0]
+    for r, g in enumerate(gathered):
+        if not torch.equal(g, ref):
+            shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+            raise ValueError(
+                f"{where or 'collective'}: tensor shapes/dtypes differ between ranks of the group "
+                f"(this rank {group_rank(group)}: {shapes}, {[t.dtype for t in tensors.values()]}; "
+                f"group rank {r} differs from group rank 0); every rank must pass the same shapes")
+
+
+# ----------------------------------------------------------------------------------------------
+# All-to-all
+# ----------------------------------------------------------------------------------------------
+def all_to_all_single(x: torch.Tensor, group, tag: str = "", direction: str = "fwd") -> torch.Tensor:
+    """Plain (non-autograd) ``all_to_all_single`` over dim 0 with equal splits, traced."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _record("all_to_all", group, x.nbytes * (n - 1) // n, tag, direction)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str, direction: str):
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[scatter_dim] % n:
+        raise ValueError(
+            f"all_to_all{f' ({tag})' if tag else ''}: scatter dimension {scatter_dim} has size "
+            f"{x.shape[scatter_dim]}, which must be divisible by the group size ({n})")
+    # chunk i of the scatter dim goes to group rank i; received chunks are concatenated in group
+    # rank order along the gather dim.
+    send = torch.stack(x.tensor_split(n, dim=scatter_dim), dim=0)
+    recv = all_to_all_single(send, group, tag, direction)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim, tag):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.tag = group, scatter_dim, gather_dim, tag
+        return _a2a(x, group, scatter_dim, gather_dim, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The inverse all-to-all: scatter what was gathered, gather what was scattered.
+        return _a2a(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.tag, "bwd"), None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str = "") -> torch.Tensor:
+    """Autograd all-to-all: split ``scatter_dim`` across the group, concatenate along ``gather_dim``.
+
+    The backward is the inverse all-to-all. ``x.shape[scatter_dim]`` must be divisible by the
+    group size; shapes must agree across ranks (see ``check_same_shape``).
+    """
+    nd = x.dim()
+    scatter_dim, gather_dim = scatter_dim % nd, gather_dim % nd
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim, tag)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring P2P
+# ----------------------------------------------------------------------------------------------
+class RingExchange:
+    """Post sends to the next ring rank and receives from the previous one; ``wait()`` for them.
+
+    ``shift=+1`` sends to ``(i+1) % R`` and receives from ``(i-1) % R``; ``shift=-1`` the reverse
+    (used to send dK/dV back to their owners). Posting happens in ``__init__`` so callers overlap
+    the transfer with compute on the current block.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group, shift: int = 1, tag: str = "",
+                 direction: str = "fwd"):
+        ranks = group_ranks(group)
+        n = len(ranks)
+        me = group_rank(group)
+        self.dst = ranks[(me + shift) % n]
+        self.src = ranks[(me - shift) % n]
+        self.recv = [torch.empty_like(t) for t in tensors]
+        self._reqs = []
+        for i, t in enumerate(tensors):
+            t = t.contiguous()
+            _record("send", group, t.nbytes, tag, direction, peers=[ranks[me], self.dst])
+            self._reqs.append(dist.isend(t, self.dst, group=None, tag=i))
+            self._reqs.append(dist.irecv(self.recv[i], self.src, group=None, tag=i))
+        self._sent = tensors  # keep alive until wait()
+
+    def wait(self) -> List[torch.Tensor]:
+        for r in self._reqs:
+            r.wait()
+        self._reqs, self._sent = [], None
+        return self.recv
+
+
+class _RingShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, shift, tag):
+        ctx.group, ctx.shift, ctx.tag = group, shift, tag
+        return RingExchange([x], group, shift, tag, "fwd").wait()[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return RingExchange([grad], ctx.group, -ctx.shift, ctx.tag, "bwd").wait()[0], None, None, None
+
+
+def ring_shift(x: torch.Tensor, group, shift: int = 1, tag: str = "") -> torch.Tensor:
+    """Autograd ring exchange: returns the tensor of ring rank ``(i - shift) % R``."""
+    if group_size(group) == 1:
+        return x
+    return _RingShift.apply(x, group, shift, tag)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions (used for loss normalisation and replicated-parameter gradients)
+# ----------------------------------------------------------------------------------------------
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, tag: str = "") -> torch.Tensor:
+    """In-place, non-autograd all-reduce, traced."""
+    n = group_size(group)
+    if n > 1:
+        _record("all_reduce", group, x.nbytes * (n - 1) // n, tag, "fwd")
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor, group, dim: int = 0, tag: str = "") -> torch.Tensor:
+    """Non-autograd all-gather concatenated along ``dim`` in group-rank order, traced."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = [torch.empty_like(x) for _ in range(n)]
+    _record("all_gather", group, x.nbytes * (n - 1), tag, "fwd")
+    dist.all_gather(out, x, group=group)
+    return torch.cat(out, dim=dim)

@@ -1,0 +1,222 @@
+"""A pool of N gloo worker processes, started once and reused for many multi-rank cases.
+
+Process start-up with torch + megatron costs seconds, so tests start one pool per module and run
+many functions in it. ``pool.run(fn, *args)`` runs ``fn`` on every rank and returns the list of
+per-rank results; if any rank raises, ``RankError`` carries every failing rank's traceback. A run
+that does not finish within ``timeout`` kills the pool (it restarts on the next run) instead of
+hanging. Simulated nodes: ``ranks_per_node`` sets ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` in the
+workers, which is what ``megatron_video.parallel.topology`` reads for placement rules.
+
+``fn`` must be importable by qualified name (a module-level function); the workers get the parent's
+``sys.path`` so test modules import as they do under pytest.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+import torch.multiprocessing as mp
+
+__all__ = ["WorkerPool", "RankError"]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised (or did not finish); the message holds every rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_env(rank: int, world_size: int, ranks_per_node: Optional[int]) -> dict:
+    rpn = ranks_per_node or world_size
+    return {
+        "LOCAL_WORLD_SIZE": str(rpn),
+        "LOCAL_RANK": str(rank % rpn),
+        "GROUP_RANK": str(rank // rpn),
+    }
+
+
+def _reset_rank_state() -> None:
+    """Leave no Megatron / tracer state behind between cases run in the same worker."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_group(
+            check_initialized=False
+        ) is not None:
+            parallel_state.destroy_model_parallel()
+    except Exception:  # pragma: no cover - megatron missing or half-initialised
+        pass
+    try:
+        from megatron_video.parallel.topology import destroy_video_parallel
+
+        destroy_video_parallel()
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom.get_cuda_rng_tracker().reset()
+    except Exception:  # pragma: no cover
+        pass
+
+
+def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_s, task_q, result_q):
+    sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1", **_node_env(rank, world_size, ranks_per_node),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=gloo_timeout_s),
+    )
+    from megatron_video.compat import ensure_cpu_mode
+
+    ensure_cpu_mode()
+    result_q.put(("ready", rank, True, None))
+    while True:
+        msg = task_q.get()
+        if msg is None:
+            break
+        task_id, fn, args, kwargs, rpn = msg
+        os.environ.update(_node_env(rank, world_size, rpn))
+        try:
+            out = fn(*args, **kwargs)
+            result_q.put((task_id, rank, True, out))
+        except BaseException:  # report everything, including assertion errors
+            result_q.put((task_id, rank, False, traceback.format_exc()))
+        finally:
+            _reset_rank_state()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # pragma: no cover
+        pass
+
+
+class WorkerPool:
+    """``world_size`` gloo ranks on this machine; ``ranks_per_node`` simulates nodes."""
+
+    def __init__(self, world_size: int, ranks_per_node: Optional[int] = None, timeout: float = 240.0,
+                 gloo_timeout: float = 60.0):
+        if world_size < 1:
+            raise ValueError(f"world_size ({world_size}) must be >= 1")
+        if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
+            raise ValueError(
+                f"ranks_per_node ({ranks_per_node}) must be >= 1 and divide world_size ({world_size})")
+        self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.timeout = timeout
+        self.gloo_timeout = gloo_timeout
+        self._procs: List[Any] = []
+        self._task_qs: List[Any] = []
+        self._result_q = None
+        self._ids = itertools.count()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._result_q = ctx.Queue()
+        self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, self.world_size, port, list(sys.path), self.ranks_per_node, self.gloo_timeout,
+                      self._task_qs[r], self._result_q),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("ready", what="start-up")
+
+    def close(self) -> None:
+        for q in self._task_qs:
+            try:
+                q.put(None)
+            except Exception:  # pragma: no cover
+                pass
+        deadline = time.time() + 10
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.time()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs, self._task_qs, self._result_q = [], [], None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- running ---------------------------------------------------------------------------
+    def _collect(self, task_id, what: str):
+        results: dict = {}
+        errors: dict = {}
+        deadline = time.time() + self.timeout
+        grace_deadline = None
+        while len(results) + len(errors) < self.world_size:
+            now = time.time()
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            if now >= limit:
+                break
+            try:
+                tid, rank, ok, payload = self._result_q.get(timeout=min(1.0, limit - now))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                for r in dead:
+                    errors.setdefault(r, f"rank {r} process died (exit code {self._procs[r].exitcode})")
+                if dead and grace_deadline is None:
+                    grace_deadline = time.time() + 5.0
+                continue
+            if tid != task_id:
+                continue  # stale message from a killed earlier run
+            if ok:
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                if grace_deadline is None:
+                    # Give the other ranks a moment to finish or fail, then stop waiting for them.
+                    grace_deadline = time.time() + 10.0
+        missing = [r for r in range(self.world_size) if r not in results and r not in errors]
+        if errors or missing:
+            self._kill()
+            parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
+            if missing:
+                parts.append(f"ranks {missing} did not finish {what} within the timeout "
+                             f"({self.timeout:.0f} s) or after another rank failed; pool killed")
+            raise RankError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(parts))
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args, ranks_per_node: Optional[int] = None, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        if not self._procs:
+            self._start()
+        rpn = ranks_per_node if ranks_per_node is not None else self.ranks_per_node
+        if rpn is not None and self.world_size % rpn:
+            raise ValueError(f"ranks_per_node ({rpn}) must divide world_size ({self.world_size})")
+        task_id = next(self._ids)
+        for q in self._task_qs:
+            q.put((task_id, fn, args, kwargs, rpn))
+        return self._collect(task_id, what=getattr(fn, "__qualname__", str(fn)))

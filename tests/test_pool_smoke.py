@@ -1,0 +1,46 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_video.testing import RankError
+
+
+def _rank_and_env():
+    import os
+    return dist.get_rank(), os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]
+
+
+def _fail_on_rank1():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    return dist.get_rank()
+
+
+def _hang_unless_rank0():
+    # rank 0 returns, others wait on a collective that rank 0 never joins
+    if dist.get_rank() != 0:
+        dist.barrier()
+    return 0
+
+
+def test_pool_runs_and_reports(pool4):
+    out = pool4.run(_rank_and_env)
+    assert [o[0] for o in out] == [0, 1, 2, 3]
+    assert [o[1] for o in out] == ["2"] * 4
+    assert [o[2] for o in out] == ["0", "1", "0", "1"]
+    out = pool4.run(_rank_and_env, ranks_per_node=4)
+    assert [o[2] for o in out] == ["0", "1", "2", "3"]
+
+
+def test_pool_reraises_rank_traceback(pool4):
+    with pytest.raises(RankError, match="boom on rank 1"):
+        pool4.run(_fail_on_rank1)
+    # the pool restarts after a failure
+    assert [o[0] for o in pool4.run(_rank_and_env)] == [0, 1, 2, 3]
+
+
+def test_pool_times_out_instead_of_hanging():
+    from megatron_video.testing import WorkerPool
+    with WorkerPool(2, timeout=8, gloo_timeout=60) as pool:
+        with pytest.raises(RankError, match="did not finish"):
+            pool.run(_hang_unless_rank0)
