@@ -89,7 +89,14 @@ def get_video_parallel_groups(check_initialized: bool = True) -> Optional[VideoP
 
 
 def destroy_video_parallel() -> None:
+    """Forget the groups and destroy the ones created here (Megatron's own are left to Megatron)."""
     global _GROUPS
+    if _GROUPS is not None and dist.is_initialized():
+        for g in _GROUPS.extra.get("owned_groups", []):
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):  # already destroyed
+                pass
     _GROUPS = None
 
 
@@ -189,6 +196,7 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
                 f"ulysses_size ({ulysses_size}) x ring_size ({ring_size}) with placement "
                 f"{placement!r}; use [{ulysses_size}, {ring_size}] for 'ulysses_inner' or "
                 f"[{ring_size}, {ulysses_size}] for 'ring_inner'")
+    owned = []
     if not reused:
         for g in cp_groups:
             gu, gr = local_groups(list(g), ulysses_size, ring_size, placement)
@@ -196,10 +204,12 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
                 grp = dist.new_group(ranks)
                 if me in ranks:
                     ulysses_group = grp
+                    owned.append(grp)
             for ranks in gr:
                 grp = dist.new_group(ranks)
                 if me in ranks:
                     ring_group = grp
+                    owned.append(grp)
 
     ulysses_ranks = dist.get_process_group_ranks(ulysses_group)
     ring_ranks = dist.get_process_group_ranks(ring_group)
@@ -213,6 +223,7 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
         ulysses_size=ulysses_size, ring_size=ring_size, cp_rank=cp_rank,
         ulysses_rank=list(ulysses_ranks).index(me), ring_rank=list(ring_ranks).index(me),
         placement=placement, ranks_per_node=rpn, reused_megatron_groups=reused,
+        extra={"owned_groups": owned},
     )
     _GROUPS = groups
     return groups

@@ -49,12 +49,9 @@ def _node_env(rank: int, world_size: int, ranks_per_node: Optional[int]) -> dict
 def _reset_rank_state() -> None:
     """Leave no Megatron / tracer state behind between cases run in the same worker."""
     try:
-        from megatron.core import parallel_state
+        from megatron_video.compat import destroy_model_parallel
 
-        if parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_group(
-            check_initialized=False
-        ) is not None:
-            parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     except Exception:  # pragma: no cover - megatron missing or half-initialised
         pass
     try:
@@ -77,6 +74,9 @@ def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1", **_node_env(rank, world_size, ranks_per_node),
     )
+    # Connect gloo pairs on first use: Megatron creates dozens of groups per initialisation and
+    # eager full-mesh connection set-up dominates multi-rank test time on a small machine.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     import torch
     import torch.distributed as dist
 
