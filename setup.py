@@ -25,7 +25,9 @@ def _extensions():
     use_cuda = bool(cu) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if os.environ.get("MEGATRON_VIDEO_BUILD_CUDA") == "0":
         use_cuda = False
-    cxx = ["-O3", "-std=c++17"]
+    # torch's builder adds the C++ standard it was built with (C++20 for torch 2.13); -fopenmp makes
+    # at::parallel_for run on torch's OpenMP pool.
+    cxx = ["-O3"]
     if use_cuda:
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch)
@@ -33,7 +35,7 @@ def _extensions():
             "megatron_video._C",
             cpp + cu,
             define_macros=[("MEGATRON_VIDEO_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx + ["-fopenmp"], "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx + ["-fopenmp"], "nvcc": ["-O3"]},
             extra_link_args=["-fopenmp"],
         )
     else:

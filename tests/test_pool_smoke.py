@@ -32,11 +32,13 @@ def test_pool_runs_and_reports(pool4):
     assert [o[2] for o in out] == ["0", "1", "2", "3"]
 
 
-def test_pool_reraises_rank_traceback(pool4):
-    with pytest.raises(RankError, match="boom on rank 1"):
-        pool4.run(_fail_on_rank1)
-    # the pool restarts after a failure
-    assert [o[0] for o in pool4.run(_rank_and_env)] == [0, 1, 2, 3]
+def test_pool_reraises_rank_traceback():
+    from megatron_video.testing import WorkerPool
+    with WorkerPool(2) as pool:
+        with pytest.raises(RankError, match="boom on rank 1"):
+            pool.run(_fail_on_rank1)
+        # the pool restarts after a failure
+        assert [o[0] for o in pool.run(_rank_and_env)] == [0, 1]
 
 
 def test_pool_times_out_instead_of_hanging():

@@ -12,6 +12,7 @@ workers, which is what ``megatron_video.parallel.topology`` reads for placement 
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
@@ -68,7 +69,28 @@ def _reset_rank_state() -> None:
         pass
 
 
-def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_s, task_q, result_q):
+def _exit_with_parent(parent_pid: int) -> None:
+    """Workers are not daemonic (Megatron's checkpoint writer forks children), so they must notice
+    a parent that died without closing the pool and exit instead of lingering."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(2.0)
+            try:
+                os.kill(parent_pid, 0)  # the pool's owner (a forkserver is our OS parent)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="pool-parent-watch").start()
+
+
+def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_s, task_q, result_q,
+                 parent_pid, parent_env):
+    _exit_with_parent(parent_pid)
+    # The forkserver's environment is from when it started; use the pool owner's current one.
+    os.environ.clear()
+    os.environ.update(parent_env)
     sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -129,7 +151,11 @@ class WorkerPool:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # forkserver with torch + megatron preloaded: workers fork from a process that already
+        # imported them (seconds saved per worker); the server itself has started no threads.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state",
+                                    "megatron_video.parallel"])
         port = _free_port()
         self._result_q = ctx.Queue()
         self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
@@ -137,13 +163,14 @@ class WorkerPool:
             ctx.Process(
                 target=_worker_main,
                 args=(r, self.world_size, port, list(sys.path), self.ranks_per_node, self.gloo_timeout,
-                      self._task_qs[r], self._result_q),
-                daemon=True,
+                      self._task_qs[r], self._result_q, os.getpid(), dict(os.environ)),
+                daemon=False,
             )
             for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+        atexit.register(self.close)
         self._collect("ready", what="start-up")
 
     def close(self) -> None:
@@ -152,14 +179,15 @@ class WorkerPool:
                 q.put(None)
             except Exception:  # pragma: no cover
                 pass
-        deadline = time.time() + 10
+        deadline = time.time() + 3
         for p in self._procs:
-            p.join(timeout=max(0.1, deadline - time.time()))
+            if p.pid is not None:
+                p.join(timeout=max(0.1, deadline - time.time()))
         self._kill()
 
     def _kill(self) -> None:
         for p in self._procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
                 p.join(timeout=5)
         self._procs, self._task_qs, self._result_q = [], [], None

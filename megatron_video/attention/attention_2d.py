@@ -1,0 +1,139 @@
+"""2D context-parallel attention: Ulysses all-to-all (inside a node) x P2P ring (across nodes).
+
+``dist_attention`` = all-to-all (scatter heads, gather the U shards of the sequence) -> reorder the
+gathered tokens by global id -> exact ring attention over the R ring ranks -> inverse reorder ->
+inverse all-to-all. N = U*R = 1 (local), U = 1 (pure ring) and R = 1 (pure Ulysses) take the same
+path. Every ring step derives its mask from global token ids, so any layout is exact; sorting the
+gathered ids gives ring rank ``r`` the zigzag chunks ``r`` and ``2R-1-r`` (of ``2R``) for the
+zigzag layout with ``ulysses_inner`` placement, i.e. a balanced causal ring, and keeps each shard
+in a few runs of consecutive ids (the granularity at which fully masked sub-blocks are skipped).
+
+Comm per rank per call (forward, ``G = b * s_local * d * bytes``): all-to-all
+``G * (2H + 2H_kv') * (U-1)/U`` in the Ulysses group, ring ``(R-1) * 2 * H_kv' * G`` with
+``H_kv' = H_kv`` (split) or ``U`` (replicated kv heads, ``U % H_kv == 0``).
+"""
+from __future__ import annotations
+
+from numbers import Real
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..layouts.zigzag import SCHEMES, check_seq_len, concat_global_ids
+from ..parallel.comm import check_same_shape
+from ..parallel.topology import local_groups
+from . import kernels
+from .masks import AttentionMask
+from .ring import RingPlan, RingStats, ring_attention
+from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
+
+__all__ = ["dist_attention", "ring_token_ids", "resolve_scheme"]
+
+
+def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str]) -> str:
+    """``scheme`` or the mask's default (``"contiguous"`` when there is no mask)."""
+    if mask is not None and not isinstance(mask, AttentionMask):
+        raise ValueError(f"mask ({type(mask).__name__}) must be None or a megatron_video.attention."
+                         f"masks.AttentionMask (build one with masks.full/causal/block_causal/packed/"
+                         f"predicate)")
+    if scheme is None:
+        scheme = mask.default_scheme if mask is not None else "contiguous"
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} or None")
+    return scheme
+
+
+def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_ranks: Sequence[int],
+                   ulysses_size: int, ring_size: int, placement: str, seq_len: int,
+                   scheme: str) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Pure index map of the 2D layout (ranks are global ranks, lists in group-rank order).
+
+    Returns ``(gathered, ring_ids)``: the global ids of this rank's sequence right after the Ulysses
+    all-to-all (shards concatenated in Ulysses group-rank order), and for each ring position ``j``
+    the sorted global ids that ring rank holds during ring attention.
+    """
+    n = len(cp_ranks)
+    cp_of = {g: c for c, g in enumerate(cp_ranks)}
+    gathered = concat_global_ids([cp_of[g] for g in ulysses_ranks], n, seq_len, scheme)
+    ulysses_cp, _ = local_groups(list(range(n)), ulysses_size, ring_size, placement)
+    ring_ids = []
+    for g in ring_ranks:
+        members = next(grp for grp in ulysses_cp if cp_of[g] in grp)
+        ring_ids.append(torch.sort(concat_global_ids(members, n, seq_len, scheme)).values)
+    return gathered, ring_ids
+
+
+def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
+                             f"[b, s_local, heads, head_dim]")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, s_local and "
+                         f"head_dim")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes ({q.dtype}, {k.dtype}, {v.dtype}) must be equal")
+    if softmax_scale is not None and (not isinstance(softmax_scale, Real) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale ({softmax_scale!r}) must be None or a positive number")
+    if backend != "auto" and backend not in kernels.available_backends():
+        raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {kernels.available_backends()}")
+    U = 1 if groups is None else groups.ulysses_size
+    N = 1 if groups is None else groups.cp_size
+    check_heads(q.shape[2], k.shape[2], U)
+    if scheme == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"s_local ({q.shape[1]}) must be even for scheme 'zigzag' (each CP rank "
+                         f"holds two of 2*cp_size = {2 * N} chunks)")
+    check_seq_len(q.shape[1] * N, N, scheme)
+
+
+def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=None,
+                   mask: Optional[AttentionMask] = None, softmax_scale: Optional[float] = None,
+                   scheme: Optional[str] = None, backend: str = "auto",
+                   stats: Optional[RingStats] = None) -> torch.Tensor:
+    """Exact context-parallel attention over the U x R groups of ``groups``.
+
+    ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` laid out by
+    ``layouts.shard_sequence(x, groups, dim=1, scheme=scheme)``; returns ``[b, s_local, h, d]`` in
+    the same layout. ``groups`` is a ``VideoParallelGroups`` (None: one process, no communication).
+    ``scheme=None`` uses ``mask.default_scheme``. ``stats`` (a ``RingStats``) counts ring steps and
+    skipped sub-blocks. Input errors raise ``ValueError`` before any collective; shapes that differ
+    between the CP ranks raise ``ValueError`` on every rank instead of hanging.
+    """
+    scheme = resolve_scheme(mask, scheme)
+    _validate(q, k, v, groups, mask, softmax_scale, backend, scheme)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    if groups is None:
+        U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
+        gathered, ring_ids = torch.arange(q.shape[1]), [torch.arange(q.shape[1])]
+    else:
+        U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
+        ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
+        gathered, ring_ids = ring_token_ids(groups.cp_ranks, groups.ulysses_ranks, groups.ring_ranks, U,
+                                            R, groups.placement, q.shape[1] * N, scheme)
+        if N > 1:
+            # The scheme rides along as the length of an empty tensor: ranks that disagree on the
+            # layout would otherwise silently compute garbage.
+            check_same_shape({"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
+                             groups.cp_group, "dist_attention")
+
+    if U > 1:
+        q = seq_to_heads(q, ug, "ulysses.q")
+        k = seq_to_heads(prepare_kv(k, U), ug, "ulysses.k")
+        v = seq_to_heads(prepare_kv(v, U), ug, "ulysses.v")
+    order = torch.argsort(gathered)
+    reorder = not torch.equal(order, torch.arange(order.numel()))
+    if reorder:  # a local permutation: sorted global ids on every ring rank
+        order = order.to(q.device)
+        q, k, v = (x.index_select(1, order) for x in (q, k, v))
+
+    plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=[i.to(q.device) for i in ring_ids],
+                    mask=mask, softmax_scale=scale, backend=backend, stats=stats)
+    out = ring_attention(q, k, v, plan)
+
+    if reorder:
+        out = out.index_select(1, torch.argsort(order))
+    if U > 1:
+        out = heads_to_seq(out, ug, "ulysses.out")
+    return out

@@ -1,0 +1,105 @@
+"""Megatron-Core drop-in: a core-attention module that runs ``dist_attention`` (Ulysses x ring).
+
+``DistAttention2D`` has the constructor and forward of Megatron's core attention
+(``DotProductAttention`` / ``TEDotProductAttention``), so ``models.specs.with_2d_attention`` can put
+it into any layer spec. It takes ``query [s_local, b, heads/TP, d]`` and ``key, value
+[s_local, b, kv_heads/TP, d]`` (RoPE / QK-norm already applied by ``Attention``) and returns
+``[s_local, b, heads/TP * d]``. The sequence must be laid out by ``scheme`` over the CP group;
+the default ``"zigzag"`` is exactly what Megatron's ``get_batch_on_this_cp_rank`` produces. Groups
+come from ``megatron_video.parallel.init_video_parallel`` (called after Megatron's
+``initialize_model_parallel``); with CP = 1 and no groups the module runs locally.
+
+Masks: ``attn_mask_type`` causal -> ``masks.causal()``, no_mask -> full; a spec may instead pass any
+``AttentionMask`` as ``params={"mask": ...}`` (block-causal video, teacher forcing, ...), which wins.
+Dense ``attention_mask`` tensors and ``attention_bias`` are not supported (masks here are functions
+of global token ids, which is what lets ring steps be derived and skipped). Packed ``thd`` input is
+supported with CP = 1 (documents from ``cu_seqlens_q``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ..parallel.topology import get_video_parallel_groups
+from . import masks as masks_mod
+from .attention_2d import dist_attention
+
+__all__ = ["DistAttention2D"]
+
+
+class DistAttention2D(MegatronModule):
+    """Exact 2D context-parallel core attention with Megatron's core-attention interface."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None,
+                 mask: Optional[masks_mod.AttentionMask] = None, scheme: str = "zigzag",
+                 backend: str = "auto", **kwargs):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout ({dropout}) must be 0 for DistAttention2D (dropout on "
+                             f"attention probabilities is not part of the exact ring)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type ({config.softmax_type!r}) must be 'vanilla' for DistAttention2D")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"window_size ({config.window_size}) is not supported by DistAttention2D; "
+                             f"pass a masks.predicate(...) as the spec's mask instead")
+        if attention_type != "self":
+            raise ValueError(f"attention_type ({attention_type!r}) must be 'self' (cross-attention to a "
+                             f"short context does not use CP)")
+        if mask is not None and not isinstance(mask, masks_mod.AttentionMask):
+            raise ValueError(f"mask ({mask!r}) must be None or a megatron_video AttentionMask")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.mask, self.scheme, self.backend = mask, scheme, backend
+        head_dim = config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        if config.apply_query_key_layer_scaling:  # Megatron's convention: scores / layer_number
+            self.softmax_scale /= self.layer_number
+
+    def _mask(self, attn_mask_type, packed_seq_params):
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if self.mask is not None:
+            return self.mask
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        inner = masks_mod.causal() if causal else None
+        if packed_seq_params is not None:
+            return masks_mod.packed(packed_seq_params.cu_seqlens_q.cpu(), inner=inner)
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(f"attn_mask_type ({mask_type}) needs a dense attention_mask, which "
+                             f"DistAttention2D does not take; give the spec a megatron_video "
+                             f"AttentionMask (params={{'mask': ...}})")
+        return inner
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by DistAttention2D")
+        groups = get_video_parallel_groups(check_initialized=False)
+        cp = groups.cp_size if groups is not None else self.config.context_parallel_size
+        if groups is None and cp > 1:
+            raise RuntimeError("context_parallel_size > 1 needs megatron_video.parallel."
+                               "init_video_parallel(ulysses_size) after initialize_model_parallel")
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed_seq_params is not None:
+            cu_q, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+            if (not thd or cp > 1 or (padded is not None and not torch.equal(padded, cu_q))
+                    or not torch.equal(cu_q, packed_seq_params.cu_seqlens_kv)):
+                raise ValueError("packed_seq_params: only qkv_format 'thd' without padding and with "
+                                 "cu_seqlens_q == cu_seqlens_kv at context_parallel_size 1 is supported; "
+                                 "with CP use masks.packed(...) over the whole laid-out sequence")
+        mask = self._mask(attn_mask_type, packed_seq_params)
+        if thd:  # [t, h, d] -> [1, t, h, d]
+            q, k, v = query[None], key[None], value[None]
+        else:    # Megatron's [s, b, h, d] -> [b, s, h, d]
+            q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        out = dist_attention(q, k, v, groups, mask=mask, softmax_scale=self.softmax_scale,
+                             scheme=self.scheme, backend=self.backend)
+        if thd:
+            return out[0].reshape(out.shape[1], -1)
+        return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)

@@ -1,0 +1,147 @@
+"""WebDataset shards of clips or latents: a writer and a data-parallel-sharded reader.
+
+A shard is a tar of samples, each ``<key>.video.npy`` (raw clip, by convention ``[C, T, H, W]`` in
+``[-1, 1]``) or ``<key>.latent.npy`` (VAE latents), plus ``<key>.caption.txt`` and ``<key>.meta.json``.
+Users turn their own clips into shards with ``write_shards`` and point training at the folder.
+
+Data-parallel split is deterministic: with ``split="shards"`` rank ``r`` reads shards ``r::dp_size`` of
+the sorted shard list (each rank opens only its own files); with ``split="samples"`` every rank reads
+all shards and keeps global samples ``r::dp_size`` (even with fewer shards than ranks). Either way the
+ranks' subsets are disjoint and their union is every sample. Inside a rank, DataLoader workers split
+the rank's share the same way.
+"""
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+import webdataset as wds
+from tqdm.auto import tqdm
+
+__all__ = ["write_shards", "list_shards", "ShardReader"]
+
+_DATA_KEYS = ("video", "latent")
+_SPLITS = ("shards", "samples")
+
+
+def _to_numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def write_shards(samples: Iterable[Mapping], out_dir: Union[str, Path], *, samples_per_shard: int = 64,
+                 prefix: str = "shard", progress: bool = False) -> list[str]:
+    """Write ``samples`` into ``out_dir/<prefix>-000000.tar, ...``; returns the shard paths in order.
+
+    Each sample is a mapping with exactly one of ``video`` / ``latent`` (array or tensor), a
+    ``caption`` string, and optionally ``meta`` (a JSON-serialisable dict) and ``key`` (no dots;
+    default: the running sample number, zero-padded).
+    """
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard ({samples_per_shard}) must be >= 1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[str] = []
+    writer = None
+    seen: set[str] = set()
+    try:
+        for n, sample in enumerate(tqdm(samples, disable=not progress, desc="writing shards")):
+            record = _record(n, sample)
+            if record["__key__"] in seen:
+                raise ValueError(f"sample {n}: key ({record['__key__']!r}) must be unique")
+            seen.add(record["__key__"])
+            if n % samples_per_shard == 0:
+                if writer is not None:
+                    writer.close()
+                paths.append(str(out / f"{prefix}-{len(paths):06d}.tar"))
+                writer = wds.TarWriter(paths[-1])
+            writer.write(record)
+    finally:
+        if writer is not None:
+            writer.close()
+    return paths
+
+
+def _record(n: int, sample: Mapping) -> dict:
+    present = [k for k in _DATA_KEYS if k in sample]
+    if len(present) != 1:
+        raise ValueError(f"sample {n}: keys {sorted(sample)} must contain exactly one of {_DATA_KEYS}")
+    caption = sample.get("caption")
+    if not isinstance(caption, str):
+        raise ValueError(f"sample {n}: caption ({caption!r}) must be a str")
+    meta = dict(sample.get("meta", {}))
+    json.dumps(meta)  # fail here, not half-way through a shard, if meta is not JSON-serialisable
+    key = str(sample.get("key", f"{n:09d}"))
+    if not key or "." in key or "/" in key:
+        raise ValueError(f"sample {n}: key ({key!r}) must be non-empty without '.' or '/'")
+    return {"__key__": key, f"{present[0]}.npy": _to_numpy(sample[present[0]]), "caption.txt": caption,
+            "meta.json": meta}
+
+
+def list_shards(source: Union[str, Path, Sequence[Union[str, Path]]]) -> list[str]:
+    """Sorted shard paths from a folder (its ``*.tar``), a glob pattern, or an explicit list."""
+    if isinstance(source, (list, tuple)):
+        paths = [str(p) for p in source]
+    elif Path(source).is_dir():
+        paths = glob.glob(str(Path(source) / "*.tar"))
+    else:
+        paths = glob.glob(str(source))
+    if not paths:
+        raise ValueError(f"source ({source!r}) must name at least one .tar shard")
+    return sorted(paths)
+
+
+def _identity(src):
+    return src
+
+
+class ShardReader(torch.utils.data.IterableDataset):
+    """Yield ``{"key", "video" | "latent" (tensor), "caption", "meta"}`` from shards, split by DP rank."""
+
+    def __init__(self, shards: Union[str, Path, Sequence[Union[str, Path]]], *, dp_rank: int = 0,
+                 dp_size: int = 1, split: str = "shards"):
+        super().__init__()
+        if dp_size < 1:
+            raise ValueError(f"dp_size ({dp_size}) must be >= 1")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
+        if split not in _SPLITS:
+            raise ValueError(f"split ({split!r}) must be one of {_SPLITS}")
+        self.shards = list_shards(shards)
+        if split == "shards" and len(self.shards) < dp_size:
+            raise ValueError(f"number of shards ({len(self.shards)}) must be >= dp_size ({dp_size}) with "
+                             "split='shards'; write more shards or use split='samples'")
+        self.dp_rank, self.dp_size, self.split = dp_rank, dp_size, split
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.split == "shards":
+            urls = self.shards[self.dp_rank::self.dp_size][worker::num_workers]
+            def keep(j):
+                return True  # every sample of the rank's own shards
+        else:
+            urls = self.shards
+
+            def keep(j):
+                # Global sample j belongs to rank j % dp_size; within the rank, to worker (j // dp_size) % nw.
+                return j % self.dp_size == self.dp_rank and (j // self.dp_size) % num_workers == worker
+        if not urls:
+            return
+        # Node/worker splitting is done above, deterministically; webdataset only reads and decodes.
+        stream = wds.WebDataset(urls, shardshuffle=False, nodesplitter=_identity, workersplitter=_identity,
+                                empty_check=False).decode()
+        for j, raw in enumerate(stream):
+            if keep(j):
+                yield _sample(raw)
+
+
+def _sample(raw: dict) -> dict:
+    out = {"key": raw["__key__"], "caption": raw["caption.txt"], "meta": raw.get("meta.json", {})}
+    for k in _DATA_KEYS:
+        if f"{k}.npy" in raw:
+            out[k] = torch.from_numpy(np.ascontiguousarray(raw[f"{k}.npy"]))
+    return out

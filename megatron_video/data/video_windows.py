@@ -1,0 +1,155 @@
+"""Raw-frame windows to SP ranks, and halo encoding of a window to exactly the rank's latents.
+
+Each SP rank needs only the raw frames of its halo window(s) (``layouts.vae_halo``). Two ways to
+get them there:
+
+* preferred: every rank reads only its window from the dataset (``read_window`` on a
+  ``FrameSource``: anything with ``num_frames`` and ``read(start, end)``);
+* otherwise the loading rank distributes them in ONE collective (``scatter_windows``): a small
+  header broadcast tells every rank the video's shape and dtype (shapes are exchanged explicitly,
+  never assumed), then one scatter delivers each rank its windows, padded to a common length.
+
+``encode_with_halo(encoder, window, meta)`` checks the halo against the encoder's receptive field,
+encodes, and drops the leading latents. ``encode_rank_latents`` does it for every segment a
+``BalancedSPLayout`` rank owns (two segments under ring balancing).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..layouts.balanced_sp import BalancedSPLayout
+from ..layouts.vae_halo import HaloWindow, halo_window, resolve_halo, temporal_receptive_field
+from ..parallel import comm
+
+__all__ = ["TensorFrameSource", "read_window", "rank_windows", "scatter_windows",
+           "encode_with_halo", "encode_rank_latents"]
+
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.uint8]
+_HEADER = 8  # [status, dtype code, ndim, *shape (<= 5)]
+
+
+class TensorFrameSource:
+    """A ``FrameSource`` over an in-memory video; records every ``read`` (to show what was read)."""
+
+    def __init__(self, video: torch.Tensor, time_dim: int = 2):
+        self.video, self.time_dim = video, time_dim % video.dim()
+        self.reads: List[tuple] = []
+
+    @property
+    def num_frames(self) -> int:
+        return self.video.shape[self.time_dim]
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        self.reads.append((start, end))
+        return self.video.narrow(self.time_dim, start, end - start)
+
+
+def read_window(source, meta: HaloWindow) -> torch.Tensor:
+    """This rank's raw window read directly from ``source`` (no other frames are touched)."""
+    if meta.raw_end > source.num_frames:
+        raise ValueError(f"window raw_end ({meta.raw_end}) exceeds the source's num_frames "
+                         f"({source.num_frames})")
+    return source.read(meta.raw_start, meta.raw_end)
+
+
+def rank_windows(layout: BalancedSPLayout, rank: int, halo_latents: Optional[int] = None,
+                 temporal_stride: int = 4, causal_first_frame: bool = True,
+                 encoder: Optional[nn.Module] = None) -> List[HaloWindow]:
+    """One halo window per contiguous frame segment of ``rank`` (in local frame order); the halo
+    is derived from ``encoder`` when ``halo_latents`` is None (see ``vae_halo.resolve_halo``)."""
+    h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
+    return [halo_window(a, b, h, temporal_stride, causal_first_frame, rank=rank)
+            for a, b in layout.rank_segments(rank)]
+
+
+def _as_list(w: Union[HaloWindow, Sequence[HaloWindow]]) -> List[HaloWindow]:
+    return [w] if isinstance(w, HaloWindow) else list(w)
+
+
+def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloWindow, Sequence[HaloWindow]]],
+                    group, src: int = 0, time_dim: int = 2, tag: str = "video_windows") -> List[torch.Tensor]:
+    """Deliver each SP rank its raw windows from the loading rank ``src`` (group rank).
+
+    ``video`` (full raw video, ``[B, C, T, H, W]`` by default) is needed on ``src`` only;
+    ``windows[i]`` is group rank ``i``'s window (or list of windows), known on every rank. Returns
+    this rank's windows. A bad video on ``src`` raises ``ValueError`` on every rank (the status
+    travels in the header, so nobody waits on a collective that will not come).
+    """
+    n, me = comm.group_size(group), comm.group_rank(group)
+    if len(windows) != n:
+        raise ValueError(f"windows has {len(windows)} entries; must have one per group rank ({n})")
+    mine = [_as_list(w) for w in windows]
+    need_t = max(w.raw_end for ws in mine for w in ws)
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    if me == src:
+        if video is None:
+            header[0] = 1
+        elif video.dim() > _HEADER - 3 or video.dtype not in _DTYPES:
+            header[0] = 2
+        else:
+            header[1], header[2] = _DTYPES.index(video.dtype), video.dim()
+            header[3:3 + video.dim()] = torch.tensor(video.shape)
+            if video.shape[time_dim] < need_t:
+                header[0] = 3
+    comm.broadcast(header, group, src, tag=tag + ".header")
+    status = int(header[0])
+    if status:
+        why = {1: "no video on the loading rank",
+               2: f"video must have <= {_HEADER - 3} dims and a dtype in {_DTYPES}",
+               3: f"the video has fewer frames than the windows need ({need_t})"}[status]
+        raise ValueError(f"scatter_windows (src {src}): {why}")
+    dtype, ndim = _DTYPES[int(header[1])], int(header[2])
+    shape = [int(s) for s in header[3:3 + ndim]]
+    td = time_dim % ndim
+    lengths = [sum(w.num_raw for w in ws) for ws in mine]
+    shape[td] = max(lengths)
+    out = torch.empty(shape, dtype=dtype)
+    chunks = None
+    if me == src:
+        chunks = []
+        for ws in mine:
+            parts = [video.narrow(td, w.raw_start, w.num_raw) for w in ws]
+            pad = shape[td] - sum(w.num_raw for w in ws)
+            if pad:  # equal-size chunks for the collective; receivers trim by their own windows
+                zshape = list(shape)
+                zshape[td] = pad
+                parts.append(torch.zeros(zshape, dtype=dtype))
+            chunks.append(torch.cat(parts, dim=td))
+    comm.scatter(chunks, out, group, src, tag=tag)
+    return list(out.narrow(td, 0, lengths[me]).split([w.num_raw for w in mine[me]], dim=td))
+
+
+def encode_with_halo(encoder: nn.Module, window: torch.Tensor, meta: HaloWindow,
+                     time_dim: int = 2) -> torch.Tensor:
+    """Encode a raw window and return exactly the rank's kept latents ``[ls, le)``.
+
+    Raises ``ValueError`` if ``meta.halo_latents`` is below the encoder's temporal receptive field
+    (on every rank alike, whether or not its own window reaches the video start), or if the window or
+    the encoder output do not match ``meta``.
+    """
+    need = temporal_receptive_field(encoder, temporal_stride=meta.temporal_stride,
+                                    causal_first_frame=meta.causal_first_frame)
+    if meta.halo_latents < need:
+        raise ValueError(f"halo_latents ({meta.halo_latents}) must be >= the encoder's temporal "
+                         f"receptive field ({need} latents)")
+    if window.shape[time_dim] != meta.num_raw:
+        raise ValueError(f"window has {window.shape[time_dim]} frames along dim {time_dim}; the meta "
+                         f"window [{meta.raw_start}, {meta.raw_end}) has {meta.num_raw}")
+    out = encoder(window)
+    if out.shape[time_dim] != meta.num_window_latents:
+        raise ValueError(f"encoder produced {out.shape[time_dim]} latents for a {meta.num_raw}-frame "
+                         f"window; expected drop ({meta.drop}) + kept ({meta.num_kept})")
+    return out.narrow(time_dim, meta.drop, meta.num_kept)
+
+
+def encode_rank_latents(encoder: nn.Module, windows: Sequence[torch.Tensor], metas: Sequence[HaloWindow],
+                        time_dim: int = 2) -> torch.Tensor:
+    """Encode each of a rank's windows with its halo and concatenate: the rank's latents in local
+    frame order."""
+    if len(windows) != len(metas):
+        raise ValueError(f"windows ({len(windows)}) and metas ({len(metas)}) must pair up")
+    return torch.cat([encode_with_halo(encoder, w, m, time_dim) for w, m in zip(windows, metas)],
+                     dim=time_dim)

@@ -1,0 +1,233 @@
+"""Causal autoregressive video DiT for teacher forcing under Balanced SP (flow matching).
+
+The input is a rank's local teacher-forcing sequence ``[clean_r ; noisy_r]`` (see
+``layouts.balanced_sp`` and ``diffusion.teacher_forcing``): every token carries its own timestep
+(0 on the clean half, its block's ``t`` on the noisy half), so AdaLN-LoRA modulation is per token.
+Self-attention is 2D attention over the CP group with the teacher-forcing mask (an
+``AttentionMask`` on attention-order positions, ``scheme="contiguous"``: the rank-major order is
+the attention order); 3D RoPE uses the token's global latent frame (both halves share it) and its
+spatial position; cross-attention to the whole text runs without CP; MLP; final AdaLN layer.
+
+Layer call convention (Megatron ``TransformerBlock`` slots): ``hidden_states [s, b, D]``,
+``attention_mask`` = per-token conditioning ``[s, b, D]``, ``context [L, b, D_c]``,
+``context_mask [b, L]``, ``packed_seq_params`` = ``ARSeqParams`` (mask + RoPE angles).
+The model follows ``TeacherForcingObjective``'s contract
+``model(x [b, s, C], t [b, s], *, frame_positions, token_ids, mask, ...) -> [b, s, C]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (BaseTransformerLayer,
+                                                         get_transformer_layer_offset)
+
+from megatron_video.attention import dist_attention
+from megatron_video.attention.masks import AttentionMask
+from megatron_video.layouts.stdit import VideoGeometry
+from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionSubmodules,
+                                              DiTCrossAttention, DiTCrossAttentionSubmodules,
+                                              DiTSelfAttention, TimestepEmbedder, rope_3d_angles)
+from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
+                                             mark_pipeline_replicated)
+from megatron_video.models.video_dit import (VideoDiTConfig, mark_pp_replicas,
+                                             replicated_embedders)
+from megatron_video.parallel.comm import check_same_shape, group_rank
+from megatron_video.parallel.topology import get_video_parallel_groups
+
+__all__ = ["ARSeqParams", "ARDiTLayerSubmodules", "ARDiTLayer", "get_ar_dit_layer_spec",
+           "ARVideoDiT", "ar_rope_thw"]
+
+
+@dataclass
+class ARSeqParams(PackedSeqParams):
+    """Per-batch attention description for ``ARDiTLayer`` (through Megatron's packed-seq slot)."""
+
+    attention_mask: Optional[AttentionMask] = None   # on attention-order positions
+    rope_angles: Optional[torch.Tensor] = None       # [s_local, head_dim/2]
+
+
+@dataclass
+class ARDiTLayerSubmodules:
+    modulation: Union[ModuleSpec, type] = AdaLNLoRAModulation
+    self_attention: Union[ModuleSpec, type] = None
+    cross_attention: Union[ModuleSpec, type] = None
+    mlp: Union[ModuleSpec, type] = None
+
+
+def get_ar_dit_layer_spec(lora_rank: int = 256, context_dim: Optional[int] = None) -> ModuleSpec:
+    """``ModuleSpec`` of ``ARDiTLayer`` for Megatron's ``TransformerBlock``."""
+    return ModuleSpec(
+        module=ARDiTLayer,
+        params=dict(lora_rank=lora_rank, context_dim=context_dim),
+        submodules=ARDiTLayerSubmodules(
+            modulation=AdaLNLoRAModulation,
+            self_attention=ModuleSpec(module=DiTSelfAttention, submodules=DiTAttentionSubmodules()),
+            cross_attention=ModuleSpec(module=DiTCrossAttention,
+                                       submodules=DiTCrossAttentionSubmodules()),
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))),
+    )
+
+
+def _token_modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+class ARDiTLayer(MegatronModule, BaseTransformerLayer):
+    """Teacher-forcing DiT block with per-token AdaLN-LoRA; see the module docstring."""
+
+    def __init__(self, config: TransformerConfig, submodules: ARDiTLayerSubmodules,
+                 layer_number: int = 1, pg_collection=None, vp_stage: Optional[int] = None,
+                 lora_rank: int = 256, context_dim: Optional[int] = None):
+        super().__init__(config=config)
+        if config.sequence_parallel:
+            raise ValueError("config.sequence_parallel (True) is not supported by ARDiTLayer: its "
+                             "sequence is already split by Balanced SP")
+        self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
+        self.groups = get_video_parallel_groups(check_initialized=False)
+        cp = parallel_state.get_context_parallel_world_size()
+        if self.groups is None and cp > 1:
+            raise RuntimeError(f"context_parallel_size ({cp}) > 1 but megatron_video parallel groups "
+                               "are not initialised: call init_video_parallel(...) first")
+        if self.groups is not None and group_rank(self.groups.cp_group) != self.groups.cp_rank:
+            raise RuntimeError("the CP group's rank order differs from the CP index order")
+        self.modulation = build_module(submodules.modulation, config=config, num_chunks=9,
+                                       lora_rank=lora_rank)
+        self.self_attention = build_module(submodules.self_attention, config=config,
+                                           layer_number=self.layer_number)
+        self.cross_attention = build_module(submodules.cross_attention, config=config,
+                                            layer_number=self.layer_number, context_dim=context_dim)
+        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+
+    def _attention(self, x, params: ARSeqParams):
+        angles = None if params.rope_angles is None else params.rope_angles.to(x.device)
+        q, k, v = self.self_attention.qkv(x, angles)
+        o = dist_attention(q, k, v, self.groups, mask=params.attention_mask, scheme="contiguous")
+        return self.self_attention.project(o)
+
+    def _mlp(self, x):
+        out, bias = self.mlp(x)
+        return out if bias is None else out + bias
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[ARSeqParams] = None, **unused):
+        """``hidden_states [s, b, D]`` -> ``([s, b, D], context)``; see the module docstring."""
+        if not isinstance(packed_seq_params, ARSeqParams):
+            raise ValueError(f"packed_seq_params ({type(packed_seq_params).__name__}) must be an "
+                             f"ARSeqParams (teacher-forcing mask and RoPE angles)")
+        s, b, D = hidden_states.shape
+        cond = attention_mask
+        if cond is None or tuple(cond.shape) != (s, b, D):
+            raise ValueError(f"attention_mask (per-token conditioning) must be [s, b, D] = "
+                             f"[{s}, {b}, {D}], got {None if cond is None else tuple(cond.shape)}")
+        if self.groups is not None and self.groups.cp_size > 1:
+            shapes = {"hidden_states": hidden_states}
+            if context is not None:
+                shapes["context"] = context
+            check_same_shape(shapes, self.groups.cp_group, where="ARDiTLayer")
+        mods = self.modulation(cond.transpose(0, 1))                       # 9 x [b, s, D]
+        eps = self.config.layernorm_epsilon
+
+        def branch(i, x, f):
+            shift, scale, gate = mods[3 * i:3 * i + 3]
+            return x + gate * f(_token_modulate(F.layer_norm(x, (D,), eps=eps), shift, scale))
+
+        x = hidden_states.transpose(0, 1)
+        x = branch(0, x, lambda y: self._attention(y, packed_seq_params))
+        if context is not None:
+            ctx = context.transpose(0, 1)
+            x = branch(1, x, lambda y: self.cross_attention(y, ctx, context_mask))
+        x = branch(2, x, self._mlp)
+        return x.transpose(0, 1).contiguous(), context
+
+
+def ar_rope_thw(frame_positions: torch.Tensor, token_ids: torch.Tensor,
+                geometry: VideoGeometry) -> torch.Tensor:
+    """``[s, 3]`` (latent frame, row, column) of teacher-forcing tokens; both halves share them."""
+    spatial = token_ids % geometry.positions
+    return torch.stack([frame_positions, spatial // geometry.width, spatial % geometry.width], dim=-1)
+
+
+class ARVideoDiT(MegatronModule):
+    """Causal AR DiT on a Balanced SP teacher-forcing sequence (see the module docstring).
+
+    ``forward(x, t, *, frame_positions, token_ids, mask, caption_ids, caption_mask, geometry,
+    drop=None)``: ``x [b, s_local, patch_dim]`` (first stage), ``t [b, s_local]`` per-token flow
+    timesteps, ``frame_positions / token_ids [s_local]`` from the layout, ``mask`` the
+    teacher-forcing ``AttentionMask``, ``geometry`` the latent token grid ``(F, H', W')``.
+    Returns the velocity ``[b, s_local, patch_dim]`` on the last stage, hidden states otherwise.
+    """
+
+    def __init__(self, config: VideoDiTConfig, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: Optional[int] = None):
+        super().__init__(config=config)
+        if config.patch_size[0] != 1:
+            raise ValueError(f"patch_size ({config.patch_size}) must have a temporal patch of 1 for "
+                             f"the AR DiT (a latent frame is the autoregressive unit)")
+        self.model_type = ModelType.encoder_or_decoder
+        self.pre_process, self.post_process = pre_process, post_process
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.cond_seed)
+            self.t_embedder = TimestepEmbedder(config, config.timestep_frequency_dim)
+            self.text_embedder = TextEmbedder(config.text_vocab_size, config.text_dim,
+                                              config.text_max_len, seed=config.cond_seed)
+        for name in replicated_embedders(self):
+            mark_pipeline_replicated(getattr(self, name))
+        if pre_process:
+            self.patch_embed = PatchEmbed(config, config.patch_dim)
+        spec = get_ar_dit_layer_spec(config.lora_rank, config.text_dim)
+        self.decoder = TransformerBlock(config, spec, pre_process=pre_process, post_process=False,
+                                        vp_stage=vp_stage)
+        if post_process:
+            self.final_layer = FinalLayer(config, config.patch_dim)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(self, x: Optional[torch.Tensor], t: torch.Tensor, *, frame_positions: torch.Tensor,
+                token_ids: torch.Tensor, mask: Optional[AttentionMask], caption_ids: torch.Tensor,
+                caption_mask: torch.Tensor, geometry: VideoGeometry,
+                drop: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, s = t.shape
+        D = self.config.hidden_size
+        c = self.t_embedder(t.reshape(-1) * self.config.timestep_scale).view(b, s, D)
+        ctx, ctx_mask = self.text_embedder(caption_ids, caption_mask, drop)
+        angles = None
+        if self.config.rope_theta is not None:
+            head_dim = self.config.kv_channels
+            angles = rope_3d_angles(ar_rope_thw(frame_positions.cpu(), token_ids.cpu(), geometry),
+                                    head_dim, self.config.rope_theta)
+        hidden = None
+        if self.pre_process:
+            if x is None or tuple(x.shape) != (b, s, self.config.patch_dim):
+                raise ValueError(f"x ({None if x is None else tuple(x.shape)}) must be [b, s_local, "
+                                 f"patch_dim] = [{b}, {s}, {self.config.patch_dim}]")
+            hidden = self.patch_embed(x).transpose(0, 1).contiguous()
+        out = self.decoder(hidden, attention_mask=c.transpose(0, 1).contiguous(),
+                           context=ctx.transpose(0, 1).contiguous(), context_mask=ctx_mask,
+                           packed_seq_params=ARSeqParams(attention_mask=mask, rope_angles=angles))
+        if isinstance(out, tuple):
+            out = out[0]
+        if not self.post_process:
+            return out
+        return self.final_layer(out.transpose(0, 1), c)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return mark_pp_replicas(sd, [f"{prefix}{n}." for n in replicated_embedders(self)])

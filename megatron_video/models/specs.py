@@ -1,0 +1,62 @@
+"""Megatron ModuleSpecs: the drop-in surface of megatron_video.
+
+``with_2d_attention(layer_spec, **params)`` returns a copy of any Megatron layer (or block) spec
+whose self-attention core is :class:`~megatron_video.attention.megatron.DistAttention2D`
+(Ulysses x ring, exact, masks on global token ids); ``params`` go to its constructor (``mask``,
+``scheme``, ``backend``). The module-level specs below work with Megatron-LM's
+``--spec megatron_video.models.specs <name>``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ..attention.megatron import DistAttention2D
+
+__all__ = ["with_2d_attention", "gpt_layer_local_2d_spec", "gpt_layer_local_2d_qknorm_spec"]
+
+
+def _swap(obj, params) -> int:
+    """Replace every self-attention ``core_attention`` below ``obj`` in place; return the count."""
+    if isinstance(obj, ModuleSpec):
+        return _swap(obj.submodules, params)
+    if isinstance(obj, (list, tuple)):
+        return sum(_swap(x, params) for x in obj)
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return 0
+    count = 0
+    for f in dataclasses.fields(obj):
+        if f.name == "cross_attention":  # short text context: no CP there
+            continue
+        if f.name == "core_attention":
+            setattr(obj, f.name, ModuleSpec(module=DistAttention2D, params=dict(params)))
+            count += 1
+        else:
+            count += _swap(getattr(obj, f.name), params)
+    return count
+
+
+def with_2d_attention(layer_spec, **params):
+    """A copy of ``layer_spec`` (local or TE, layer or block) with 2D attention as core attention."""
+    spec = copy.deepcopy(layer_spec)
+    if _swap(spec, params) == 0:
+        raise ValueError(f"layer_spec ({type(layer_spec).__name__}) has no self-attention "
+                         f"core_attention submodule to replace")
+    return spec
+
+
+# Module-level specs for ``--spec megatron_video.models.specs <name>`` (Megatron-core modules only).
+gpt_layer_local_2d_spec = with_2d_attention(get_gpt_layer_local_spec())
+gpt_layer_local_2d_qknorm_spec = with_2d_attention(get_gpt_layer_local_spec(qk_layernorm=True))
+
+try:  # TE layers (fused linears / norms) around our attention, where TransformerEngine is installed
+    import transformer_engine  # noqa: F401
+
+    gpt_layer_te_2d_spec = with_2d_attention(get_gpt_layer_with_transformer_engine_spec())
+    __all__.append("gpt_layer_te_2d_spec")
+except ImportError:
+    pass

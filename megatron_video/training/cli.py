@@ -1,0 +1,134 @@
+"""``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
+
+Subcommands::
+
+    megatron-video train --config FILE [--nproc N] [--ranks-per-node K] [--output DIR] [section.key=value ...]
+    megatron-video demo [--output DIR] [section.key=value ...]
+    megatron-video train-vae [--config FILE] [--output PATH] [section.key=value ...]
+    megatron-video validate --config FILE [--nproc N] [--ranks-per-node K] [section.key=value ...]
+
+``train`` runs ``--nproc`` local ranks (gloo on CPU, simulated nodes of ``--ranks-per-node``) or,
+under ``torchrun``, this process as one rank. ``demo`` is ``train --config
+examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``. A bad configuration
+exits with status 2 and names the field, before any process or process group is started.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import yaml
+
+from .config import config_to_dict, load_config, validate
+
+__all__ = ["main", "demo_config_path"]
+
+DEMO_ARGS = dict(nproc=4, ranks_per_node=2, output="runs/demo")
+
+
+def demo_config_path() -> Path:
+    """``examples/configs/demo.yaml`` of the source checkout this package runs from."""
+    import megatron_video
+
+    path = Path(megatron_video.__file__).resolve().parents[1] / "examples" / "configs" / "demo.yaml"
+    if not path.is_file():
+        raise ValueError(f"demo config ({path}) not found: run `megatron-video demo` from an editable "
+                         f"install of the repository (pip install -e .)")
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-video", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def common(p, config_required: bool):
+        p.add_argument("--config", required=config_required, help="YAML config (examples/configs/*.yaml)")
+        p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                       help="config overrides, e.g. train.steps=20 parallel.ulysses_size=2")
+
+    t = sub.add_parser("train", help="train a model (standalone --nproc ranks or under torchrun)")
+    common(t, True)
+    t.add_argument("--nproc", type=int, default=None,
+                   help="spawn this many local ranks (gloo on CPU); default 1, or torchrun's world")
+    t.add_argument("--ranks-per-node", type=int, default=None,
+                   help="simulated ranks per node for the U x R placement (default: all on one node)")
+    t.add_argument("--output", default=None, help="run directory (default: the config's output)")
+
+    d = sub.add_parser("demo", help="the embedded demo: causal AR DiT, Balanced SP, 4 CPU ranks as 2x2")
+    d.add_argument("overrides", nargs="*", metavar="section.key=value")
+    d.add_argument("--output", default=DEMO_ARGS["output"], help="run directory (default runs/demo)")
+
+    v = sub.add_parser("train-vae", help="train (and cache) the small causal video VAE")
+    common(v, False)
+    v.add_argument("--output", default=None, help="weights file (default: the cache path)")
+
+    c = sub.add_parser("validate", help="check a config without running it; print the resolved config")
+    common(c, True)
+    c.add_argument("--nproc", type=int, default=1)
+    c.add_argument("--ranks-per-node", type=int, default=None)
+    return ap
+
+
+def _load(path, overrides: List[str], output: Optional[str], ranks_per_node: Optional[int]):
+    extra = []
+    if output is not None:
+        extra.append(f"output={output}")
+    if ranks_per_node is not None:
+        extra.append(f"parallel.ranks_per_node={ranks_per_node}")
+    return load_config(path, list(overrides) + extra)
+
+
+def _train(config, nproc: Optional[int]) -> int:
+    from .launch import launch, under_torchrun
+
+    if under_torchrun():
+        if nproc is not None:
+            raise ValueError("--nproc cannot be used under torchrun (torchrun starts the ranks)")
+        import os
+
+        import torch
+
+        validate(config, int(os.environ["WORLD_SIZE"]), torch.cuda.is_available())
+        from .trainer import train
+
+        train(config)
+        return 0
+    nproc = 1 if nproc is None else nproc
+    if nproc < 1:
+        raise ValueError(f"--nproc ({nproc}) must be >= 1")
+    validate(config, nproc)
+    return launch(config, nproc, config.parallel.ranks_per_node)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            config = _load(args.config, args.overrides, args.output, args.ranks_per_node)
+            return _train(config, args.nproc)
+        if args.command == "demo":
+            config = _load(demo_config_path(), args.overrides, args.output, DEMO_ARGS["ranks_per_node"])
+            return _train(config, DEMO_ARGS["nproc"])
+        if args.command == "train-vae":
+            from .vae_stage import train_vae, vae_cache_path
+
+            config = load_config(args.config, args.overrides)
+            out = Path(args.output) if args.output else vae_cache_path(config)
+            print(f"[megatron-video] VAE written to {train_vae(config, out)}")
+            return 0
+        if args.command == "validate":
+            config = _load(args.config, args.overrides, None, args.ranks_per_node)
+            validate(config, args.nproc)
+            print(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+            return 0
+    except ValueError as e:
+        print(f"megatron-video: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

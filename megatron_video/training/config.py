@@ -1,0 +1,400 @@
+"""Training configuration: dataclasses, YAML loading, ``section.key=value`` overrides, validation.
+
+``load_config(path, overrides)`` reads a YAML file whose top-level sections are the fields of
+:class:`Config` (``model``, ``parallel``, ``data``, ``vae``, ``diffusion``, ``train``, ``output``),
+applies overrides such as ``train.steps=20`` or ``parallel.ulysses_size=2`` (values parsed as
+YAML), and returns a ``Config``. ``validate(config, world_size)`` checks everything that can be
+checked without processes and raises ``ValueError`` naming the field, its value and the rule; the
+CLI calls it before any process or process group is started.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple
+
+import yaml
+
+__all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "DiffusionSection",
+           "TrainSection", "Config", "FAMILIES", "load_config", "apply_overrides", "config_from_dict",
+           "config_to_dict", "validate", "latent_shape", "token_grid_of", "data_parallel_size"]
+
+FAMILIES = ("video_dit", "stdit", "ar_dit")
+OBJECTIVES = ("edm", "flow")
+TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
+
+
+@dataclass
+class ModelSection:
+    family: str = "ar_dit"                 # video_dit | stdit | ar_dit
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    lora_rank: int = 16                    # AdaLN-LoRA rank
+    patch_size: List[int] = field(default_factory=lambda: [1, 1, 1])   # (pt, ph, pw) on latents
+    rope_theta: Optional[float] = 10000.0
+    init_std: float = 0.02
+    frames_per_block: int = 2              # ar_dit: latent frames per autoregressive block
+    stdit_variant: str = "hybrid"          # stdit: hybrid | cp_everywhere | ulysses_everywhere
+    stdit_full_attention_layers: List[int] = field(default_factory=list)
+
+
+@dataclass
+class ParallelSection:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1         # = ulysses_size * ring_size
+    ulysses_size: int = 1                  # all-to-all group, inside a node
+    ring_size: int = 1                     # P2P ring, across nodes
+    placement: str = "ulysses_inner"
+    ranks_per_node: Optional[int] = None   # default: LOCAL_WORLD_SIZE / --ranks-per-node / world
+    ring_balance: Optional[bool] = None    # ar_dit: zigzag frame pairing over the ring (default R > 1)
+    recompute: bool = False                # activation checkpointing of every layer (composes with SP)
+
+
+@dataclass
+class DataSection:
+    source: str = "synthetic"              # synthetic | shards
+    shards: Optional[str] = None           # folder / glob of WebDataset shards (source=shards)
+    num_samples: int = 100000              # synthetic: dataset size
+    num_frames: int = 29                   # raw frames, 1 + 4k
+    height: int = 32
+    width: int = 32
+    caption_len: int = 16
+    seed: int = 0
+
+
+@dataclass
+class VAESection:
+    weights: Optional[str] = None          # trained weights (.pt); default: train + cache once
+    cache_dir: str = "runs/cache"
+    latent_channels: int = 4
+    base_channels: int = 16
+    train_steps: int = 300
+    batch_size: int = 4
+    lr: float = 2e-3
+    kl_weight: float = 1e-6
+    halo_latents: Optional[int] = None     # default: the encoder's temporal receptive field
+
+
+@dataclass
+class DiffusionSection:
+    objective: Optional[str] = None        # edm | flow (default: flow for ar_dit, edm otherwise)
+    sigma_data: float = 1.0                # latents are scaled to unit variance
+    p_mean: float = -0.4
+    p_std: float = 1.2
+    flow_shift: float = 1.0
+    cfg_dropout: float = 0.1               # probability of training with the null caption
+    guidance_scale: float = 3.0
+    sampler: str = "heun"                  # heun | euler (EDM); flow always uses Euler
+    sample_steps: int = 16
+
+
+@dataclass
+class TrainSection:
+    steps: int = 200
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None  # default micro_batch_size * data-parallel size
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    clip_grad: float = 1.0
+    seed: int = 1234
+    log_interval: int = 1
+    save_interval: int = 0                 # 0: save once at the end
+    save: bool = True
+    resume: bool = True                    # continue from <output>/checkpoints when present
+    sample: bool = True                    # write sample.gif at the end
+    sample_batch: int = 1
+    tensorboard: bool = True
+    bf16: bool = False                     # GPU only
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    vae: VAESection = field(default_factory=VAESection)
+    diffusion: DiffusionSection = field(default_factory=DiffusionSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    output: str = "runs/train"
+
+    @property
+    def objective(self) -> str:
+        if self.diffusion.objective is not None:
+            return self.diffusion.objective
+        return "flow" if self.model.family == "ar_dit" else "edm"
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+def _section_from_dict(cls, data: Any, where: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} ({data!r}) must be a mapping")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+    return cls(**data)
+
+
+def config_from_dict(data: Optional[dict]) -> Config:
+    """``Config`` from a nested dict (the YAML structure); unknown keys raise ``ValueError``."""
+    data = dict(data or {})
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(sections)}")
+    kwargs = {}
+    for name, f in sections.items():
+        if name not in data:
+            continue
+        if name == "output":
+            kwargs[name] = str(data[name])
+        else:
+            kwargs[name] = _section_from_dict(f.default_factory().__class__, data[name], name)
+    return Config(**kwargs)
+
+
+def config_to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply ``section.key=value`` strings to a nested dict (values parsed as YAML scalars/lists)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override ({item!r}) must look like section.key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override ({item!r}): {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (YAML; None = defaults), apply ``overrides``, return a ``Config``."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config ({path!r}) must be an existing YAML file")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config ({path!r}) must hold a mapping of sections")
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+# ----------------------------------------------------------------------------------------------
+# Derived quantities
+# ----------------------------------------------------------------------------------------------
+def latent_shape(config: Config) -> Tuple[int, int, int]:
+    """``(F, h, w)`` latent frames and size of a sample."""
+    d = config.data
+    return 1 + (d.num_frames - 1) // TEMPORAL_STRIDE, d.height // SPATIAL_STRIDE, d.width // SPATIAL_STRIDE
+
+
+def token_grid_of(config: Config) -> Tuple[int, int, int]:
+    """``(T', H', W')`` token grid of a sample after patchify."""
+    F, h, w = latent_shape(config)
+    pt, ph, pw = config.model.patch_size
+    return F // pt, h // ph, w // pw
+
+
+def data_parallel_size(config: Config, world_size: int) -> int:
+    p = config.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                          * p.context_parallel_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+def _pos_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} ({value!r}) must be a positive number")
+
+
+def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
+    """Raise ``ValueError`` (naming the field) for any configuration that cannot run."""
+    m, p, d, v, df, t = (config.model, config.parallel, config.data, config.vae, config.diffusion,
+                         config.train)
+    _pos_int("world_size", world_size)
+    if m.family not in FAMILIES:
+        raise ValueError(f"model.family ({m.family!r}) must be one of {FAMILIES}")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "lora_rank", "frames_per_block"):
+        _pos_int(f"model.{name}", getattr(m, name))
+    if not isinstance(m.patch_size, (list, tuple)) or len(m.patch_size) != 3:
+        raise ValueError(f"model.patch_size ({m.patch_size!r}) must be a list of 3 integers (pt, ph, pw)")
+    for i, ps in enumerate(m.patch_size):
+        _pos_int(f"model.patch_size[{i}]", ps)
+    H = m.num_attention_heads
+    G = m.num_query_groups or H
+    if H % G:
+        raise ValueError(f"model.num_attention_heads ({H}) must be divisible by model.num_query_groups ({G})")
+    if m.hidden_size % H:
+        raise ValueError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
+                         f"model.num_attention_heads ({H})")
+    head_dim = m.hidden_size // H
+    if m.rope_theta is not None and (head_dim % 2 or head_dim < 6):
+        raise ValueError(f"model.hidden_size / model.num_attention_heads ({head_dim}) must be even and "
+                         f">= 6 for 3D RoPE (or set model.rope_theta: null)")
+
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size", "ulysses_size", "ring_size"):
+        _pos_int(f"parallel.{name}", getattr(p, name))
+    TP, PP, CP, U, R = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                        p.context_parallel_size, p.ulysses_size, p.ring_size)
+    if U * R != CP:
+        raise ValueError(f"parallel.ulysses_size * parallel.ring_size ({U} * {R} = {U * R}) must equal "
+                         f"parallel.context_parallel_size ({CP})")
+    if p.placement not in ("ulysses_inner", "ring_inner"):
+        raise ValueError(f"parallel.placement ({p.placement!r}) must be 'ulysses_inner' or 'ring_inner'")
+    if world_size % (TP * PP * CP):
+        raise ValueError(f"world size ({world_size}) must be divisible by parallel.tensor_model_parallel_size "
+                         f"* pipeline_model_parallel_size * context_parallel_size ({TP} * {PP} * {CP})")
+    if G % TP:
+        raise ValueError(f"model.num_query_groups ({G}) must be divisible by "
+                         f"parallel.tensor_model_parallel_size ({TP})")
+    if (H // TP) % U:
+        raise ValueError(f"model.num_attention_heads ({H}) / parallel.tensor_model_parallel_size ({TP}) "
+                         f"must be divisible by parallel.ulysses_size ({U}) (Ulysses scatters heads)")
+    if m.num_layers % PP:
+        raise ValueError(f"model.num_layers ({m.num_layers}) must be divisible by "
+                         f"parallel.pipeline_model_parallel_size ({PP})")
+    if p.ranks_per_node is not None:
+        _pos_int("parallel.ranks_per_node", p.ranks_per_node)
+        if world_size % p.ranks_per_node:
+            raise ValueError(f"parallel.ranks_per_node ({p.ranks_per_node}) must divide the world size "
+                             f"({world_size})")
+        if U > 1 and p.placement == "ulysses_inner" and TP * U > p.ranks_per_node:
+            raise ValueError(f"parallel.ulysses_size ({U}) x tensor_model_parallel_size ({TP}) must be <= "
+                             f"parallel.ranks_per_node ({p.ranks_per_node}): the all-to-all group "
+                             f"must lie inside one node")
+    if p.recompute and not isinstance(p.recompute, bool):
+        raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
+
+    if d.source not in ("synthetic", "shards"):
+        raise ValueError(f"data.source ({d.source!r}) must be 'synthetic' or 'shards'")
+    if d.source == "shards" and not d.shards:
+        raise ValueError("data.shards (None) must name a folder or glob of .tar shards when "
+                         "data.source is 'shards'")
+    _pos_int("data.num_frames", d.num_frames)
+    if (d.num_frames - 1) % TEMPORAL_STRIDE:
+        raise ValueError(f"data.num_frames ({d.num_frames}) must be 1 + {TEMPORAL_STRIDE}k (the causal "
+                         f"VAE maps frame 0 to latent 0 and frames 4k-3..4k to latent k)")
+    for name in ("height", "width"):
+        val = getattr(d, name)
+        _pos_int(f"data.{name}", val)
+        if val % SPATIAL_STRIDE:
+            raise ValueError(f"data.{name} ({val}) must be divisible by {SPATIAL_STRIDE} (VAE downsampling)")
+    _pos_int("data.num_samples", d.num_samples)
+    _pos_int("data.caption_len", d.caption_len)
+    F, h, w = latent_shape(config)
+    pt, ph, pw = m.patch_size
+    for axis, n, ps in (("frames", F, pt), ("height", h, ph), ("width", w, pw)):
+        if n % ps:
+            raise ValueError(f"model.patch_size ({list(m.patch_size)}) must divide the latent {axis} "
+                             f"({n}, from data.num_frames={d.num_frames}, height={d.height}, "
+                             f"width={d.width})")
+    T_tok = F // pt
+    if m.family == "ar_dit":
+        if pt != 1:
+            raise ValueError(f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a latent "
+                             f"frame is the autoregressive unit)")
+        from megatron_video.layouts.balanced_sp import BalancedSPLayout
+        try:
+            BalancedSPLayout(F, (h // ph) * (w // pw), m.frames_per_block, CP, ring_size=R,
+                             ring_balance=p.ring_balance, world_size=world_size,
+                             num_heads=H // TP, ulysses_size=U)
+        except ValueError as e:
+            raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
+                             f"model.frames_per_block ({m.frames_per_block}) / parallel: {e}") from None
+    elif T_tok % CP:
+        raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token frames with "
+                         f"patch {pt}) must give token frames divisible by parallel.context_parallel_size "
+                         f"({CP}): each CP rank holds whole frames")
+    if m.family == "stdit":
+        from megatron_video.models.stdit import VARIANTS
+        if m.stdit_variant not in VARIANTS:
+            raise ValueError(f"model.stdit_variant ({m.stdit_variant!r}) must be one of {VARIANTS}")
+        bad = [x for x in m.stdit_full_attention_layers if not 1 <= x <= m.num_layers]
+        if bad:
+            raise ValueError(f"model.stdit_full_attention_layers ({bad}) must lie in [1, model.num_layers "
+                             f"({m.num_layers})]")
+        if m.stdit_variant == "ulysses_everywhere" and (H // TP) % CP:
+            raise ValueError(f"model.num_attention_heads ({H}) / tensor_model_parallel_size ({TP}) must be "
+                             f"divisible by parallel.context_parallel_size ({CP}) for stdit_variant "
+                             f"'ulysses_everywhere'")
+
+    for name in ("latent_channels", "base_channels", "train_steps", "batch_size"):
+        _pos_int(f"vae.{name}", getattr(v, name), 0 if name == "train_steps" else 1)
+    _positive("vae.lr", v.lr)
+    if v.halo_latents is not None:
+        _pos_int("vae.halo_latents", v.halo_latents, 0)
+    if v.weights is not None and not Path(v.weights).is_file():
+        raise ValueError(f"vae.weights ({v.weights!r}) must be an existing file (or null to train and "
+                         f"cache the VAE)")
+
+    objective = config.objective
+    if objective not in OBJECTIVES:
+        raise ValueError(f"diffusion.objective ({objective!r}) must be one of {OBJECTIVES}")
+    if m.family == "ar_dit" and objective != "flow":
+        raise ValueError(f"diffusion.objective ({objective!r}) must be 'flow' for model.family 'ar_dit' "
+                         f"(teacher forcing trains with flow matching)")
+    for name in ("sigma_data", "p_std", "flow_shift"):
+        _positive(f"diffusion.{name}", getattr(df, name))
+    if not 0.0 <= df.cfg_dropout <= 1.0:
+        raise ValueError(f"diffusion.cfg_dropout ({df.cfg_dropout}) must be in [0, 1]")
+    if df.sampler not in ("heun", "euler"):
+        raise ValueError(f"diffusion.sampler ({df.sampler!r}) must be 'heun' or 'euler'")
+    _pos_int("diffusion.sample_steps", df.sample_steps)
+
+    _pos_int("train.steps", t.steps, 0)
+    _pos_int("train.micro_batch_size", t.micro_batch_size)
+    _pos_int("train.log_interval", t.log_interval)
+    _pos_int("train.save_interval", t.save_interval, 0)
+    _pos_int("train.warmup_steps", t.warmup_steps, 0)
+    _pos_int("train.sample_batch", t.sample_batch)
+    _positive("train.lr", t.lr)
+    if not 0 <= t.min_lr <= t.lr:
+        raise ValueError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
+    if t.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+        raise ValueError(f"train.lr_decay_style ({t.lr_decay_style!r}) must be constant, linear, cosine "
+                         f"or inverse-square-root")
+    if t.clip_grad < 0:
+        raise ValueError(f"train.clip_grad ({t.clip_grad}) must be >= 0 (0 disables clipping)")
+    dp = data_parallel_size(config, world_size)
+    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    _pos_int("train.global_batch_size", gbs)
+    if gbs % (t.micro_batch_size * dp):
+        raise ValueError(f"train.global_batch_size ({gbs}) must be divisible by train.micro_batch_size "
+                         f"({t.micro_batch_size}) * data-parallel size ({dp})")
+    if t.bf16 and not has_gpu:
+        raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
+    if t.sample and PP > 1:
+        raise ValueError(f"train.sample (True) is not supported with parallel.pipeline_model_parallel_size "
+                         f"({PP}) > 1; set train.sample=false")

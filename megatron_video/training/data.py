@@ -1,0 +1,210 @@
+"""Per-rank micro-batches: raw clips -> this CP rank's halo window(s) -> VAE latents -> patch tokens.
+
+Every rank builds its own micro-batches; nothing is broadcast. A micro-batch is a pure function
+of ``(seed, step, micro-batch index, data-parallel rank)``, so runs are reproducible and a resumed
+run sees exactly the batches an uninterrupted one would.
+
+* Samples: data-parallel rank ``d`` takes global samples ``((step*M + m)*DP + d)*b + j`` (mod the
+  dataset size) of the procedural dataset, or the next ones of its share of WebDataset shards.
+* Encoding starts inside the SP partition: the rank reads only its raw window(s) from the clip
+  (``data.video_windows.read_window``; the procedural source renders the clip first) and encodes
+  them with the left halo (``encode_rank_latents``), keeping exactly its latent frames.
+* Injected noise: drawn per sample over the WHOLE token sequence from a generator seeded by
+  ``(seed, step, sample)``, then sliced to the rank's tokens, so any parallel layout sees the same
+  noise as one process; timesteps / sigmas and the CFG drop decision are drawn the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megatron_video.data.synthetic import CaptionTokenizer, ProceduralVideoDataset
+from megatron_video.data.video_windows import TensorFrameSource, encode_rank_latents, read_window
+from megatron_video.diffusion.edm import EDMConfig, sample_sigma
+from megatron_video.diffusion.flow_matching import sample_timesteps
+from megatron_video.layouts.balanced_sp import BalancedSPLayout
+from megatron_video.layouts.vae_halo import halo_window, temporal_receptive_field
+from megatron_video.models.embedders import patchify
+
+from .config import Config, latent_shape, token_grid_of
+
+__all__ = ["MicroBatch", "BatchMaker", "sample_generator", "rank_token_ids"]
+
+
+def sample_generator(*key: int) -> torch.Generator:
+    """A generator seeded by a tuple of non-negative integers (independent streams per key)."""
+    seed = int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, dtype=np.uint64)[0])
+    return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+
+
+def rank_token_ids(config: Config, cp_rank: int, cp_size: int,
+                   layout: Optional[BalancedSPLayout] = None) -> torch.Tensor:
+    """Global ids (in the sample's frame-major clean token sequence) of this rank's clean tokens."""
+    if layout is not None:
+        half = layout.local_len // 2
+        return layout.local_global_ids(cp_rank)[:half]
+    T, H, W = token_grid_of(config)
+    s = T * H * W // cp_size
+    return torch.arange(cp_rank * s, (cp_rank + 1) * s)
+
+
+@dataclass
+class MicroBatch:
+    indices: List[int]
+    captions: List[str]
+    caption_ids: torch.Tensor        # [b, L]
+    caption_mask: torch.Tensor       # [b, L]
+    drop: torch.Tensor               # [b] bool: train with the null caption
+    clean: Optional[torch.Tensor]    # [b, s_local, patch_dim] (None where the stage needs none)
+    noise: Optional[torch.Tensor]    # like clean
+    sigma: Optional[torch.Tensor]    # [b] (EDM)
+    t: Optional[torch.Tensor]        # [b] (flow, full-sequence models) or [b, blocks] (AR)
+
+
+class _ShardClips:
+    """Sequential clips of one data-parallel rank from WebDataset shards (cycled)."""
+
+    def __init__(self, shards: str, dp_rank: int, dp_size: int):
+        from megatron_video.data.shards import ShardReader
+
+        self.reader = ShardReader(shards, dp_rank=dp_rank, dp_size=dp_size, split="samples")
+        self.pos, self.it = 0, None
+
+    def get(self, position: int) -> dict:
+        if self.it is None or position < self.pos:
+            self.it, self.pos = iter(self.reader), 0
+        while True:
+            try:
+                sample = next(self.it)
+            except StopIteration:  # next epoch
+                self.it = iter(self.reader)
+                sample = next(self.it, None)
+                if sample is None:
+                    raise ValueError("data.shards: this data-parallel rank's share of the shards is empty")
+            self.pos += 1
+            if self.pos - 1 == position:
+                return sample
+
+
+class BatchMaker:
+    """Builds this rank's micro-batches (see the module docstring).
+
+    ``segments``: the latent frame ranges this CP rank holds (local order). ``vae`` / ``latent_scale``
+    from ``vae_stage.load_vae``; ``need_latents=False`` (middle pipeline stages) skips the clips.
+    """
+
+    def __init__(self, config: Config, *, vae, latent_scale: float, cp_rank: int, cp_size: int,
+                 dp_rank: int, dp_size: int, layout: Optional[BalancedSPLayout] = None,
+                 need_latents: bool = True):
+        self.config, self.vae, self.latent_scale = config, vae, float(latent_scale)
+        self.cp_rank, self.cp_size, self.dp_rank, self.dp_size = cp_rank, cp_size, dp_rank, dp_size
+        self.layout, self.need_latents = layout, need_latents
+        self.patch = tuple(config.model.patch_size)
+        self.F, self.h, self.w = latent_shape(config)
+        self.grid = token_grid_of(config)
+        self.num_tokens = self.grid[0] * self.grid[1] * self.grid[2]
+        self.token_ids = rank_token_ids(config, cp_rank, cp_size, layout)
+        if layout is not None:
+            self.segments = layout.rank_segments(cp_rank)
+        else:
+            n = self.F // cp_size
+            self.segments = [(cp_rank * n, (cp_rank + 1) * n)]
+        need = temporal_receptive_field(vae.encoder, temporal_stride=4) if vae is not None else 0
+        self.halo = config.vae.halo_latents if config.vae.halo_latents is not None else need
+        self.windows = [halo_window(a, b, self.halo, 4, True, rank=cp_rank) for a, b in self.segments]
+        d = config.data
+        self.tokenizer = CaptionTokenizer(d.caption_len)
+        self.dataset = ProceduralVideoDataset(d.num_samples, num_frames=d.num_frames, height=d.height,
+                                              width=d.width, seed=d.seed, caption_len=d.caption_len)
+        self.shards = _ShardClips(d.shards, dp_rank, dp_size) if d.source == "shards" else None
+        t = config.train
+        self.micro = t.micro_batch_size
+        gbs = t.global_batch_size or self.micro * dp_size
+        self.num_microbatches = gbs // (self.micro * dp_size)
+        self.edm = EDMConfig(sigma_data=config.diffusion.sigma_data, p_mean=config.diffusion.p_mean,
+                             p_std=config.diffusion.p_std)
+
+    # -- samples ---------------------------------------------------------------------------
+    def sample_positions(self, step: int, microbatch: int) -> List[int]:
+        base = ((step * self.num_microbatches + microbatch) * self.dp_size + self.dp_rank) * self.micro
+        return [base + j for j in range(self.micro)]
+
+    def _clip(self, position: int) -> Tuple[int, str, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(index, caption, raw video [3, T, H, W] or None, latents [z, F, h, w] or None)``."""
+        d = self.config.data
+        if self.shards is None:
+            index = position % d.num_samples
+            attrs = self.dataset.attributes(index)
+            from megatron_video.data.synthetic import caption_for, render_video
+
+            video = None
+            if self.need_latents:
+                video = render_video(attrs, num_frames=d.num_frames, height=d.height, width=d.width)
+            return index, caption_for(attrs), video, None
+        # this data-parallel rank's own running sample number (its share of the shards)
+        s = self.shards.get((position // self.micro // self.dp_size) * self.micro + position % self.micro)
+        key = s["key"]
+        if "video" in s:
+            v = s["video"].float()
+            if tuple(v.shape) != (3, d.num_frames, d.height, d.width):
+                raise ValueError(f"shard sample {key!r}: video shape {tuple(v.shape)} must be "
+                                 f"[3, data.num_frames={d.num_frames}, {d.height}, {d.width}]")
+            return position, s["caption"], v, None
+        lat = s["latent"].float()
+        want = (self.config.vae.latent_channels, self.F, self.h, self.w)
+        if tuple(lat.shape) != want:
+            raise ValueError(f"shard sample {key!r}: latent shape {tuple(lat.shape)} must be {list(want)}")
+        return position, s["caption"], None, lat
+
+    def _local_latents(self, videos: Sequence[Optional[torch.Tensor]],
+                       latents: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """This rank's latent frames ``[b, z, F_local, h, w]`` (scaled to unit variance)."""
+        z = self.config.vae.latent_channels
+        if latents[0] is not None:  # pre-encoded shards: keep the rank's frames
+            frames = torch.cat([torch.arange(a, b) for a, b in self.segments])
+            return torch.stack(list(latents)).index_select(2, frames) * self.latent_scale
+        batch = torch.stack(list(videos))
+        source = TensorFrameSource(batch, time_dim=2)
+        raws = [read_window(source, w) for w in self.windows]
+        with torch.no_grad():
+            moments = encode_rank_latents(self.vae.encoder, raws, self.windows)
+        return moments[:, :z] * self.latent_scale
+
+    # -- the micro-batch ---------------------------------------------------------------------
+    def micro_batch(self, step: int, microbatch: int) -> MicroBatch:
+        cfg = self.config
+        seed = cfg.train.seed
+        indices, captions, videos, latents = [], [], [], []
+        for pos in self.sample_positions(step, microbatch):
+            idx, cap, video, lat = self._clip(pos)
+            indices.append(idx)
+            captions.append(cap)
+            videos.append(video)
+            latents.append(lat)
+        ids, mask = self.tokenizer.encode_batch(captions)
+        C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
+        noise, sig, ts, drop = [], [], [], []
+        for pos in self.sample_positions(step, microbatch):
+            g = sample_generator(seed, step, pos)
+            n = torch.randn(self.num_tokens, C, generator=g)
+            noise.append(n.index_select(0, self.token_ids))
+            sig.append(sample_sigma((1,), self.edm, generator=g))
+            if self.layout is not None:
+                ts.append(sample_timesteps((1, self.layout.num_blocks), generator=g,
+                                           shift=cfg.diffusion.flow_shift))
+            else:
+                ts.append(sample_timesteps((1,), generator=g, shift=cfg.diffusion.flow_shift))
+            drop.append(bool(torch.rand(1, generator=g) < cfg.diffusion.cfg_dropout))
+        clean = None
+        if self.need_latents:
+            clean = patchify(self._local_latents(videos, latents), self.patch)
+        return MicroBatch(indices=indices, captions=captions, caption_ids=ids, caption_mask=mask,
+                          drop=torch.tensor(drop, dtype=torch.bool),
+                          clean=clean, noise=torch.stack(noise) if self.need_latents else None,
+                          sigma=torch.cat(sig), t=torch.cat(ts))
+
+    def step_batches(self, step: int) -> Iterator[MicroBatch]:
+        return iter([self.micro_batch(step, m) for m in range(self.num_microbatches)])

@@ -1,0 +1,54 @@
+"""Build the Megatron config and model of a training ``Config`` (used by the trainer and by the
+Megatron-LM entry ``examples/pretrain_video_dit.py``)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from megatron_video.compat import cpu_transformer_config_kwargs
+from megatron_video.models.ar_dit import ARVideoDiT
+from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
+
+from .config import Config
+
+__all__ = ["transformer_config", "build_model"]
+
+
+def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
+    """``VideoDiTConfig`` (a Megatron ``TransformerConfig``) for ``config``.
+
+    Fusions stay off (they need Apex / TE); weights are initialised on the CPU, so every parallel
+    layout starts from the same full weights (TP shards are slices of them).
+    """
+    m, p = config.model, config.parallel
+    dtype = torch.bfloat16 if config.train.bf16 else torch.float32
+    kw = cpu_transformer_config_kwargs(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        kv_channels=m.hidden_size // m.num_attention_heads,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=True, add_bias_linear=True,
+        init_method_std=m.init_std, layernorm_epsilon=1e-6,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=config.train.bf16,
+        in_channels=config.vae.latent_channels, patch_size=tuple(m.patch_size), lora_rank=m.lora_rank,
+        rope_theta=m.rope_theta, text_max_len=config.data.caption_len,
+        layer_type="stdit" if m.family == "stdit" else "full", stdit_variant=m.stdit_variant,
+        stdit_full_attention_layers=tuple(m.stdit_full_attention_layers),
+        cond_seed=config.train.seed + 17,
+    )
+    if p.recompute:  # activation checkpointing of every layer; recompute re-runs its collectives
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
+        return VideoDiTConfig(**kw)
+
+
+def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
+                post_process: bool = True, vp_stage=None):
+    """The model of ``config.model.family`` for this pipeline stage."""
+    if config.model.family == "ar_dit":
+        return ARVideoDiT(tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    return VideoDiT(tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)

@@ -1,0 +1,405 @@
+"""The trainer on Megatron-Core alone: parallel state, DDP, optimizer, schedule, checkpoints, outputs.
+
+``Trainer(config)`` expects ``torch.distributed`` to be initialised (``init_distributed`` does it
+from the environment: torchrun, the ``--nproc`` launcher, or a single process) and then:
+
+1. initialises Megatron's parallel state (TP, PP, CP = U*R with hierarchical groups [U, R], DP) and
+   the U x R groups (``init_video_parallel``), seeds Megatron's RNG tracker;
+2. loads the cached VAE, builds the model of this pipeline stage, wraps it in Megatron's DDP
+   (distributed optimizer on GPU only), Megatron's optimizer with gradient clipping and
+   ``OptimizerParamScheduler``; ``finalize_model_grads`` reduces gradients over data x context
+   parallel ranks, sums QK-norm gradients over TP and the conditioning embedders over stages;
+3. runs Megatron's forward-backward schedule (pipelined when PP > 1) per step; the objective's
+   per-rank loss share is multiplied by the CP size by the schedule and averaged over DP x CP by
+   DDP, i.e. summed over CP and averaged over DP.
+
+``run()`` adds resume, the tqdm bar (loss, tokens/s, step time), TensorBoard, periodic and final
+checkpoints, CP sampling, and ``metrics.json`` / ``loss.png`` / ``sample.gif`` in ``config.output``.
+Outputs are written by the logging rank, the last global rank (a last-stage rank, where the loss is).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from megatron_video.compat import (cpu_optimizer_config_kwargs, destroy_model_parallel,
+                                   ensure_cpu_mode, initialize_model_parallel)
+from megatron_video.layouts.balanced_sp import BalancedSPLayout
+from megatron_video.layouts.stdit import VideoGeometry
+from megatron_video.parallel import comm
+from megatron_video.parallel.topology import destroy_video_parallel, init_video_parallel
+
+from . import checkpoint as ckpt
+from .config import Config, config_to_dict, latent_shape, token_grid_of, validate
+from .data import BatchMaker, MicroBatch, sample_generator
+from .model_factory import build_model, transformer_config
+from .objectives import make_objective
+from .vae_stage import ensure_vae, load_vae
+
+__all__ = ["init_distributed", "Trainer", "train"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 1800.0) -> bool:
+    """Initialise ``torch.distributed`` from the environment (NCCL on GPU, gloo on CPU); a lone
+    process without ``RANK`` / ``WORLD_SIZE`` becomes a world of one. Returns whether it did."""
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def _to(mb: MicroBatch, device) -> MicroBatch:
+    for name, value in vars(mb).items():
+        if isinstance(value, torch.Tensor):
+            setattr(mb, name, value.to(device))
+    return mb
+
+
+class Trainer:
+    """One training job on an initialised process group (see the module docstring)."""
+
+    def __init__(self, config: Config, progress: Optional[bool] = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
+        ensure_cpu_mode()
+        self.config = config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.has_gpu = torch.cuda.is_available()
+        validate(config, self.world, self.has_gpu)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
+        self.is_logger = self.rank == self.world - 1
+        self.progress = self.is_logger and (config.train.progress if progress is None else progress)
+
+        p = config.parallel
+        U, R = p.ulysses_size, p.ring_size
+        kw = dict(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                  context_parallel_size=p.context_parallel_size)
+        if U > 1 and R > 1:
+            kw["hierarchical_context_parallel_sizes"] = [U, R] if p.placement == "ulysses_inner" else [R, U]
+        initialize_model_parallel(**kw)
+        self.groups = init_video_parallel(U, R, ranks_per_node=p.ranks_per_node, placement=p.placement)
+        model_parallel_cuda_manual_seed(config.train.seed)
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
+
+        # VAE (trained once and cached; under --nproc the launcher did it before spawning)
+        if self.rank == 0:
+            ensure_vae(config, progress=config.train.progress)
+        dist.barrier()
+        self.vae_path = ensure_vae(config, progress=False)
+        self.vae, self.latent_scale = load_vae(self.vae_path, config)
+
+        # layout, geometry, data, objective
+        F, h, w = latent_shape(config)
+        T, Hp, Wp = token_grid_of(config)
+        self.layout = None
+        if config.model.family == "ar_dit":
+            self.layout = BalancedSPLayout(F, Hp * Wp, config.model.frames_per_block, self.cp_size,
+                                           ring_size=R, ring_balance=p.ring_balance)
+            self.geometry = VideoGeometry(F, Hp, Wp)
+            self.seq_length = 2 * F * Hp * Wp
+        else:
+            self.geometry = VideoGeometry(T, Hp, Wp)
+            self.seq_length = T * Hp * Wp
+        self.batches = BatchMaker(config, vae=self.vae, latent_scale=self.latent_scale,
+                                  cp_rank=self.cp_rank, cp_size=self.cp_size, dp_rank=self.dp_rank,
+                                  dp_size=self.dp_size, layout=self.layout,
+                                  need_latents=self.first_stage or self.last_stage)
+        self.objective = make_objective(config, self.groups, self.layout, self.geometry)
+        self.num_microbatches = self.batches.num_microbatches
+        self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
+        self._build()
+
+    # -- construction ------------------------------------------------------------------------
+    def _build(self) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        c, t = self.config, self.config.train
+        self.tcfg = transformer_config(c, self.has_gpu)
+        torch.manual_seed(t.seed)  # CPU initialisation: the same full weights on every rank / layout
+        model = build_model(c, self.tcfg, self.first_stage, self.last_stage)
+        if self.has_gpu:
+            model.cuda()
+        self.model = model
+        gpu = self.has_gpu
+        self.ddp = DistributedDataParallel(
+            config=self.tcfg, module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=gpu))
+        dtype = torch.bfloat16 if t.bf16 else torch.float32
+        opt_cfg = OptimizerConfig(**cpu_optimizer_config_kwargs(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=t.bf16,
+            params_dtype=dtype, use_distributed_optimizer=gpu))
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
+        gbs = self.global_batch
+        decay = max(t.steps, t.warmup_steps + 1)   # Megatron needs warmup < decay
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps * gbs, lr_decay_steps=decay * gbs,
+            lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=decay * gbs, wd_incr_style="constant")
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        if t.bf16:
+            self.tcfg.grad_scale_func = self.optimizer.scale_loss
+        self.forward_backward_func = get_forward_backward_func()
+
+    # -- one step ----------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        mb = _to(next(data_iterator), self.device)
+        args, kwargs = self.objective.model_call(mb, self.first_stage)
+        output = model(*args, **kwargs)
+
+        def loss_func(out):
+            share = self.objective.loss(out, mb)
+            value = share.detach().clone().float()
+            comm.all_reduce(value, self.groups.cp_group, tag="loss.value")
+            return share, {"loss": value}
+
+        return output, loss_func
+
+    def forward_backward(self, step: int) -> Optional[float]:
+        """Gradients of step ``step`` (reduced; no optimizer step). Returns the loss on last-stage
+        ranks (averaged over micro-batches and data-parallel ranks), None elsewhere."""
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward_func(
+            forward_step_func=self._forward_step, data_iterator=self.batches.step_batches(step),
+            model=[self.ddp], num_microbatches=self.num_microbatches, seq_length=self.seq_length,
+            micro_batch_size=self.config.train.micro_batch_size, forward_only=False)
+        if not self.last_stage:
+            return None
+        loss = torch.stack([d["loss"] for d in losses]).mean().reshape(1)
+        comm.all_reduce(loss, self.dp_group, tag="loss.dp")
+        return float(loss) / self.dp_size
+
+    def train_step(self, step: int) -> Dict[str, float]:
+        loss = self.forward_backward(step)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=self.global_batch)
+        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": not ok}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.config.output) / "checkpoints"
+
+    def save(self, step: int) -> Path:
+        return ckpt.save_checkpoint(self.checkpoint_dir, step, self.ddp, self.optimizer, self.scheduler)
+
+    def maybe_resume(self) -> int:
+        if not self.config.train.resume or ckpt.latest_step(self.checkpoint_dir) is None:
+            return 0
+        return ckpt.load_checkpoint(self.checkpoint_dir, self.ddp, self.optimizer, self.scheduler)
+
+    # -- sampling ----------------------------------------------------------------------------
+    def generate_sample(self, num_samples: Optional[int] = None):
+        """CP sampling of held-out captions; returns (generated, ground truth, captions) videos on
+        the logging rank (None elsewhere)."""
+        from megatron_video.data.synthetic import ProceduralVideoDataset
+        from megatron_video.diffusion import cp_sampling as cps
+        from megatron_video.models.embedders import patchify
+
+        c, d = self.config, self.config.data
+        b = num_samples or c.train.sample_batch
+        held_out = ProceduralVideoDataset(b, num_frames=d.num_frames, height=d.height, width=d.width,
+                                          seed=d.seed + 1_000_003, caption_len=d.caption_len)
+        items = [held_out[i] for i in range(b)]
+        ids = torch.stack([it["caption_ids"] for it in items]).to(self.device)
+        mask = torch.stack([it["caption_mask"] for it in items]).to(self.device)
+        cond = (ids, mask, torch.zeros(b, dtype=torch.bool, device=self.device))
+        null = (ids, mask, torch.ones(b, dtype=torch.bool, device=self.device))
+        C = self.tcfg.patch_dim
+        N = self.seq_length // 2 if self.layout is not None else self.seq_length
+        noise = torch.stack([torch.randn(N, C, generator=sample_generator(c.train.seed, 10 ** 9, i))
+                             for i in range(b)]).to(self.device)
+        local_ids = self.batches.token_ids
+        noise_local = cps.partition_tokens(noise, local_ids)
+        df = c.diffusion
+        self.ddp.eval()
+        with torch.no_grad():
+            if self.layout is not None:
+                tf = self.objective.tf
+
+                def velocity(x, t, cnd):
+                    return self.ddp(x, t, frame_positions=tf.frame_positions, token_ids=tf.token_ids,
+                                    mask=tf.mask, caption_ids=cnd[0], caption_mask=cnd[1],
+                                    geometry=self.geometry, drop=cnd[2])
+                out = cps.sample_autoregressive(velocity, self.layout, self.cp_rank, noise_local, cond,
+                                                null_cond=null, guidance_scale=df.guidance_scale,
+                                                num_steps=df.sample_steps, shift=df.flow_shift,
+                                                progress=self.progress)
+            else:
+                def net(x, tt, cnd):
+                    return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
+                if c.objective == "edm":
+                    out = cps.sample_edm(net, noise_local, cond, null_cond=null,
+                                         guidance_scale=df.guidance_scale, sigma_data=df.sigma_data,
+                                         sampler=df.sampler, num_steps=df.sample_steps,
+                                         progress=self.progress)
+                else:
+                    out = cps.sample_flow(net, noise_local, cond, null_cond=null,
+                                          guidance_scale=df.guidance_scale, num_steps=df.sample_steps,
+                                          shift=df.flow_shift, progress=self.progress)
+            full = cps.gather_tokens(out, local_ids, self.groups.cp_group, N)
+        self.ddp.train()
+        if not self.is_logger:
+            return None
+        patch = tuple(c.model.patch_size)
+        grid = (self.geometry.frames, self.geometry.height, self.geometry.width)
+        z = c.vae.latent_channels
+        generated = cps.decode_tokens(self.vae, full.cpu(), patch, grid, z, self.latent_scale)
+        truth = torch.stack([it["video"] for it in items])
+        with torch.no_grad():
+            recon_tokens = patchify(self.vae.encode(truth) * self.latent_scale, patch)
+        recon = cps.decode_tokens(self.vae, recon_tokens, patch, grid, z, self.latent_scale)
+        return generated, truth, recon, [it["caption"] for it in items]
+
+    # -- the job -----------------------------------------------------------------------------
+    def run(self) -> Dict:
+        """Train ``config.train.steps`` steps (resuming if asked), save, sample, write outputs."""
+        from .outputs import plot_loss, write_gif, write_metrics
+
+        c, t = self.config, self.config.train
+        out_dir = Path(c.output)
+        if self.is_logger:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        writer = None
+        if self.is_logger and t.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(out_dir / "tensorboard"))
+        start = self.maybe_resume()
+        history: List[Dict] = []
+        prev = out_dir / "metrics.json"
+        if start and self.is_logger and prev.is_file():  # keep the curve of the interrupted run
+            import json
+
+            history = [h for h in json.loads(prev.read_text()).get("history", []) if h["step"] < start]
+        tokens_per_step = self.global_batch * self.seq_length
+        bar = tqdm(total=t.steps, initial=start, desc=f"train {c.model.family}", disable=not self.progress,
+                   dynamic_ncols=True)
+        wall0 = time.time()
+        last_saved = start if start else None
+        for step in range(start, t.steps):
+            t0 = time.time()
+            rec = self.train_step(step)
+            dt = time.time() - t0
+            rec.update(step=step, step_time=dt, tokens_per_s=tokens_per_step / dt)
+            if self.is_logger:
+                history.append(rec)
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                step_s=f"{dt:.2f}")
+                if writer is not None and step % t.log_interval == 0:
+                    for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time"):
+                        if rec.get(k) is not None:
+                            writer.add_scalar(f"train/{k}", rec[k], step)
+            if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
+                self.save(step + 1)
+                last_saved = step + 1
+        bar.close()
+        train_wall = time.time() - wall0
+        if t.save and t.steps > 0 and last_saved != t.steps:
+            self.save(t.steps)
+        sample = None
+        sample_wall = 0.0
+        if t.sample:
+            s0 = time.time()
+            sample = self.generate_sample()
+            sample_wall = time.time() - s0
+        metrics: Dict = {}
+        if self.is_logger:
+            metrics = self._write_outputs(history, train_wall, sample_wall, sample, out_dir, writer,
+                                          write_metrics, plot_loss, write_gif)
+        if writer is not None:
+            writer.close()
+        dist.barrier()
+        return metrics
+
+    def _write_outputs(self, history, train_wall, sample_wall, sample, out_dir, writer,
+                       write_metrics, plot_loss, write_gif) -> Dict:
+        c = self.config
+        losses = [h["loss"] for h in history]
+        k = max(1, min(10, len(losses) // 5)) if losses else 1
+        metrics = {
+            "family": c.model.family, "world_size": self.world, "vae": str(self.vae_path),
+            "parallel": {"tp": c.parallel.tensor_model_parallel_size,
+                         "pp": c.parallel.pipeline_model_parallel_size, "cp": self.cp_size,
+                         "ulysses": c.parallel.ulysses_size, "ring": c.parallel.ring_size, "dp": self.dp_size},
+            "steps": len(history), "global_batch": self.global_batch, "tokens_per_step": self.global_batch * self.seq_length,
+            "train_wall_s": train_wall, "sample_wall_s": sample_wall,
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "loss_first_mean": sum(losses[:k]) / k if losses else None,
+            "loss_last_mean": sum(losses[-k:]) / k if losses else None,
+            "tokens_per_s_mean": (sum(h["tokens_per_s"] for h in history) / len(history)) if history else None,
+            "history": history, "config": config_to_dict(c),
+        }
+        if losses:
+            plot_loss(out_dir / "loss.png", [h["step"] for h in history], losses,
+                      title=f"{c.model.family} (CP={self.cp_size}: U{c.parallel.ulysses_size} x R{c.parallel.ring_size})")
+        if sample is not None:
+            generated, truth, recon, captions = sample
+            write_gif(out_dir / "sample.gif", [truth[0], recon[0], generated[0]],
+                      labels=["data", "VAE recon", "generated"])
+            metrics["sample"] = {"caption": captions[0], "frames": int(generated.shape[2]),
+                                 "gif": str(out_dir / "sample.gif")}
+            if writer is not None:  # frames of the generated video, left to right
+                frames = ((generated[0].permute(1, 0, 2, 3) + 1) / 2).clamp(0, 1)   # [T, 3, H, W]
+                writer.add_image("sample/generated", torch.cat(list(frames), dim=2), 0)
+        write_metrics(out_dir / "metrics.json", metrics)
+        return metrics
+
+    def close(self) -> None:
+        destroy_video_parallel()
+        destroy_model_parallel()
+
+
+def train(config: Config, progress: Optional[bool] = None) -> Dict:
+    """Run a whole job in this process (one rank); initialises and tears down what it set up."""
+    owns = init_distributed()
+    trainer = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
+            trainer = Trainer(config, progress=progress)
+            return trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,106 @@
+"""The short VAE stage: train the project's small causal video VAE once and cache its weights.
+
+The DiTs train on latents of ``models.vae.CausalVideoVAE``. Its weights come from this stage
+(``megatron-video train-vae``, or automatically before the first training run): a few hundred Adam
+steps on procedural videos, single process, deterministic. The result is cached under
+``vae.cache_dir`` keyed by a hash of everything that affects it, together with ``latent_scale``
+(1 / std of the latent means), which maps latents to unit variance for the diffusion model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+from tqdm.auto import tqdm
+
+from megatron_video.data.synthetic import ProceduralVideoDataset
+from megatron_video.models.vae import CausalVideoVAE
+
+from .config import Config
+
+__all__ = ["vae_cache_path", "train_vae", "load_vae", "ensure_vae"]
+
+_VAE_DATA_SEED = 9173   # the VAE sees its own sample stream, not the DiT's
+
+
+def _key(config: Config) -> dict:
+    v, d = config.vae, config.data
+    return dict(latent_channels=v.latent_channels, base_channels=v.base_channels,
+                train_steps=v.train_steps, batch_size=v.batch_size, lr=v.lr, kl_weight=v.kl_weight,
+                num_frames=d.num_frames, height=d.height, width=d.width, version=1)
+
+
+def vae_cache_path(config: Config) -> Path:
+    """Where the cached VAE for ``config`` lives (or ``vae.weights`` when given)."""
+    if config.vae.weights:
+        return Path(config.vae.weights)
+    digest = hashlib.sha1(json.dumps(_key(config), sort_keys=True).encode()).hexdigest()[:12]
+    return Path(config.vae.cache_dir) / f"vae-{digest}.pt"
+
+
+def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
+    """Train the VAE per ``config.vae`` on procedural videos and save it to ``path`` (atomically)."""
+    v, d = config.vae, config.data
+    g = torch.Generator().manual_seed(_VAE_DATA_SEED)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_VAE_DATA_SEED)
+        vae = CausalVideoVAE(3, v.latent_channels, v.base_channels)
+    data = ProceduralVideoDataset(1 << 30, num_frames=d.num_frames, height=d.height, width=d.width,
+                                  seed=_VAE_DATA_SEED)
+    opt = torch.optim.Adam(vae.parameters(), lr=v.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(1, v.train_steps), eta_min=v.lr * 0.05)
+    history, start = [], time.time()
+    bar = tqdm(range(v.train_steps), desc="vae", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        video = torch.stack([data[step * v.batch_size + i]["video"] for i in range(v.batch_size)])
+        loss, parts = vae.loss(video, kl_weight=v.kl_weight, generator=g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        history.append(float(parts["recon"]))
+        bar.set_postfix(recon=f"{history[-1]:.4f}")
+    with torch.no_grad():  # latent scale from fresh samples
+        probe = torch.stack([data[(1 << 29) + i]["video"] for i in range(8)])
+        std = float(vae.encode(probe).std())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"state_dict": vae.state_dict(), "latent_scale": 1.0 / max(std, 1e-6),
+                "key": _key(config), "recon_history": history,
+                "train_seconds": time.time() - start}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_vae(path: Path, config: Optional[Config] = None) -> Tuple[CausalVideoVAE, float]:
+    """``(vae in eval mode, latent_scale)`` from a file written by ``train_vae``."""
+    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    key = blob.get("key", {})
+    lc = key.get("latent_channels", config.vae.latent_channels if config else 4)
+    bc = key.get("base_channels", config.vae.base_channels if config else 16)
+    if config is not None and (lc, bc) != (config.vae.latent_channels, config.vae.base_channels):
+        raise ValueError(f"vae.weights ({path}) hold a VAE with latent_channels={lc}, base_channels={bc}; "
+                         f"the config asks for {config.vae.latent_channels}, {config.vae.base_channels}")
+    vae = CausalVideoVAE(3, lc, bc)
+    vae.load_state_dict(blob["state_dict"])
+    vae.eval().requires_grad_(False)
+    return vae, float(blob["latent_scale"])
+
+
+def ensure_vae(config: Config, progress: bool = True) -> Path:
+    """The VAE file for ``config``: the given weights, the cache, or a freshly trained one."""
+    path = vae_cache_path(config)
+    if path.is_file():
+        return path
+    if config.vae.weights:
+        raise ValueError(f"vae.weights ({config.vae.weights!r}) must be an existing file")
+    if progress:
+        print(f"[megatron-video] training the VAE once ({config.vae.train_steps} steps), cached at {path}",
+              flush=True)
+    return train_vae(config, path, progress=progress)
