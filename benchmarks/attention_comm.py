@@ -63,12 +63,13 @@ def _rank_bench(seq, heads, kv_heads, dim, iters):
             for m in MASKS:
                 mask = _mask(m, seq)
                 st = RingStats()
-                dist_attention(q, k, v, groups, mask=mask, stats=st)
+                dist_attention(q, k, v, groups, mask=mask, scheme=mask.default_scheme, stats=st)
                 skipped[m] = (st.blocks_skipped, st.blocks)
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(iters):
-                    dist_attention(q, k, v, groups, mask=mask).sum().backward()
+                    dist_attention(q, k, v, groups, mask=mask,
+                                   scheme=mask.default_scheme).sum().backward()
                 dist.barrier()
                 times[m] = (time.perf_counter() - t0) / iters
             rows.append(dict(name=name, U=U, R=R, comm=comm, skipped=skipped, times=times))

@@ -34,7 +34,15 @@ echo "== 3/3 bandwidth and throughput =="
 "$PY" benchmarks/ops.py --device cuda --repeat 10 --dense-frames 32 --ref-rows 32
 
 # ---------------------------------------------------------------------------------------------
-# ATTENTION / TRANSFORMER ENGINE COMPARISON: to be appended here (2D attention vs TE a2a+p2p).
+echo "== attention: kernels and dist_attention vs a float64 oracle, TransformerEngine baseline, throughput =="
+# Budget: what is left of ~255s (at most 110s); the script stops starting new cases past it and a
+# hard timeout backs it up, so the whole check stays inside 5 minutes. TE a2a+p2p needs >1 GPU: CP=1.
+ATTN_BUDGET=$(( 255 - SECONDS )); if (( ATTN_BUDGET > 110 )); then ATTN_BUDGET=110; fi
+if (( ATTN_BUDGET < 20 )); then ATTN_BUDGET=20; fi
+ATTN_RC=0
+timeout -k 5 $(( ATTN_BUDGET + 30 )) "$PY" benchmarks/gpu_attention.py --device cuda --budget "${ATTN_BUDGET}" || ATTN_RC=$?
+echo "attention done at ${SECONDS}s (exit ${ATTN_RC})"
+if (( ATTN_RC != 0 )); then exit "${ATTN_RC}"; fi
 # ---------------------------------------------------------------------------------------------
 
 echo "gpu_check: done in ${SECONDS}s"

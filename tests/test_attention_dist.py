@@ -3,9 +3,8 @@
 Every rank builds the same full q, k, v, dout, computes the oracle (and its gradients) on one
 process, runs ``dist_attention`` on its shard and compares its shard of the outputs AND of dq, dk,
 dv; together the ranks cover the whole sequence (``shard_sequence`` is a tested bijection). Many
-cases run inside one ``pool.run``, and every multi-rank test of the attention package (including
-the Megatron GPTModel check) uses the one 8-rank pool of this module: starting a pool costs far more
-than the cases. CP degrees below 8 run as DP replicas of the same case.
+cases run inside one ``pool.run``; all of them use the 8-rank pool (CP degrees below 8 run as DP
+replicas of the same case), so the attention tests start no other pool.
 """
 import torch
 import torch.distributed as dist
@@ -289,7 +288,7 @@ def _tracer_cases():
             k = torch.randn(b, s_local, hk, d, generator=g).requires_grad_()
             v = torch.randn(b, s_local, hk, d, generator=g).requires_grad_()
             with CommTracer() as t:
-                out_ = dist_attention(q, k, v, groups, mask=masks.causal())
+                out_ = dist_attention(q, k, v, groups, mask=masks.causal(), scheme="zigzag")
                 out_.sum().backward()
             rec = {key: t.bytes(op, direction=dr) for key, (op, dr) in dict(
                 a2a_fwd=("all_to_all", "fwd"), a2a_bwd=("all_to_all", "bwd"), ring_fwd=("send", "fwd"),
@@ -355,7 +354,7 @@ def _error_cases():
         for qs in [(1, 8 if odd else 6, 4, 4), (1, 6, 8 if odd else 4, 4)]:
             try:
                 dist_attention(torch.randn(qs), torch.randn(qs), torch.randn(qs), groups,
-                               mask=masks.causal())
+                               mask=masks.causal(), scheme="zigzag")
                 msgs.append(("differ between ranks", "no error", -1))
             except ValueError as e:
                 msgs.append(("differ between ranks", str(e), 0))
@@ -376,90 +375,3 @@ def test_errors_before_collectives_and_shape_mismatch(pool8):
         for frag, msg, n_events in msgs:
             assert frag in msg, (rank, frag, msg)
             assert n_events == 0, f"rank {rank}: {frag!r} raised only after {n_events} comm calls"
-
-
-# ------------------------------------------------------------------------------------------
-# GPTModel: TP=2 x CP=2 / CP=4 (2D attention) == TP=2 x CP=1 (Megatron's DotProductAttention)
-# ------------------------------------------------------------------------------------------
-B, S, VOCAB, STEPS = 2, 16, 64, 2
-
-
-def _gpt_run(cp, ulysses_size, spec_name):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_video.models import specs
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
-    from megatron_video.compat.megatron_api import cpu_transformer_config_kwargs
-    from megatron_video.layouts import global_token_ids, shard_sequence
-    from megatron_video.parallel import all_reduce, destroy_video_parallel, init_video_parallel
-
-    initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=cp)
-    try:
-        groups = init_video_parallel(ulysses_size, ranks_per_node=dist.get_world_size()) if cp > 1 else None
-        model_parallel_cuda_manual_seed(123)
-        torch.manual_seed(123)
-        config = TransformerConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-            attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=2,
-            context_parallel_size=cp, **cpu_transformer_config_kwargs())
-        spec = getattr(specs, spec_name) if spec_name else get_gpt_layer_local_spec()
-        model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=S,
-                         position_embedding_type="learned_absolute")
-        g = torch.Generator().manual_seed(7)
-        tokens = torch.randint(0, VOCAB, (B, S + 1), generator=g)
-        inputs, labels, pos = tokens[:, :-1], tokens[:, 1:], torch.arange(S)[None].expand(B, S)
-        if groups is not None:  # Megatron's zigzag CP layout (get_batch_on_this_cp_rank)
-            inputs, labels, pos = (shard_sequence(x, groups, dim=1, scheme="zigzag")
-                                   for x in (inputs, labels, pos))
-            assert torch.equal(pos[0], global_token_ids(groups, S, "zigzag"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses = []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            per_token = model(inputs, pos, None, labels=labels)
-            loss = per_token.sum() / (B * S)  # normalised by the GLOBAL token count
-            loss.backward()
-            total = loss.detach().clone()
-            if groups is not None:  # what Megatron's DDP does over the dp x cp group
-                all_reduce(total, groups.cp_group)
-                for p in model.parameters():
-                    all_reduce(p.grad, groups.cp_group)
-            losses.append(float(total))
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            opt.step()
-        from megatron.core import parallel_state as ps
-        return ps.get_tensor_model_parallel_rank(), losses, grads
-    finally:
-        destroy_video_parallel()
-        destroy_model_parallel()
-
-
-def _gpt_cases():
-    return {name: _gpt_run(*args) for name, args in {
-        "reference": (1, 1, None),
-        "ulysses_u2": (2, 2, "gpt_layer_local_2d_spec"),
-        "ring_r2": (2, 1, "gpt_layer_local_2d_spec"),
-        "2d_u2_r2": (4, 2, "gpt_layer_local_2d_spec"),
-    }.items()}
-
-
-def test_megatron_gpt_tp2_cp2_and_cp4_match_cp1(pool8):
-    """Megatron's GPTModel with with_2d_attention trains on CPU at TP=2 x CP=2 (pure Ulysses, pure
-    ring) and TP=2 x CP=4 (2x2) exactly like its own local spec at TP=2 x CP=1."""
-    per_rank = pool8.run(_gpt_cases)
-    for rank, res in enumerate(per_rank):
-        tp_rank, ref_losses, ref_grads = res["reference"]
-        assert ref_losses[1] < ref_losses[0]  # it trains
-        for name in ("ulysses_u2", "ring_r2", "2d_u2_r2"):
-            tp2, losses, grads = res[name]
-            assert tp2 == tp_rank
-            err = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            assert err < 1e-5, (rank, name, losses, ref_losses)
-            assert grads.keys() == ref_grads.keys()
-            for n, g in grads.items():
-                err = float((g - ref_grads[n]).abs().max() / max(1e-3, float(ref_grads[n].abs().max())))
-                assert err < 1e-4, (rank, name, n, err)

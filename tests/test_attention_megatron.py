@@ -1,11 +1,10 @@
-"""The Megatron drop-in without processes: spec surgery and the adapter's input checks.
-
-The GPTModel check (TP=2 x CP=2 and CP=4 train exactly like CP=1) is multi-rank and lives in
-``test_attention_dist.py`` so that it shares that module's worker pool."""
+"""The Megatron drop-in: spec surgery, the adapter's checks and layout, and a GPTModel with 2D
+attention at TP=2 x CP=2 / CP=4 training exactly like Megatron's own local spec at TP=2 x CP=1."""
 import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -103,3 +102,98 @@ def test_adapter_single_process_matches_megatron_layout():
     assert torch.allclose(out, ref.transpose(0, 1).reshape(6, 2, 64), atol=1e-6)
     with pytest.raises(ValueError, match="attention_bias is not supported"):
         m(q, k, v, None, attention_bias=torch.zeros(1))
+    # packed THD input: [t, h, d], documents from cu_seqlens, causal inside each
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out = m(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=thd)
+    doc = torch.tensor([0, 0, 1, 1, 1, 1])
+    allow = (doc[:, None] == doc[None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
+    ref, _ = local_attention(q[:, :1].transpose(0, 1), k[:, :1].transpose(0, 1), v[:, :1].transpose(0, 1),
+                             allow, 0.2)
+    assert out.shape == (6, 64) and torch.allclose(out, ref[0].reshape(6, 64), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# GPTModel: TP=2 x CP=2 / CP=4 (2D attention) == TP=2 x CP=1 (Megatron's DotProductAttention)
+# ------------------------------------------------------------------------------------------
+B, S, VOCAB, STEPS = 2, 16, 64, 2
+
+
+def _gpt_run(cp, ulysses_size, spec_name):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.compat.megatron_api import cpu_transformer_config_kwargs
+    from megatron_video.layouts import global_token_ids, shard_sequence
+    from megatron_video.parallel import all_reduce, destroy_video_parallel, init_video_parallel
+
+    initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=cp)
+    try:
+        groups = init_video_parallel(ulysses_size, ranks_per_node=dist.get_world_size()) if cp > 1 else None
+        model_parallel_cuda_manual_seed(123)
+        torch.manual_seed(123)
+        config = TransformerConfig(
+            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+            attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=2,
+            context_parallel_size=cp, **cpu_transformer_config_kwargs())
+        spec = getattr(specs, spec_name) if spec_name else get_gpt_layer_local_spec()
+        model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=S,
+                         position_embedding_type="learned_absolute")
+        g = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, VOCAB, (B, S + 1), generator=g)
+        inputs, labels, pos = tokens[:, :-1], tokens[:, 1:], torch.arange(S)[None].expand(B, S)
+        if groups is not None:  # Megatron's zigzag CP layout (get_batch_on_this_cp_rank)
+            inputs, labels, pos = (shard_sequence(x, groups, dim=1, scheme="zigzag")
+                                   for x in (inputs, labels, pos))
+            assert torch.equal(pos[0], global_token_ids(groups, S, "zigzag"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            per_token = model(inputs, pos, None, labels=labels)
+            loss = per_token.sum() / (B * S)  # normalised by the GLOBAL token count
+            loss.backward()
+            total = loss.detach().clone()
+            if groups is not None:  # what Megatron's DDP does over the dp x cp group
+                all_reduce(total, groups.cp_group)
+                for p in model.parameters():
+                    all_reduce(p.grad, groups.cp_group)
+            losses.append(float(total))
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()
+        from megatron.core import parallel_state as ps
+        return ps.get_tensor_model_parallel_rank(), losses, grads
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+
+
+def _gpt_cases():
+    return {name: _gpt_run(*args) for name, args in {
+        "reference": (1, 1, None),
+        "ulysses_u2": (2, 2, "gpt_layer_local_2d_spec"),
+        "ring_r2": (2, 1, "gpt_layer_local_2d_spec"),
+        "2d_u2_r2": (4, 2, "gpt_layer_local_2d_spec"),
+    }.items()}
+
+
+def test_megatron_gpt_tp2_cp2_and_cp4_match_cp1(pool8):
+    """Megatron's GPTModel with with_2d_attention trains on CPU at TP=2 x CP=2 (pure Ulysses, pure
+    ring) and TP=2 x CP=4 (2x2) exactly like its own local spec at TP=2 x CP=1."""
+    per_rank = pool8.run(_gpt_cases)
+    for rank, res in enumerate(per_rank):
+        tp_rank, ref_losses, ref_grads = res["reference"]
+        assert ref_losses[1] < ref_losses[0]  # it trains
+        for name in ("ulysses_u2", "ring_r2", "2d_u2_r2"):
+            tp2, losses, grads = res[name]
+            assert tp2 == tp_rank
+            err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            assert err < 1e-5, (rank, name, losses, ref_losses)
+            assert grads.keys() == ref_grads.keys()
+            for n, g in grads.items():
+                err = float((g - ref_grads[n]).abs().max() / max(1e-3, float(ref_grads[n].abs().max())))
+                assert err < 1e-4, (rank, name, n, err)

@@ -9,8 +9,9 @@ forward-backward on a global batch of 4 samples runs
 * with TP = 2 x CP = 2 (TP inside a node, the CP ring across nodes) and 4 micro-batches;
 
 with the same injected noise / timesteps / CFG drops (drawn per sample). Compared: the loss, every
-parameter's gradient after Megatron's gradient reduction (TP shards gathered), and the initial
-weights (every layout starts from the same full weights). PP = 2 x CP = 2: the same step with the
+parameter's gradient after Megatron's gradient reduction (TP shards gathered), the initial
+weights (every layout starts from the same full weights), and a context-parallel sample
+(guided Heun / Euler / block-autoregressive sampling from the same noise). PP = 2 x CP = 2: the same step with the
 reference weights loaded per stage; the replicated conditioning embedders have identical
 gradients on both stages, equal to the reference.
 """
@@ -36,7 +37,7 @@ def tiny_config(family: str, tmp: str, **parallel) -> Config:
         parallel=dict(parallel),
         data=dict(num_frames=13, height=16, width=16, num_samples=64),
         vae=dict(base_channels=4, train_steps=1, batch_size=1, cache_dir=f"{tmp}/cache"),
-        diffusion=dict(cfg_dropout=0.5),
+        diffusion=dict(cfg_dropout=0.5, sample_steps=3),
         train=dict(steps=2, micro_batch_size=1, global_batch_size=4, lr=1e-3, warmup_steps=0,
                    sample=False, progress=False, tensorboard=False, save=False, resume=False),
         output=f"{tmp}/run",
@@ -120,7 +121,8 @@ def _run_cases(family: str, tmp: str, cases: dict) -> dict:
             _load_full(trainer, _perturbed(ref_init if trainer.tcfg.pipeline_model_parallel_size > 1
                                            else init))
             loss = trainer.forward_backward(0)
-            out[label] = dict(loss=loss, params=init, grads=_full(trainer, "grad"),
+            sample = trainer.sample_tokens(1) if trainer.tcfg.pipeline_model_parallel_size == 1 else None
+            out[label] = dict(loss=loss, params=init, grads=_full(trainer, "grad"), sample=sample,
                               stage=int(trainer.first_stage) + 2 * int(trainer.last_stage),
                               cp_rank=trainer.cp_rank)
         finally:
@@ -163,6 +165,9 @@ def test_step_matches_single_rank(pool4, vae_dir, family):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (family, label, rank)
             _check_close(got["params"], ref["params"], "initial weight", f"{family}/{label}/rank{rank}")
             _check_close(got["grads"], ref["grads"], "gradient", f"{family}/{label}/rank{rank}")
+            # context-parallel sampling (partition, denoise in parallel, gather) == one rank
+            assert_close(got["sample"], ref["sample"], rtol=1e-4, atol=1e-4,
+                         msg=lambda m: f"{family}/{label} sample: {m}")
     assert sorted(r["cp4_u2xr2"]["cp_rank"] for r in per_rank) == [0, 1, 2, 3]
 
 

@@ -362,6 +362,14 @@ def _tp2_cp2_case(case):
             res["params"][n] = all_gather_cat(p.detach().double(), tp, p.partition_dim)
             res["grads"][n] = all_gather_cat(p.grad.double(), tp, p.partition_dim)
     res["tp_rank"], res["cp_rank"] = ps.get_tensor_model_parallel_rank(), groups.cp_rank
+    from megatron_video.models.dit_blocks import DiTSelfAttention
+
+    cfg = _config(H)
+    cfg.qk_layernorm = False   # Megatron would not sum the QK-norm gradients over TP
+    try:
+        DiTSelfAttention(cfg)
+    except ValueError as e:
+        res["qk_error"] = str(e)
     return res
 
 
@@ -554,6 +562,8 @@ def test_stdit_block_tp2_cp2_matches_oracle(pool4):
                 grads[n] = a["grads"][n]
         per_cp.append(dict(a, grads=grads))
     assert len(per_cp) == 2 and "mlp.linear_fc1.weight" in per_cp[0]["sharded"]
+    assert all("config.qk_layernorm (False) must be True when tensor_model_parallel_size (2)"
+               in r.get("qk_error", "") for r in out)
     _check_against_oracle(case, per_cp, 1)
 
 

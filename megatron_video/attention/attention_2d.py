@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..layouts.zigzag import SCHEMES, check_seq_len, concat_global_ids
+from ..layouts.zigzag import SCHEMES, check_seq_len, concat_global_ids, recorded_scheme
 from ..parallel.comm import check_same_shape
 from ..parallel.topology import local_groups
 from . import kernels
@@ -30,14 +30,34 @@ from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 __all__ = ["dist_attention", "ring_token_ids", "resolve_scheme"]
 
 
-def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str]) -> str:
-    """``scheme`` or the mask's default (``"contiguous"`` when there is no mask)."""
+def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=None) -> str:
+    """The sequence layout ``dist_attention`` assumes for its inputs.
+
+    ``scheme`` when given. Otherwise (``scheme=None``) the layout cannot be read off the data, so:
+
+    * with one CP rank (``groups`` None or ``cp_size == 1``) both schemes are the identity, and with
+      no mask or ``masks.full()`` the result does not depend on token positions at all: any layout
+      is exact (``"contiguous"`` is used);
+    * otherwise the scheme of the most recent ``layouts.shard_sequence`` / ``global_token_ids`` call
+      made with these ``groups`` (recorded on them) is used;
+    * with no such call, ``ValueError``: a mask on global token indices would be silently wrong
+      under a guessed layout (``mask.default_scheme`` is only the layout that balances the mask).
+    """
     if mask is not None and not isinstance(mask, AttentionMask):
         raise ValueError(f"mask ({type(mask).__name__}) must be None or a megatron_video.attention."
                          f"masks.AttentionMask (build one with masks.full/causal/block_causal/packed/"
                          f"predicate)")
     if scheme is None:
-        scheme = mask.default_scheme if mask is not None else "contiguous"
+        cp_size = 1 if groups is None else groups.cp_size
+        if cp_size == 1 or mask is None or mask.position_independent:
+            return "contiguous"
+        scheme = recorded_scheme(groups)
+        if scheme is None:
+            raise ValueError(
+                f"scheme (None) cannot be inferred for mask {mask!r} over {cp_size} CP ranks: pass "
+                f"scheme='zigzag' or 'contiguous' (the layout of q, k, v), or lay them out with "
+                f"layouts.shard_sequence(x, groups, dim=1, scheme=...), whose scheme is then used "
+                f"(this mask's balanced layout is {mask.default_scheme!r})")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} or None")
     return scheme
@@ -86,6 +106,13 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme):
         raise ValueError(f"s_local ({q.shape[1]}) must be even for scheme 'zigzag' (each CP rank "
                          f"holds two of 2*cp_size = {2 * N} chunks)")
     check_seq_len(q.shape[1] * N, N, scheme)
+    if mask is not None:  # a bad predicate must fail here, not inside the ring with P2P in flight
+        one = torch.zeros(1, dtype=torch.long)
+        m = mask.dense(one, one)
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (1, 1):
+            raise ValueError(f"mask ({mask!r}).dense(q_ids, k_ids) must return a bool tensor "
+                             f"[len(q_ids), len(k_ids)] (got {type(m).__name__} "
+                             f"{getattr(m, 'dtype', '')} {tuple(getattr(m, 'shape', ()))})")
 
 
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=None,
@@ -97,11 +124,14 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` laid out by
     ``layouts.shard_sequence(x, groups, dim=1, scheme=scheme)``; returns ``[b, s_local, h, d]`` in
     the same layout. ``groups`` is a ``VideoParallelGroups`` (None: one process, no communication).
-    ``scheme=None`` uses ``mask.default_scheme``. ``stats`` (a ``RingStats``) counts ring steps and
-    skipped sub-blocks. Input errors raise ``ValueError`` before any collective; shapes that differ
+    ``scheme=None``: see ``resolve_scheme`` (exact or ``ValueError``, never a guessed layout); with
+    one CP rank both layouts are the identity and any ``s_local`` is fine. ``stats`` (a
+    ``RingStats``) counts ring steps and skipped sub-blocks. Input errors raise ``ValueError`` before any collective; shapes that differ
     between the CP ranks raise ``ValueError`` on every rank instead of hanging.
     """
-    scheme = resolve_scheme(mask, scheme)
+    scheme = resolve_scheme(mask, scheme, groups)
+    if groups is None or groups.cp_size == 1:
+        scheme = "contiguous"  # one CP rank: both layouts are the identity (any s_local)
     _validate(q, k, v, groups, mask, softmax_scale, backend, scheme)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if groups is None:

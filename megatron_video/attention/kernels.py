@@ -263,8 +263,10 @@ def _flex_fwd(q, k, v, m4, scale):
                                        q.shape[1], k.shape[1], device=q.device)
     with warnings.catch_warnings():  # eager (uncompiled) flex on CPU is expected, not a mistake
         warnings.simplefilter("ignore", UserWarning)
+        # detached: our own autograd function owns the backward (flex has none on CPU)
         out, lse = _compiled_flex(q.device.type)(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
+            q.detach().transpose(1, 2), k.detach().transpose(1, 2), v.detach().transpose(1, 2),
+            block_mask=block_mask, scale=scale,
             enable_gqa=k.shape[2] != h, return_lse=True)
     out, lse = out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
     dead = _dead_rows(m4)

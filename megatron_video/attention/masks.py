@@ -20,9 +20,12 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 class AttentionMask:
-    """Base class. ``default_scheme`` is the sequence layout that balances this mask's work."""
+    """Base class. ``default_scheme`` is the sequence layout that balances this mask's work;
+    ``position_independent`` is True only when the mask ignores token positions (``full()``), so
+    that any sequence layout gives the same attention."""
 
     default_scheme = "contiguous"
+    position_independent = False
 
     def dense(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
         """Bool ``[len(q_ids), len(k_ids)]``; True where query ``q_ids[i]`` may attend ``k_ids[j]``."""
@@ -39,6 +42,8 @@ class AttentionMask:
 
 
 class _Full(AttentionMask):
+    position_independent = True
+
     def dense(self, q_ids, k_ids):
         return torch.ones(len(q_ids), len(k_ids), dtype=torch.bool, device=q_ids.device)
 

@@ -178,6 +178,7 @@ class ARVideoDiT(MegatronModule):
             raise ValueError(f"patch_size ({config.patch_size}) must have a temporal patch of 1 for "
                              f"the AR DiT (a latent frame is the autoregressive unit)")
         self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = False   # read by Megatron's finalize_model_grads
         self.pre_process, self.post_process = pre_process, post_process
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.cond_seed)

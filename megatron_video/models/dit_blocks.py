@@ -194,6 +194,10 @@ def _heads(config: TransformerConfig) -> Tuple[int, int, int]:
         raise ValueError(f"num_attention_heads ({H}) must be divisible by num_query_groups ({Hkv})")
     if Hkv % tp:
         raise ValueError(f"num_query_groups ({Hkv}) must be divisible by tensor_model_parallel_size ({tp})")
+    if tp > 1 and not config.qk_layernorm:
+        # Megatron's finalize_model_grads sums the per-head norm weights' TP partials only then
+        raise ValueError(f"config.qk_layernorm ({config.qk_layernorm}) must be True when "
+                         f"tensor_model_parallel_size ({tp}) > 1 (QK-norm gradients are summed over TP)")
     return H, Hkv, config.kv_channels
 
 

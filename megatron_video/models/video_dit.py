@@ -257,6 +257,7 @@ class VideoDiT(MegatronModule):
                  layer_spec: Optional[ModuleSpec] = None, vp_stage: Optional[int] = None):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = False   # read by Megatron's finalize_model_grads
         self.pre_process, self.post_process = pre_process, post_process
         # Identical conditioning embedders on every stage / rank: seeded apart from the global RNG.
         with torch.random.fork_rng(devices=[]):

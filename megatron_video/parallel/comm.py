@@ -234,7 +234,8 @@ class RingExchange:
     """Post sends to the next ring rank and receives from the previous one; ``wait()`` for them.
 
     ``shift=+1`` sends to ``(i+1) % R`` and receives from ``(i-1) % R``; ``shift=-1`` the reverse
-    (used to send dK/dV back to their owners). Posting happens in ``__init__`` so callers overlap
+    (used to send dK/dV back to their owners); a shift that is a multiple of ``R`` (or a ring of
+    one) copies locally, with no communication. Posting happens in ``__init__`` so callers overlap
     the transfer with compute on the current block.
     """
 
@@ -245,8 +246,12 @@ class RingExchange:
         me = group_rank(group)
         self.dst = ranks[(me + shift) % n]
         self.src = ranks[(me - shift) % n]
-        self.recv = [torch.empty_like(t) for t in tensors]
+        # contiguous receive buffers: gloo rejects strided ones, and senders send contiguous data
+        self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         self._reqs = []
+        if self.dst == ranks[me]:  # shift % n == 0 (e.g. a ring of one): nothing leaves this rank
+            self.recv = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+            tensors = []
         for i, t in enumerate(tensors):
             t = t.contiguous()
             _record("send", group, t.nbytes, tag, direction, peers=[ranks[me], self.dst])
@@ -274,7 +279,7 @@ class _RingShift(torch.autograd.Function):
 
 def ring_shift(x: torch.Tensor, group, shift: int = 1, tag: str = "") -> torch.Tensor:
     """Autograd ring exchange: returns the tensor of ring rank ``(i - shift) % R``."""
-    if group_size(group) == 1:
+    if shift % group_size(group) == 0:  # a ring of one, or a full turn: the identity
         return x
     return _RingShift.apply(x, group, shift, tag)
 

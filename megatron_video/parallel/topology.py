@@ -164,18 +164,23 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
     ug, rg = local_groups(cp_ranks, ulysses_size, ring_size, placement)
     me = dist.get_rank()
     my_ug = next(g for g in ug if me in g)
-    nodes = sorted({r // rpn for r in my_ug})
-    if len(nodes) > 1:
-        raise ValueError(
-            f"ulysses_size ({ulysses_size}) with placement {placement!r}: the all-to-all group "
-            f"{my_ug} spans nodes {nodes} at ranks_per_node ({rpn}); the Ulysses group must lie "
-            f"inside one node (tensor_model_parallel_size * ulysses_size = {tp_size * ulysses_size} "
-            f"<= ranks_per_node for 'ulysses_inner'; the whole CP group for 'ring_inner')")
 
-    # Every rank learns every CP group so that group creation is called identically everywhere.
+    # Every rank learns every CP group so that group creation is called identically everywhere,
+    # and so that the placement check below gives the same verdict on every rank (no rank may
+    # raise while the others go on into a collective).
     all_cp = [None] * world
     dist.all_gather_object(all_cp, cp_ranks)
     cp_groups = sorted({tuple(g) for g in all_cp})
+    for g in cp_groups:
+        for a2a_group in local_groups(list(g), ulysses_size, ring_size, placement)[0]:
+            nodes = sorted({r // rpn for r in a2a_group})
+            if len(nodes) > 1:
+                raise ValueError(
+                    f"ulysses_size ({ulysses_size}) with placement {placement!r}: the all-to-all "
+                    f"group {a2a_group} spans nodes {nodes} at ranks_per_node ({rpn}); the Ulysses "
+                    f"group must lie inside one node (tensor_model_parallel_size * ulysses_size = "
+                    f"{tp_size * ulysses_size} <= ranks_per_node for 'ulysses_inner'; the whole CP "
+                    f"group for 'ring_inner')")
 
     # Reuse Megatron's hierarchical groups when they are exactly ours.
     hier = ps.get_hierarchical_context_parallel_groups(check_initialized=False)

@@ -24,6 +24,7 @@ import traceback
 from typing import Any, Callable, List, Optional
 
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
 __all__ = ["WorkerPool", "RankError"]
 
@@ -119,6 +120,9 @@ def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_
         os.environ.update(_node_env(rank, world_size, rpn))
         try:
             out = fn(*args, **kwargs)
+            # Fail here, not in the queue's feeder thread (whose errors would never reach the
+            # parent, which would then wait for the timeout), when a result cannot be pickled.
+            ForkingPickler.dumps(out)
             result_q.put((task_id, rank, True, out))
         except BaseException:  # report everything, including assertion errors
             result_q.put((task_id, rank, False, traceback.format_exc()))

@@ -78,6 +78,7 @@ class VAESection:
     batch_size: int = 4
     lr: float = 2e-3
     kl_weight: float = 1e-6
+    foreground_weight: float = 4.0         # extra loss weight on the shapes' pixels
     halo_latents: Optional[int] = None     # default: the encoder's temporal receptive field
 
 
@@ -144,11 +145,21 @@ def _section_from_dict(cls, data: Any, where: str):
         return cls()
     if not isinstance(data, dict):
         raise ValueError(f"{where} ({data!r}) must be a mapping")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
-    return cls(**data)
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    return cls(**{k: _coerce(v, fields[k].type, f"{where}.{k}") for k, v in data.items()})
+
+
+def _coerce(value, annotation, name: str):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string: accept it for float fields."""
+    if isinstance(value, str) and "float" in str(annotation):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name} ({value!r}) must be a number") from None
+    return value
 
 
 def config_from_dict(data: Optional[dict]) -> Config:

@@ -219,26 +219,31 @@ class Trainer:
         return Path(self.config.output) / "checkpoints"
 
     def save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.checkpoint_dir, step, self.ddp, self.optimizer, self.scheduler)
+        return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler)
 
     def maybe_resume(self) -> int:
         if not self.config.train.resume or ckpt.latest_step(self.checkpoint_dir) is None:
             return 0
-        return ckpt.load_checkpoint(self.checkpoint_dir, self.ddp, self.optimizer, self.scheduler)
+        return ckpt.load_checkpoint(self.checkpoint_dir, self.model, self.optimizer, self.scheduler)
 
     # -- sampling ----------------------------------------------------------------------------
-    def generate_sample(self, num_samples: Optional[int] = None):
-        """CP sampling of held-out captions; returns (generated, ground truth, captions) videos on
-        the logging rank (None elsewhere)."""
+    def _held_out(self, b: int):
         from megatron_video.data.synthetic import ProceduralVideoDataset
-        from megatron_video.diffusion import cp_sampling as cps
-        from megatron_video.models.embedders import patchify
 
-        c, d = self.config, self.config.data
-        b = num_samples or c.train.sample_batch
+        d = self.config.data
         held_out = ProceduralVideoDataset(b, num_frames=d.num_frames, height=d.height, width=d.width,
                                           seed=d.seed + 1_000_003, caption_len=d.caption_len)
-        items = [held_out[i] for i in range(b)]
+        return [held_out[i] for i in range(b)]
+
+    def sample_tokens(self, num_samples: Optional[int] = None) -> torch.Tensor:
+        """Context-parallel sampling of held-out captions (collective): the noise of the whole
+        sequence is partitioned with the model's layout, denoised in parallel (classifier-free
+        guidance, the configured sampler) and gathered. Returns the clean tokens ``[b, N, C]``."""
+        from megatron_video.diffusion import cp_sampling as cps
+
+        c, df = self.config, self.config.diffusion
+        b = num_samples or c.train.sample_batch
+        items = self._held_out(b)
         ids = torch.stack([it["caption_ids"] for it in items]).to(self.device)
         mask = torch.stack([it["caption_mask"] for it in items]).to(self.device)
         cond = (ids, mask, torch.zeros(b, dtype=torch.bool, device=self.device))
@@ -249,36 +254,48 @@ class Trainer:
                              for i in range(b)]).to(self.device)
         local_ids = self.batches.token_ids
         noise_local = cps.partition_tokens(noise, local_ids)
-        df = c.diffusion
         self.ddp.eval()
-        with torch.no_grad():
-            if self.layout is not None:
-                tf = self.objective.tf
+        try:
+            with torch.no_grad():
+                if self.layout is not None:
+                    tf = self.objective.tf
 
-                def velocity(x, t, cnd):
-                    return self.ddp(x, t, frame_positions=tf.frame_positions, token_ids=tf.token_ids,
-                                    mask=tf.mask, caption_ids=cnd[0], caption_mask=cnd[1],
-                                    geometry=self.geometry, drop=cnd[2])
-                out = cps.sample_autoregressive(velocity, self.layout, self.cp_rank, noise_local, cond,
-                                                null_cond=null, guidance_scale=df.guidance_scale,
-                                                num_steps=df.sample_steps, shift=df.flow_shift,
-                                                progress=self.progress)
-            else:
-                def net(x, tt, cnd):
-                    return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
-                if c.objective == "edm":
-                    out = cps.sample_edm(net, noise_local, cond, null_cond=null,
-                                         guidance_scale=df.guidance_scale, sigma_data=df.sigma_data,
-                                         sampler=df.sampler, num_steps=df.sample_steps,
-                                         progress=self.progress)
+                    def velocity(x, t, cnd):
+                        return self.ddp(x, t, frame_positions=tf.frame_positions, token_ids=tf.token_ids,
+                                        mask=tf.mask, caption_ids=cnd[0], caption_mask=cnd[1],
+                                        geometry=self.geometry, drop=cnd[2])
+                    out = cps.sample_autoregressive(velocity, self.layout, self.cp_rank, noise_local,
+                                                    cond, null_cond=null, guidance_scale=df.guidance_scale,
+                                                    num_steps=df.sample_steps, shift=df.flow_shift,
+                                                    progress=self.progress)
                 else:
-                    out = cps.sample_flow(net, noise_local, cond, null_cond=null,
-                                          guidance_scale=df.guidance_scale, num_steps=df.sample_steps,
-                                          shift=df.flow_shift, progress=self.progress)
-            full = cps.gather_tokens(out, local_ids, self.groups.cp_group, N)
-        self.ddp.train()
+                    def net(x, tt, cnd):
+                        return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
+                    if c.objective == "edm":
+                        out = cps.sample_edm(net, noise_local, cond, null_cond=null,
+                                             guidance_scale=df.guidance_scale, sigma_data=df.sigma_data,
+                                             sampler=df.sampler, num_steps=df.sample_steps,
+                                             progress=self.progress)
+                    else:
+                        out = cps.sample_flow(net, noise_local, cond, null_cond=null,
+                                              guidance_scale=df.guidance_scale, num_steps=df.sample_steps,
+                                              shift=df.flow_shift, progress=self.progress)
+                return cps.gather_tokens(out, local_ids, self.groups.cp_group, N)
+        finally:
+            self.ddp.train()
+
+    def generate_sample(self, num_samples: Optional[int] = None):
+        """``sample_tokens`` decoded with the VAE: ``(generated, data, VAE reconstruction,
+        captions)`` videos on the logging rank, None elsewhere (collective)."""
+        from megatron_video.diffusion import cp_sampling as cps
+        from megatron_video.models.embedders import patchify
+
+        c = self.config
+        b = num_samples or c.train.sample_batch
+        full = self.sample_tokens(b)
         if not self.is_logger:
             return None
+        items = self._held_out(b)
         patch = tuple(c.model.patch_size)
         grid = (self.geometry.frames, self.geometry.height, self.geometry.width)
         z = c.vae.latent_channels

@@ -1,0 +1,133 @@
+"""The training job: resume and determinism on 4 ranks, and the ``megatron-video`` command line.
+
+* Save at step k, resume in a fresh trainer, and step k+1's loss is bitwise identical to the
+  uninterrupted run's; a second run with the same seed gives bitwise identical losses (AR DiT,
+  CP = 4 as U 2 x R 2 on 2 simulated nodes, activation recomputation on).
+* ``megatron-video train`` with a bad config exits with status 2 and names the field before any
+  collective: run as one rank of a 4-rank torchrun world whose other ranks never come, a process
+  that tried to form the group would hang instead of exiting.
+* ``megatron-video demo`` end to end with tiny sizes: 4 spawned ranks, outputs written.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_models_parallel import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "megatron_video.training.cli"]
+AR_CP4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2, recompute=True)
+
+
+def _config(tmp, output):
+    cfg = tiny_config("ar_dit", tmp, **AR_CP4)
+    cfg.output = output
+    cfg.train.steps = 3
+    cfg.train.save = True
+    return cfg
+
+
+def _resume_and_repeat(tmp):
+    import warnings
+
+    from megatron_video.training import checkpoint as ckpt
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    losses = {}
+    # uninterrupted run, checkpoint after step 2 (and at the end)
+    cfg = _config(tmp, f"{tmp}/run_a")
+    cfg.train.save_interval = 2
+    t = Trainer(cfg, progress=False)
+    try:
+        metrics = t.run()                      # collective; only the logging rank returns metrics
+        losses["a"] = [h["loss"] for h in metrics["history"]] if t.is_logger else None
+    finally:
+        t.close()
+    # a fresh trainer resumes from step 2 and runs step index 2
+    t = Trainer(_config(tmp, f"{tmp}/run_b"), progress=False)
+    try:
+        step = ckpt.load_checkpoint(f"{tmp}/run_a/checkpoints", t.model, t.optimizer, t.scheduler, step=2)
+        losses["resumed"] = (step, t.train_step(step)["loss"])
+        lr = t.optimizer.param_groups[0]["lr"]
+    finally:
+        t.close()
+    # the same seed again, from scratch
+    t = Trainer(_config(tmp, f"{tmp}/run_c"), progress=False)
+    try:
+        losses["c"] = [t.train_step(s)["loss"] for s in range(3)]
+    finally:
+        t.close()
+    return losses, lr
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    from megatron_video.training.vae_stage import ensure_vae
+
+    tmp = str(tmp_path_factory.mktemp("training_run"))
+    ensure_vae(tiny_config("ar_dit", tmp), progress=False)
+    return tmp
+
+
+def test_resume_bitwise_and_same_seed(pool4, vae_dir):
+    per_rank = pool4.run(_resume_and_repeat, vae_dir)
+    logger = per_rank[3][0]                    # the last rank writes the metrics
+    a, (step, resumed), c = logger["a"], logger["resumed"], logger["c"]
+    assert len(a) == 3 and step == 2
+    assert resumed == a[2], "step 3 after resume must be bitwise identical"
+    assert c == a, "same seed, same losses (bitwise)"
+    assert len({r[1] for r in per_rank}) == 1  # the LR schedule resumed identically everywhere
+    assert (Path(vae_dir) / "run_a" / "checkpoints" / "latest").read_text() == "3"
+    assert all(r[0]["c"] == c for r in per_rank)  # the loss is reduced over the CP group
+
+
+def _cli(args, env_extra=None, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(env_extra or {})
+    return subprocess.run(CLI + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("data.num_frames=30", "data.num_frames (30)"),
+    ("parallel.ulysses_size=4", "parallel.ulysses_size * parallel.ring_size (4 * 2 = 8)"),
+    ("model.num_attention_heads=3", "model.num_attention_heads (3) / parallel.tensor_model_parallel_size"),
+    ("model.frames_per_block=3", "model.frames_per_block (3)"),
+])
+def test_bad_config_fails_before_collectives(override, field, tmp_path):
+    # one rank of a 4-rank torchrun job whose peers never start: forming the group would hang
+    env = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    r = _cli(["train", "--config", "examples/configs/demo.yaml", "--output", str(tmp_path), override],
+             env_extra=env, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert field in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_bad_nproc_layout_fails(tmp_path):
+    r = _cli(["train", "--config", "examples/configs/demo.yaml", "--nproc", "6", "--output", str(tmp_path)])
+    assert r.returncode == 2 and "world size (6)" in r.stderr, r.stderr[-2000:]
+
+
+def test_short_demo_run(tmp_path):
+    out = tmp_path / "demo"
+    r = _cli(["demo", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
+              "vae.train_steps=1", "vae.base_channels=4", f"vae.cache_dir={tmp_path}/cache",
+              "diffusion.sample_steps=1", "train.progress=false",
+              "data.height=16", "data.width=16", "train.warmup_steps=1"], timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["world_size"] == 4
+    assert metrics["parallel"] == {"tp": 1, "pp": 1, "cp": 4, "ulysses": 2, "ring": 2, "dp": 1}
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in metrics["history"])
+    assert metrics["sample"]["frames"] == 29
+    for name in ("loss.png", "sample.gif", "checkpoints/latest"):
+        assert (out / name).is_file(), name
+    assert any((out / "tensorboard").iterdir())
