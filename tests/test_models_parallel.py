@@ -5,15 +5,17 @@ forward-backward on a global batch of 4 samples runs
 
 * as the reference: TP = PP = CP = 1, four data-parallel ranks, one sample each (every sample's
   forward and backward on a single rank; DDP only averages the four);
-* with CP = 4 as U x R = 2 x 2 (2 simulated nodes x 2) and 4 micro-batches;
+* with CP = 4 as U x R = 2 x 2 (2 simulated nodes x 2), 4 micro-batches and activation
+  recomputation;
 * with TP = 2 x CP = 2 (TP inside a node, the CP ring across nodes) and 4 micro-batches;
 
 with the same injected noise / timesteps / CFG drops (drawn per sample). Compared: the loss, every
 parameter's gradient after Megatron's gradient reduction (TP shards gathered), the initial
 weights (every layout starts from the same full weights), and a context-parallel sample
-(guided Heun / Euler / block-autoregressive sampling from the same noise). PP = 2 x CP = 2: the same step with the
-reference weights loaded per stage; the replicated conditioning embedders have identical
-gradients on both stages, equal to the reference.
+(guided Heun / Euler / block-autoregressive sampling from the same noise).
+
+PP = 2 x CP = 2: the same step with the reference weights loaded per stage; the replicated
+conditioning embedders have identical gradients on both stages, equal to the reference.
 """
 import zlib
 
@@ -46,7 +48,9 @@ def tiny_config(family: str, tmp: str, **parallel) -> Config:
 
 CASES = {
     "reference": dict(),
-    "cp4_u2xr2": dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2),
+    # activation recomputation on: it re-runs the layers' collectives in backward
+    "cp4_u2xr2": dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2,
+                      recompute=True),
     "tp2_cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2, ulysses_size=1,
                     ring_size=2, ranks_per_node=2),
 }

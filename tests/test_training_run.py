@@ -2,13 +2,15 @@
 
 * Save at step k, resume in a fresh trainer, and step k+1's loss is bitwise identical to the
   uninterrupted run's; a second run with the same seed gives bitwise identical losses (AR DiT,
-  CP = 4 as U 2 x R 2 on 2 simulated nodes, activation recomputation on).
+  CP = 4 as U 2 x R 2 on 2 simulated nodes, activation recomputation on); a job with another
+  parallel layout refuses the checkpoint.
 * ``megatron-video train`` with a bad config exits with status 2 and names the field before any
   collective: run as one rank of a 4-rank torchrun world whose other ranks never come, a process
   that tried to form the group would hang instead of exiting.
 * ``megatron-video demo`` end to end with tiny sizes: 4 spawned ranks, outputs written.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,6 +63,15 @@ def _resume_and_repeat(tmp):
     t = Trainer(_config(tmp, f"{tmp}/run_c"), progress=False)
     try:
         losses["c"] = [t.train_step(s)["loss"] for s in range(3)]
+    finally:
+        t.close()
+    # another parallel layout refuses the checkpoint before loading anything
+    other = tiny_config("ar_dit", tmp, tensor_model_parallel_size=2, context_parallel_size=2,
+                        ulysses_size=1, ring_size=2, ranks_per_node=2)
+    t = Trainer(other, progress=False)
+    try:
+        with pytest.raises(ValueError, match="was written with parallel layout"):
+            ckpt.load_checkpoint(f"{tmp}/run_a/checkpoints", t.model, t.optimizer, t.scheduler)
     finally:
         t.close()
     return losses, lr
@@ -118,8 +129,8 @@ def test_bad_nproc_layout_fails(tmp_path):
 
 def test_short_demo_run(tmp_path):
     out = tmp_path / "demo"
+    # the shipped VAE (examples/vae/demo_vae.pt) of the real demo; a tiny DiT on smaller frames
     r = _cli(["demo", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
-              "vae.train_steps=1", "vae.base_channels=4", f"vae.cache_dir={tmp_path}/cache",
               "diffusion.sample_steps=1", "train.progress=false",
               "data.height=16", "data.width=16", "train.warmup_steps=1"], timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -131,3 +142,83 @@ def test_short_demo_run(tmp_path):
     for name in ("loss.png", "sample.gif", "checkpoints/latest"):
         assert (out / name).is_file(), name
     assert any((out / "tensorboard").iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# the Megatron-LM entry (examples/pretrain_video_dit.py) without Megatron-LM installed
+# ---------------------------------------------------------------------------------------------
+def _load_entry():
+    import importlib.util
+
+    path = ROOT / "examples" / "pretrain_video_dit.py"
+    spec = importlib.util.spec_from_file_location("pretrain_video_dit", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _entry_args(mod, yaml_path, **megatron):
+    import argparse
+
+    args = mod.add_video_args(argparse.ArgumentParser()).parse_args(
+        ["--video-config", str(yaml_path), "--video-override", "train.seed=5"])
+    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
+                hierarchical_context_parallel_sizes=[2, 2], micro_batch_size=1, global_batch_size=1,
+                seed=5, num_layers=2, hidden_size=48, num_attention_heads=4)
+    for k, v in {**base, **megatron}.items():
+        setattr(args, k, v)
+    return args
+
+
+def _tiny_yaml(tmp):
+    import yaml
+
+    from megatron_video.training.config import config_to_dict
+
+    path = Path(tmp) / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(tiny_config("ar_dit", tmp))))
+    return path
+
+
+def _pretrain_entry_step(yaml_path):
+    import warnings
+
+    from torch.utils.data import default_collate
+
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.parallel.topology import destroy_video_parallel
+
+    warnings.filterwarnings("ignore")
+    mod = _load_entry()
+    cfg = mod.video_config_from_args(_entry_args(mod, yaml_path, seq_length=32), world_size=4)
+    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
+                              hierarchical_context_parallel_sizes=[2, 2])
+    try:
+        model = mod.model_provider(True, True, config=cfg)
+        train, valid, test = mod.train_valid_test_datasets_provider([8, 0, 0])
+        out, loss_func = mod.forward_step(iter([default_collate([train[3]])]), model, step=0)
+        loss, logs = loss_func(out)
+        loss.backward()
+        grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
+        return float(logs["loss"]), grads, len(train), valid, "megatron.training" in sys.modules
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+
+
+def test_megatron_lm_entry_providers(pool4, vae_dir):
+    mod = _load_entry()
+    assert "megatron.training" not in sys.modules  # importable without Megatron-LM
+    yaml_path = _tiny_yaml(vae_dir)
+    cfg = mod.video_config_from_args(_entry_args(mod, yaml_path), world_size=4)
+    p = cfg.parallel
+    assert (p.context_parallel_size, p.ulysses_size, p.ring_size) == (4, 2, 2)
+    assert cfg.train.seed == 5 and mod.sequence_length(cfg) == 32
+    with pytest.raises(ValueError, match=r"--seq-length \(7\) must be the model's tokens per sample \(32\)"):
+        mod.video_config_from_args(_entry_args(mod, yaml_path, seq_length=7))
+    with pytest.raises(ValueError, match=r"--hidden-size \(64\) must equal the video config's value \(48\)"):
+        mod.video_config_from_args(_entry_args(mod, yaml_path, hidden_size=64))
+    results = pool4.run(_pretrain_entry_step, str(yaml_path))  # written once, here
+    losses = {r[0] for r in results}
+    assert len(losses) == 1 and math.isfinite(losses.pop())   # the CP-reduced loss, same everywhere
+    assert all(r[1] > 0 and r[2] == 8 and r[3] is None and not r[4] for r in results)

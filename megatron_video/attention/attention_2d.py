@@ -126,8 +126,9 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     the same layout. ``groups`` is a ``VideoParallelGroups`` (None: one process, no communication).
     ``scheme=None``: see ``resolve_scheme`` (exact or ``ValueError``, never a guessed layout); with
     one CP rank both layouts are the identity and any ``s_local`` is fine. ``stats`` (a
-    ``RingStats``) counts ring steps and skipped sub-blocks. Input errors raise ``ValueError`` before any collective; shapes that differ
-    between the CP ranks raise ``ValueError`` on every rank instead of hanging.
+    ``RingStats``) counts ring steps and skipped sub-blocks. Input errors (including a mask whose
+    ``dense`` does not return a bool tensor) raise ``ValueError`` before any collective; shapes
+    that differ between the CP ranks raise ``ValueError`` on every rank instead of hanging.
     """
     scheme = resolve_scheme(mask, scheme, groups)
     if groups is None or groups.cp_size == 1:

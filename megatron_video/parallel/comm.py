@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from numbers import Integral
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -23,8 +24,8 @@ import torch.distributed as dist
 
 __all__ = [
     "CommEvent", "CommTracer", "all_to_all", "all_to_all_single", "ring_shift", "RingExchange",
-    "check_same_shape", "group_ranks", "group_size", "group_rank", "all_reduce", "all_gather_cat",
-    "copy_to_group", "gather_from_group",
+    "check_same_shape", "check_dim", "group_ranks", "group_size", "group_rank", "all_reduce",
+    "all_gather_cat", "copy_to_group", "gather_from_group",
     "broadcast", "scatter",
 ]
 
@@ -136,6 +137,15 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def check_dim(name: str, dim: int, x: torch.Tensor) -> int:
+    """``dim`` normalised to ``[0, x.dim())``; ``ValueError`` outside ``[-x.dim(), x.dim())``."""
+    nd = x.dim()
+    if isinstance(dim, bool) or not isinstance(dim, Integral) or not -nd <= dim < nd:
+        raise ValueError(f"{name} ({dim!r}) must be an integer in [-{nd}, {nd}) for a {nd}-D tensor "
+                         f"{tuple(x.shape)}")
+    return int(dim) % nd
+
+
 # ----------------------------------------------------------------------------------------------
 # Shape agreement (before any data collective, so a mismatch raises instead of hanging)
 # ----------------------------------------------------------------------------------------------
@@ -220,8 +230,8 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: s
     The backward is the inverse all-to-all. ``x.shape[scatter_dim]`` must be divisible by the
     group size; shapes must agree across ranks (see ``check_same_shape``).
     """
-    nd = x.dim()
-    scatter_dim, gather_dim = scatter_dim % nd, gather_dim % nd
+    scatter_dim = check_dim("scatter_dim", scatter_dim, x)
+    gather_dim = check_dim("gather_dim", gather_dim, x)
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, tag)
@@ -381,4 +391,4 @@ def gather_from_group(x: torch.Tensor, group, dim: int = 0, tag: str = "") -> to
     """All-gather along ``dim`` (replicated output); backward keeps this rank's slice."""
     if group_size(group) == 1:
         return x
-    return _GatherFromGroup.apply(x, group, dim % x.dim(), tag)
+    return _GatherFromGroup.apply(x, group, check_dim("dim", dim, x), tag)

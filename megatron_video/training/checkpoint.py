@@ -2,9 +2,10 @@
 
 Layout: ``<dir>/step_0000100/`` (one distributed checkpoint per save) and ``<dir>/latest`` (the
 step of the newest complete one, written by rank 0 after every rank finished saving). Model and
-optimizer are sharded tensors (any TP / PP layout can read what it wrote); scheduler state and
-step are common (identical on all ranks); the RNG states are one object per global rank, restored
-when the world size matches.
+optimizer are sharded tensors; scheduler state, step and the parallel layout are common
+(identical on all ranks); the RNG states are one object per global rank. Resuming needs the same
+world size and parallel layout (checked from the common part before anything is loaded), which is
+what makes the resumed run bitwise identical to an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -71,12 +72,22 @@ def _may_fork_writers():
         proc.daemon = was
 
 
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(),
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "context_parallel_size": ps.get_context_parallel_world_size()}
+
+
 def _sharded(model, optimizer, scheduler, step: int, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model_sd = model.sharded_state_dict()
     return {
+        "layout": _layout(),
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         "scheduler": scheduler.state_dict(),
@@ -117,6 +128,10 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
     path = _step_dir(directory, step)
     if not path.is_dir():
         raise ValueError(f"checkpoint directory {path} does not exist")
+    saved = dist_checkpointing.load_common_state_dict(str(path)).get("layout")
+    if saved != _layout():
+        raise ValueError(f"checkpoint {path} was written with parallel layout {saved}; this job runs "
+                         f"{_layout()} (resume with the same world size and parallel sizes)")
     loaded = dist_checkpointing.load(_sharded(model, optimizer, scheduler, step, True), str(path))
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])

@@ -70,7 +70,8 @@ class DataSection:
 
 @dataclass
 class VAESection:
-    weights: Optional[str] = None          # trained weights (.pt); default: train + cache once
+    weights: Optional[str] = None          # trained weights (.pt; relative to the YAML file); default:
+                                           # train once and cache under cache_dir
     cache_dir: str = "runs/cache"
     latent_channels: int = 4
     base_channels: int = 16
@@ -211,6 +212,9 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config ({path!r}) must hold a mapping of sections")
+        weights = (data.get("vae") or {}).get("weights")
+        if weights and not Path(weights).is_absolute():  # relative to the YAML file, not the CWD
+            data["vae"]["weights"] = str((p.parent / weights).resolve())
     return config_from_dict(apply_overrides(data, overrides))
 
 
@@ -285,7 +289,8 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     if p.placement not in ("ulysses_inner", "ring_inner"):
         raise ValueError(f"parallel.placement ({p.placement!r}) must be 'ulysses_inner' or 'ring_inner'")
     if world_size % (TP * PP * CP):
-        raise ValueError(f"world size ({world_size}) must be divisible by parallel.tensor_model_parallel_size "
+        raise ValueError(f"world size ({world_size}) must be divisible by "
+                         f"parallel.tensor_model_parallel_size "
                          f"* pipeline_model_parallel_size * context_parallel_size ({TP} * {PP} * {CP})")
     if G % TP:
         raise ValueError(f"model.num_query_groups ({G}) must be divisible by "

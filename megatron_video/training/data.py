@@ -175,10 +175,16 @@ class BatchMaker:
 
     # -- the micro-batch ---------------------------------------------------------------------
     def micro_batch(self, step: int, microbatch: int) -> MicroBatch:
+        """Micro-batch ``microbatch`` of training step ``step`` of this data-parallel rank."""
+        return self.from_positions(self.sample_positions(step, microbatch), step)
+
+    def from_positions(self, positions: Sequence[int], step: int) -> MicroBatch:
+        """The micro-batch of the given global sample positions (e.g. from Megatron-LM's sampler);
+        ``step`` seeds the injected noise together with the position."""
         cfg = self.config
         seed = cfg.train.seed
         indices, captions, videos, latents = [], [], [], []
-        for pos in self.sample_positions(step, microbatch):
+        for pos in positions:
             idx, cap, video, lat = self._clip(pos)
             indices.append(idx)
             captions.append(cap)
@@ -187,7 +193,7 @@ class BatchMaker:
         ids, mask = self.tokenizer.encode_batch(captions)
         C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
         noise, sig, ts, drop = [], [], [], []
-        for pos in self.sample_positions(step, microbatch):
+        for pos in positions:
             g = sample_generator(seed, step, pos)
             n = torch.randn(self.num_tokens, C, generator=g)
             noise.append(n.index_select(0, self.token_ids))

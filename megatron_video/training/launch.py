@@ -2,9 +2,9 @@
 
 ``--nproc N`` spawns N worker processes on this machine (gloo, one rendezvous port) with simulated
 nodes: ``ranks_per_node`` sets ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK`` as torchrun
-would on a real cluster, which is what the U x R placement rules read. Workers are not daemonic
-(Megatron's checkpoint writer forks helpers). If a worker fails, the others are terminated and
-the launcher returns its exit code.
+would on a real cluster, which is what the U x R placement rules read. Workers fork from a server
+that preloaded torch and Megatron, and are not daemonic (Megatron's checkpoint writer forks
+helpers). If a worker fails, the others are terminated and the launcher returns its exit code.
 
 Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` in the environment) the current process is one rank:
 NCCL on GPUs, gloo on CPU.
@@ -65,7 +65,11 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> 
         return 0
     threads = max(1, (os.cpu_count() or 1) // nproc)
     port = _free_port()
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a server that imported torch / Megatron once (a fresh import per rank costs
+    # seconds each); the server itself never touches CUDA, so forking stays safe on GPUs.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state",
+                                "megatron_video.training.trainer"])
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config),
                          daemon=False) for r in range(nproc)]
     for p in procs:

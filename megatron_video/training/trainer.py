@@ -90,7 +90,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.has_gpu = torch.cuda.is_available()
         validate(config, self.world, self.has_gpu)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.has_gpu else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.has_gpu
+                       else torch.device("cpu"))
         self.is_logger = self.rank == self.world - 1
         self.progress = self.is_logger and (config.train.progress if progress is None else progress)
 
@@ -109,10 +110,19 @@ class Trainer:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
 
-        # VAE (trained once and cached; under --nproc the launcher did it before spawning)
+        # VAE (trained once and cached; under --nproc the launcher did it before spawning). Rank 0
+        # trains it if needed; its success travels in an all-reduce so no rank waits for a failure.
+        failed, error = torch.zeros(1), None
         if self.rank == 0:
-            ensure_vae(config, progress=config.train.progress)
-        dist.barrier()
+            try:
+                ensure_vae(config, progress=config.train.progress)
+            except Exception as e:  # re-raised below on rank 0, reported on the others
+                failed[0], error = 1, e
+        comm.all_reduce(failed, dist.group.WORLD, tag="vae.status")
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("the VAE stage failed on rank 0 (see its error)")
         self.vae_path = ensure_vae(config, progress=False)
         self.vae, self.latent_scale = load_vae(self.vae_path, config)
 
@@ -151,7 +161,11 @@ class Trainer:
         model = build_model(c, self.tcfg, self.first_stage, self.last_stage)
         if self.has_gpu:
             model.cuda()
-        self.model = model
+        self.model = model  # unwrapped: checkpoints and parameter access
+        if t.bf16:  # Megatron's mixed precision: bf16 module, fp32 inputs / outputs at its edges
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(self.tcfg, model)
         gpu = self.has_gpu
         self.ddp = DistributedDataParallel(
             config=self.tcfg, module=model,
@@ -309,8 +323,6 @@ class Trainer:
     # -- the job -----------------------------------------------------------------------------
     def run(self) -> Dict:
         """Train ``config.train.steps`` steps (resuming if asked), save, sample, write outputs."""
-        from .outputs import plot_loss, write_gif, write_metrics
-
         c, t = self.config, self.config.train
         out_dir = Path(c.output)
         if self.is_logger:
@@ -361,34 +373,38 @@ class Trainer:
             sample_wall = time.time() - s0
         metrics: Dict = {}
         if self.is_logger:
-            metrics = self._write_outputs(history, train_wall, sample_wall, sample, out_dir, writer,
-                                          write_metrics, plot_loss, write_gif)
+            metrics = self._write_outputs(history, train_wall, sample_wall, sample, out_dir, writer)
         if writer is not None:
             writer.close()
         dist.barrier()
         return metrics
 
-    def _write_outputs(self, history, train_wall, sample_wall, sample, out_dir, writer,
-                       write_metrics, plot_loss, write_gif) -> Dict:
-        c = self.config
+    def _write_outputs(self, history, train_wall, sample_wall, sample, out_dir, writer) -> Dict:
+        from .outputs import plot_loss, write_gif, write_metrics
+
+        c, p = self.config, self.config.parallel
         losses = [h["loss"] for h in history]
-        k = max(1, min(10, len(losses) // 5)) if losses else 1
+        k = max(1, min(50, len(losses) // 10))   # loss means over the first / last k steps
+
+        def mean(values):
+            return sum(values) / len(values) if values else None
+
         metrics = {
             "family": c.model.family, "world_size": self.world, "vae": str(self.vae_path),
-            "parallel": {"tp": c.parallel.tensor_model_parallel_size,
-                         "pp": c.parallel.pipeline_model_parallel_size, "cp": self.cp_size,
-                         "ulysses": c.parallel.ulysses_size, "ring": c.parallel.ring_size, "dp": self.dp_size},
-            "steps": len(history), "global_batch": self.global_batch, "tokens_per_step": self.global_batch * self.seq_length,
+            "parallel": {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                         "cp": self.cp_size, "ulysses": p.ulysses_size, "ring": p.ring_size,
+                         "dp": self.dp_size},
+            "steps": len(history), "global_batch": self.global_batch,
+            "tokens_per_step": self.global_batch * self.seq_length,
             "train_wall_s": train_wall, "sample_wall_s": sample_wall,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "loss_first_mean": sum(losses[:k]) / k if losses else None,
-            "loss_last_mean": sum(losses[-k:]) / k if losses else None,
-            "tokens_per_s_mean": (sum(h["tokens_per_s"] for h in history) / len(history)) if history else None,
+            "loss_mean_steps": k, "loss_first_mean": mean(losses[:k]), "loss_last_mean": mean(losses[-k:]),
+            "tokens_per_s_mean": mean([h["tokens_per_s"] for h in history]),
             "history": history, "config": config_to_dict(c),
         }
         if losses:
             plot_loss(out_dir / "loss.png", [h["step"] for h in history], losses,
-                      title=f"{c.model.family} (CP={self.cp_size}: U{c.parallel.ulysses_size} x R{c.parallel.ring_size})")
+                      title=f"{c.model.family} (CP={self.cp_size}: U{p.ulysses_size} x R{p.ring_size})")
         if sample is not None:
             generated, truth, recon, captions = sample
             write_gif(out_dir / "sample.gif", [truth[0], recon[0], generated[0]],

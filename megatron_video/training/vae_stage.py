@@ -33,7 +33,7 @@ def _key(config: Config) -> dict:
     return dict(latent_channels=v.latent_channels, base_channels=v.base_channels,
                 train_steps=v.train_steps, batch_size=v.batch_size, lr=v.lr, kl_weight=v.kl_weight,
                 foreground_weight=v.foreground_weight,
-                num_frames=d.num_frames, height=d.height, width=d.width, version=2)
+                num_frames=d.num_frames, height=d.height, width=d.width, version=3)
 
 
 def vae_cache_path(config: Config) -> Path:
@@ -44,18 +44,19 @@ def vae_cache_path(config: Config) -> Path:
     return Path(config.vae.cache_dir) / f"vae-{digest}.pt"
 
 
-def _loss(vae: CausalVideoVAE, video: torch.Tensor, kl_weight: float, fg_weight: float,
-          generator: torch.Generator):
-    """Foreground-weighted reconstruction + KL. The procedural clips are mostly background: a plain
-    mean squared error is minimised early by painting the background alone, so pixels of the
-    shapes weigh ``1 + fg_weight``."""
+def _loss(vae: CausalVideoVAE, video: torch.Tensor, kl_weight: float, fg_weight: float):
+    """Foreground-weighted reconstruction of the posterior MEAN + a small KL term.
+
+    The DiT trains on posterior means, so the decoder learns to decode means (sampling the
+    posterior in this short stage drowns the colour information in noise for hundreds of steps).
+    The procedural clips are mostly background: a plain squared error is minimised early by
+    painting the background alone, so pixels of the shapes weigh ``1 + fg_weight``."""
     mean, logvar = vae.split_moments(vae.encoder(video))
-    eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
-    recon = vae.decoder(mean + torch.exp(0.5 * logvar) * eps)
+    recon = vae.decoder(mean)
     foreground = (video.amax(dim=1, keepdim=True) > -0.9).to(video.dtype)
     err = (recon - video) ** 2
     kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
-    return (err * (1 + fg_weight * foreground)).mean() + kl_weight * kl, float(err.mean())
+    return (err * (1 + fg_weight * foreground)).mean() + kl_weight * kl, float(err.detach().mean())
 
 
 def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
@@ -73,7 +74,7 @@ def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
     bar = tqdm(range(v.train_steps), desc="vae", disable=not progress, dynamic_ncols=True)
     for step in bar:
         video = torch.stack([data[step * v.batch_size + i]["video"] for i in range(v.batch_size)])
-        loss, recon = _loss(vae, video, v.kl_weight, v.foreground_weight, g)
+        loss, recon = _loss(vae, video, v.kl_weight, v.foreground_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)

@@ -1,0 +1,226 @@
+"""Megatron-LM entry: megatron_video's models and data plugged into Megatron-LM's ``pretrain()``.
+
+For users who run Megatron-LM (e.g. in the NGC container). Megatron-LM owns the process groups,
+the optimizer, the schedule, checkpointing and logging; this file provides the model, dataset and
+forward-step providers and the extra flags. The model, sequence layout and objective are those of
+``megatron-video train`` (``--video-config`` is the same YAML); the parallel sizes, batch sizes,
+seed and sequence length come from Megatron-LM's own flags and must agree with it.
+
+Launch (8 GPUs: TP 2 x CP 4 as Ulysses 2 x ring 2)::
+
+    torchrun --nproc-per-node 8 examples/pretrain_video_dit.py \\
+        --video-config examples/configs/video_dit_cp.yaml \\
+        --tensor-model-parallel-size 2 --context-parallel-size 4 \\
+        --hierarchical-context-parallel-sizes 2 2 --cp-comm-type a2a+p2p \\
+        --num-layers 4 --hidden-size 96 --num-attention-heads 4 --seq-length 128 \\
+        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 16 \\
+        --train-iters 1000 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \\
+        --clip-grad 1.0 --bf16 --save runs/mlm --load runs/mlm --save-interval 500 \\
+        --tokenizer-type NullTokenizer --vocab-size 64
+
+``--seq-length`` is the model's token sequence per sample (VideoDiT / ST-DiT: frames x height x
+width tokens; AR DiT: twice that, ``[clean ; noisy]``); ``--num-layers`` / ``--hidden-size`` /
+``--num-attention-heads`` must match the YAML (checked). ``megatron.training`` is imported only
+in ``main()``, so the providers can be imported and tested without Megatron-LM.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from megatron_video.training.config import Config, load_config, token_grid_of, validate  # noqa: E402
+
+__all__ = ["add_video_args", "video_config_from_args", "model_provider", "PositionDataset",
+           "train_valid_test_datasets_provider", "forward_step", "sequence_length", "main"]
+
+
+def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: the megatron-video flags."""
+    g = parser.add_argument_group("megatron-video")
+    g.add_argument("--video-config", required=True, help="megatron-video YAML (examples/configs/*.yaml)")
+    g.add_argument("--video-override", nargs="*", default=[], metavar="section.key=value",
+                   help="overrides of the YAML, as for megatron-video train")
+    g.add_argument("--ulysses-size", type=int, default=None,
+                   help="Ulysses degree U (default: the first of --hierarchical-context-parallel-sizes, "
+                        "else the YAML's)")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node for the U x R placement check (default: LOCAL_WORLD_SIZE)")
+    return parser
+
+
+def sequence_length(config: Config) -> int:
+    """Tokens per sample that the model processes (Megatron-LM's ``--seq-length``)."""
+    T, H, W = token_grid_of(config)
+    return (2 if config.model.family == "ar_dit" else 1) * T * H * W
+
+
+def video_config_from_args(args, world_size: Optional[int] = None) -> Config:
+    """The YAML + overrides, with parallel sizes, batch sizes, seed and LR from Megatron-LM's args.
+
+    Raises ``ValueError`` naming the flag when the YAML and Megatron-LM disagree.
+    """
+    cfg = load_config(args.video_config, list(args.video_override or []))
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    hier = getattr(args, "hierarchical_context_parallel_sizes", None)
+    U = args.ulysses_size or (hier[0] if hier else (cfg.parallel.ulysses_size if
+                                                  cfg.parallel.context_parallel_size == cp else cp))
+    if cp % U:
+        raise ValueError(f"--ulysses-size ({U}) must divide --context-parallel-size ({cp})")
+    p = cfg.parallel
+    p.tensor_model_parallel_size = int(args.tensor_model_parallel_size)
+    p.pipeline_model_parallel_size = int(args.pipeline_model_parallel_size)
+    p.context_parallel_size, p.ulysses_size, p.ring_size = cp, U, cp // U
+    if args.ranks_per_node is not None:
+        p.ranks_per_node = args.ranks_per_node
+    m = cfg.model
+    for flag, ours, theirs in (("--num-layers", m.num_layers, getattr(args, "num_layers", None)),
+                               ("--hidden-size", m.hidden_size, getattr(args, "hidden_size", None)),
+                               ("--num-attention-heads", m.num_attention_heads,
+                                getattr(args, "num_attention_heads", None))):
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"{flag} ({theirs}) must equal the video config's value ({ours})")
+    t = cfg.train
+    t.micro_batch_size = int(args.micro_batch_size)
+    t.global_batch_size = getattr(args, "global_batch_size", None)
+    t.seed = int(getattr(args, "seed", t.seed))
+    t.sample = False  # Megatron-LM runs no sampling at the end
+    seq = getattr(args, "seq_length", None)
+    if seq is not None and seq != sequence_length(cfg):
+        raise ValueError(f"--seq-length ({seq}) must be the model's tokens per sample "
+                         f"({sequence_length(cfg)})")
+    if world_size is not None:
+        validate(cfg, world_size, torch.cuda.is_available())
+    return cfg
+
+
+class _Job:
+    """What the providers share inside one process (built on first use, after Megatron-LM has
+    initialised the parallel state): the config, the U x R groups, the data and the objective."""
+
+    def __init__(self, config: Config):
+        from megatron.core import parallel_state as ps
+
+        from megatron_video.layouts.balanced_sp import BalancedSPLayout
+        from megatron_video.layouts.stdit import VideoGeometry
+        from megatron_video.parallel.topology import get_video_parallel_groups, init_video_parallel
+        from megatron_video.training.config import latent_shape
+        from megatron_video.training.data import BatchMaker
+        from megatron_video.training.objectives import make_objective
+        from megatron_video.training.vae_stage import ensure_vae, load_vae
+
+        p = config.parallel
+        self.config = config
+        self.groups = get_video_parallel_groups(check_initialized=False) or init_video_parallel(
+            p.ulysses_size, p.ring_size, ranks_per_node=p.ranks_per_node, placement=p.placement)
+        vae, scale = load_vae(ensure_vae(config, progress=False), config)
+        F, _, _ = latent_shape(config)
+        T, H, W = token_grid_of(config)
+        layout = None
+        if config.model.family == "ar_dit":
+            layout = BalancedSPLayout(F, H * W, config.model.frames_per_block, self.groups.cp_size,
+                                      ring_size=p.ring_size, ring_balance=p.ring_balance)
+            geometry = VideoGeometry(F, H, W)
+        else:
+            geometry = VideoGeometry(T, H, W)
+        self.first_stage = ps.is_pipeline_first_stage()
+        self.batches = BatchMaker(config, vae=vae, latent_scale=scale, cp_rank=self.groups.cp_rank,
+                                  cp_size=self.groups.cp_size, dp_rank=ps.get_data_parallel_rank(),
+                                  dp_size=ps.get_data_parallel_world_size(), layout=layout,
+                                  need_latents=self.first_stage or ps.is_pipeline_last_stage())
+        self.objective = make_objective(config, self.groups, layout, geometry)
+
+
+_JOB: Optional[_Job] = None  # one job per process; Megatron-LM's providers are plain functions
+
+
+def _job(config: Optional[Config] = None) -> _Job:
+    global _JOB
+    if _JOB is None:
+        if config is None:
+            from megatron.training import get_args
+
+            import torch.distributed as dist
+
+            config = video_config_from_args(get_args(), dist.get_world_size())
+        _JOB = _Job(config)
+    return _JOB
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                   config: Optional[Config] = None, **unused):
+    """Megatron-LM ``model_provider``: the model of this pipeline stage."""
+    from megatron_video.training.model_factory import build_model, transformer_config
+
+    job = _job(config)
+    tcfg = transformer_config(job.config, torch.cuda.is_available())
+    return build_model(job.config, tcfg, pre_process, post_process, vp_stage)
+
+
+class PositionDataset(torch.utils.data.Dataset):
+    """Sample positions; every rank turns them into its own micro-batch (halo-encoded latents)."""
+
+    def __init__(self, num_samples: int):
+        self.num_samples = int(num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict:
+        return {"position": torch.tensor(i, dtype=torch.int64)}
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Megatron-LM dataset provider: positions into the procedural (or shard) sample stream."""
+    train, valid, test = (int(n) for n in train_val_test_num_samples)
+    return PositionDataset(train), (PositionDataset(valid) if valid else None), \
+        (PositionDataset(test) if test else None)
+
+
+def _loss_func(job: _Job, mb, output_tensor):
+    from megatron_video.parallel import comm
+
+    share = job.objective.loss(output_tensor, mb)
+    value = share.detach().clone().float()
+    comm.all_reduce(value, job.groups.cp_group, tag="loss.value")
+    # Megatron's schedule multiplies by the CP size; DDP averages over DP x CP: the CP shares sum
+    return share, {"loss": value}
+
+
+def forward_step(data_iterator, model, step: Optional[int] = None):
+    """Megatron-LM ``forward_step``: this rank's micro-batch through the model."""
+    job = _job()
+    if step is None:
+        from megatron.training import get_args
+
+        step = int(getattr(get_args(), "curr_iteration", 0))
+    batch = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    mb = job.batches.from_positions([int(p) for p in batch["position"]], step)
+    for name, value in vars(mb).items():
+        if isinstance(value, torch.Tensor):
+            setattr(mb, name, value.to(device))
+    args, kwargs = job.objective.model_call(mb, job.first_stage)
+    return model(*args, **kwargs), partial(_loss_func, job, mb)
+
+
+def main() -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    from megatron_video.compat import ensure_cpu_mode
+
+    ensure_cpu_mode()
+    train_valid_test_datasets_provider.is_distributed = True
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+             forward_step, extra_args_provider=add_video_args)
+
+
+if __name__ == "__main__":
+    main()
