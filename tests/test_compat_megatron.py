@@ -7,7 +7,6 @@ saved state, a PP=2 schedule against the composed two-stage model, RNG streams a
 first-principles generators. The last tests check the pure helpers in this process.
 """
 import math
-import multiprocessing
 import subprocess
 import sys
 import types
@@ -23,6 +22,7 @@ from megatron_video.compat import (accepted_kwargs, accepts_var_kwargs, call_wit
                                    destroy_model_parallel, initialize_model_parallel)
 from megatron_video.compat import cpu_functions
 from megatron_video.compat.cpu_torch import CPU_TORCH, to_cpu_device
+from megatron_video.training.checkpoint import _may_fork_writers
 
 H, HEADS, FFN, S, B = 16, 4, 32, 8, 2
 
@@ -114,13 +114,10 @@ def _children_allowed():
     results-queue Manager process Megatron caches, so a killed worker cannot orphan it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    proc = multiprocessing.current_process()
-    was = proc.daemon
-    proc.daemon = False
     try:
-        yield
+        with _may_fork_writers():
+            yield
     finally:
-        proc.daemon = was
         manager = getattr(filesystem_async._results_queue, "_manager", None)
         if manager is not None:
             manager.shutdown()

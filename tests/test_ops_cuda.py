@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from megatron_video.ops import (RULES, TokenIds, active_backend, block_mask_status, block_mask_status_reference,
                                 dense_mask, dense_mask_reference, halo_gather, halo_gather_reference,
                                 halo_scatter, halo_scatter_reference)
+from _ops_helpers import rank_major_teacher_forcing_ids
 from test_ops_halo import DTYPES, LAYOUTS, bits, halo_case
 from test_ops_masks import mask_case
 
@@ -63,12 +64,7 @@ def test_masks_cuda_equal_reference(case):
 
 def test_masks_cuda_model_size():
     P, F, S, nb = 4, 16, 60, 2
-    side, frame = [], []
-    for r in range(P):
-        fr = torch.arange(r * F // P, (r + 1) * F // P).repeat_interleave(S).tolist()
-        side += [0] * len(fr) + [1] * len(fr)
-        frame += fr * 2
-    ids = TokenIds.from_frames(torch.tensor(frame), nb, side=torch.tensor(side), pos=torch.arange(len(side)))
+    ids = rank_major_teacher_forcing_ids(P, F, S, nb)
     for rule in RULES:
         ref = block_mask_status_reference(ids, ids, rule, 128, 64)
         assert torch.equal(block_mask_status(on_cuda(ids), on_cuda(ids), rule, 128, 64).cpu(), ref), rule

@@ -1,6 +1,4 @@
 """Halo scatter / gather: the C++ extension equals the references bit for bit; oracles for both."""
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,21 +8,11 @@ from megatron_video.ops import (halo_gather, halo_gather_packed, halo_gather_ref
                                 halo_scatter_reference)
 from megatron_video.ops.halo import _halo_windows
 
+from _ops_helpers import extension  # noqa: F401  (module-scoped autouse fixture)
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 LAYOUTS = ["bcthw", "btchw"]
 SETTINGS = settings(max_examples=12, deadline=None, database=None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def extension():
-    """The compiled module; its absence fails these tests unless the build was switched off."""
-    try:
-        import megatron_video._C as ext
-    except ImportError as exc:
-        if os.environ.get("MEGATRON_VIDEO_BUILD_EXT") == "0":
-            pytest.skip("extension not built (MEGATRON_VIDEO_BUILD_EXT=0); reference path covered elsewhere")
-        raise AssertionError(f"megatron_video._C is not importable: {exc}") from exc
-    return ext
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,5 @@
 """Mask construction: the C++ extension equals the references exactly; the references equal the
 rules written out pair by pair; the FlexAttention BlockMask equals the dense mask."""
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,19 +9,9 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 from megatron_video.ops import (RULES, TokenIds, block_mask_status, block_mask_status_reference,
                                 dense_mask, dense_mask_reference, flex_block_fields, flex_block_mask)
 
+from _ops_helpers import extension, rank_major_teacher_forcing_ids  # noqa: F401  (autouse fixture)
+
 SETTINGS = settings(max_examples=40, deadline=None, database=None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def extension():
-    """The compiled module; its absence fails these tests unless the build was switched off."""
-    try:
-        import megatron_video._C as ext
-    except ImportError as exc:
-        if os.environ.get("MEGATRON_VIDEO_BUILD_EXT") == "0":
-            pytest.skip("extension not built (MEGATRON_VIDEO_BUILD_EXT=0); reference path covered elsewhere")
-        raise AssertionError(f"megatron_video._C is not importable: {exc}") from exc
-    return ext
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,12 +199,7 @@ def test_packed_documents_causal_within_doc():
 def test_large_structured_tiles_equal_reference():
     """A model-sized shape (rank-major teacher forcing, 128-token tiles) exercises the bound shortcut."""
     P, F, S, nb = 4, 16, 40, 2
-    side, frame = [], []
-    for r in range(P):
-        fr = torch.arange(r * F // P, (r + 1) * F // P).repeat_interleave(S).tolist()
-        side += [0] * len(fr) + [1] * len(fr)
-        frame += fr * 2
-    ids = TokenIds.from_frames(torch.tensor(frame), nb, side=torch.tensor(side), pos=torch.arange(len(side)))
+    ids = rank_major_teacher_forcing_ids(P, F, S, nb)
     for rule in RULES:
         got = block_mask_status(ids, ids, rule, 128, 128)
         assert torch.equal(got, block_mask_status_reference(ids, ids, rule, 128, 128)), rule

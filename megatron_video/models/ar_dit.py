@@ -21,17 +21,14 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (BaseTransformerLayer,
-                                                         get_transformer_layer_offset)
 
 from megatron_video.attention import dist_attention
 from megatron_video.attention.masks import AttentionMask
@@ -39,12 +36,12 @@ from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionSubmodules,
                                               DiTCrossAttention, DiTCrossAttentionSubmodules,
                                               DiTSelfAttention, TimestepEmbedder, rope_3d_angles)
+from megatron_video.models.dit_layer import DiTLayerBase
 from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
                                              mark_pipeline_replicated)
 from megatron_video.models.video_dit import (VideoDiTConfig, mark_pp_replicas,
                                              replicated_embedders)
-from megatron_video.parallel.comm import check_same_shape, group_rank
-from megatron_video.parallel.topology import get_video_parallel_groups
+from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["ARSeqParams", "ARDiTLayerSubmodules", "ARDiTLayer", "get_ar_dit_layer_spec",
            "ARVideoDiT", "ar_rope_thw"]
@@ -85,41 +82,22 @@ def _token_modulate(x, shift, scale):
     return x * (1 + scale) + shift
 
 
-class ARDiTLayer(MegatronModule, BaseTransformerLayer):
+class ARDiTLayer(DiTLayerBase):
     """Teacher-forcing DiT block with per-token AdaLN-LoRA; see the module docstring."""
+
+    sequence_parallel_reason = "its sequence is already split by Balanced SP"
 
     def __init__(self, config: TransformerConfig, submodules: ARDiTLayerSubmodules,
                  layer_number: int = 1, pg_collection=None, vp_stage: Optional[int] = None,
                  lora_rank: int = 256, context_dim: Optional[int] = None):
-        super().__init__(config=config)
-        if config.sequence_parallel:
-            raise ValueError("config.sequence_parallel (True) is not supported by ARDiTLayer: its "
-                             "sequence is already split by Balanced SP")
-        self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
-        self.groups = get_video_parallel_groups(check_initialized=False)
-        cp = parallel_state.get_context_parallel_world_size()
-        if self.groups is None and cp > 1:
-            raise RuntimeError(f"context_parallel_size ({cp}) > 1 but megatron_video parallel groups "
-                               "are not initialised: call init_video_parallel(...) first")
-        if self.groups is not None and group_rank(self.groups.cp_group) != self.groups.cp_rank:
-            raise RuntimeError("the CP group's rank order differs from the CP index order")
-        self.modulation = build_module(submodules.modulation, config=config, num_chunks=9,
-                                       lora_rank=lora_rank)
-        self.self_attention = build_module(submodules.self_attention, config=config,
-                                           layer_number=self.layer_number)
-        self.cross_attention = build_module(submodules.cross_attention, config=config,
-                                            layer_number=self.layer_number, context_dim=context_dim)
-        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+        super().__init__(config, layer_number, vp_stage)
+        self._build_dit_submodules(submodules, lora_rank, context_dim)
 
     def _attention(self, x, params: ARSeqParams):
         angles = None if params.rope_angles is None else params.rope_angles.to(x.device)
         q, k, v = self.self_attention.qkv(x, angles)
         o = dist_attention(q, k, v, self.groups, mask=params.attention_mask, scheme="contiguous")
         return self.self_attention.project(o)
-
-    def _mlp(self, x):
-        out, bias = self.mlp(x)
-        return out if bias is None else out + bias
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,

@@ -35,15 +35,10 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
-import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (BaseTransformerLayer,
-                                                         get_transformer_layer_offset)
 
 from megatron_video.attention import dist_attention, masks
 from megatron_video.layouts.stdit import (VideoGeometry, check_stdit_divisibility,
@@ -52,9 +47,9 @@ from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionS
                                               DiTCrossAttention, DiTCrossAttentionSubmodules,
                                               DiTSelfAttention, VideoSeqParams, attend, gated,
                                               modulate, rope_3d_angles)
+from megatron_video.models.dit_layer import DiTLayerBase
 from megatron_video.models.stdit_transitions import frames_to_positions, positions_to_frames
-from megatron_video.parallel.comm import all_to_all, check_same_shape, group_rank, group_size
-from megatron_video.parallel.topology import get_video_parallel_groups
+from megatron_video.parallel.comm import all_to_all, check_same_shape, group_size
 
 __all__ = ["VARIANTS", "STDiTLayerSubmodules", "STDiTLayer", "get_stdit_layer_spec"]
 
@@ -123,45 +118,33 @@ def _ulysses(q, k, v, group, pattern: str, tl: int, n: int, tag: str):
     return all_to_all(o, group, scatter_dim=1, gather_dim=2, tag=f"{tag}.o")
 
 
-class STDiTLayer(MegatronModule, BaseTransformerLayer):
+class STDiTLayer(DiTLayerBase):
     """One ST-DiT block; see the module docstring for the layouts and the call convention."""
+
+    sequence_parallel_reason = "its tokens are laid out by frames and positions, not split over TP"
+    cp_order_note = "; layout A and the 2D attention would disagree on which frames a rank holds"
 
     def __init__(self, config: TransformerConfig, submodules: STDiTLayerSubmodules,
                  layer_number: int = 1, pg_collection=None, vp_stage: Optional[int] = None,
                  variant: str = "hybrid", full_attention_layers: Iterable[int] = (),
                  lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
                  context_dim: Optional[int] = None):
-        super().__init__(config=config)
         if variant not in VARIANTS:
             raise ValueError(f"variant ({variant!r}) must be one of {VARIANTS}")
-        if config.sequence_parallel:
-            raise ValueError("config.sequence_parallel (True) is not supported by STDiTLayer: its "
-                             "tokens are laid out by frames and positions, not split over TP")
+        super().__init__(config, layer_number, vp_stage)
         self.variant = variant
-        self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
         self.rope_theta = rope_theta
-        self.groups = get_video_parallel_groups(check_initialized=False)
-        cp = parallel_state.get_context_parallel_world_size()
-        if self.groups is None and cp > 1:
-            raise RuntimeError(f"context_parallel_size ({cp}) > 1 but megatron_video parallel groups "
-                               "are not initialised: call init_video_parallel(...) first")
-        if self.groups is not None and group_rank(self.groups.cp_group) != self.groups.cp_rank:
-            raise RuntimeError("the CP group's rank order differs from the CP index order; layout A "
-                               "and the 2D attention would disagree on which frames a rank holds")
 
         has_full = self.layer_number in set(full_attention_layers)
         self.sublayers = (["full"] if has_full else []) + ["spatial", "cross", "temporal", "mlp"]
-        self.modulation = build_module(submodules.modulation, config=config,
-                                       num_chunks=3 * len(self.sublayers), lora_rank=lora_rank)
-        self.full_attention = (build_module(submodules.full_attention, config=config,
-                                            layer_number=self.layer_number) if has_full else None)
-        self.spatial_attention = build_module(submodules.spatial_attention, config=config,
-                                              layer_number=self.layer_number)
-        self.cross_attention = build_module(submodules.cross_attention, config=config,
-                                            layer_number=self.layer_number, context_dim=context_dim)
-        self.temporal_attention = build_module(submodules.temporal_attention, config=config,
-                                               layer_number=self.layer_number)
-        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+        self.modulation = self._build_modulation(submodules.modulation, 3 * len(self.sublayers),
+                                                 lora_rank)
+        self.full_attention = (self._build_attention(submodules.full_attention) if has_full
+                               else None)
+        self.spatial_attention = self._build_attention(submodules.spatial_attention)
+        self.cross_attention = self._build_cross_attention(submodules.cross_attention, context_dim)
+        self.temporal_attention = self._build_attention(submodules.temporal_attention)
+        self.mlp = self._build_mlp(submodules.mlp)
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -171,19 +154,10 @@ class STDiTLayer(MegatronModule, BaseTransformerLayer):
     def _cp_size(self) -> int:
         return 1 if self.groups is None else self.groups.cp_size
 
-    def _norm(self, x):
-        return F.layer_norm(x, x.shape[-1:], eps=self.config.layernorm_epsilon)
-
     def _angles(self, global_index, geometry: VideoGeometry, head_dim: int):
         if self.rope_theta is None:
             return None
         return rope_3d_angles(token_thw(global_index, geometry), head_dim, self.rope_theta)
-
-    def _mlp(self, x):
-        # Megatron's linear layers take 3-D activations (their weight-gradient GEMM flattens 3-D)
-        out, bias = self.mlp(x.reshape(x.shape[0], -1, x.shape[-1]))
-        out = out if bias is None else out + bias
-        return out.reshape(x.shape)
 
     def _self_attention(self, module: DiTSelfAttention, x, pattern: str, geometry: VideoGeometry,
                         layout: str):

@@ -25,17 +25,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (BaseTransformerLayer,
-                                                         get_transformer_layer_offset)
 
 from megatron_video.attention import dist_attention
 from megatron_video.data.synthetic import VOCAB
@@ -44,10 +41,10 @@ from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionS
                                               DiTCrossAttention, DiTCrossAttentionSubmodules,
                                               DiTSelfAttention, TimestepEmbedder, VideoSeqParams,
                                               attend, gated, modulate, rope_3d_angles)
+from megatron_video.models.dit_layer import DiTLayerBase
 from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
                                              mark_pipeline_replicated)
-from megatron_video.parallel.comm import check_same_shape, group_rank
-from megatron_video.parallel.topology import get_video_parallel_groups
+from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["LAYER_TYPES", "VideoDiTConfig", "VideoDiTLayerSubmodules", "VideoDiTLayer",
            "get_video_dit_layer_spec", "layer_spec_for", "VideoDiT", "replicated_embedders",
@@ -132,41 +129,23 @@ def layer_spec_for(config: VideoDiTConfig) -> ModuleSpec:
     return get_video_dit_layer_spec(config.lora_rank, config.rope_theta, config.text_dim)
 
 
-class VideoDiTLayer(MegatronModule, BaseTransformerLayer):
+class VideoDiTLayer(DiTLayerBase):
     """Full-attention DiT block: 2D self-attention, cross-attention, MLP, each AdaLN-gated."""
+
+    sequence_parallel_reason = "its sequence is already split by context parallelism"
 
     def __init__(self, config: TransformerConfig, submodules: VideoDiTLayerSubmodules,
                  layer_number: int = 1, pg_collection=None, vp_stage: Optional[int] = None,
                  lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
                  context_dim: Optional[int] = None):
-        super().__init__(config=config)
-        if config.sequence_parallel:
-            raise ValueError("config.sequence_parallel (True) is not supported by VideoDiTLayer: "
-                             "its sequence is already split by context parallelism")
-        self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
+        super().__init__(config, layer_number, vp_stage)
         self.rope_theta = rope_theta
-        self.groups = get_video_parallel_groups(check_initialized=False)
-        cp = parallel_state.get_context_parallel_world_size()
-        if self.groups is None and cp > 1:
-            raise RuntimeError(f"context_parallel_size ({cp}) > 1 but megatron_video parallel groups "
-                               "are not initialised: call init_video_parallel(...) first")
-        if self.groups is not None and group_rank(self.groups.cp_group) != self.groups.cp_rank:
-            raise RuntimeError("the CP group's rank order differs from the CP index order")
-        self.modulation = build_module(submodules.modulation, config=config, num_chunks=9,
-                                       lora_rank=lora_rank)
-        self.self_attention = build_module(submodules.self_attention, config=config,
-                                           layer_number=self.layer_number)
-        self.cross_attention = build_module(submodules.cross_attention, config=config,
-                                            layer_number=self.layer_number, context_dim=context_dim)
-        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+        self._build_dit_submodules(submodules, lora_rank, context_dim)
 
     def _cp(self) -> Tuple[int, int]:
         if self.groups is None:
             return 1, 0
         return self.groups.cp_size, self.groups.cp_rank
-
-    def _norm(self, x):
-        return F.layer_norm(x, x.shape[-1:], eps=self.config.layernorm_epsilon)
 
     def _attention(self, x, geometry: VideoGeometry):
         P, rank = self._cp()
@@ -179,10 +158,6 @@ class VideoDiTLayer(MegatronModule, BaseTransformerLayer):
         q, k, v = self.self_attention.qkv(x, angles)
         o = attend(q, k, v) if P == 1 else dist_attention(q, k, v, self.groups, scheme="contiguous")
         return self.self_attention.project(o)
-
-    def _mlp(self, x):
-        out, bias = self.mlp(x)
-        return out if bias is None else out + bias
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
