@@ -90,3 +90,15 @@ def test_divisibility_errors_name_the_parameter():
     with pytest.raises(ValueError, match=r"num_positions \(0\) must be a positive integer"):
         L.positions_per_rank(0, 2)
     L.check_stdit_divisibility(1, 4)  # images without a batch size: nothing to check
+
+
+def test_transitions_reachable_from_layouts_stdit():
+    from megatron_video.layouts.stdit import frames_to_positions, positions_to_frames
+    from megatron_video.models import stdit_transitions
+
+    assert frames_to_positions is stdit_transitions.frames_to_positions
+    assert positions_to_frames is stdit_transitions.positions_to_frames
+    import megatron_video.layouts.stdit as lay
+    import pytest
+    with pytest.raises(AttributeError):
+        lay.no_such_name  # noqa: B018

@@ -277,3 +277,11 @@ def test_scatter_windows_one_collective(pool4):
         # the loading rank sends 3 padded windows (max window 17 frames of 3x16x16 float32)
         assert nbytes == (3 * 17 * 3 * 16 * 16 * 4 if me == 1 else 0)
         assert err is not None and "fewer frames than the windows need (29)" in err
+
+
+def test_halo_window_accessors_match_the_rule():
+    from megatron_video.layouts.vae_halo import halo_windows
+
+    # F=16, P=4, h=2: rank 1 keeps [4, 8); halo_start=2 -> window [4*(2-1), 1+4*7) = [4, 29); drop 1+2
+    w = halo_windows(16, 4, 2)[1]
+    assert w.kept == (4, 8) and w.window == (4, 29) and w.drop == 3 and w.num_kept == 4

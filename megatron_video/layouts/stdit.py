@@ -199,3 +199,14 @@ def shard_layout_b(video: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor
     if hi > lo:
         out[:, :hi - lo] = video[:, :, lo:hi].transpose(1, 2)
     return out
+
+
+def __getattr__(name):
+    """``frames_to_positions`` / ``positions_to_frames`` are part of this layout's public surface
+    (issue 6), but they communicate, so they live in ``models.stdit_transitions``; resolving them
+    lazily keeps this module free of communication imports."""
+    if name in ("frames_to_positions", "positions_to_frames"):
+        from ..models import stdit_transitions
+
+        return getattr(stdit_transitions, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -78,6 +78,16 @@ class HaloWindow:
         return self.latent_end - self.latent_start
 
     @property
+    def kept(self) -> Tuple[int, int]:
+        """The latents this rank keeps, ``(latent_start, latent_end)`` (half-open)."""
+        return self.latent_start, self.latent_end
+
+    @property
+    def window(self) -> Tuple[int, int]:
+        """The raw-frame window ``(raw_start, raw_end)`` (half-open) this rank encodes."""
+        return self.raw_start, self.raw_end
+
+    @property
     def num_raw(self) -> int:
         return self.raw_end - self.raw_start
 

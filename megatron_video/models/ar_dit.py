@@ -21,13 +21,10 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention import dist_attention
@@ -35,12 +32,9 @@ from megatron_video.attention.masks import AttentionMask
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionSubmodules,
                                               DiTCrossAttention, DiTCrossAttentionSubmodules,
-                                              DiTSelfAttention, TimestepEmbedder, rope_3d_angles)
+                                              DiTSelfAttention, rope_3d_angles)
 from megatron_video.models.dit_layer import DiTLayerBase
-from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
-                                             mark_pipeline_replicated)
-from megatron_video.models.video_dit import (VideoDiTConfig, mark_pp_replicas,
-                                             replicated_embedders)
+from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
 from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["ARSeqParams", "ARDiTLayerSubmodules", "ARDiTLayer", "get_ar_dit_layer_spec",
@@ -139,7 +133,7 @@ def ar_rope_thw(frame_positions: torch.Tensor, token_ids: torch.Tensor,
     return torch.stack([frame_positions, spatial // geometry.width, spatial % geometry.width], dim=-1)
 
 
-class ARVideoDiT(MegatronModule):
+class ARVideoDiT(VideoDiT):
     """Causal AR DiT on a Balanced SP teacher-forcing sequence (see the module docstring).
 
     ``forward(x, t, *, frame_positions, token_ids, mask, caption_ids, caption_mask, geometry,
@@ -151,32 +145,13 @@ class ARVideoDiT(MegatronModule):
 
     def __init__(self, config: VideoDiTConfig, pre_process: bool = True, post_process: bool = True,
                  vp_stage: Optional[int] = None):
-        super().__init__(config=config)
         if config.patch_size[0] != 1:
             raise ValueError(f"patch_size ({config.patch_size}) must have a temporal patch of 1 for "
                              f"the AR DiT (a latent frame is the autoregressive unit)")
-        self.model_type = ModelType.encoder_or_decoder
-        self.share_embeddings_and_output_weights = False   # read by Megatron's finalize_model_grads
-        self.pre_process, self.post_process = pre_process, post_process
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.cond_seed)
-            self.t_embedder = TimestepEmbedder(config, config.timestep_frequency_dim)
-            self.text_embedder = TextEmbedder(config.text_vocab_size, config.text_dim,
-                                              config.text_max_len, seed=config.cond_seed)
-        for name in replicated_embedders(self):
-            mark_pipeline_replicated(getattr(self, name))
-        if pre_process:
-            self.patch_embed = PatchEmbed(config, config.patch_dim)
-        spec = get_ar_dit_layer_spec(config.lora_rank, config.text_dim)
-        self.decoder = TransformerBlock(config, spec, pre_process=pre_process, post_process=False,
-                                        vp_stage=vp_stage)
-        if post_process:
-            self.final_layer = FinalLayer(config, config.patch_dim)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
+        # Same embedders, stage split and checkpoint layout as VideoDiT; only the layers differ.
+        super().__init__(config, pre_process, post_process,
+                         layer_spec=get_ar_dit_layer_spec(config.lora_rank, config.text_dim),
+                         vp_stage=vp_stage)
 
     def forward(self, x: Optional[torch.Tensor], t: torch.Tensor, *, frame_positions: torch.Tensor,
                 token_ids: torch.Tensor, mask: Optional[AttentionMask], caption_ids: torch.Tensor,
@@ -206,7 +181,3 @@ class ARVideoDiT(MegatronModule):
             return out
         return self.final_layer(out.transpose(0, 1), c)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
-        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        return mark_pp_replicas(sd, [f"{prefix}{n}." for n in replicated_embedders(self)])
