@@ -8,7 +8,7 @@ attributes, in its own order, so parameter names (state-dict keys) belong to the
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (BaseTransformerLayer,
                                                          get_transformer_layer_offset)
 
+from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.parallel.comm import group_rank
 from megatron_video.parallel.topology import get_video_parallel_groups
 
@@ -71,6 +72,20 @@ class DiTLayerBase(MegatronModule, BaseTransformerLayer):
         self.mlp = self._build_mlp(submodules.mlp)
 
     # -- shared forward helpers ---------------------------------------------------------------
+    def _cp(self) -> Tuple[int, int]:
+        """``(cp_size, cp_rank)``; ``(1, 0)`` without video parallel groups."""
+        if self.groups is None:
+            return 1, 0
+        return self.groups.cp_size, self.groups.cp_rank
+
+    def _geometry(self, packed_seq_params, what: str) -> VideoGeometry:
+        """The global token grid carried by ``packed_seq_params`` (a ``VideoSeqParams``)."""
+        geometry = getattr(packed_seq_params, "geometry", None)
+        if not isinstance(geometry, VideoGeometry):
+            raise ValueError(f"packed_seq_params ({type(packed_seq_params).__name__}) must be a "
+                             f"VideoSeqParams with a VideoGeometry; {type(self).__name__} needs {what}")
+        return geometry
+
     def _norm(self, x):
         return F.layer_norm(x, x.shape[-1:], eps=self.config.layernorm_epsilon)
 

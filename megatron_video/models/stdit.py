@@ -151,9 +151,6 @@ class STDiTLayer(DiTLayerBase):
     def cp_group(self):
         return None if self.groups is None else self.groups.cp_group
 
-    def _cp_size(self) -> int:
-        return 1 if self.groups is None else self.groups.cp_size
-
     def _angles(self, global_index, geometry: VideoGeometry, head_dim: int):
         if self.rope_theta is None:
             return None
@@ -163,7 +160,7 @@ class STDiTLayer(DiTLayerBase):
                         layout: str):
         """Attention of ``x`` (``[b, t/P, n, D]`` in layout A or ``[b, m, t, D]`` in layout B)."""
         b, d1, d2, D = x.shape
-        t, n, P = geometry.frames, geometry.positions, self._cp_size()
+        t, n, P = geometry.frames, geometry.positions, self._cp()[0]
         if geometry.is_image:  # whole samples on every rank; A and B hold the same n tokens
             index = torch.arange(n)
         else:
@@ -200,14 +197,11 @@ class STDiTLayer(DiTLayerBase):
                 packed_seq_params: Optional[VideoSeqParams] = None, **unused):
         """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module docstring."""
         conditioning = attention_mask
-        geometry = getattr(packed_seq_params, "geometry", None)
-        if not isinstance(geometry, VideoGeometry):
-            raise ValueError(f"packed_seq_params ({type(packed_seq_params).__name__}) must be a "
-                             f"VideoSeqParams with a VideoGeometry; STDiTLayer needs the global (t, h, w)")
+        geometry = self._geometry(packed_seq_params, "the global (t, h, w)")
         if conditioning is None:
             raise ValueError("attention_mask (None) must be the AdaLN conditioning vector [b, D] "
                              "for STDiTLayer")
-        P = self._cp_size()
+        P = self._cp()[0]
         t, n = geometry.frames, geometry.positions
         check_stdit_divisibility(t, P)
         tl = 1 if geometry.is_image else t // P

@@ -142,11 +142,6 @@ class VideoDiTLayer(DiTLayerBase):
         self.rope_theta = rope_theta
         self._build_dit_submodules(submodules, lora_rank, context_dim)
 
-    def _cp(self) -> Tuple[int, int]:
-        if self.groups is None:
-            return 1, 0
-        return self.groups.cp_size, self.groups.cp_rank
-
     def _attention(self, x, geometry: VideoGeometry):
         P, rank = self._cp()
         s = x.shape[1]
@@ -164,10 +159,7 @@ class VideoDiTLayer(DiTLayerBase):
                 packed_seq_params: Optional[VideoSeqParams] = None, **unused):
         """``hidden_states [s, b, D]`` (contiguous CP shard) -> ``([s, b, D], context)``."""
         conditioning = attention_mask
-        geometry = getattr(packed_seq_params, "geometry", None)
-        if not isinstance(geometry, VideoGeometry):
-            raise ValueError(f"packed_seq_params ({type(packed_seq_params).__name__}) must be a "
-                             f"VideoSeqParams with a VideoGeometry (the global token grid)")
+        geometry = self._geometry(packed_seq_params, "the global token grid")
         s, b, D = hidden_states.shape
         P, _ = self._cp()
         if s * P != geometry.tokens:
