@@ -6,6 +6,8 @@ dv; together the ranks cover the whole sequence (``shard_sequence`` is a tested 
 cases run inside one ``pool.run``; all of them use the 8-rank pool (CP degrees below 8 run as DP
 replicas of the same case), so the attention tests start no other pool.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -108,7 +110,7 @@ def teardown():
 
 
 def run_case(groups, S, kind, b, h, hk, d, seed, scheme=None, dtype=torch.float64, stats=None,
-             backend="auto"):
+             backend="auto", tile=512):
     """Max abs errors (out, dq, dk, dv) of this rank's shard against the oracle, and a NaN flag."""
     q, k, v, dout = full_inputs(b, S, h, hk, d, seed)
     scale = d ** -0.5 * 1.3
@@ -118,7 +120,7 @@ def run_case(groups, S, kind, b, h, hk, d, seed, scheme=None, dtype=torch.float6
     shard = lambda x: shard_sequence(x, groups, dim=1, scheme=scheme)  # noqa: E731
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     out = dist_attention(ql, kl, vl, groups, mask=mask, softmax_scale=scale, scheme=scheme,
-                         backend=backend, stats=stats)
+                         backend=backend, stats=stats, tile=tile)
     (out * shard(dout).to(dtype)).sum().backward()
     got = [out.detach(), ql.grad, kl.grad, vl.grad]
     nan = any(bool(torch.isnan(x).any()) for x in got)
@@ -175,6 +177,25 @@ def test_exact_vs_oracle_cp8(pool8):
     _assert_results(pool8.run(_degree_cases, DEGREES8, S8), 1e-10)
 
 
+def _gqa_cases():
+    """Head counts where H_kv neither divides nor is divisible by U (kv heads enter as lcm(H_kv, U))."""
+    out = []
+    for U, R, h, hk in [(2, 2, 6, 3), (2, 1, 6, 3), (4, 1, 12, 3), (4, 2, 12, 3), (2, 4, 10, 5)]:
+        groups = setup(U, R, "ulysses_inner")
+        try:
+            for kind, scheme in [("causal", "zigzag"), ("packed_causal", "zigzag"), ("full", "contiguous")]:
+                S = 8 * U * R
+                errs, nan = run_case(groups, S, kind, 1, h, hk, 4, seed=U + R + h, scheme=scheme, tile=3)
+                out.append(((U, R, h, hk, kind), errs, nan))
+        finally:
+            teardown()
+    return out
+
+
+def test_gqa_any_head_counts_exact(pool8):
+    _assert_results(pool8.run(_gqa_cases), 1e-10)
+
+
 def _low_precision_cases():
     out = []
     for U, R, placement in [(2, 2, "ulysses_inner"), (1, 4, "ulysses_inner"), (4, 1, "ring_inner")]:
@@ -199,7 +220,7 @@ def test_bf16_and_fp32_fused_kernel(pool8):
 
 
 # ------------------------------------------------------------------------------------------
-# Skipped ring work equals the count of fully masked blocks (first principles)
+# Skipped ring work equals the count of fully masked tiles (first principles)
 # ------------------------------------------------------------------------------------------
 def _runs(ids):
     ids = ids.tolist()
@@ -211,6 +232,11 @@ def _runs(ids):
     return runs
 
 
+def _tiles(ids, tile):
+    """Runs of consecutive ids, each cut into tiles of ``tile`` ids (the last may be shorter)."""
+    return [run[a:a + tile] for run in _runs(ids) for a in range(0, len(run), tile)]
+
+
 def _skip_cases(S):
     out = []
     for U, R, placement in [(1, 4, "ulysses_inner"), (2, 2, "ulysses_inner"), (2, 2, "ring_inner")]:
@@ -219,7 +245,7 @@ def _skip_cases(S):
             # Each ring member's ids during ring attention = the union of its Ulysses group's shards,
             # learnt from the ranks themselves (not from the library's index map).
             for kind, scheme in [("causal", "zigzag"), ("causal", "contiguous"), ("block_causal", "zigzag"),
-                                 ("packed", "contiguous")]:
+                                 ("packed", "contiguous"), ("dead_rows", "zigzag")]:
                 mine = global_token_ids(groups, S, scheme)
                 everyone = [None] * dist.get_world_size()
                 dist.all_gather_object(everyone, (dist.get_rank(), groups.ulysses_ranks, mine))
@@ -227,47 +253,54 @@ def _skip_cases(S):
                 ugroup_of = {g: ug for g, ug, _ in everyone}
                 held = [torch.sort(torch.cat([shard_of[m] for m in ugroup_of[g]])).values
                         for g in groups.ring_ranks]
-                allow = allowed(kind, S)
+                allow = allowed(kind, S, seed=3)
                 q_ids = held[groups.ring_rank]
-                exp = dict(steps=0, steps_skipped=0, blocks=0, blocks_skipped=0)
-                for kv_ids in held:
-                    cells = [allow[qr][:, kr].any() for qr in _runs(q_ids) for kr in _runs(kv_ids)]
-                    exp["steps"] += 1
-                    exp["steps_skipped"] += int(not any(cells))
-                    exp["blocks"] += len(cells)
-                    exp["blocks_skipped"] += sum(1 for c in cells if not c)
-                stats = RingStats()
-                errs, nan = run_case(groups, S, kind, 1, 4, 2, 8, seed=3, scheme=scheme, stats=stats)
-                out.append(((U, R, placement, kind, scheme), exp, stats, errs, nan, groups.ring_rank))
+                for tile in (3, 512):  # 3 divides no run length; 512 = whole runs
+                    exp = dict(steps=0, steps_skipped=0, tiles=0, tiles_skipped=0, tiles_full=0)
+                    for kv_ids in held:
+                        cells = [allow[qt][:, kt] for qt in _tiles(q_ids, tile) for kt in _tiles(kv_ids, tile)]
+                        exp["steps"] += 1
+                        exp["steps_skipped"] += int(not any(bool(c.any()) for c in cells))
+                        exp["tiles"] += len(cells)
+                        exp["tiles_skipped"] += sum(1 for c in cells if not c.any())
+                        exp["tiles_full"] += sum(1 for c in cells if c.all())
+                    stats = RingStats()
+                    errs, nan = run_case(groups, S, kind, 1, 4, 2, 8, seed=3, scheme=scheme, stats=stats,
+                                         tile=tile)
+                    out.append(((U, R, placement, kind, scheme, tile), exp, stats, errs, nan, groups.ring_rank))
         finally:
             teardown()
     return out
 
 
-def test_skipped_steps_match_masked_blocks(pool8):
+def test_skipped_steps_match_masked_tiles(pool8):
     per_rank = pool8.run(_skip_cases, S4)
     for rank, results in enumerate(per_rank):
         for case, exp, st, errs, nan, _ in results:
             assert max(errs) < 1e-10 and not nan, (rank, case, errs)
-            got = dict(steps=st.steps, steps_skipped=st.steps_skipped, blocks=st.blocks,
-                       blocks_skipped=st.blocks_skipped)
+            got = dict(steps=st.steps, steps_skipped=st.steps_skipped, tiles=st.tiles,
+                       tiles_skipped=st.tiles_skipped, tiles_full=st.tiles_full)
             assert got == exp, (rank, case, got, exp)
-            bwd = dict(steps=st.bwd_steps, steps_skipped=st.bwd_steps_skipped, blocks=st.bwd_blocks,
-                       blocks_skipped=st.bwd_blocks_skipped)
-            assert bwd == exp, (rank, case, bwd, exp)
-    # Hand-derived numbers for the balanced layouts (ring rank r of R = 4, and of R = 2):
+            bwd = dict(steps=st.bwd_steps, steps_skipped=st.bwd_steps_skipped, tiles=st.bwd_tiles,
+                       tiles_skipped=st.bwd_tiles_skipped)
+            assert bwd == {k: exp[k] for k in bwd}, (rank, case, bwd, exp)
+            # float64 runs the math kernel: no call ever holds more than one tile pair of scores
+            tile = case[-1]
+            assert 0 < st.max_score_elements <= tile * tile, (rank, case, st.max_score_elements)
+            assert st.max_mask_elements <= tile * tile, (rank, case, st.max_mask_elements)
+    # Hand-derived numbers for the balanced layouts (ring rank r of R = 4, and of R = 2), whole runs:
     for rank, results in enumerate(per_rank):
         by_case = {c: (st, r) for c, _, st, _, _, r in results}
         # causal contiguous, pure ring: the KV blocks of every later ring rank are skipped
-        st, r = by_case[(1, 4, "ulysses_inner", "causal", "contiguous")]
+        st, r = by_case[(1, 4, "ulysses_inner", "causal", "contiguous", 512)]
         assert st.steps_skipped == 3 - r
         # causal zigzag: no whole step is empty, but half of every off-diagonal step is (2 of 4
-        # sub-blocks) and 1 of 4 on the diagonal
-        # (ring rank R-1 holds chunks R-1 and R, one run of ids, so its grid has fewer cells)
-        st, r = by_case[(1, 4, "ulysses_inner", "causal", "zigzag")]
-        assert (st.steps_skipped, st.blocks, st.blocks_skipped) == ((0, 14, 6) if r < 3 else (0, 7, 3))
-        st, r = by_case[(2, 2, "ulysses_inner", "causal", "zigzag")]
-        assert (st.steps_skipped, st.blocks, st.blocks_skipped) == ((0, 6, 2) if r < 1 else (0, 3, 1))
+        # tiles) and 1 of 4 on the diagonal
+        # (ring rank R-1 holds chunks R-1 and R, one run of ids, so its grid has fewer tiles)
+        st, r = by_case[(1, 4, "ulysses_inner", "causal", "zigzag", 512)]
+        assert (st.steps_skipped, st.tiles, st.tiles_skipped) == ((0, 14, 6) if r < 3 else (0, 7, 3))
+        st, r = by_case[(2, 2, "ulysses_inner", "causal", "zigzag", 512)]
+        assert (st.steps_skipped, st.tiles, st.tiles_skipped) == ((0, 6, 2) if r < 1 else (0, 3, 1))
 
 
 # ------------------------------------------------------------------------------------------
@@ -308,7 +341,7 @@ def test_comm_bytes_match_design_formulas(pool8):
     for rank, results in enumerate(pool8.run(_tracer_cases)):
         for (U, R, hk, N, b, s_local, h, d, e), rec in results:
             G = b * s_local * d * e
-            hk_eff = hk if hk % U == 0 else U  # replicated kv heads enter the a2a U times
+            hk_eff = hk * U // math.gcd(hk, U)  # kv heads enter the a2a as lcm(hk, U) replicas
             a2a = G * (2 * h + 2 * hk_eff) * (U - 1) // U
             ring = (R - 1) * 2 * hk_eff * G
             case = (rank, U, R, hk)
@@ -334,7 +367,9 @@ def _error_cases():
         bad = [  # (q shape, kv shape, kwargs, expected message fragment)
             ((1, 8, 3, 4), (1, 8, 3, 4), {}, "num_heads (3) must be divisible by ulysses_size (2)"),
             ((1, 8, 4, 4), (1, 8, 3, 4), {}, "num_heads (4) must be divisible by num_kv_heads (3)"),
-            ((1, 8, 12, 4), (1, 8, 3, 4), {}, "num_kv_heads (3) must divide or be divisible by ulysses_size"),
+            ((1, 8, 4, 4), (1, 8, 4, 4), dict(tile=0), "tile (0) must be a positive int"),
+            ((1, 8, 4, 4), (1, 8, 4, 4), dict(tile=2.5), "tile (2.5)"),
+            ((1, 8, 4, 4), (1, 8, 4, 4), dict(mask=masks.causal()), "scheme (None) must be given"),
             ((1, 7, 4, 4), (1, 7, 4, 4), dict(scheme="zigzag"), "s_local (7) must be even"),
             ((1, 6, 4, 4), (1, 6, 4, 4), dict(scheme="diagonal"), "scheme ('diagonal')"),
             ((1, 6, 4, 4), (1, 6, 4, 4), dict(mask="causal"), "mask (str)"),

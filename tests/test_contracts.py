@@ -126,26 +126,26 @@ ATTENTION_PLAN = [
         _C("packed", [0, 7, 8, 31], "zigzag", True, 1, 48, 4, 4, 24),
         _C("window", 9, "zigzag", True, 2, 48, 4, 2, 8, F32),
         _C("causal", None, "zigzag", True, 2, 48, 4, 1, 8, BF16),
-        # scheme omitted: the layout recorded by shard_sequence is used (exact, not the mask's default)
-        _C("causal", None, "contiguous", False, 1, 48, 4, 2, 24),
-        _C("packed_causal", [0, 7, 8, 31], "zigzag", False, 1, 48, 4, 4, 8),
-        _C("window", 9, "zigzag", False, 2, 48, 4, 2, 8),
+        # scheme given explicitly (required for position-dependent masks); omitted for full()
+        _C("causal", None, "contiguous", True, 1, 48, 4, 2, 24),
+        _C("packed_causal", [0, 7, 8, 31], "zigzag", True, 1, 48, 4, 4, 8),
+        _C("window", 9, "zigzag", True, 2, 48, 4, 2, 8),
         _C("full", None, "zigzag", False, 2, 48, 4, 2, 24, F64, 0.11),
     ]),
     ((1, 2, 4, "ring_inner", False, 8, 1), [
-        _C("causal", None, "contiguous", False, 3, 40, 4, 2, 40),
-        _C("block_causal", 7, "zigzag", False, 1, 48, 2, 1, 24),
+        _C("causal", None, "contiguous", True, 3, 40, 4, 2, 40),
+        _C("block_causal", 7, "zigzag", True, 1, 48, 2, 1, 24),
         _C("packed", [0, 5, 19, 37], "contiguous", True, 2, 40, 2, 2, 8, BF16, 0.5),
     ]),
     # CP 2 with DP 4 (and TP 2; PP 2): 6 heads over U = 2, kv heads split / replicated
     ((1, 2, 1, "ulysses_inner", False, 4, 2), [
         _C("causal", None, "contiguous", True, 3, 10, 6, 6, 40),
-        _C("causal", None, "zigzag", False, 3, 12, 6, 2, 24),
+        _C("causal", None, "zigzag", True, 3, 12, 6, 2, 24),
         _C("block_causal", 5, "zigzag", True, 1, 20, 6, 1, 24, F32),
     ]),
     ((2, 1, 2, "ring_inner", False, 4, 2), [
-        _C("packed", [0, 3, 11, 14], "zigzag", False, 2, 20, 6, 2, 40, BF16, 0.5),
-        _C("window", 4, "contiguous", False, 2, 14, 6, 3, 24),
+        _C("packed", [0, 3, 11, 14], "zigzag", True, 2, 20, 6, 2, 40, BF16, 0.5),
+        _C("window", 4, "contiguous", True, 2, 14, 6, 3, 24),
     ]),
 ]
 
@@ -167,11 +167,11 @@ def _attention_contract(plan):
 
 
 def _error_contract(groups, CommTracer):
-    """Position-dependent mask, no scheme and no recorded layout: ValueError naming ``scheme``; a
-    bad predicate: ValueError before the all-to-all. Both before any communication."""
+    """Position-dependent mask and no scheme: ValueError naming ``scheme`` even right after a
+    ``shard_sequence`` call with the same groups (nothing is remembered between calls); a bad
+    predicate: ValueError before the all-to-all. Both before any communication."""
     out = []
-    groups.extra.pop("sequence_scheme", None)  # as if the inputs were laid out by other means
-    x = torch.randn(1, 6, 4, 8)
+    x = shard_sequence(torch.randn(1, 6 * groups.cp_size, 4, 8), groups, dim=1, scheme="zigzag")
     for kw in (dict(mask=masks.causal()), dict(mask=masks.predicate(lambda q, k: (q >= k).int()),
                                                 scheme="contiguous")):
         with CommTracer() as t:
@@ -192,7 +192,7 @@ def test_dist_attention_contract_unlisted_configs(pool8):
             tol = 2.5e-2 if dtype == BF16 else (1e-5 if dtype == F32 else 1e-10)
             assert max(errs) < tol, f"rank {rank} {cfg} {case}: (out, dq, dk, dv) errors {errs}"
         (msg0, ev0), (msg1, ev1), full = errors
-        assert "scheme (None)" in msg0 and "shard_sequence" in msg0 and ev0 == 0, (msg0, ev0)
+        assert "scheme (None) must be given" in msg0 and ev0 == 0, (msg0, ev0)
         assert "bool tensor" in msg1 and ev1 == 0, (msg1, ev1)
         assert full == ("full-ok", (1, 6, 4, 8))
 
@@ -209,20 +209,21 @@ def test_dist_attention_single_rank_any_length():
         assert (out - ref).abs().max() < 1e-12, (kind, kw)
 
 
-def test_scheme_recorded_by_layout_functions():
-    from megatron_video.layouts import recorded_scheme
+def test_layout_functions_are_stateless():
+    """``shard_sequence`` / ``global_token_ids`` leave the groups object as it was (no scheme is
+    recorded for a later ``dist_attention`` to pick up)."""
+    import copy
+
     from megatron_video.parallel.topology import VideoParallelGroups
 
     G = VideoParallelGroups(None, None, None, None, None, None, list(range(4)), [0, 1], [0, 2], 2, 2,
                             1, 1, 0)
-    assert recorded_scheme(G) is None
+    before = copy.deepcopy(vars(G))
     shard_sequence(torch.zeros(1, 16), G, dim=1, scheme="zigzag")
-    assert recorded_scheme(G) == "zigzag"
     assert torch.equal(global_token_ids(G, 16, "contiguous"), torch.arange(4, 8))
-    assert recorded_scheme(G) == "contiguous"
-    with pytest.raises(ValueError, match="seq_len"):  # an invalid call records nothing
+    with pytest.raises(ValueError, match="seq_len"):
         shard_sequence(torch.zeros(1, 12), G, dim=1, scheme="zigzag")
-    assert recorded_scheme(G) == "contiguous"
+    assert vars(G) == before
     for bad in (2, -3):  # out of range: an error naming dim, not a wrap onto another dim
         with pytest.raises(ValueError, match=rf"dim \({bad}\) must be an integer in \[-2, 2\)"):
             shard_sequence(torch.zeros(4, 8), dim=bad, cp_rank=0, cp_size=2)

@@ -8,9 +8,15 @@ gathered ids gives ring rank ``r`` the zigzag chunks ``r`` and ``2R-1-r`` (of ``
 zigzag layout with ``ulysses_inner`` placement, i.e. a balanced causal ring, and keeps each shard
 in a few runs of consecutive ids (the granularity at which fully masked sub-blocks are skipped).
 
+Every ring step runs on the tiled engine (``attention.engine``): per-rank memory is linear in the
+sequence (no ``s x s`` mask or score tensor), fully masked tiles cost nothing.
+
 Comm per rank per call (forward, ``G = b * s_local * d * bytes``): all-to-all
 ``G * (2H + 2H_kv') * (U-1)/U`` in the Ulysses group, ring ``(R-1) * 2 * H_kv' * G`` with
-``H_kv' = H_kv`` (split) or ``U`` (replicated kv heads, ``U % H_kv == 0``).
+``H_kv' = lcm(H_kv, U)`` (``H_kv`` when ``U`` divides it; replicated kv heads otherwise).
+
+The layout is explicit: the caller says how q, k, v were cut (``scheme=``, required whenever the
+mask depends on positions and there is more than one CP rank); nothing is remembered between calls.
 """
 from __future__ import annotations
 
@@ -19,10 +25,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..layouts.zigzag import SCHEMES, check_seq_len, concat_global_ids, recorded_scheme
+from ..layouts.zigzag import SCHEMES, check_seq_len, concat_global_ids
 from ..parallel.comm import check_same_shape
 from ..parallel.topology import local_groups
-from . import kernels
+from . import engine, kernels
 from .masks import AttentionMask
 from .ring import RingPlan, RingStats, ring_attention
 from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
@@ -31,17 +37,13 @@ __all__ = ["dist_attention", "ring_token_ids", "resolve_scheme"]
 
 
 def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=None) -> str:
-    """The sequence layout ``dist_attention`` assumes for its inputs.
+    """The sequence layout ``dist_attention`` assumes for its inputs: ``scheme`` when given.
 
-    ``scheme`` when given. Otherwise (``scheme=None``) the layout cannot be read off the data, so:
-
-    * with one CP rank (``groups`` None or ``cp_size == 1``) both schemes are the identity, and with
-      no mask or ``masks.full()`` the result does not depend on token positions at all: any layout
-      is exact (``"contiguous"`` is used);
-    * otherwise the scheme of the most recent ``layouts.shard_sequence`` / ``global_token_ids`` call
-      made with these ``groups`` (recorded on them) is used;
-    * with no such call, ``ValueError``: a mask on global token indices would be silently wrong
-      under a guessed layout (``mask.default_scheme`` is only the layout that balances the mask).
+    ``scheme=None`` is accepted only where the layout cannot change the result: one CP rank
+    (``groups`` None or ``cp_size == 1``: every layout is the identity) or a mask that ignores
+    positions (None or ``masks.full()``); then ``"contiguous"`` is used. Otherwise ``ValueError``:
+    the layout cannot be read off the data, and a mask on global token indices would be silently
+    wrong under a guessed one (``mask.default_scheme`` is only the layout that balances the mask).
     """
     if mask is not None and not isinstance(mask, AttentionMask):
         raise ValueError(f"mask ({type(mask).__name__}) must be None or a megatron_video.attention."
@@ -51,13 +53,11 @@ def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=
         cp_size = 1 if groups is None else groups.cp_size
         if cp_size == 1 or mask is None or mask.position_independent:
             return "contiguous"
-        scheme = recorded_scheme(groups)
-        if scheme is None:
-            raise ValueError(
-                f"scheme (None) cannot be inferred for mask {mask!r} over {cp_size} CP ranks: pass "
-                f"scheme='zigzag' or 'contiguous' (the layout of q, k, v), or lay them out with "
-                f"layouts.shard_sequence(x, groups, dim=1, scheme=...), whose scheme is then used "
-                f"(this mask's balanced layout is {mask.default_scheme!r})")
+        raise ValueError(
+            f"scheme (None) must be given for mask {mask!r} over {cp_size} CP ranks: pass "
+            f"scheme='zigzag' or 'contiguous', the layout q, k, v were cut with (e.g. by "
+            f"layouts.shard_sequence(x, groups, dim=1, scheme=...)); this mask's balanced layout is "
+            f"{mask.default_scheme!r}")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} or None")
     return scheme
@@ -83,7 +83,7 @@ def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_r
     return gathered, ring_ids
 
 
-def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme):
+def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
@@ -99,6 +99,7 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme):
         raise ValueError(f"softmax_scale ({softmax_scale!r}) must be None or a positive number")
     if backend != "auto" and backend not in kernels.available_backends():
         raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {kernels.available_backends()}")
+    engine.check_tile(tile, engine.engine_backend(backend, q), q.device)
     U = 1 if groups is None else groups.ulysses_size
     N = 1 if groups is None else groups.cp_size
     check_heads(q.shape[2], k.shape[2], U)
@@ -118,22 +119,24 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme):
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=None,
                    mask: Optional[AttentionMask] = None, softmax_scale: Optional[float] = None,
                    scheme: Optional[str] = None, backend: str = "auto",
-                   stats: Optional[RingStats] = None) -> torch.Tensor:
+                   stats: Optional[RingStats] = None, tile: int = engine.DEFAULT_TILE) -> torch.Tensor:
     """Exact context-parallel attention over the U x R groups of ``groups``.
 
     ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` laid out by
     ``layouts.shard_sequence(x, groups, dim=1, scheme=scheme)``; returns ``[b, s_local, h, d]`` in
     the same layout. ``groups`` is a ``VideoParallelGroups`` (None: one process, no communication).
     ``scheme=None``: see ``resolve_scheme`` (exact or ``ValueError``, never a guessed layout); with
-    one CP rank both layouts are the identity and any ``s_local`` is fine. ``stats`` (a
-    ``RingStats``) counts ring steps and skipped sub-blocks. Input errors (including a mask whose
+    one CP rank both layouts are the identity and any ``s_local`` is fine. ``tile`` is the engine's
+    tile side in tokens (``attention.engine``); ``backend`` its kernel family (``"auto"``: math for
+    float64, FlexAttention on CUDA, torch's fused CPU kernel otherwise). ``stats`` (a ``RingStats``)
+    counts ring steps, skipped tiles, kernel calls and the largest mask / score buffer. Input errors (including a mask whose
     ``dense`` does not return a bool tensor) raise ``ValueError`` before any collective; shapes
     that differ between the CP ranks raise ``ValueError`` on every rank instead of hanging.
     """
     scheme = resolve_scheme(mask, scheme, groups)
     if groups is None or groups.cp_size == 1:
         scheme = "contiguous"  # one CP rank: both layouts are the identity (any s_local)
-    _validate(q, k, v, groups, mask, softmax_scale, backend, scheme)
+    _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if groups is None:
         U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
@@ -159,8 +162,9 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
         order = order.to(q.device)
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
 
-    plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=[i.to(q.device) for i in ring_ids],
-                    mask=mask, softmax_scale=scale, backend=backend, stats=stats)
+    plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=list(ring_ids), mask=mask,
+                    softmax_scale=scale, backend=engine.engine_backend(backend, q), stats=stats,
+                    tile=tile)
     out = ring_attention(q, k, v, plan)
 
     if reorder:

@@ -1,11 +1,21 @@
 """Attention masks as functions of GLOBAL token indices.
 
 A mask answers "may query token ``q`` attend to key token ``k``?" for global indices in the attention
-sequence, so every ring step can build its block's mask from the global ids of its Q and KV shards,
-whatever the layout. ``dense(q_ids, k_ids)`` gives the boolean block (True = attend);
-``block_status`` classifies a block as ``EMPTY`` (skipped: no compute), ``PARTIAL`` or ``FULL``
-(no mask needed). Subclass :class:`AttentionMask` (override ``dense`` and, if it can be done more
-cheaply, ``block_status``) or wrap a function with :func:`predicate`.
+sequence, so every ring step can derive its block's mask from the global ids of its Q and KV shards,
+whatever the layout. The attention engine (``attention.engine``) never asks for a whole block:
+
+* ``tile_status(q_ids, k_ids, q_tile, k_tile)`` classifies every ``[q tile, k tile]`` of a block as
+  ``EMPTY`` (skipped), ``PARTIAL`` or ``FULL`` (no mask needed). Rule masks (:class:`RuleMask`:
+  ``full``, ``causal``, ``block_causal``, ``packed`` with those inside, teacher forcing) map ids to
+  token identities (``ops.TokenIds``) and get the whole grid from the C++ kernels
+  (``ops.block_mask_status``); other masks are evaluated one tile at a time.
+* ``dense(q_ids, k_ids)`` gives the boolean tile (True = attend); the engine calls it on PARTIAL tiles
+  only, so no mask larger than one tile pair is ever built.
+
+Subclass :class:`AttentionMask` (override ``dense`` and, if it can be done more cheaply, ``block_status``
+for one tile or ``tile_status`` for a grid), subclass :class:`RuleMask`, or wrap a function with
+:func:`predicate`. ``MEGATRON_VIDEO_CHECK_MASKS=1`` makes the engine check every tile verdict against
+``dense`` (a ``ValueError`` names a mask whose classification lies).
 """
 from __future__ import annotations
 
@@ -13,10 +23,15 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "AttentionMask", "full", "causal", "block_causal", "packed",
-           "predicate"]
+from ..ops import masks as _ops
+from ..ops.rules import EMPTY, FULL, PARTIAL
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
+__all__ = ["EMPTY", "PARTIAL", "FULL", "AttentionMask", "RuleMask", "full", "causal", "block_causal",
+           "packed", "predicate"]
+
+
+def _tile_edges(n: int, tile: int):
+    return [(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
 class AttentionMask:
@@ -32,7 +47,7 @@ class AttentionMask:
         raise NotImplementedError
 
     def block_status(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> int:
-        """``EMPTY`` (0), ``PARTIAL`` (1) or ``FULL`` (2) for the block ``q_ids x k_ids``."""
+        """``EMPTY`` (0), ``PARTIAL`` (1) or ``FULL`` (2) for ONE tile ``q_ids x k_ids``."""
         if q_ids.numel() == 0 or k_ids.numel() == 0:
             return EMPTY
         d = self.dense(q_ids, k_ids)
@@ -40,43 +55,81 @@ class AttentionMask:
             return EMPTY
         return FULL if bool(d.all()) else PARTIAL
 
+    def tile_status(self, q_ids: torch.Tensor, k_ids: torch.Tensor, q_tile: int, k_tile: int) -> torch.Tensor:
+        """uint8 ``[ceil(len(q_ids)/q_tile), ceil(len(k_ids)/k_tile)]`` of tile verdicts (one tile at a time)."""
+        qe, ke = _tile_edges(q_ids.numel(), q_tile), _tile_edges(k_ids.numel(), k_tile)
+        out = torch.empty(len(qe), len(ke), dtype=torch.uint8)
+        for i, (a, b) in enumerate(qe):
+            for j, (c, d) in enumerate(ke):
+                out[i, j] = self.block_status(q_ids[a:b], k_ids[c:d])
+        return out
 
-class _Full(AttentionMask):
+    def mask_mod(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Callable:
+        """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``."""
+        def mod(b, h, qi, ki):
+            return self.dense(q_ids[qi].reshape(1), k_ids[ki].reshape(1)).reshape(())
+        return mod
+
+
+class RuleMask(AttentionMask):
+    """A mask given by an ``ops`` rule on token identities derived from global ids.
+
+    Subclasses set ``rule`` (a key of ``ops.RULES``) and implement ``identities(ids, role)`` ->
+    ``ops.TokenIds`` for ``role`` ``"q"`` or ``"k"`` (with ``doc`` on both sides or neither).
+    """
+
+    rule = "full"
+
+    def identities(self, ids: torch.Tensor, role: str) -> "_ops.TokenIds":
+        raise NotImplementedError
+
+    def _ids(self, q_ids, k_ids):
+        return self.identities(q_ids.long(), "q"), self.identities(k_ids.long(), "k")
+
+    def dense(self, q_ids, k_ids):
+        return _ops.dense_mask(*self._ids(q_ids, k_ids), self.rule)
+
+    def block_status(self, q_ids, k_ids):
+        if q_ids.numel() == 0 or k_ids.numel() == 0:
+            return EMPTY
+        return int(self.tile_status(q_ids, k_ids, q_ids.numel(), k_ids.numel())[0, 0])
+
+    def tile_status(self, q_ids, k_ids, q_tile, k_tile):
+        return _ops.block_mask_status(*self._ids(q_ids, k_ids), self.rule, q_tile, k_tile)
+
+    def mask_mod(self, q_ids, k_ids):
+        return _ops.mask_mod(*self._ids(q_ids, k_ids), self.rule)
+
+
+class _Full(RuleMask):
     position_independent = True
+    rule = "full"
+
+    def identities(self, ids, role):
+        return _ops.TokenIds(pos=ids)
 
     def dense(self, q_ids, k_ids):
         return torch.ones(len(q_ids), len(k_ids), dtype=torch.bool, device=q_ids.device)
 
-    def block_status(self, q_ids, k_ids):
-        return FULL if q_ids.numel() and k_ids.numel() else EMPTY
+    def tile_status(self, q_ids, k_ids, q_tile, k_tile):
+        return torch.full((-(-q_ids.numel() // q_tile), -(-k_ids.numel() // k_tile)), FULL, dtype=torch.uint8)
 
     def __repr__(self):
         return "full()"
 
 
-def _monotone_status(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Status of ``k <= q`` from extremes alone (exact for any order of ids)."""
-    if q.numel() == 0 or k.numel() == 0:
-        return EMPTY
-    if int(k.min()) > int(q.max()):
-        return EMPTY
-    return FULL if int(k.max()) <= int(q.min()) else PARTIAL
-
-
-class _Causal(AttentionMask):
+class _Causal(RuleMask):
     default_scheme = "zigzag"
+    rule = "causal"
 
-    def dense(self, q_ids, k_ids):
-        return k_ids[None, :] <= q_ids[:, None]
-
-    def block_status(self, q_ids, k_ids):
-        return _monotone_status(q_ids, k_ids)
+    def identities(self, ids, role):
+        return _ops.TokenIds(pos=ids)
 
     def __repr__(self):
         return "causal()"
 
 
-class _BlockCausal(AttentionMask):
+class _BlockCausal(RuleMask):
     default_scheme = "zigzag"
 
     def __init__(self, block_tokens: int):
@@ -84,18 +137,16 @@ class _BlockCausal(AttentionMask):
             raise ValueError(f"block_tokens ({block_tokens!r}) must be a positive integer")
         self.block_tokens = block_tokens
 
-    def dense(self, q_ids, k_ids):
-        b = self.block_tokens
-        return (k_ids // b)[None, :] <= (q_ids // b)[:, None]
+    rule = "block_causal"
 
-    def block_status(self, q_ids, k_ids):
-        return _monotone_status(q_ids // self.block_tokens, k_ids // self.block_tokens)
+    def identities(self, ids, role):
+        return _ops.TokenIds(block=torch.div(ids, self.block_tokens, rounding_mode="floor"))
 
     def __repr__(self):
         return f"block_causal({self.block_tokens})"
 
 
-class _Packed(AttentionMask):
+class _Packed(RuleMask):
     def __init__(self, cu_seqlens, inner: Optional[AttentionMask] = None):
         cu = torch.as_tensor(cu_seqlens)
         if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
@@ -110,6 +161,10 @@ class _Packed(AttentionMask):
         self.inner = inner
         # Causal-like inner masks inherit the zigzag balance.
         self.default_scheme = inner.default_scheme if inner is not None else "contiguous"
+        # Inner masks that are rules become one rule with documents (C++ tile status); any other
+        # inner mask is evaluated one tile at a time.
+        self.rule = ("full" if inner is None else "causal" if isinstance(inner, _Causal)
+                     else "block_causal" if isinstance(inner, _BlockCausal) else None)
 
     def _doc(self, ids):
         """Document of each id; ``-1`` for padding past ``cu_seqlens[-1]`` (never attends/attended)."""
@@ -117,7 +172,33 @@ class _Packed(AttentionMask):
         doc = torch.searchsorted(cu, ids, right=True) - 1
         return torch.where(ids < cu[-1], doc, torch.full_like(doc, -1)), cu
 
+    def identities(self, ids, role):
+        doc, cu = self._doc(ids)
+        # padding (doc -1) must match nothing, not even other padding: -1 for queries, -2 for keys
+        doc = torch.where(doc >= 0, doc, torch.full_like(doc, -1 if role == "q" else -2))
+        rel = ids - cu[doc.clamp(min=0)]  # document-relative position
+        if self.rule == "block_causal":
+            return _ops.TokenIds(doc=doc, block=torch.div(rel, self.inner.block_tokens, rounding_mode="floor"))
+        return _ops.TokenIds(doc=doc, pos=rel)
+
+    def tile_status(self, q_ids, k_ids, q_tile, k_tile):
+        if self.rule is None:
+            return AttentionMask.tile_status(self, q_ids, k_ids, q_tile, k_tile)
+        return RuleMask.tile_status(self, q_ids, k_ids, q_tile, k_tile)
+
+    def block_status(self, q_ids, k_ids):
+        if self.rule is None:
+            return AttentionMask.block_status(self, q_ids, k_ids)
+        return RuleMask.block_status(self, q_ids, k_ids)
+
+    def mask_mod(self, q_ids, k_ids):
+        if self.rule is None:
+            return AttentionMask.mask_mod(self, q_ids, k_ids)
+        return RuleMask.mask_mod(self, q_ids, k_ids)
+
     def dense(self, q_ids, k_ids):
+        if self.rule is not None:
+            return RuleMask.dense(self, q_ids, k_ids)
         dq, cu = self._doc(q_ids)
         dk, _ = self._doc(k_ids)
         m = (dq[:, None] == dk[None, :]) & (dq[:, None] >= 0)

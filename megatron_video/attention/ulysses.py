@@ -1,12 +1,15 @@
 """Ulysses (head-parallel) all-to-all: scatter heads / gather sequence, and back.
 
-GQA: the ``H`` query heads must divide by the group size ``U``. K/V heads are either split
-(``H_kv % U == 0``: rank ``u`` gets kv heads ``[u*H_kv/U, (u+1)*H_kv/U)``, matching its query
-heads) or, when ``U % H_kv == 0``, replicated to ``U`` heads before the all-to-all so that rank
-``u`` gets kv head ``u // (U/H_kv)`` (the one its query heads use); autograd sums the replicas'
-gradients. Anything else raises ``ValueError`` (checked before any collective by the caller).
+GQA, any head counts: the ``H`` query heads must divide by the group size ``U`` and by ``H_kv``.
+K/V heads enter the all-to-all as ``H_kv' = lcm(H_kv, U)`` heads: split when ``U`` divides ``H_kv``
+(``H_kv' = H_kv``: rank ``u`` gets kv heads ``[u*H_kv/U, (u+1)*H_kv/U)``), otherwise each kv head is
+first repeated ``H_kv'/H_kv`` times (e.g. ``U % H_kv == 0`` gives ``U`` heads; ``H=6, H_kv=3, U=2``
+gives 6). Query head ``i`` uses kv head ``i // (H/H_kv)`` = replica ``i // (H/H_kv')``, so rank ``u``
+receives exactly the replicas its query heads use; autograd sums the replicas' gradients.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -21,18 +24,15 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses_size: int) -> None:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if num_heads % ulysses_size:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by ulysses_size ({ulysses_size})")
-    if num_kv_heads % ulysses_size and ulysses_size % num_kv_heads:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide or be divisible by ulysses_size "
-                         f"({ulysses_size}) (split or replicated GQA kv heads)")
 
 
 def kv_heads_for_a2a(num_kv_heads: int, ulysses_size: int) -> int:
-    """KV heads that enter the all-to-all: ``H_kv`` when split, ``U`` when replicated."""
-    return num_kv_heads if num_kv_heads % ulysses_size == 0 else ulysses_size
+    """KV heads that enter the all-to-all: ``lcm(H_kv, U)`` (``H_kv`` when ``U`` divides it)."""
+    return num_kv_heads * ulysses_size // math.gcd(num_kv_heads, ulysses_size)
 
 
 def prepare_kv(x: torch.Tensor, ulysses_size: int) -> torch.Tensor:
-    """Replicate kv heads to ``U`` when ``U % H_kv == 0`` and ``H_kv < U`` (else unchanged)."""
+    """Repeat each kv head ``lcm(H_kv, U) / H_kv`` times (unchanged when ``U`` divides ``H_kv``)."""
     h_kv = x.shape[2]
     rep = kv_heads_for_a2a(h_kv, ulysses_size) // h_kv
     return x if rep == 1 else x.repeat_interleave(rep, dim=2)

@@ -25,8 +25,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..attention.masks import AttentionMask
+from ..attention.masks import RuleMask
 from ..layouts.balanced_sp import BalancedSPLayout
+from ..ops.masks import TokenIds
 from ..parallel import comm
 from .edm import reduce_token_loss
 from .flow_matching import expand_block_timesteps, fm_interpolate, fm_target, sample_timesteps
@@ -34,22 +35,23 @@ from .flow_matching import expand_block_timesteps, fm_interpolate, fm_target, sa
 __all__ = ["TeacherForcingMask", "TeacherForcingOutput", "TeacherForcingObjective", "local_frame_tokens"]
 
 
-class TeacherForcingMask(AttentionMask):
-    """The layout's teacher-forcing mask on attention-order positions (identity tables)."""
+class TeacherForcingMask(RuleMask):
+    """The layout's teacher-forcing mask on attention-order positions: the ``teacher_forcing`` rule
+    of ``megatron_video.ops`` on each position's (side, block) from the layout's identity tables,
+    so the attention engine gets its tile status from the C++ kernels."""
 
     default_scheme = "contiguous"
+    rule = "teacher_forcing"
 
     def __init__(self, layout: BalancedSPLayout):
         self.layout = layout
-        self._fn = layout.mask_predicate()
+        side, _, block = layout.identity_tables()
+        self._side, self._block = side, block
 
-    def dense(self, q_ids: Tensor, k_ids: Tensor) -> Tensor:
-        return self._fn(q_ids.long().cpu()[:, None], k_ids.long().cpu()[None, :]).to(q_ids.device)
-
-    def block_status(self, q_ids: Tensor, k_ids: Tensor) -> int:
-        if q_ids.numel() == 0 or k_ids.numel() == 0:
-            return 0
-        return self.layout.block_status_ids(q_ids.long().cpu(), k_ids.long().cpu())
+    def identities(self, ids: Tensor, role: str) -> TokenIds:
+        if self._side.device != ids.device:
+            self._side, self._block = self._side.to(ids.device), self._block.to(ids.device)
+        return TokenIds(side=self._side[ids], block=self._block[ids])
 
     def __repr__(self) -> str:
         return f"TeacherForcingMask({self.layout!r})"

@@ -28,30 +28,18 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..ops.rules import CLEAN, EMPTY, FULL, NOISY, PARTIAL  # noqa: F401  (the one rule definition)
+from ..ops.rules import teacher_forcing as teacher_forcing_rule
+
 __all__ = [
     "BalancedSPLayout", "teacher_forcing_rule", "single_gpu_teacher_forcing_mask",
     "naive_slice_global_ids", "naive_identity_units", "ring_attention_work", "max_over_mean",
 ]
 
-CLEAN, NOISY = 0, 1
-
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
-
-def teacher_forcing_rule(q_side: torch.Tensor, q_block: torch.Tensor, k_side: torch.Tensor,
-                         k_block: torch.Tensor) -> torch.Tensor:
-    """The teacher-forcing predicate on token identities (broadcasting); True = attend.
-
-    This is the reference semantics for every other form (dense, block-level, C++ kernels).
-    """
-    q_clean, k_clean = q_side == CLEAN, k_side == CLEAN
-    clean_clean = q_clean & k_clean & (k_block <= q_block)
-    noisy_clean = ~q_clean & k_clean & (k_block < q_block)
-    noisy_noisy = ~q_clean & ~k_clean & (k_block == q_block)
-    return clean_clean | noisy_clean | noisy_noisy
 
 
 def single_gpu_teacher_forcing_mask(num_latent_frames: int, tokens_per_frame: int,
@@ -291,7 +279,7 @@ class BalancedSPLayout:
         klo, khi = ks // ut, (torch.clamp(ks + bk, max=N) - 1) // ut + 1
         cnt = (cs[qhi][:, khi] - cs[qlo][:, khi] - cs[qhi][:, klo] + cs[qlo][:, klo])
         area = (qhi - qlo)[:, None] * (khi - klo)[None, :]
-        return torch.where(cnt == area, 2, torch.where(cnt == 0, 0, 1)).to(torch.int8)
+        return torch.where(cnt == area, FULL, torch.where(cnt == 0, EMPTY, PARTIAL)).to(torch.int8)
 
     def block_status_ids(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> int:
         """0/1/2 (empty/partial/full) for arbitrary attention-position sets (the mask is constant
@@ -301,7 +289,7 @@ class BalancedSPLayout:
         uk = torch.unique(torch.as_tensor(k_ids, dtype=torch.int64) // self.unit_tokens)
         m = teacher_forcing_rule(side[uq][:, None], block[uq][:, None], side[uk][None, :],
                                  block[uk][None, :])
-        return 2 if bool(m.all()) else (0 if not bool(m.any()) else 1)
+        return FULL if bool(m.all()) else (EMPTY if not bool(m.any()) else PARTIAL)
 
     # -- positions and loss ---------------------------------------------------------------
     def rope_frame_positions(self, rank: int, per_token: bool = True) -> torch.Tensor:

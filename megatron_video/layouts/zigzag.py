@@ -12,10 +12,8 @@ All functions are pure and rank-explicit: ``*_global_ids`` map (rank, local inde
 ``shard_owner`` is the inverse (global index -> (rank, local index)). ``shard_sequence`` /
 ``unshard_sequence`` apply the maps to tensors and are inverse to each other.
 
-The returned values never depend on anything but the arguments. The one side effect: when called
-with ``groups``, ``shard_sequence`` and ``global_token_ids`` note the scheme on the groups object
-(``recorded_scheme(groups)``), so that ``attention.dist_attention(..., scheme=None)`` applies the
-layout its inputs were cut with instead of guessing one.
+The returned values never depend on anything but the arguments, and nothing is recorded: the
+consumer of a layout (``attention.dist_attention(..., scheme=...)``) is told the scheme explicitly.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ import torch
 __all__ = [
     "SCHEMES", "check_seq_len", "zigzag_global_ids", "contiguous_global_ids", "shard_global_ids",
     "shard_owner", "concat_global_ids", "shard_sequence", "unshard_sequence", "global_token_ids",
-    "recorded_scheme",
 ]
 
 SCHEMES = ("zigzag", "contiguous")
@@ -117,21 +114,6 @@ def concat_global_ids(cp_ranks: Sequence[int], cp_size: int, seq_len: int,
     return torch.cat([shard_global_ids(c, cp_size, seq_len, scheme) for c in cp_ranks])
 
 
-_SCHEME_KEY = "sequence_scheme"
-
-
-def recorded_scheme(groups) -> Optional[str]:
-    """Scheme of the latest ``shard_sequence`` / ``global_token_ids`` call with ``groups`` (or None)."""
-    extra = getattr(groups, "extra", None)
-    return extra.get(_SCHEME_KEY) if isinstance(extra, dict) else None
-
-
-def _record_scheme(groups, scheme: str) -> None:
-    extra = getattr(groups, "extra", None)
-    if isinstance(extra, dict):
-        extra[_SCHEME_KEY] = scheme
-
-
 def _rank_and_size(groups, cp_rank: Optional[int], cp_size: Optional[int]) -> Tuple[int, int]:
     if groups is not None:
         return groups.cp_rank, groups.cp_size
@@ -145,13 +127,12 @@ def shard_sequence(x: torch.Tensor, groups=None, dim: int = 1, scheme: str = "zi
     """This CP rank's shard of the full sequence ``x`` along ``dim`` (autograd-friendly copy).
 
     The rank comes from ``groups`` (``groups.cp_rank``, ``groups.cp_size``) or from the explicit
-    ``cp_rank`` / ``cp_size``; no communication. With ``groups`` the scheme is recorded on them
-    (see ``recorded_scheme``).
+    ``cp_rank`` / ``cp_size``; no communication and no state: pass the same ``scheme`` to
+    ``attention.dist_attention``.
     """
     rank, size = _rank_and_size(groups, cp_rank, cp_size)
     dim = _check_dim(dim, x)
     ids = shard_global_ids(rank, size, x.shape[dim], scheme).to(x.device)
-    _record_scheme(groups, scheme)
     return x.index_select(dim, ids)
 
 
@@ -174,9 +155,7 @@ def global_token_ids(groups=None, seq_len: int = 0, scheme: str = "zigzag", *,
                      cp_rank: Optional[int] = None, cp_size: Optional[int] = None) -> torch.Tensor:
     """Global token indices of this rank's shard (for RoPE positions, labels and masks).
 
-    ``seq_len`` is the global sequence length; with ``groups`` the scheme is recorded on them.
+    ``seq_len`` is the global sequence length.
     """
     rank, size = _rank_and_size(groups, cp_rank, cp_size)
-    ids = shard_global_ids(rank, size, seq_len, scheme)
-    _record_scheme(groups, scheme)
-    return ids
+    return shard_global_ids(rank, size, seq_len, scheme)

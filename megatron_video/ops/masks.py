@@ -1,14 +1,8 @@
 """Attention masks from per-token identities, dense and at block granularity.
 
 Each token carries ``side`` (0 clean, 1 noisy), ``block`` (global latent frame // frames per
-block), ``doc`` (document id, for packing) and ``pos`` (position). Rules (DESIGN.md §1, §2):
-
-``full``             every pair;
-``causal``           ``pos_k <= pos_q``;
-``block_causal``     ``block_k <= block_q``;
-``teacher_forcing``  clean->clean iff ``block_k <= block_q``; noisy->clean iff ``block_k < block_q``;
-                     noisy->noisy iff same block; clean->noisy never.
-
+block), ``doc`` (document id, for packing) and ``pos`` (position); the rules themselves are defined
+once in :mod:`megatron_video.ops.rules` (and in ``csrc/mask_rules.h`` for the kernels).
 When both sides carry ``doc`` the rule is ANDed with ``doc_q == doc_k`` (packed documents, e.g.
 ``causal`` within each document). Tokens may come in any order: the ids define it.
 
@@ -23,11 +17,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._backend import extension_for
-
-RULES = {"full": 0, "causal": 1, "block_causal": 2, "teacher_forcing": 3}  # codes of csrc/kernels.h
+from .rules import EMPTY, FULL, PARTIAL, RULES, allowed as _allowed
 _NEEDS = {"full": (), "causal": ("pos",), "block_causal": ("block",), "teacher_forcing": ("side", "block")}
 _ROWS = ("side", "block", "doc", "pos")
-EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -102,22 +94,6 @@ def _prepare(q: TokenIds, k: TokenIds, rule: str):
         raise ValueError(f"doc (q: {q.doc is not None}, k: {k.doc is not None}) must be given for both "
                          "q and k or for neither")
     return _packed(q, lq, dq), _packed(k, lk, dk), q.doc is not None
-
-
-def _allowed(rule: str, same_doc: bool, q, k) -> torch.Tensor:
-    """The rule on broadcastable (side, block, doc, pos) tensors; also the FlexAttention mask_mod body."""
-    qs, qb, qd, qp = q
-    ks, kb, kd, kp = k
-    if rule == "causal":
-        a = kp <= qp
-    elif rule == "block_causal":
-        a = kb <= qb
-    elif rule == "teacher_forcing":
-        q_clean = qs == 0
-        a = torch.where(ks == 0, torch.where(q_clean, kb <= qb, kb < qb), ~q_clean & (kb == qb))
-    else:
-        a = (qb == qb) & (kb == kb)  # all true, in the broadcast shape (works under vmap too)
-    return a & (qd == kd) if same_doc else a
 
 
 def _dense_rows(rule: str, same_doc: bool, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:

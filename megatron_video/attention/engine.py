@@ -1,0 +1,505 @@
+"""The tiled local attention engine: linear memory, masks compiled to tiles on global token ids.
+
+Every ring step of ``dist_attention`` (and local use through it) computes the attention of a block of
+queries with GLOBAL ids ``q_ids`` against a block of keys with ids ``k_ids``. The engine
+
+1. **plans** the block: both id lists are cut into runs of consecutive ids and every run into tiles of
+   ``tile`` tokens (the last tile of a run may be shorter); the mask classifies every
+   ``[q tile, k tile]`` pair as EMPTY / PARTIAL / FULL (``AttentionMask.tile_status``: the C++ kernels
+   of ``megatron_video.ops`` for rule masks, one tile at a time for predicates). EMPTY tiles cost
+   nothing. FULL tiles are grouped into kernel calls without a mask (runs of FULL tiles along a row,
+   rows with the same runs merged); a PARTIAL tile gets a tile-sized mask, or no mask at all with the
+   kernel's causal flag when its mask is exactly the lower triangle (aligned diagonal tiles).
+2. **runs** the calls with a fused kernel that returns the log-sum-exp and merges the partial results
+   through the LSE (online softmax), exactly as the ring merges its steps;
+3. **differentiates** tile by tile from the GLOBAL ``out`` and ``lse`` of the rows
+   (``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``), with the same plan and the same
+   kernels' backward, so no step keeps anything but its inputs.
+
+No tensor of ``s_q x s_k`` elements is ever made: masks exist per tile, the fused kernels keep their
+scores on chip (the ``"math"`` backend, which does materialise scores, never gets more than one tile
+pair per call). :class:`EngineStats` records what was done, including the largest mask and score
+buffer, so tests can assert the bound instead of timing it.
+
+Kernels (``backend``): ``"sdpa"`` = torch's fused kernels with LSE and an explicit backward that
+accepts a given out/LSE (CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: the
+memory-efficient kernel, and the flash kernel for unmasked fp16/bf16 calls); ``"flex"`` =
+FlexAttention with a ``BlockMask`` built from the same tile status (``ops.flex_block_fields``; CUDA,
+compiled), its backward recomputing each block under autograd with the gradient of the merged
+output; ``"math"`` = explicit float32/float64 softmax (any device, the float64 default). The README
+section "Attention engine" lists the choices and the measured memory.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..ops.rules import EMPTY, FULL, PARTIAL
+from . import kernels
+from .masks import AttentionMask
+
+__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "kernel_block_size",
+           "id_runs", "run_tiles", "plan_block", "block_forward", "block_backward"]
+
+DEFAULT_TILE = 512
+DEBUG_ENV = "MEGATRON_VIDEO_CHECK_MASKS"
+CAUSAL = 3  # a call kind: PARTIAL tile whose mask is exactly the lower triangle (kernel's causal flag)
+
+
+@dataclass
+class EngineStats:
+    """Work and memory counters of the engine (forward and backward), accumulated over calls.
+
+    ``steps`` blocks were planned (``steps_skipped`` had no visible pair at all); their tile grids
+    held ``tiles`` tiles of which ``tiles_skipped`` EMPTY, ``tiles_full`` FULL, ``tiles_partial``
+    PARTIAL; ``kernel_calls`` fused-kernel calls ran. ``max_mask_elements`` is the largest mask
+    evaluated or allocated at once, ``max_score_elements`` the largest explicit score matrix
+    (``"math"`` backend), both per (batch, head).
+    """
+
+    steps: int = 0
+    steps_skipped: int = 0
+    tiles: int = 0
+    tiles_skipped: int = 0
+    tiles_full: int = 0
+    tiles_partial: int = 0
+    kernel_calls: int = 0
+    bwd_steps: int = 0
+    bwd_steps_skipped: int = 0
+    bwd_tiles: int = 0
+    bwd_tiles_skipped: int = 0
+    bwd_kernel_calls: int = 0
+    max_mask_elements: int = 0
+    max_score_elements: int = 0
+
+    def _mask(self, n: int) -> None:
+        self.max_mask_elements = max(self.max_mask_elements, int(n))
+
+    def _scores(self, n: int) -> None:
+        self.max_score_elements = max(self.max_score_elements, int(n))
+
+    def _plan(self, direction: str, plan: "BlockPlan") -> None:
+        p = "" if direction == "fwd" else "bwd_"
+        setattr(self, p + "steps", getattr(self, p + "steps") + 1)
+        setattr(self, p + "steps_skipped", getattr(self, p + "steps_skipped") + int(not plan.calls))
+        setattr(self, p + "tiles", getattr(self, p + "tiles") + plan.num_tiles)
+        setattr(self, p + "tiles_skipped", getattr(self, p + "tiles_skipped") + plan.counts[EMPTY])
+        setattr(self, p + "kernel_calls", getattr(self, p + "kernel_calls") + len(plan.calls))
+        if direction == "fwd":
+            self.tiles_full += plan.counts[FULL]
+            self.tiles_partial += plan.counts[PARTIAL]
+
+
+def kernel_block_size(backend: str, device: torch.device) -> int:
+    """Tokens per block of the kernel that runs tiles: tiles must be a multiple of it."""
+    return 128 if backend == "flex" and device.type == "cuda" else 1
+
+
+def check_tile(tile, backend: str = "auto", device: torch.device = torch.device("cpu")) -> int:
+    """``tile`` as an int, or ``ValueError`` naming it (positive multiple of the kernel's block)."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"tile ({tile!r}) must be a positive int (tokens per tile side)")
+    blk = kernel_block_size(backend, device)
+    if tile % blk:
+        raise ValueError(f"tile ({tile}) must be a multiple of the {backend!r} kernel's block size ({blk})")
+    return tile
+
+
+def id_runs(ids: torch.Tensor) -> List[Tuple[int, int]]:
+    """``(start, end)`` of maximal runs of consecutive ids (``ids[p+1] == ids[p] + 1``), pure."""
+    n = ids.numel()
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1).tolist()
+    edges = [0] + breaks + [n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def run_tiles(ids: torch.Tensor, tile: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """``(runs, tiles)``: each run of consecutive ids cut into tiles of ``tile`` positions."""
+    runs = id_runs(ids)
+    tiles = [(a, min(a + tile, e)) for s, e in runs for a in range(s, e, tile)]
+    return runs, tiles
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: queries ``q`` x keys ``k`` (position slices), ``kind`` FULL / CAUSAL / PARTIAL."""
+
+    q: slice
+    k: slice
+    kind: int
+
+
+@dataclass
+class BlockPlan:
+    """The calls that compute one (q ids x k ids) block, and the tile counts behind them.
+
+    PARTIAL calls keep no mask: ``tile_mask(call)`` evaluates it (one tile) when a kernel needs it,
+    so a plan kept from the forward for the backward stays small.
+    """
+
+    calls: List[Call]
+    q_ids: torch.Tensor
+    k_ids: torch.Tensor
+    mask: Optional[AttentionMask]
+    tile: int
+    counts: dict = field(default_factory=lambda: {EMPTY: 0, PARTIAL: 0, FULL: 0})
+    status: Optional[torch.Tensor] = None  # uint8 [q tiles, k tiles]
+    flex: Optional[object] = None          # a FlexAttention BlockMask, built on first use
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(self.counts.values())
+
+    def tile_mask(self, call: Call, device, stats: Optional["EngineStats"] = None) -> Optional[torch.Tensor]:
+        """Bool mask of a PARTIAL call (lower triangle for CAUSAL, None for FULL)."""
+        if call.kind == FULL:
+            return None
+        n_q, n_k = call.q.stop - call.q.start, call.k.stop - call.k.start
+        if stats is not None:
+            stats._mask(n_q * n_k)
+        if call.kind == CAUSAL:
+            return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+        return self.mask.dense(self.q_ids[call.q], self.k_ids[call.k]).to(device)
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "0").strip() not in ("", "0", "false", "False")
+
+
+def _check_tile_verdict(mask: AttentionMask, qi: torch.Tensor, ki: torch.Tensor, st: int,
+                        stats: Optional[EngineStats]) -> None:
+    d = mask.dense(qi, ki)
+    if stats is not None:
+        stats._mask(d.numel())
+    ok = {EMPTY: not bool(d.any()), FULL: bool(d.all()),
+          PARTIAL: bool(d.any()) and not bool(d.all())}[st]
+    if not ok:
+        name = {EMPTY: "EMPTY", FULL: "FULL", PARTIAL: "PARTIAL"}[st]
+        raise ValueError(f"mask ({mask!r}) classifies the tile q ids [{int(qi[0])}..{int(qi[-1])}] x "
+                         f"k ids [{int(ki[0])}..{int(ki[-1])}] as {name}, but its dense form disagrees "
+                         f"(tile_status / block_status must agree with dense)")
+
+
+def _status_grid(q_ids, k_ids, mask, tile, stats, debug):
+    q_runs, q_tiles = run_tiles(q_ids, tile)
+    k_runs, k_tiles = run_tiles(k_ids, tile)
+    nq, nk = len(q_tiles), len(k_tiles)
+    if mask is None or mask.position_independent:
+        return q_tiles, k_tiles, torch.full((nq, nk), FULL, dtype=torch.uint8)
+    rows = []
+    for qa, qe in q_runs:
+        cols = []
+        for ka, ke in k_runs:
+            st = mask.tile_status(q_ids[qa:qe], k_ids[ka:ke], tile, tile)
+            if stats is not None:
+                stats._mask(getattr(mask, "last_mask_elements", 0))
+            cols.append(torch.as_tensor(st, dtype=torch.uint8).cpu())
+        rows.append(torch.cat(cols, dim=1))
+    status = torch.cat(rows, dim=0)
+    if tuple(status.shape) != (nq, nk):
+        raise ValueError(f"mask ({mask!r}).tile_status returned shape {tuple(status.shape)}, expected "
+                         f"({nq}, {nk}) tiles")
+    if debug:
+        for i, (qa, qe) in enumerate(q_tiles):
+            for j, (ka, ke) in enumerate(k_tiles):
+                _check_tile_verdict(mask, q_ids[qa:qe], k_ids[ka:ke], int(status[i, j]), stats)
+    return q_tiles, k_tiles, status
+
+
+def _is_lower_triangle(m: torch.Tensor) -> bool:
+    n = m.shape[0]
+    return m.shape[1] == n and torch.equal(m, torch.ones(n, n, dtype=torch.bool, device=m.device).tril())
+
+
+def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask], tile: int,
+               merge: bool = True, stats: Optional[EngineStats] = None,
+               debug: Optional[bool] = None) -> BlockPlan:
+    """The kernel calls for queries ``q_ids`` x keys ``k_ids`` (global ids, 1-D), pure but for ``stats``.
+
+    ``merge`` groups FULL tiles into larger calls (fused kernels, whose memory does not grow with
+    the call); without it every call covers at most one tile pair (the ``"math"`` backend).
+    ``debug`` (default: the ``MEGATRON_VIDEO_CHECK_MASKS`` environment variable) checks every tile
+    verdict against the mask's dense form of that tile and raises ``ValueError`` on a disagreement.
+    """
+    q_ids, k_ids = q_ids.long().cpu(), k_ids.long().cpu()
+    debug = _debug() if debug is None else debug
+    q_tiles, k_tiles, status = _status_grid(q_ids, k_ids, mask, tile, stats, debug)
+    plan = BlockPlan(calls=[], q_ids=q_ids, k_ids=k_ids, mask=mask, tile=tile, status=status)
+    for value in (EMPTY, PARTIAL, FULL):
+        plan.counts[value] = int((status == value).sum())
+    group_sig, group_q = None, None  # FULL runs shared by consecutive rows: (k runs, (q0, q1))
+
+    def close():
+        if group_sig:
+            plan.calls.extend(Call(slice(*group_q), slice(a, e), FULL) for a, e in group_sig)
+
+    for i, (qa, qe) in enumerate(q_tiles):
+        row = status[i].tolist()
+        sig, j = [], 0  # FULL runs along the row (consecutive k tiles are adjacent positions)
+        while j < len(row):
+            if row[j] == FULL:
+                j0 = j
+                while merge and j + 1 < len(row) and row[j + 1] == FULL:
+                    j += 1
+                sig.append((k_tiles[j0][0], k_tiles[j][1]))
+            j += 1
+        if merge and sig and sig == group_sig and group_q[1] == qa:
+            group_q = (group_q[0], qe)
+        else:
+            close()
+            group_sig, group_q = sig, (qa, qe)
+        for j, st in enumerate(row):
+            if st != PARTIAL:
+                continue
+            ka, ke = k_tiles[j]
+            m = mask.dense(q_ids[qa:qe], k_ids[ka:ke])
+            if stats is not None:
+                stats._mask(m.numel())
+            plan.calls.append(Call(slice(qa, qe), slice(ka, ke), CAUSAL if _is_lower_triangle(m) else PARTIAL))
+    close()
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels on [b, h, s, d] views (q, k, v already expanded to q's heads)
+# ----------------------------------------------------------------------------------------------
+def _bias(m: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))[None, None]
+
+
+def _fwd_sdpa(q, k, v, call, m, scale):
+    causal = call.kind == CAUSAL
+    bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
+    if not q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                                     scale=scale)[:2]
+    return out, lse[..., : q.shape[2]]
+
+
+def _bwd_sdpa(do, q, k, v, o, lse, call, m, scale):
+    causal = call.kind == CAUSAL
+    bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
+    if not q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        sq, sk = q.shape[2], k.shape[2]
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale)
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do, q, k, v, bias, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+
+
+def _fwd_math(q, k, v, call, m, scale):
+    acc = kernels.accumulation_dtype(q.dtype)
+    s = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), k.to(acc)) * scale
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    return torch.einsum("bhqk,bhkd->bhqd", p, v.to(acc)).to(q.dtype), lse
+
+
+def _bwd_math(do, q, k, v, o, lse, call, m, scale):
+    acc = kernels.accumulation_dtype(q.dtype)
+    s = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), k.to(acc)) * scale
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf"))
+    p = torch.exp(s - lse.to(acc)[..., None])
+    do_ = do.to(acc)
+    dv = torch.einsum("bhqk,bhqd->bhkd", p, do_)
+    dp = torch.einsum("bhqd,bhkd->bhqk", do_, v.to(acc))
+    delta = (do_ * o.to(acc)).sum(-1)
+    ds = p * (dp - delta[..., None])
+    return (torch.einsum("bhqk,bhkd->bhqd", ds, k.to(acc)) * scale,
+            torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale, dv)
+
+
+def _merge(out_acc, lse_acc, o, lse):
+    """Online-softmax merge of a partial result into the accumulators (in place, [b, h, s, *])."""
+    new = torch.logaddexp(lse_acc, lse)
+    shift = torch.where(torch.isneginf(new), 0.0, new)  # rows still without keys stay 0 / -inf
+    out_acc.mul_(torch.exp(lse_acc - shift)[..., None]).add_(o.to(out_acc.dtype) * torch.exp(lse - shift)[..., None])
+    lse_acc.copy_(new)
+
+
+def _heads_first(x: torch.Tensor, heads: int, contiguous: bool) -> torch.Tensor:
+    """``[b, s, hk, d] -> [b, h, s, d]`` with kv heads repeated to ``heads`` (GQA)."""
+    x = kernels._expand_kv(x, heads).transpose(1, 2)
+    return x.contiguous() if contiguous else x
+
+
+def _flex_block_mask(plan: BlockPlan, device):
+    """FlexAttention ``BlockMask`` of the block: PARTIAL tiles masked by ``mask_mod`` on global ids,
+    FULL tiles without it, EMPTY tiles absent (built once per plan)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from ..ops.masks import flex_block_fields
+    if plan.flex is None:
+        qi, ki = plan.q_ids.to(device), plan.k_ids.to(device)
+        mod = plan.mask.mask_mod(qi, ki) if plan.mask is not None else None
+        fields = flex_block_fields(plan.status.to(device))
+        plan.flex = BlockMask.from_kv_blocks(*fields, BLOCK_SIZE=(plan.tile, plan.tile), mask_mod=mod,
+                                             seq_lengths=(qi.numel(), ki.numel()))
+    return plan.flex
+
+
+def _flex_plan(q_ids, k_ids, mask, tile, stats) -> BlockPlan:
+    """Fixed-size tiles over the whole block (FlexAttention's BlockMask has one block size)."""
+    q_ids, k_ids = q_ids.long().cpu(), k_ids.long().cpu()
+    if mask is None or mask.position_independent:
+        nq, nk = -(-q_ids.numel() // tile), -(-k_ids.numel() // tile)
+        status = torch.full((nq, nk), FULL, dtype=torch.uint8)
+    else:
+        status = torch.as_tensor(mask.tile_status(q_ids, k_ids, tile, tile), dtype=torch.uint8).cpu()
+    plan = BlockPlan(calls=[], q_ids=q_ids, k_ids=k_ids, mask=mask, tile=tile, status=status)
+    for value in (EMPTY, PARTIAL, FULL):
+        plan.counts[value] = int((status == value).sum())
+    if plan.counts[EMPTY] < status.numel():
+        plan.calls = [Call(slice(0, q_ids.numel()), slice(0, k_ids.numel()), FULL)]
+    return plan
+
+
+def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, plan: BlockPlan, scale: float, backend: str,
+                  stats: Optional[EngineStats] = None) -> None:
+    """Attention of ``q [b, sq, h, d]`` over ``k, v [b, sk, hk, d]`` merged into the accumulators
+    ``out_acc [b, h, sq, d]`` and ``lse_acc [b, h, sq]`` (accumulation dtype, in place)."""
+    if not plan.calls:
+        return
+    h = q.shape[2]
+    if backend == "flex":
+        from .kernels import _compiled_flex
+        qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
+        bm = _flex_block_mask(plan, q.device)
+        o, lse = _compiled_flex(q.device.type)(qt, kt, vt, block_mask=bm, scale=scale,
+                                               enable_gqa=k.shape[2] != h, return_lse=True)
+        _merge(out_acc, lse_acc, o, lse.to(lse_acc.dtype))  # flex: -inf on rows without keys
+        return
+    qt = q.transpose(1, 2)
+    kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
+    fwd = _fwd_math if backend == "math" else _fwd_sdpa
+    for c in plan.calls:
+        if backend == "math" and stats is not None:
+            stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
+        m = plan.tile_mask(c, q.device, stats) if (c.kind == PARTIAL or backend == "math") else None
+        o, lse = fwd(qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], c, m, scale)
+        lse = lse.to(lse_acc.dtype)
+        if c.kind == PARTIAL:  # fused kernels report lse = 0 (or NaN) for rows without keys
+            dead = ~m.any(-1)
+            if bool(dead.any()):
+                lse = lse.masked_fill(dead, float("-inf"))
+                o = o.masked_fill(dead[:, None], 0.0)
+        _merge(out_acc[:, :, c.q], lse_acc[:, :, c.q], o, lse)
+
+
+def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, dout: torch.Tensor,
+                   q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   plan: BlockPlan, scale: float, backend: str) -> None:
+    """Accumulate this block's ``dq [b, sq, h, d]`` and ``dk, dv [b, sk, h, d]`` (expanded heads,
+    accumulation dtype) given the GLOBAL ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` of the rows
+    (``lse = +inf`` on rows without any visible key, so their gradients are zero)."""
+    if not plan.calls:
+        return
+    h = q.shape[2]
+    if backend == "flex":
+        _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
+        return
+    cont = backend != "math"
+    qt = q.transpose(1, 2).contiguous() if cont else q.transpose(1, 2)
+    kt, vt = _heads_first(k, h, cont), _heads_first(v, h, cont)
+    bwd = _bwd_math if backend == "math" else _bwd_sdpa
+    for c in plan.calls:
+        m = plan.tile_mask(c, q.device) if (c.kind == PARTIAL or backend == "math") else None
+        g = bwd(dout[:, :, c.q].contiguous() if cont else dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k],
+                vt[:, :, c.k], out[:, :, c.q].contiguous() if cont else out[:, :, c.q],
+                lse[:, :, c.q].contiguous(), c, m, scale)
+        dq_acc[:, c.q] += g[0].transpose(1, 2)
+        dk_acc[:, c.k] += g[1].transpose(1, 2)
+        dv_acc[:, c.k] += g[2].transpose(1, 2)
+
+
+def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale):
+    """Recompute the block under autograd and back-propagate the merged output's gradient.
+
+    With ``w = exp(lse_block - lse)``: ``d out_block = w * dout`` and
+    ``d lse_block = w * rowsum(dout * (out_block - out))`` (the LSE merge's derivative).
+    """
+    from .kernels import _compiled_flex
+    h = q.shape[2]
+    with torch.enable_grad():
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        bm = _flex_block_mask(plan, q.device)
+        o, lb = _compiled_flex(q.device.type)(qt, kt, vt, block_mask=bm, scale=scale,
+                                              enable_gqa=k.shape[2] != h, return_lse=True)
+        glob = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+        w = torch.exp(lb.detach().to(glob.dtype) - glob)
+        w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+        g_o = (w[..., None] * dout.to(w.dtype)).to(o.dtype)
+        g_l = (w * (dout.to(w.dtype) * (o.detach().to(w.dtype) - out.to(w.dtype))).sum(-1)).to(lb.dtype)
+        dq, dk, dv = torch.autograd.grad((o, lb), (qt, kt, vt), (g_o, g_l), allow_unused=True)
+    hk = k.shape[2]
+    dq_acc += dq.transpose(1, 2).to(dq_acc.dtype)
+    # dk/dv come back with the kv heads of k; spread them on the expanded accumulator's first copy
+    rep = h // hk
+    dk = dk.transpose(1, 2).to(dk_acc.dtype)
+    dv = dv.transpose(1, 2).to(dv_acc.dtype)
+    if rep == 1:
+        dk_acc += dk
+        dv_acc += dv
+    else:
+        dk_acc.view(*dk_acc.shape[:2], hk, rep, dk_acc.shape[-1])[:, :, :, 0] += dk
+        dv_acc.view(*dv_acc.shape[:2], hk, rep, dv_acc.shape[-1])[:, :, :, 0] += dv
+
+
+def plan_for(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask], tile: int,
+             backend: str, stats: Optional[EngineStats] = None) -> BlockPlan:
+    """The plan a backend runs: fixed tiles over the block for ``"flex"``, run tiles otherwise."""
+    if backend == "flex":
+        return _flex_plan(q_ids, k_ids, mask, tile, stats)
+    return plan_block(q_ids, k_ids, mask, tile, merge=backend != "math", stats=stats)
+
+
+def engine_backend(backend: str, q: torch.Tensor) -> str:
+    """The engine's kernel family for ``backend`` and ``q``: ``"math"``, ``"sdpa"`` or ``"flex"``."""
+    if backend == "auto":
+        if q.dtype == torch.float64:
+            return "math"
+        if q.is_cuda and kernels._flex() is not None:
+            return "flex"
+        return "sdpa" if (q.is_cuda or kernels._has_cpu_flash()) else "math"
+    if backend not in ("math", "sdpa", "flex", "flash_attn"):
+        raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {kernels.BACKENDS}")
+    if backend not in kernels.available_backends():
+        raise ValueError(f"backend ({backend!r}) is not available here (available: "
+                         f"{kernels.available_backends()})")
+    if backend == "flash_attn":  # torch's flash kernel runs the unmasked fp16/bf16 calls on CUDA
+        return "sdpa"
+    if backend == "flex" and not q.is_cuda:
+        return "sdpa"  # FlexAttention has no backward on CPU; same tiles through the CPU flash kernel
+    return backend
+
+
+def accumulators(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zero ``out [b, h, s, d]`` and ``-inf`` ``lse [b, h, s]`` in the accumulation dtype."""
+    b, s, h, d = q.shape
+    acc = kernels.accumulation_dtype(q.dtype)
+    return (torch.zeros(b, h, s, d, dtype=acc, device=q.device),
+            torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device))
+
