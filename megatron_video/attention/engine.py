@@ -232,6 +232,20 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
     plan = BlockPlan(calls=[], q_ids=q_ids, k_ids=k_ids, mask=mask, tile=tile, status=status)
     for value in (EMPTY, PARTIAL, FULL):
         plan.counts[value] = int((status == value).sum())
+    kinds = {}
+
+    def partial_kind(i: int, j: int) -> int:
+        """CAUSAL when the PARTIAL tile's mask is exactly the lower triangle, else PARTIAL."""
+        if (i, j) not in kinds:
+            m = mask.dense(q_ids[q_tiles[i][0]:q_tiles[i][1]], k_ids[k_tiles[j][0]:k_tiles[j][1]])
+            if stats is not None:
+                stats._mask(m.numel())
+            kinds[i, j] = CAUSAL if _is_lower_triangle(m) else PARTIAL
+        return kinds[i, j]
+
+    work = status.clone()  # tiles still to be covered by a call
+    if merge:
+        _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind)
     group_sig, group_q = None, None  # FULL runs shared by consecutive rows: (k runs, (q0, q1))
 
     def close():
@@ -239,7 +253,7 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
             plan.calls.extend(Call(slice(*group_q), slice(a, e), FULL) for a, e in group_sig)
 
     for i, (qa, qe) in enumerate(q_tiles):
-        row = status[i].tolist()
+        row = work[i].tolist()
         sig, j = [], 0  # FULL runs along the row (consecutive k tiles are adjacent positions)
         while j < len(row):
             if row[j] == FULL:
@@ -254,15 +268,46 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
             close()
             group_sig, group_q = sig, (qa, qe)
         for j, st in enumerate(row):
-            if st != PARTIAL:
-                continue
-            ka, ke = k_tiles[j]
-            m = mask.dense(q_ids[qa:qe], k_ids[ka:ke])
-            if stats is not None:
-                stats._mask(m.numel())
-            plan.calls.append(Call(slice(qa, qe), slice(ka, ke), CAUSAL if _is_lower_triangle(m) else PARTIAL))
+            if st == PARTIAL:
+                plan.calls.append(Call(slice(qa, qe), slice(*k_tiles[j]), partial_kind(i, j)))
     close()
     return plan
+
+
+def _tile_spans(tiles, runs):
+    """For each run ``(start, end)``, the index range of its tiles in ``tiles``."""
+    starts = [t[0] for t in tiles]
+    spans, i = [], 0
+    for a, e in runs:
+        i0 = starts.index(a, i)
+        i = i0
+        while i < len(tiles) and tiles[i][1] <= e:
+            i += 1
+        spans.append((i0, i))
+    return spans
+
+
+def _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind) -> None:
+    """One causal call for each pair of identical id runs whose tiles form a causal staircase
+    (FULL below the diagonal, lower-triangle tiles on it, EMPTY above): the kernel's own causal
+    flag then skips the upper half inside one call instead of one call per tile row."""
+    q_runs, k_runs = id_runs(q_ids), id_runs(k_ids)
+    q_spans, k_spans = _tile_spans(q_tiles, q_runs), _tile_spans(k_tiles, k_runs)
+    for (qa, qe), (i0, i1) in zip(q_runs, q_spans):
+        for (ka, ke), (j0, j1) in zip(k_runs, k_spans):
+            n = i1 - i0
+            if qe - qa != ke - ka or int(q_ids[qa]) != int(k_ids[ka]) or n < 2:
+                continue  # not the same ids (runs are consecutive ids), or a single tile
+            sub = work[i0:i1, j0:j1]
+            below = torch.ones(n, n, dtype=torch.bool).tril(-1)
+            if not (bool((sub[below] == FULL).all()) and bool((sub[below.T] == EMPTY).all())):
+                continue
+            if not all(int(sub[t, t]) == PARTIAL and partial_kind(i0 + t, j0 + t) == CAUSAL
+                       or (int(sub[t, t]) == FULL and q_tiles[i0 + t][1] - q_tiles[i0 + t][0] == 1)
+                       for t in range(n)):
+                continue
+            plan.calls.append(Call(slice(qa, qe), slice(ka, ke), CAUSAL))
+            work[i0:i1, j0:j1] = EMPTY
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,9 +423,13 @@ def _flex_plan(q_ids, k_ids, mask, tile, stats) -> BlockPlan:
 
 def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, plan: BlockPlan, scale: float, backend: str,
-                  stats: Optional[EngineStats] = None) -> None:
+                  stats: Optional[EngineStats] = None, fresh: bool = False) -> None:
     """Attention of ``q [b, sq, h, d]`` over ``k, v [b, sk, hk, d]`` merged into the accumulators
-    ``out_acc [b, h, sq, d]`` and ``lse_acc [b, h, sq]`` (accumulation dtype, in place)."""
+    ``out_acc [b, h, sq, d]`` and ``lse_acc [b, h, sq]`` (accumulation dtype, in place).
+
+    ``fresh``: the accumulators hold nothing yet, so a call whose rows no earlier call touched is
+    written instead of merged.
+    """
     if not plan.calls:
         return
     h = q.shape[2]
@@ -395,6 +444,7 @@ def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor,
     qt = q.transpose(1, 2)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     fwd = _fwd_math if backend == "math" else _fwd_sdpa
+    touched = []  # q slices written in this block
     for c in plan.calls:
         if backend == "math" and stats is not None:
             stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
@@ -406,7 +456,12 @@ def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor,
             if bool(dead.any()):
                 lse = lse.masked_fill(dead, float("-inf"))
                 o = o.masked_fill(dead[:, None], 0.0)
-        _merge(out_acc[:, :, c.q], lse_acc[:, :, c.q], o, lse)
+        if fresh and not any(a < c.q.stop and c.q.start < e for a, e in touched):
+            out_acc[:, :, c.q] = o
+            lse_acc[:, :, c.q] = lse
+        else:
+            _merge(out_acc[:, :, c.q], lse_acc[:, :, c.q], o, lse)
+        touched.append((c.q.start, c.q.stop))
 
 
 def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, dout: torch.Tensor,

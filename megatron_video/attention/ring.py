@@ -70,7 +70,8 @@ def _ring_forward(q, k, v, plan: RingPlan):
         bp = plan.block(j)
         if plan.stats is not None:
             plan.stats._plan("fwd", bp)
-        engine.block_forward(out, lse, q, cur_k, cur_v, bp, plan.softmax_scale, plan.backend, plan.stats)
+        engine.block_forward(out, lse, q, cur_k, cur_v, bp, plan.softmax_scale, plan.backend, plan.stats,
+                             fresh=i == 0)
         if ex is not None:
             cur_k, cur_v = ex.wait()
     return out.to(q.dtype), lse
