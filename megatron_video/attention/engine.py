@@ -476,15 +476,14 @@ def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Ten
     if backend == "flex":
         _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
         return
-    cont = backend != "math"
-    qt = q.transpose(1, 2).contiguous() if cont else q.transpose(1, 2)
-    kt, vt = _heads_first(k, h, cont), _heads_first(v, h, cont)
+    # torch's CPU kernels take strided [b, h, s, d] views: no copies of q, k, v, out or dout per step
+    qt = q.transpose(1, 2)
+    kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     bwd = _bwd_math if backend == "math" else _bwd_sdpa
     for c in plan.calls:
         m = plan.tile_mask(c, q.device) if (c.kind == PARTIAL or backend == "math") else None
-        g = bwd(dout[:, :, c.q].contiguous() if cont else dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k],
-                vt[:, :, c.k], out[:, :, c.q].contiguous() if cont else out[:, :, c.q],
-                lse[:, :, c.q].contiguous(), c, m, scale)
+        g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q], lse[:, :, c.q],
+                c, m, scale)
         dq_acc[:, c.q] += g[0].transpose(1, 2)
         dk_acc[:, c.k] += g[1].transpose(1, 2)
         dv_acc[:, c.k] += g[2].transpose(1, 2)

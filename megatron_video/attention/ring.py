@@ -84,7 +84,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     h = q.shape[2]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # exp(s - inf) = 0 for dead rows
-    dout = dout.transpose(1, 2).to(q.dtype).contiguous()     # [b, h, s, d], like out
+    dout = dout.transpose(1, 2).to(q.dtype)                  # [b, h, s, d] view, like out
     cur_k, cur_v = k.contiguous(), v.contiguous()
     own = None      # (dk, dv) this rank's queries contributed to its own block (step 0)
     travel = None   # partial (dk, dv) of the block computed at the previous step, to pass on
@@ -108,10 +108,10 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
             own = (dk, dv)
         else:
             # The partial sums received now belong to block j (rank r-1 computed it last step).
-            travel = (dk + recv[0], dv + recv[1]) if recv else (dk, dv)
+            travel = (dk.add_(recv[0]), dv.add_(recv[1])) if recv else (dk, dv)
     if travel is not None:  # last hop: the finished partial sums go home to their owner
         home = RingExchange(list(travel), plan.group, 1, tag=f"{plan.tag}.bwd", direction="bwd").wait()
-        own = (own[0] + home[0], own[1] + home[1])
+        own = (own[0].add_(home[0]), own[1].add_(home[1]))
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
@@ -121,12 +121,12 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, plan)  # out [b, h, s, d] in q's dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out.transpose(1, 2).contiguous()
+        return out.transpose(1, 2)  # a view: [b, s, h, d] strides of the saved [b, h, s, d]
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan)
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.plan)
         return dq, dk, dv, None
 
 

@@ -1,0 +1,161 @@
+"""Per-rank peak memory of 2D attention (fwd+bwd) vs sequence length, beside single-process torch flash.
+
+4 gloo ranks as 2 simulated nodes x 2 (U2 x R2), causal / block-causal / teacher-forcing masks,
+``b=1, H=4, D=32`` fp32 by default. Memory is the growth of the resident set's high-water mark
+during one forward + backward (``/proc/self/status`` VmHWM after resetting it through
+``/proc/self/clear_refs``), per rank, max over ranks; printed in MiB and as a multiple of one q shard
+(``b * S/N * H * D * 4`` bytes). The baseline is torch's fused CPU flash attention on ONE process
+over the whole sequence (``is_causal=True``, its own q = the whole sequence), measured the same way.
+
+Targets (README "Measured"): <= 20x one q shard, and flat: the largest S within 1.5x of the
+smallest. Run: ``python benchmarks/attention_memory.py [--seqs 4096,8192,16384,32768,65536]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+MASKS = ("causal", "block_causal", "teacher_forcing")
+
+
+def _hwm_reset():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024.0  # MiB
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _mask(name, S, N, U, R):
+    from megatron_video.attention import masks
+    from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
+    from megatron_video.layouts import BalancedSPLayout
+
+    if name == "causal":
+        return masks.causal(), "zigzag"
+    if name == "block_causal":
+        return masks.block_causal(S // 32), "zigzag"  # 32 frames
+    F = 32  # latent frames; [clean; noisy] -> 2 * F * tokens = S
+    lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=S // (2 * F), frames_per_block=2,
+                           sp_size=N, ring_size=R)
+    return TeacherForcingMask(lay), "contiguous"
+
+
+def _measure(fn):
+    import gc
+
+    gc.collect()
+    _hwm_reset()
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    return _status("VmHWM") - base, dt
+
+
+def _rank_bench(seqs, heads, dim, tile, masks_):
+    import torch.distributed as dist
+
+    from megatron_video.attention import RingStats, dist_attention
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
+
+    U, R = 2, 2
+    N = U * R
+    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=N,
+                              hierarchical_context_parallel_sizes=[U, R])
+    groups = init_video_parallel(U, R, ranks_per_node=2)
+    rows = []
+    try:
+        for S in seqs:
+            for name in masks_:
+                mask, scheme = _mask(name, S, N, U, R)
+                g = torch.Generator().manual_seed(dist.get_rank())
+                q, k, v = (torch.randn(1, S // N, heads, dim, generator=g).requires_grad_() for _ in range(3))
+                st = RingStats()
+
+                def step():
+                    out = dist_attention(q, k, v, groups, mask=mask, scheme=scheme, tile=tile, stats=st)
+                    out.backward(torch.ones_like(out))
+
+                dist.barrier()
+                mib, dt = _measure(step)
+                for x in (q, k, v):
+                    x.grad = None
+                rows.append(dict(S=S, mask=name, mib=mib, sec=dt, q_mib=q.numel() * 4 / 2**20,
+                                 max_mask=st.max_mask_elements, skipped=(st.tiles_skipped, st.tiles)))
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+    return rows
+
+
+def _flash_baseline(seqs, heads, dim):
+    rows = []
+    for S in seqs:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, heads, S, dim, generator=g).requires_grad_() for _ in range(3))
+
+        def step():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+
+        mib, dt = _measure(step)
+        rows.append(dict(S=S, mib=mib, sec=dt, q_mib=q.numel() * 4 / 2**20))
+    return rows
+
+
+def main():
+    from megatron_video.testing import WorkerPool
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="4096,8192,16384,32768,65536")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--tile", type=int, default=512)
+    ap.add_argument("--masks", default=",".join(MASKS))
+    a = ap.parse_args()
+    seqs = [int(s) for s in a.seqs.split(",")]
+    masks_ = tuple(a.masks.split(","))
+    # A fixed mmap threshold makes glibc map every large tensor on its own and unmap it on free, so
+    # the resident set tracks live tensors (no reuse of freed heap memory hiding a later peak).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    # warm-up at the smallest size so one-time allocations (thread pools, kernels) are not counted
+    with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
+        pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.tile, masks_)
+        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.tile, masks_)
+        flash = pool.run(_flash_baseline, seqs[:1] + seqs, a.heads, a.dim)[0][1:]  # rank 0's, after warm-up
+
+    print(f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile {a.tile}, fwd+bwd; "
+          f"peak RSS growth per rank (max over ranks) and its multiple of one q shard")
+    print(f"{'S':>7}" + "".join(f"{m:>26}" for m in masks_) + f"{'torch flash, 1 process':>28}")
+    ratios = {m: [] for m in masks_}
+    for i, S in enumerate(seqs):
+        cells = []
+        for m in masks_:
+            rs = [next(r for r in rank if r["S"] == S and r["mask"] == m) for rank in per_rank]
+            mib = max(r["mib"] for r in rs)
+            x = mib / rs[0]["q_mib"]
+            ratios[m].append(x)
+            cells.append(f"{mib:8.1f} MiB {x:5.1f}x {max(r['sec'] for r in rs):5.1f}s")
+        f = flash[i]
+        cells.append(f"{f['mib']:8.1f} MiB {f['mib'] / f['q_mib']:5.1f}x {f['sec']:5.1f}s")
+        print(f"{S:>7}" + "".join(f"{c:>26}" for c in cells[:-1]) + f"{cells[-1]:>28}")
+    print("flatness (largest S / smallest S, multiple of q shard): "
+          + ", ".join(f"{m} {r[-1] / r[0]:.2f}" for m, r in ratios.items()))
+    worst = max(max(r) for r in ratios.values())
+    print(f"worst multiple {worst:.1f}x one q shard (target <= 20x); largest mask buffer "
+          f"{max(r['max_mask'] for rank in per_rank for r in rank):,} elements (one tile = {a.tile ** 2:,})")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
