@@ -120,9 +120,10 @@ def main():
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=32)
-    ap.add_argument("--tile", type=int, default=512)
+    ap.add_argument("--tile", type=int, default=0, help="engine tile; 0 = automatic (engine.choose_tile)")
     ap.add_argument("--masks", default=",".join(MASKS))
     a = ap.parse_args()
+    a.tile = a.tile or None
     seqs = [int(s) for s in a.seqs.split(",")]
     masks_ = tuple(a.masks.split(","))
     # A fixed mmap threshold makes glibc map every large tensor on its own and unmap it on free, so
@@ -134,7 +135,7 @@ def main():
         per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.tile, masks_)
         flash = pool.run(_flash_baseline, seqs[:1] + seqs, a.heads, a.dim)[0][1:]  # rank 0's, after warm-up
 
-    print(f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile {a.tile}, fwd+bwd; "
+    print(f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile {a.tile or 'auto'}, fwd+bwd; "
           f"peak RSS growth per rank (max over ranks) and its multiple of one q shard")
     print(f"{'S':>7}" + "".join(f"{m:>26}" for m in masks_) + f"{'torch flash, 1 process':>28}")
     ratios = {m: [] for m in masks_}
@@ -153,7 +154,7 @@ def main():
           + ", ".join(f"{m} {r[-1] / r[0]:.2f}" for m, r in ratios.items()))
     worst = max(max(r) for r in ratios.values())
     print(f"worst multiple {worst:.1f}x one q shard (target <= 20x); largest mask buffer "
-          f"{max(r['max_mask'] for rank in per_rank for r in rank):,} elements (one tile = {a.tile ** 2:,})")
+          f"{max(r['max_mask'] for rank in per_rank for r in rank):,} elements (one 512-tile pair = {512 ** 2:,})")
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
         raise ValueError(f"softmax_scale ({softmax_scale!r}) must be None or a positive number")
     if backend != "auto" and backend not in kernels.available_backends():
         raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {kernels.available_backends()}")
-    engine.check_tile(tile, engine.engine_backend(backend, q), q.device)
+    if tile is not None:
+        engine.check_tile(tile, engine.engine_backend(backend, q), q.device)
     U = 1 if groups is None else groups.ulysses_size
     N = 1 if groups is None else groups.cp_size
     check_heads(q.shape[2], k.shape[2], U)
@@ -119,7 +120,7 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=None,
                    mask: Optional[AttentionMask] = None, softmax_scale: Optional[float] = None,
                    scheme: Optional[str] = None, backend: str = "auto",
-                   stats: Optional[RingStats] = None, tile: int = engine.DEFAULT_TILE) -> torch.Tensor:
+                   stats: Optional[RingStats] = None, tile: Optional[int] = None) -> torch.Tensor:
     """Exact context-parallel attention over the U x R groups of ``groups``.
 
     ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` laid out by
@@ -127,7 +128,8 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     the same layout. ``groups`` is a ``VideoParallelGroups`` (None: one process, no communication).
     ``scheme=None``: see ``resolve_scheme`` (exact or ``ValueError``, never a guessed layout); with
     one CP rank both layouts are the identity and any ``s_local`` is fine. ``tile`` is the engine's
-    tile side in tokens (``attention.engine``); ``backend`` its kernel family (``"auto"``: math for
+    tile side in tokens (``attention.engine``; None: ``engine.choose_tile``, 512 aligned to the
+    mask's frames / blocks); ``backend`` its kernel family (``"auto"``: math for
     float64, FlexAttention on CUDA, torch's fused CPU kernel otherwise). ``stats`` (a ``RingStats``)
     counts ring steps, skipped tiles, kernel calls and the largest mask / score buffer. Input errors (including a mask whose
     ``dense`` does not return a bool tensor) raise ``ValueError`` before any collective; shapes
@@ -162,9 +164,10 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
         order = order.to(q.device)
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
 
+    kernel = engine.engine_backend(backend, q)
     plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=list(ring_ids), mask=mask,
-                    softmax_scale=scale, backend=engine.engine_backend(backend, q), stats=stats,
-                    tile=tile)
+                    softmax_scale=scale, backend=kernel, stats=stats,
+                    tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device))
     out = ring_attention(q, k, v, plan)
 
     if reorder:

@@ -41,7 +41,7 @@ from ..ops.rules import EMPTY, FULL, PARTIAL
 from . import kernels
 from .masks import AttentionMask
 
-__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "kernel_block_size",
+__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "choose_tile", "kernel_block_size",
            "id_runs", "run_tiles", "plan_block", "block_forward", "block_backward"]
 
 DEFAULT_TILE = 512
@@ -106,6 +106,27 @@ def check_tile(tile, backend: str = "auto", device: torch.device = torch.device(
     if tile % blk:
         raise ValueError(f"tile ({tile}) must be a multiple of the {backend!r} kernel's block size ({blk})")
     return tile
+
+
+def choose_tile(mask: Optional[AttentionMask], backend: str, device: torch.device) -> int:
+    """The default tile: ``DEFAULT_TILE``, aligned to the mask's own granularity when it has one.
+
+    A mask whose verdict is constant on blocks of ``h = mask.tile_hint`` consecutive ids (a frame,
+    an autoregressive block) gets tiles aligned to its blocks: ``h`` itself when
+    ``256 <= h <= DEFAULT_TILE``, the largest divisor of ``h`` not above ``DEFAULT_TILE`` (and at least
+    256) when ``h`` is larger, the largest multiple of ``h`` not above ``DEFAULT_TILE`` when smaller.
+    FlexAttention on CUDA keeps its 128-token blocks' multiples.
+    """
+    blk = kernel_block_size(backend, device)
+    h = getattr(mask, "tile_hint", None) if mask is not None else None
+    if blk > 1 or not h or h <= 0:
+        return DEFAULT_TILE
+    if h > DEFAULT_TILE:
+        d = max((x for x in range(256, DEFAULT_TILE + 1) if h % x == 0), default=None)
+        return d or DEFAULT_TILE
+    if h >= 256:
+        return h
+    return (DEFAULT_TILE // h) * h
 
 
 def id_runs(ids: torch.Tensor) -> List[Tuple[int, int]]:

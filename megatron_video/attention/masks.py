@@ -41,6 +41,7 @@ class AttentionMask:
 
     default_scheme = "contiguous"
     position_independent = False
+    tile_hint = None  # ids per block on which the verdict is constant (aligns the engine's tiles)
 
     def dense(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
         """Bool ``[len(q_ids), len(k_ids)]``; True where query ``q_ids[i]`` may attend ``k_ids[j]``."""
@@ -136,6 +137,7 @@ class _BlockCausal(RuleMask):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens ({block_tokens!r}) must be a positive integer")
         self.block_tokens = block_tokens
+        self.tile_hint = block_tokens
 
     rule = "block_causal"
 

@@ -45,6 +45,7 @@ class TeacherForcingMask(RuleMask):
 
     def __init__(self, layout: BalancedSPLayout):
         self.layout = layout
+        self.tile_hint = layout.unit_tokens  # one (side, AR block) unit: the mask is constant on it
         side, _, block = layout.identity_tables()
         self._side, self._block = side, block
 

@@ -1,0 +1,147 @@
+"""Forward time side by side with yunchang 0.6.4 ``LongContextAttention`` (USP), same ranks and kernels.
+
+4 gloo ranks (2 simulated nodes x 2), U2xR2 / U4 / R4, full and causal masks, ``b=1`` fp32. yunchang
+runs its pure-PyTorch path (``AttnType.TORCH_FLASH``) with its kernel pointed at torch's fused CPU
+flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, the kernel our engine calls), its
+``basic`` ring for full attention and its ``zigzag`` ring for causal, on the SAME process groups as
+ours (its Ulysses group = our Ulysses group, its ring group = our ring group). Each library takes
+its own balanced input layout (yunchang: ``zigzag_extract_local``; ours: Megatron's 2*CP-chunk cut),
+cut from the same full tensors; both outputs are compared with a float64 oracle of the full
+sequence. yunchang's PyTorch path has no backward, so this is forward only.
+
+Target (README "Measured"): ours <= 1.0x yunchang everywhere. Needs the benchmark extra:
+``pip install -r requirements/bench.txt -c requirements/constraints.txt``.
+Run: ``python benchmarks/peer_usp.py [--seq 16384 --heads 8 --dim 64 --iters 3]``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+LAYOUTS = [("U2xR2", 2, 2), ("U4", 4, 1), ("R4", 1, 4)]
+MASKS = ("full", "causal")
+
+
+def _patch_yunchang_kernel():
+    """Point yunchang's torch-flash kernel at torch's CPU flash op (what it would use on CPU)."""
+    import yunchang.kernels.attention as yk
+
+    def cpu_flash(q, k, v, dropout_p=0.0, is_causal=False, scale=None, **_):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                         scale=scale)
+    yk._scaled_dot_product_flash_attention = cpu_flash
+
+
+def _oracle(q, k, v, causal, scale):
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
+    if causal:
+        n = q.shape[1]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.double())
+
+
+def _rank_bench(seq, heads, dim, iters, check_seq):
+    import torch.distributed as dist
+    import yunchang
+    from yunchang import LongContextAttention
+    from yunchang.comm.extract_local import zigzag_extract_local
+    from yunchang.kernels import AttnType
+
+    from megatron_video.attention import dist_attention, masks
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.layouts import shard_sequence
+    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
+
+    _patch_yunchang_kernel()
+    rows = []
+    for name, U, R in LAYOUTS:
+        kw = dict(tensor_model_parallel_size=1, context_parallel_size=U * R)
+        if U > 1 and R > 1:
+            kw["hierarchical_context_parallel_sizes"] = [U, R]
+        initialize_model_parallel(**kw)
+        groups = init_video_parallel(U, R, ranks_per_node=2 if U <= 2 else 4)
+        yunchang.globals.PROCESS_GROUP.ULYSSES_PG = groups.ulysses_group
+        yunchang.globals.PROCESS_GROUP.RING_PG = groups.ring_group
+        N = U * R
+        try:
+            for mask_name in MASKS:
+                causal = mask_name == "causal"
+                mask = masks.causal() if causal else masks.full()
+                usp = LongContextAttention(ring_impl_type="zigzag" if causal else "basic",
+                                           attn_type=AttnType.TORCH_FLASH)
+                ours_local = lambda x: shard_sequence(x, groups, dim=1, scheme="zigzag")  # noqa: E731
+                their_local = lambda x: zigzag_extract_local(x, groups.cp_rank, N, R, U)  # noqa: E731
+                if not causal:
+                    their_local = lambda x: x.chunk(N, dim=1)[groups.cp_rank].contiguous()  # noqa: E731
+                # accuracy at a small size (float64 oracle of the whole sequence)
+                g = torch.Generator().manual_seed(1)
+                full = [torch.randn(1, check_seq, heads, dim, generator=g) for _ in range(3)]
+                ref = _oracle(*full, causal, dim ** -0.5)
+                with torch.no_grad():
+                    o1 = dist_attention(*(ours_local(x) for x in full), groups, mask=mask, scheme="zigzag")
+                    o2 = usp(*(their_local(x) for x in full), causal=causal)
+                err_ours = float((o1.double() - ours_local(ref)).abs().max())
+                err_theirs = float((o2.double() - their_local(ref)).abs().max())
+                # time at the benchmark size
+                s_local = seq // N
+                q, k, v = (torch.randn(1, s_local, heads, dim, generator=g) for _ in range(3))
+                times = {}
+                for who, fn in (("ours", lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag")),
+                                ("yunchang", lambda: usp(q, k, v, causal=causal))):
+                    with torch.no_grad():
+                        fn()  # warm-up
+                        best = float("inf")
+                        for _ in range(iters):
+                            dist.barrier()
+                            t0 = time.perf_counter()
+                            fn()
+                            dist.barrier()
+                            best = min(best, time.perf_counter() - t0)
+                    times[who] = best
+                rows.append(dict(layout=name, mask=mask_name, ours=times["ours"], theirs=times["yunchang"],
+                                 err_ours=err_ours, err_theirs=err_theirs))
+        finally:
+            yunchang.globals.PROCESS_GROUP.ULYSSES_PG = None
+            yunchang.globals.PROCESS_GROUP.RING_PG = None
+            destroy_video_parallel()
+            destroy_model_parallel()
+    return rows
+
+
+def main():
+    from megatron_video.testing import WorkerPool
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--check-seq", type=int, default=512)
+    a = ap.parse_args()
+    try:
+        import yunchang  # noqa: F401
+    except ImportError:
+        raise SystemExit("peer_usp: yunchang is not installed; pip install -r requirements/bench.txt "
+                         "-c requirements/constraints.txt")
+    with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
+        per_rank = pool.run(_rank_bench, a.seq, a.heads, a.dim, a.iters, a.check_seq)
+    print(f"forward, S={a.seq} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), best of {a.iters}; "
+          f"max-abs error vs float64 oracle at S={a.check_seq}")
+    print(f"{'layout':<8}{'mask':<8}{'ours':>10}{'yunchang':>10}{'ours/theirs':>13}{'err ours':>11}{'err yunchang':>14}")
+    worst = 0.0
+    for i, row in enumerate(per_rank[0]):
+        ours = max(r[i]["ours"] for r in per_rank)
+        theirs = max(r[i]["theirs"] for r in per_rank)
+        eo = max(r[i]["err_ours"] for r in per_rank)
+        et = max(r[i]["err_theirs"] for r in per_rank)
+        worst = max(worst, ours / theirs)
+        print(f"{row['layout']:<8}{row['mask']:<8}{ours * 1e3:>8.0f}ms{theirs * 1e3:>8.0f}ms{ours / theirs:>12.2f}x"
+              f"{eo:>11.1e}{et:>14.1e}")
+    print(f"worst ours/yunchang {worst:.2f}x (target <= 1.0x)")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
