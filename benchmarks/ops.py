@@ -2,7 +2,8 @@
 
 Halo scatter (8 ranks' raw-frame windows with a left halo out of a [B, C, T, H, W] video), halo
 gather (kept latents of all ranks into one tensor), the dense mask and the tile status of the
-teacher-forcing mask in Balanced-SP rank-major order. Prints times, bytes moved, bandwidth against
+teacher-forcing mask in Balanced-SP rank-major order, beside the best plain-torch formulation (per-tile
+id bounds), and the share of an attention step spent on mask work. Prints times, bytes moved, bandwidth against
 a plain device copy of the same bytes, and the extension/reference time ratio.
 
     python benchmarks/ops.py                      # CPU, the sizes of issue 5
@@ -94,6 +95,57 @@ def rank_major_ids(frames: int, tokens: int, ranks: int, frames_per_block: int, 
     return TokenIds.from_frames(torch.cat(frame).to(device), frames_per_block, side=torch.cat(side).to(device))
 
 
+def tile_status_from_bounds(ids: TokenIds, tile: int) -> torch.Tensor:
+    """Teacher-forcing tile status from per-tile bounds of each side's blocks, in plain torch."""
+    L = ids.side.numel()
+    n = -(-L // tile)
+    pad = n * tile - L
+    big = torch.iinfo(torch.int64).max // 4
+    side = torch.nn.functional.pad(ids.side, (0, pad), value=-1).view(n, tile)
+    block = torch.nn.functional.pad(ids.block, (0, pad), value=0).view(n, tile)
+    lo, hi, has = [], [], []
+    for sd in (0, 1):
+        on = side == sd
+        lo.append(torch.where(on, block, big).amin(1))
+        hi.append(torch.where(on, block, -big).amax(1))
+        has.append(on.any(1))
+    full = torch.ones(n, n, dtype=torch.bool, device=side.device)
+    empty = torch.ones_like(full)
+    for qs in (0, 1):
+        for ks in (0, 1):
+            present = has[qs][:, None] & has[ks][None, :]
+            qlo, qhi, klo, khi = lo[qs][:, None], hi[qs][:, None], lo[ks][None, :], hi[ks][None, :]
+            if qs == 0 and ks == 1:
+                f, e = torch.zeros_like(full), torch.ones_like(full)
+            elif ks == 0:
+                f, e = (khi <= qlo, klo > qhi) if qs == 0 else (khi < qlo, klo >= qhi)
+            else:
+                f, e = (qlo == qhi) & (klo == khi) & (qlo == klo), (khi < qlo) | (klo > qhi)
+            full &= ~present | f
+            empty &= ~present | e
+    return torch.where(empty, 0, torch.where(full, 2, 1)).to(torch.uint8)
+
+
+def bench_mask_share(args) -> None:
+    """Share of an attention step's time spent on mask work (tile status, tile masks, planning)."""
+    from megatron_video.attention import RingStats, dist_attention
+    from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
+    from megatron_video.layouts import BalancedSPLayout
+
+    F, S = args.share_frames, args.share_tokens
+    lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=S, frames_per_block=args.frames_per_block,
+                           sp_size=1)
+    L = 2 * F * S
+    q, k, v = (torch.randn(1, L, 4, 32).requires_grad_() for _ in range(3))
+    st = RingStats()
+    t0 = time.perf_counter()
+    dist_attention(q, k, v, None, mask=TeacherForcingMask(lay), stats=st).sum().backward()
+    total = time.perf_counter() - t0
+    print(f"mask share of a step: teacher forcing, {L} tokens (F={F}, {S} tokens/frame), H=4 D=32 fp32 fwd+bwd "
+          f"{total:.2f} s, mask work {st.mask_seconds * 1e3:.1f} ms = {100 * st.mask_seconds / total:.2f}% "
+          f"({st.tiles} tiles, {st.tiles_skipped} skipped, {st.kernel_calls} kernel calls)", flush=True)
+
+
 def bench_masks(args, device: torch.device) -> None:
     ids = rank_major_ids(args.latent_frames, args.tokens_per_frame, args.ranks, args.frames_per_block, device)
     L = ids.side.numel()
@@ -116,6 +168,14 @@ def bench_masks(args, device: torch.device) -> None:
     print(f"{'':<28} reference timed on {len(rows)} of {nq} q-tile rows and scaled; "
           f"{L * L / t_ext / 1e9:.1f} Gpairs/s, {status.numel() / t_ext / 1e6:.2f} Mtiles/s, "
           f"{100 * float((status == 1).float().mean()):.1f}% partial tiles", flush=True)
+    # What a user would write in torch instead: per-tile id bounds (min/max of each side's blocks),
+    # vectorised over all tile pairs; tiles the bounds cannot decide are called PARTIAL.
+    t_bounds = timed(lambda: tile_status_from_bounds(ids, tile), device, args.repeat)
+    bounds = tile_status_from_bounds(ids, tile)
+    agree = 100 * float((bounds == status).float().mean())
+    row("torch per-tile id bounds", t_ext, t_bounds)
+    print(f"{'':<28} the bounds formulation agrees with the exact status on {agree:.1f}% of tiles "
+          f"(the rest: PARTIAL where the kernel proves EMPTY / FULL)", flush=True)
     small = rank_major_ids(args.dense_frames, args.tokens_per_frame, args.ranks, args.frames_per_block, device)
     Ls = small.side.numel()
     t_ext = timed(lambda: dense_mask(small, small, "teacher_forcing"), device, args.repeat)
@@ -140,6 +200,8 @@ def main() -> None:
     p.add_argument("--dense-frames", type=int, default=8, help="latent frames of the dense-mask case")
     p.add_argument("--ref-rows", type=int, default=8, help="q-tile rows the tile-status reference is timed on")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--share-frames", type=int, default=16, help="latent frames of the mask-share case")
+    p.add_argument("--share-tokens", type=int, default=440, help="tokens per frame of the mask-share case")
     p.add_argument("--only", choices=["halo", "masks"], default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -150,6 +212,8 @@ def main() -> None:
         bench_halo(args, device)
     if args.only in (None, "masks"):
         bench_masks(args, device)
+        if device.type == "cpu":
+            bench_mask_share(args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ section "Attention engine" lists the choices and the measured memory.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -74,6 +75,7 @@ class EngineStats:
     bwd_kernel_calls: int = 0
     max_mask_elements: int = 0
     max_score_elements: int = 0
+    mask_seconds: float = 0.0
 
     def _mask(self, n: int) -> None:
         self.max_mask_elements = max(self.max_mask_elements, int(n))
@@ -180,12 +182,17 @@ class BlockPlan:
         """Bool mask of a PARTIAL call (lower triangle for CAUSAL, None for FULL)."""
         if call.kind == FULL:
             return None
+        t0 = time.perf_counter()
         n_q, n_k = call.q.stop - call.q.start, call.k.stop - call.k.start
         if stats is not None:
             stats._mask(n_q * n_k)
         if call.kind == CAUSAL:
-            return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
-        return self.mask.dense(self.q_ids[call.q], self.k_ids[call.k]).to(device)
+            m = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+        else:
+            m = self.mask.dense(self.q_ids[call.q], self.k_ids[call.k]).to(device)
+        if stats is not None:
+            stats.mask_seconds += time.perf_counter() - t0
+        return m
 
 
 def _debug() -> bool:
@@ -487,7 +494,8 @@ def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor,
 
 def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, dout: torch.Tensor,
                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   plan: BlockPlan, scale: float, backend: str) -> None:
+                   plan: BlockPlan, scale: float, backend: str,
+                   stats: Optional[EngineStats] = None) -> None:
     """Accumulate this block's ``dq [b, sq, h, d]`` and ``dk, dv [b, sk, h, d]`` (expanded heads,
     accumulation dtype) given the GLOBAL ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` of the rows
     (``lse = +inf`` on rows without any visible key, so their gradients are zero)."""
@@ -502,7 +510,7 @@ def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Ten
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     bwd = _bwd_math if backend == "math" else _bwd_sdpa
     for c in plan.calls:
-        m = plan.tile_mask(c, q.device) if (c.kind == PARTIAL or backend == "math") else None
+        m = plan.tile_mask(c, q.device, stats) if (c.kind == PARTIAL or backend == "math") else None
         g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q], lse[:, :, c.q],
                 c, m, scale)
         dq_acc[:, c.q] += g[0].transpose(1, 2)
@@ -546,9 +554,14 @@ def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
 def plan_for(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask], tile: int,
              backend: str, stats: Optional[EngineStats] = None) -> BlockPlan:
     """The plan a backend runs: fixed tiles over the block for ``"flex"``, run tiles otherwise."""
+    t0 = time.perf_counter()
     if backend == "flex":
-        return _flex_plan(q_ids, k_ids, mask, tile, stats)
-    return plan_block(q_ids, k_ids, mask, tile, merge=backend != "math", stats=stats)
+        plan = _flex_plan(q_ids, k_ids, mask, tile, stats)
+    else:
+        plan = plan_block(q_ids, k_ids, mask, tile, merge=backend != "math", stats=stats)
+    if stats is not None:
+        stats.mask_seconds += time.perf_counter() - t0
+    return plan
 
 
 def engine_backend(backend: str, q: torch.Tensor) -> str:

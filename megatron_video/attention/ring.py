@@ -98,7 +98,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
         if plan.stats is not None:
             plan.stats._plan("bwd", bp)
         engine.block_backward(dq, dk, dv, dout, q, cur_k, cur_v, out, lse, bp, plan.softmax_scale,
-                              plan.backend)
+                              plan.backend, plan.stats)
         dk, dv = kernels._reduce_kv(dk, hk), kernels._reduce_kv(dv, hk)
         recv = ex.wait() if ex is not None else []
         if i < R - 1:
