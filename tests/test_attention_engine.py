@@ -262,3 +262,25 @@ def test_flex_block_mask_from_tile_status_forward_matches_oracle():
         assert float((out.transpose(1, 2).double() - ref).abs().max()) < 1e-5, kind
         st = plan.status
         assert int((st == 0).sum()) > 0  # EMPTY tiles really are absent from the BlockMask
+
+
+def test_local_attention_cross_lengths_through_the_engine():
+    """``local_attention`` (the path of spatial / temporal / cross-attention): sq != sk, no mask, a
+    bool table read tile by tile, and a rule mask, in float64 and fp32, outputs and gradients."""
+    from megatron_video.attention import local_attention
+
+    sq, sk = 37, 23
+    q, k, v, dout = inputs(2, sq, sk, 4, 2, 8, seed=9)
+    g = torch.Generator().manual_seed(9)
+    table = torch.rand(sq, sk, generator=g) < 0.5
+    table[5] = False  # a row without keys
+    qi, ki = torch.arange(sq), torch.arange(sk)
+    for mask, allow in ((None, torch.ones(sq, sk, dtype=torch.bool)), (table, table),
+                        (masks.causal(), allowed("causal", qi, ki))):
+        ref = grads(lambda q, k, v: oracle(q, k, v, allow, 0.3), q, k, v, dout)
+        for dtype, tol in ((F64, 1e-12), (F32, 2e-5)):
+            st = engine.EngineStats()
+            got = grads(lambda q, k, v: local_attention(q, k, v, mask, 0.3, tile=8, stats=st)[0],
+                        *(x.to(dtype) for x in (q, k, v)), dout)
+            assert max_err(got, ref) < tol, (type(mask).__name__, dtype, max_err(got, ref))
+            assert st.max_mask_elements <= 64 and st.max_score_elements <= 64

@@ -43,7 +43,7 @@ from . import kernels
 from .masks import AttentionMask
 
 __all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "choose_tile", "kernel_block_size",
-           "id_runs", "run_tiles", "plan_block", "block_forward", "block_backward"]
+           "id_runs", "run_tiles", "plan_block", "block_forward", "block_backward", "local_attention"]
 
 DEFAULT_TILE = 512
 DEBUG_ENV = "MEGATRON_VIDEO_CHECK_MASKS"
@@ -591,3 +591,59 @@ def accumulators(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return (torch.zeros(b, h, s, d, dtype=acc, device=q.device),
             torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device))
 
+
+
+class _EngineAttention(torch.autograd.Function):
+    """One block (all queries x all keys) through the engine, with its own backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, backend, stats):
+        out, lse = accumulators(q)
+        block_forward(out, lse, q, k, v, plan, scale, backend, stats, fresh=True)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.backend, ctx.stats = plan, scale, backend, stats
+        ctx.mark_non_differentiable(lse)
+        return out.transpose(1, 2), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = kernels.accumulation_dtype(q.dtype)
+        b, sk, hk, d = k.shape
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(b, sk, q.shape[2], d, dtype=acc, device=q.device)
+        dv = torch.zeros_like(dk)
+        block_backward(dq, dk, dv, dout.transpose(1, 2).to(q.dtype), q, k, v, out,
+                       lse.masked_fill(torch.isneginf(lse), float("inf")), ctx.plan, ctx.scale, ctx.backend,
+                       ctx.stats)
+        return (dq.to(q.dtype), kernels._reduce_kv(dk, hk).to(k.dtype), kernels._reduce_kv(dv, hk).to(v.dtype),
+                None, None, None, None)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
+                    softmax_scale: Optional[float] = None, backend: str = "auto", tile: Optional[int] = None,
+                    stats: Optional[EngineStats] = None):
+    """Autograd-aware single-process attention through the engine: ``(out [b, sq, h, d], lse [b, h, sq])``.
+
+    ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]`` (any ``sk``, e.g. cross-attention); ``mask`` is None,
+    an ``AttentionMask`` on positions ``0..sq-1`` x ``0..sk-1``, or a bool ``[sq, sk]`` tensor (read one
+    tile at a time). A ``[b, h, sq, sk]`` mask takes the dense kernels of ``attention.kernels``.
+    Gradients flow through ``out``.
+    """
+    from .masks import AttentionMask, from_dense
+
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return kernels.dense_local_attention(q, k, v, mask, softmax_scale, backend)
+    kernels._check(q, k, v, mask if isinstance(mask, torch.Tensor) else None)
+    if isinstance(mask, torch.Tensor):
+        mask = from_dense(mask)
+    elif mask is not None and not isinstance(mask, AttentionMask):
+        raise ValueError(f"mask ({type(mask).__name__}) must be None, an AttentionMask or a bool tensor")
+    kernel = engine_backend(backend, q)
+    tile = choose_tile(mask, kernel, q.device) if tile is None else check_tile(tile, kernel, q.device)
+    scale = kernels._scale(softmax_scale, q.shape[-1])
+    plan = plan_for(torch.arange(q.shape[1]), torch.arange(k.shape[1]), mask, tile, kernel, stats)
+    if stats is not None:
+        stats._plan("fwd", plan)
+    return _EngineAttention.apply(q, k, v, plan, scale, kernel, stats)

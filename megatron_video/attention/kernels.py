@@ -5,7 +5,8 @@
 primitives the ring needs: the forward's LSE merges partial results (online softmax), and the
 backward takes the *global* ``out`` and ``lse`` so each KV block's gradient is exact on its own
 (``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``, as in FlashAttention).
-``local_attention`` is the autograd-aware wrapper for plain local use.
+``dense_local_attention`` is their autograd-aware wrapper for a dense ``[b, h, sq, sk]`` mask; plain
+local use goes through the tiled engine (``attention.engine.local_attention``).
 
 Layouts: ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]`` (GQA: kv heads are repeated to ``h`` inside
 the kernel, their gradients summed back), ``out [b, sq, h, d]`` in q's dtype, ``lse [b, h, sq]`` in
@@ -35,7 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["BACKENDS", "available_backends", "resolve_backend", "attention_forward",
-           "attention_backward", "local_attention", "accumulation_dtype"]
+           "attention_backward", "dense_local_attention", "accumulation_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -332,6 +333,6 @@ class _LocalAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def local_attention(q, k, v, mask=None, softmax_scale=None, backend="auto"):
-    """Autograd-aware local attention: ``(out, lse)``; gradients flow through ``out`` only."""
+def dense_local_attention(q, k, v, mask=None, softmax_scale=None, backend="auto"):
+    """Autograd-aware local attention with a dense (e.g. per-head) bool mask: ``(out, lse)``."""
     return _LocalAttention.apply(q, k, v, mask, softmax_scale, backend)

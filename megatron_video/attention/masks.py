@@ -27,7 +27,7 @@ from ..ops import masks as _ops
 from ..ops.rules import EMPTY, FULL, PARTIAL
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "AttentionMask", "RuleMask", "full", "causal", "block_causal",
-           "packed", "predicate"]
+           "packed", "predicate", "from_dense"]
 
 
 def _tile_edges(n: int, tile: int):
@@ -263,3 +263,23 @@ def packed(cu_seqlens, inner: Optional[AttentionMask] = None) -> AttentionMask:
 def predicate(fn: Callable, default_scheme: str = "contiguous") -> AttentionMask:
     """Any mask given as ``fn(q_idx [sq,1], k_idx [1,sk]) -> bool [sq,sk]`` on global indices."""
     return _Predicate(fn, default_scheme)
+
+
+class _Dense(AttentionMask):
+    def __init__(self, table: torch.Tensor):
+        if not isinstance(table, torch.Tensor) or table.dtype != torch.bool or table.dim() != 2:
+            raise ValueError(f"table ({getattr(table, 'dtype', type(table).__name__)} "
+                             f"{tuple(getattr(table, 'shape', ()))}) must be a 2-D bool tensor [sq, sk]")
+        self.table = table
+
+    def dense(self, q_ids, k_ids):
+        t = self.table
+        return t[q_ids.to(t.device)][:, k_ids.to(t.device)].to(q_ids.device)
+
+    def __repr__(self):
+        return f"from_dense({tuple(self.table.shape)})"
+
+
+def from_dense(table: torch.Tensor) -> AttentionMask:
+    """A mask read from a bool ``[sq, sk]`` table (True = attend) one tile at a time."""
+    return _Dense(table)
