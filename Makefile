@@ -22,8 +22,12 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/megatron-video demo
 
+# Attention benchmarks of README "Measured" (tens of minutes on 2 cores); yunchang only for peer_usp.
 bench: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/bench.txt -c requirements/constraints.txt
+	$(PY) benchmarks/attention_memory.py
 	$(PY) benchmarks/attention_comm.py
+	$(PY) benchmarks/peer_usp.py
 
 clean:
 	rm -rf build *.egg-info megatron_video/*.so

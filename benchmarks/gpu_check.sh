@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, one command on a CUDA machine (about 2-4 minutes, well inside 5):
+# GPU check, one command on a CUDA machine (about 4-8 minutes):
 #   1. builds megatron_video._C with its CUDA kernels for this GPU's architecture (in place);
 #   2. runs the CUDA op tests (tests/test_ops_cuda.py) against the pure-PyTorch references;
 #   3. prints halo-scatter bandwidth against a plain device copy, and mask-construction throughput.
@@ -44,5 +44,9 @@ timeout -k 5 $(( ATTN_BUDGET + 30 )) "$PY" benchmarks/gpu_attention.py --device 
 echo "attention done at ${SECONDS}s (exit ${ATTN_RC})"
 if (( ATTN_RC != 0 )); then exit "${ATTN_RC}"; fi
 # ---------------------------------------------------------------------------------------------
+
+echo "== tiled attention engine: float64 parity (flex / sdpa, fp32 / bf16), memory and throughput =="
+timeout -k 5 240 "$PY" benchmarks/gpu_engine.py
+echo "engine done at ${SECONDS}s"
 
 echo "gpu_check: done in ${SECONDS}s"
