@@ -344,13 +344,14 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
     different-model checkpoint before anything is loaded."""
     from megatron.core import dist_checkpointing
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     step = latest_step(directory) if step is None else step
     if step is None:
-        raise ValueError(f"checkpoint directory ({directory}) has no {TRACKER_FILE}")
+        raise ValueError(f"checkpoint directory ({directory}) must hold {TRACKER_FILE} (no complete "
+                         f"checkpoint)")
     path = checkpoint_path(directory, step)
     if not path.is_dir():
         raise ValueError(f"checkpoint ({path}) must be an existing folder")
+    rank, world = dist.get_rank(), dist.get_world_size()
     _agree(_verify_share(path, rank, world), f"checkpoint {path} is corrupt")
     reason, common, index = None, {}, None
     try:
