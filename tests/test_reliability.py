@@ -269,9 +269,12 @@ def _faulty_train(config, heartbeat):
     """``trainer.train`` whose rank 2 dies (``fault: die``) or hangs (``hang``) as step 1 starts."""
     from megatron_video.training.trainer import train
 
+    import subprocess
+
     rank = int(os.environ["RANK"])
     Path(config.output).mkdir(parents=True, exist_ok=True)
-    Path(config.output, f"pid{rank}").write_text(str(os.getpid()))
+    helper = subprocess.Popen(["sleep", "600"])          # like the checkpoint writer's helpers
+    Path(config.output, f"pid{rank}").write_text(f"{os.getpid()} {helper.pid}")
     fault = Path(config.output, "fault").read_text()
 
     def beat(step):
@@ -311,5 +314,24 @@ def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
         assert code == 1 and "rank(s) [2] made no progress for 6 s" in err and "at step 1" in err, err[-2000:]
         assert took < 60
     time.sleep(0.5)
-    pids = [int(Path(cfg.output, f"pid{r}").read_text()) for r in range(4)]
-    assert all(_gone(p) for p in pids), "no rank may outlive the launcher"
+    pids = [int(p) for r in range(4) for p in Path(cfg.output, f"pid{r}").read_text().split()]
+    assert len(pids) == 8 and all(_gone(p) for p in pids), "no rank or helper may outlive the launcher"
+
+
+def test_torchrun_process_group_timeout_is_the_rank_timeout(monkeypatch):
+    """Without the launcher's watchdog (torchrun) the process group's timeout is
+    ``train.rank_timeout_s``; under the launcher it is a looser backstop."""
+    from megatron_video.training import trainer
+
+    seen = []
+
+    def fake_init(timeout_s):
+        seen.append(timeout_s)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(trainer, "init_distributed", fake_init)
+    cfg = tiny_config("ar_dit", "/nonexistent")
+    cfg.train.rank_timeout_s = 42.0
+    for heartbeat in (None, lambda step: None):
+        with pytest.raises(RuntimeError, match="stop here"):
+            trainer.train(cfg, heartbeat=heartbeat)
+    assert seen == [42.0, 2 * 42.0 + 60]

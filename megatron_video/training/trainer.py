@@ -13,9 +13,16 @@ from the environment: torchrun, the ``--nproc`` launcher, or a single process) a
    per-rank loss share is multiplied by the CP size by the schedule and averaged over DP x CP by
    DDP, i.e. summed over CP and averaged over DP.
 
-``run()`` adds resume, the tqdm bar (loss, tokens/s, step time), TensorBoard, periodic and final
-checkpoints, CP sampling, and ``metrics.json`` / ``loss.png`` / ``sample.gif`` in ``config.output``.
-Outputs are written by the logging rank, the last global rank (a last-stage rank, where the loss is).
+``run()`` adds resume (under any parallel layout, ``checkpoint.py``), the tqdm bar (loss, tokens/s,
+step time), TensorBoard, periodic and final checkpoints, CP sampling, and ``metrics.json`` /
+``loss.png`` / ``sample.gif`` in ``config.output``. Outputs are written by the logging rank, the
+last global rank (a last-stage rank, where the loss is).
+
+Numerics guard: after each step's backward, one all-reduce tells every rank whether any rank saw a
+non-finite loss or gradient; then the update is not applied and ``train.nonfinite_policy`` decides:
+``skip`` counts the step (``skipped_total`` in the metrics) and continues, up to
+``train.max_skipped_steps`` in a row; ``stop`` saves the state from before the step and raises
+``NonFiniteError`` naming the step (README "Failure behaviour").
 """
 from __future__ import annotations
 
