@@ -220,7 +220,9 @@ def _nonfinite(tmp, policy):
     from megatron_video.training.trainer import NonFiniteError
 
     t = _trainer(tmp, f"nan_{policy}")                             # DP4: rank 2 alone sees the NaN
-    t.config.train.steps, t.config.train.nonfinite_policy, t.config.train.save = 4, policy, True
+    t.config.train.steps, t.config.train.save = 4, True
+    t.config.train.nonfinite_policy = "skip" if policy.startswith("skip") else policy
+    t.config.train.max_skipped_steps = 1 if policy == "skip1" else 10
     t.config.train.save_interval = 0
     rank, state = dist.get_rank(), {"step": -1}
     train_step, loss = t.train_step, t.objective.loss
@@ -232,9 +234,16 @@ def _nonfinite(tmp, policy):
     def poisoned_loss(out, mb):
         value = loss(out, mb)
         return value * float("nan") if rank == 2 and state["step"] == 1 else value
-    t.train_step, t.objective.loss = tracking_step, poisoned_loss
+    forward_backward = t.forward_backward
+
+    def poisoned_grad(step):          # step 2: a finite loss, one infinite gradient on rank 1 only
+        loss = forward_backward(step)
+        if rank == 1 and step == 2:
+            next(iter(t.model.parameters())).main_grad.view(-1)[0] = float("inf")
+        return loss
+    t.train_step, t.objective.loss, t.forward_backward = tracking_step, poisoned_loss, poisoned_grad
     try:
-        if policy == "stop":
+        if policy in ("stop", "skip1"):
             with pytest.raises(NonFiniteError) as e:
                 t.run()
             metrics = json.loads((Path(t.config.output) / "metrics.json").read_text()) if t.is_logger else None
@@ -251,15 +260,19 @@ def test_nonfinite_skip_and_stop(pool4, vae_dir):
     for r, (count, history) in enumerate(pool4.run(_nonfinite, vae_dir, "skip")):
         if r != 3:                                  # the logging rank writes the metrics
             continue
-        assert count == 1
-        assert [h[1] for h in history] == [False, True, False, False]
-        assert [h[2] for h in history] == [0, 1, 1, 1]
+        assert count == 2
+        assert [h[1] for h in history] == [False, True, True, False]
+        assert [h[2] for h in history] == [0, 1, 2, 2]
         assert math.isnan(history[1][0]) and all(math.isfinite(h[0]) for h in (history[0], *history[2:]))
     for r, (msg, metrics, latest) in enumerate(pool4.run(_nonfinite, vae_dir, "stop")):
         assert msg.startswith("step 1: non-finite loss or gradient") and "nonfinite_policy is 'stop'" in msg
         assert "iter_0000001" in msg and latest == 1   # the state before the bad step
         if r == 3:
             assert metrics["nonfinite_steps"] == 1 and metrics["steps"] == 2
+    # skip with max_skipped_steps=1: the first bad step passes, the second in a row stops the job
+    for r, (msg, metrics, latest) in enumerate(pool4.run(_nonfinite, vae_dir, "skip1")):
+        assert msg.startswith("step 2: non-finite") and "2 steps in a row were skipped" in msg, msg
+        assert "train.max_skipped_steps=1" in msg and latest == 2
 
 
 # ---------------------------------------------------------------------------------------------

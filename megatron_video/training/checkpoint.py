@@ -365,7 +365,11 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
     _agree(_shape_refusal(path, index, request, common.get("model_meta", {}), meta),
            "resume refused")
     loaded = dist_checkpointing.load(request, str(path))
-    model.load_state_dict(loaded["model"])
+    state = loaded["model"]
+    for key, value in model.state_dict().items():   # TE extra state is not checkpointed: keep it
+        if key.endswith("_extra_state") and key not in state:
+            state[key] = value
+    model.load_state_dict(state)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:

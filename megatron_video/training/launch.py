@@ -53,7 +53,8 @@ def _waiting_in_comm(frame) -> bool:
 
 class _Heartbeat:
     """This rank's slots in the launcher's shared array: ``[step, time of the last beat, waiting in
-    communication (0/1)]``; the trainer beats as each step starts and around saves and sampling. A daemon thread refreshes the third slot every 0.25 s by
+    communication (0/1)]``; the trainer beats after start-up and resume, as each step starts, and
+    around saves and sampling. A daemon thread refreshes the third slot every 0.25 s by
     looking at the main thread's stack, so the launcher can tell a rank that computes (or hangs)
     from one that waits for it."""
 

@@ -27,6 +27,7 @@ non-finite loss or gradient; then the update is not applied and ``train.nonfinit
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import time
@@ -159,6 +160,7 @@ class Trainer:
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
+        self._beat(-1)   # start-up done (the watchdog's clock restarts at every beat)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -249,14 +251,16 @@ class Trainer:
 
     def _all_finite(self, loss: Optional[float]) -> bool:
         """Collective over all ranks: this step's loss (last stage) and reduced gradients are finite."""
-        bad = 0.0 if loss is None or torch.isfinite(torch.tensor(loss)) else 1.0
-        for p in self.ddp.parameters():
-            g = getattr(p, "main_grad", None)
-            g = p.grad if g is None else g
-            if g is not None and not bool(torch.isfinite(g).all()):
-                bad = 1.0
-                break
-        flag = torch.tensor([bad], device=self.device)
+        flag = torch.zeros(1, device=self.device)
+        if loss is not None and not math.isfinite(loss):
+            flag += 1
+        # one reduction per gradient buffer (Megatron DDP keeps them contiguous), no host sync here
+        buffers = getattr(self.ddp, "buffers", []) + getattr(self.ddp, "expert_parallel_buffers", [])
+        grads = [b.grad_data for b in buffers] or [
+            getattr(p, "main_grad", p.grad) for p in self.ddp.parameters()]
+        for g in grads:
+            if g is not None and g.numel():
+                flag += (~torch.isfinite(g)).any().to(flag.dtype)
         dist.all_reduce(flag)
         return flag.item() == 0.0
 
@@ -379,6 +383,7 @@ class Trainer:
 
             writer = SummaryWriter(str(out_dir / "tensorboard"))
         start = self.maybe_resume()
+        self._beat(start - 1)
         history: List[Dict] = []
         prev = out_dir / "metrics.json"
         if start and self.is_logger and prev.is_file():  # keep the curve of the interrupted run
