@@ -313,7 +313,7 @@ def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
 
     cfg = tiny_config("ar_dit", vae_dir, ranks_per_node=2)        # DP4
     cfg.output = str(tmp_path / fault)
-    cfg.train.steps, cfg.train.rank_timeout_s = 4, 6.0
+    cfg.train.steps, cfg.train.rank_timeout_s = 4, 15.0
     Path(cfg.output).mkdir()
     Path(cfg.output, "fault").write_text(fault)
     t0 = time.time()
@@ -324,8 +324,8 @@ def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
     if fault == "die":
         assert code == 128 + signal.SIGKILL and "rank 2 exited with code -9 at step 1" in err, err[-2000:]
     else:
-        assert code == 1 and "rank(s) [2] made no progress for 6 s" in err and "at step 1" in err, err[-2000:]
-        assert took < 60
+        assert code == 1 and "rank(s) [2] made no progress for 15 s" in err and "at step 1" in err, err[-2000:]
+        assert took < 240
     time.sleep(0.5)
     pids = [int(p) for r in range(4) for p in Path(cfg.output, f"pid{r}").read_text().split()]
     assert len(pids) == 8 and all(_gone(p) for p in pids), "no rank or helper may outlive the launcher"

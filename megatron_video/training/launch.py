@@ -105,11 +105,13 @@ def _exit_status(code: int) -> int:
 
 def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
     """Wait for the ranks; ``(0, "")`` when all succeeded, else ``(exit status, reason)`` for the
-    first rank that failed, or the rank(s) that hung: no rank beat for ``timeout`` seconds, and the culprits are the ranks not waiting in communication (all, if every rank waits)."""
+    first rank that failed, or the rank(s) that hung: after start-up, no rank beat for ``timeout`` seconds, and the culprits are the ranks not waiting in communication (all, if every rank waits)."""
     n = len(procs)
     def progress():
         return [shared[3 * r + k] for r in range(n) for k in (0, 1)]
 
+    # Armed once every rank finished start-up (its first beat): start-up time varies with the
+    # machine and the model; a start-up that hangs ends through the process group's timeout.
     last_progress, seen = time.time(), progress()
     while any(p.is_alive() for p in procs):
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
@@ -122,7 +124,8 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
             return (_exit_status(procs[r].exitcode),
                     f"rank {r} exited with code {procs[r].exitcode} {where}")
         now = progress()
-        if now != seen:
+        armed = all(shared[3 * r + 1] > 0 for r in range(n))
+        if now != seen or not armed:
             seen, last_progress = now, time.time()
         elif time.time() - last_progress > timeout:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
