@@ -182,21 +182,25 @@ def _sharded_tensors(sd) -> Dict[str, tuple]:
 # ----------------------------------------------------------------------------------------------
 # Safe reading
 # ----------------------------------------------------------------------------------------------
-_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                  "torch.distributed.checkpoint.planner")
-_INDEX_NAMES = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
-                ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),
-                ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_DCP = "torch.distributed.checkpoint"
+_INDEX_NAMES = {  # plain dataclasses / enums of a torch.distributed.checkpoint index, and torch.Size
+    *((f"{_DCP}.metadata", n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                         "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                         "MetadataIndex", "_MEM_FORMAT_ENCODING")),
+    *((f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                        "LoadPlan", "ReadItem", "LoadItemType")),
+    (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+}
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """Builds only the dataclasses of a ``torch.distributed.checkpoint`` index, torch dtypes /
-    layouts / sizes and plain containers; any other global (``os.system``, ``builtins.eval``, ...)
-    is refused before it is called."""
+    """Builds only the named dataclasses of a ``torch.distributed.checkpoint`` index, torch dtypes /
+    layouts / sizes and plain containers; any other global (``os.system``, ``builtins.eval``, a
+    module's imported helpers, ...) is refused before it is called."""
 
     def find_class(self, module, name):
-        if module in _INDEX_MODULES and not name.startswith("_") or (module, name) in _INDEX_NAMES:
+        if (module, name) in _INDEX_NAMES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None),
                                             (torch.dtype, torch.layout, torch.memory_format)):
