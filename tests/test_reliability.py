@@ -69,6 +69,17 @@ def _reshard(tmp):
             out[name] = ([t.train_step(s)["loss"] for s in (2, 3)], t.global_batch, t.dp_size)
         finally:
             t.close()
+    # the user's path: a job under DP2 x CP2 pointed at the same output resumes by itself (run())
+    import megatron_video.training.trainer as trainer_mod
+
+    cfg = tiny_config("ar_dit", tmp, **OTHER_LAYOUTS["dp2_cp2_u2"])
+    cfg.output, cfg.train.steps, cfg.train.resume = f"{tmp}/reshard_src", 4, True
+    t = trainer_mod.Trainer(cfg, progress=False)
+    try:
+        metrics = t.run()
+        out["run"] = [(h["step"], h["loss"]) for h in metrics["history"]] if t.is_logger else None
+    finally:
+        t.close()
     return out
 
 
@@ -102,6 +113,8 @@ def test_resume_under_another_layout(pool4, vae_dir):
             for a, b in zip(same, losses):
                 assert math.isfinite(a) and abs(a - b) <= 1e-5 * abs(a), (name, same, losses)
     assert res[0]["dp2_cp2_u2"][2] == 2
+    steps, losses = zip(*res[3]["run"])             # the logging rank's metrics of the resumed job
+    assert steps == (2, 3) and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(res[3]["same"], losses))
     msgs = pool4.run(_refuse_shape, vae_dir)
     for m in msgs:
         assert "different model shape" in m and "model.hidden_size: checkpoint 48 vs job 32" in m, m
