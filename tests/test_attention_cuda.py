@@ -103,3 +103,30 @@ def test_cpu_small_mode_correctness(monkeypatch, capsys):
     assert len(results) >= 40
     ok, line = ga.summarize(results)
     assert ok and line.startswith("gpu_attention: PASS"), line
+
+
+def test_check_fails_when_our_code_raises(monkeypatch, capfd):
+    """The GPU check cannot pass while our code raises (checked on CPU with tiny shapes): our kernel
+    raising in the TE comparison is an ERROR (only TE raising is a WARN), the whole script exits 1,
+    and our entries raising in the bench fail the run."""
+    shape = ga.Shape(1, 16, 2, 2, 8)
+
+    class BrokenTE:                                     # TE itself raising: informative only
+        pytorch = None
+    r = ga.check_te(BrokenTE(), "cpu", torch.float32, "causal", shape)
+    assert r.status == "WARN" and "TE raised" in r.note, r.line()
+
+    def broken(*a, **k):
+        raise RuntimeError("our kernel is broken")
+    monkeypatch.setattr(ga, "local_attention", broken)
+    r = ga.check_te(BrokenTE(), "cpu", torch.float32, "causal", shape)
+    assert r.status == "ERROR" and "our kernel is broken" in r.note, r.line()
+    ok, line = ga.summarize([r])
+    assert not ok and line.startswith("gpu_attention: FAIL"), line
+    assert ga.main(["--device", "cpu", "--small", "--sections", "local", "--budget", "30"]) == 1
+    assert "gpu_attention: FAIL" in capfd.readouterr().out
+    rows = [ga.BenchRow(128, "ours local[math]", note="fwd+bwd error: RuntimeError: boom"),
+            ga.BenchRow(128, "torch SDPA causal", note="fwd error: RuntimeError: not ours")]
+    ok, line = ga.bench_verdict(rows, True, "gpu_attention: PASS - ...")
+    assert not ok and "ours local[math]" in line and "not ours" not in line
+    assert ga.bench_verdict(rows[1:], True, "x") == (True, "x")

@@ -85,21 +85,38 @@ def test_adapter_rejects_unsupported_config(change, kwargs, frag):
     assert frag in str(e.value)
 
 
-def test_adapter_single_process_matches_megatron_layout():
-    """CP = 1 without groups: [s, b, h, d] in, [s, b, h*d] out, equal to local causal attention."""
-    from megatron.core.transformer.enums import AttnMaskType
+def _explicit_attention(q, k, v, allow, scale):
+    """Float64 softmax attention written out: q [s, h, d], k/v [s, h_kv, d] (query head i uses kv
+    head i // (h / h_kv)), allow [s, s] bool; rows without keys give zeros."""
+    s, h, d = q.shape
+    rep = h // k.shape[1]
+    out = torch.zeros(s, h, d, dtype=torch.float64)
+    for hi in range(h):
+        kh, vh = k[:, hi // rep].double(), v[:, hi // rep].double()
+        scores = (q[:, hi].double() @ kh.T) * scale
+        scores = scores.masked_fill(~allow, float("-inf"))
+        live = allow.any(dim=1)
+        p = torch.zeros_like(scores)
+        p[live] = torch.softmax(scores[live], dim=-1)
+        out[:, hi] = p @ vh
+    return out
 
-    from megatron_video.attention import local_attention
+
+def test_adapter_single_process_matches_megatron_layout():
+    """CP = 1 without groups: [s, b, h, d] in, [s, b, h*d] out, equal to explicit float64 causal
+    attention (GQA, custom softmax scale), and THD packed documents likewise."""
+    from megatron.core.transformer.enums import AttnMaskType
 
     m = DistAttention2D(_Cfg(), 3, AttnMaskType.causal, "self", softmax_scale=0.2)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(6, 2, 4, 16, generator=g)
     k, v = torch.randn(6, 2, 2, 16, generator=g), torch.randn(6, 2, 2, 16, generator=g)
     out = m(q, k, v, None)
-    ref, _ = local_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                             torch.ones(6, 6, dtype=torch.bool).tril(), 0.2)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
     assert out.shape == (6, 2, 64)
-    assert torch.allclose(out, ref.transpose(0, 1).reshape(6, 2, 64), atol=1e-6)
+    for b in range(2):
+        ref = _explicit_attention(q[:, b], k[:, b], v[:, b], causal, 0.2)
+        torch.testing.assert_close(out[:, b].double(), ref.reshape(6, 64), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="attention_bias is not supported"):
         m(q, k, v, None, attention_bias=torch.zeros(1))
     # packed THD input: [t, h, d], documents from cu_seqlens, causal inside each
@@ -109,10 +126,10 @@ def test_adapter_single_process_matches_megatron_layout():
     thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     out = m(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=thd)
     doc = torch.tensor([0, 0, 1, 1, 1, 1])
-    allow = (doc[:, None] == doc[None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
-    ref, _ = local_attention(q[:, :1].transpose(0, 1), k[:, :1].transpose(0, 1), v[:, :1].transpose(0, 1),
-                             allow, 0.2)
-    assert out.shape == (6, 64) and torch.allclose(out, ref[0].reshape(6, 64), atol=1e-6)
+    allow = (doc[:, None] == doc[None, :]) & causal
+    ref = _explicit_attention(q[:, 0], k[:, 0], v[:, 0], allow, 0.2)
+    assert out.shape == (6, 64)
+    torch.testing.assert_close(out.double(), ref.reshape(6, 64), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------
@@ -150,23 +167,30 @@ def _gpt_run(cp, ulysses_size, spec_name):
             inputs, labels, pos = (shard_sequence(x, groups, dim=1, scheme="zigzag")
                                    for x in (inputs, labels, pos))
             assert torch.equal(pos[0], global_token_ids(groups, S, "zigzag"))
+        # Megatron's DDP reduces the gradients over the data x context parallel group (averaging);
+        # the loss is scaled by the CP size as Megatron's schedule does, so the average is the sum
+        # over CP ranks of gradients of a loss normalised by the GLOBAL token count.
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         losses = []
         for _ in range(STEPS):
-            opt.zero_grad()
-            per_token = model(inputs, pos, None, labels=labels)
+            ddp.zero_grad_buffer()
+            per_token = ddp(inputs, pos, None, labels=labels)
             loss = per_token.sum() / (B * S)  # normalised by the GLOBAL token count
-            loss.backward()
+            (loss * cp).backward()
+            ddp.finish_grad_sync()
             total = loss.detach().clone()
-            if groups is not None:  # what Megatron's DDP does over the dp x cp group
+            if groups is not None:
                 all_reduce(total, groups.cp_group)
-                for p in model.parameters():
-                    all_reduce(p.grad, groups.cp_group)
             losses.append(float(total))
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+            for p in model.parameters():
+                p.grad = p.main_grad.clone()
             opt.step()
-        from megatron.core import parallel_state as ps
-        return ps.get_tensor_model_parallel_rank(), losses, grads
+        return ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_world_size(), losses, grads
     finally:
         destroy_video_parallel()
         destroy_model_parallel()
@@ -182,15 +206,16 @@ def _gpt_cases():
 
 
 def test_megatron_gpt_tp2_cp2_and_cp4_match_cp1(pool8):
-    """Megatron's GPTModel with with_2d_attention trains on CPU at TP=2 x CP=2 (pure Ulysses, pure
-    ring) and TP=2 x CP=4 (2x2) exactly like its own local spec at TP=2 x CP=1."""
+    """Megatron's GPTModel with with_2d_attention trains on CPU at TP=2 x CP=2 x DP=2 (pure Ulysses,
+    pure ring) and TP=2 x CP=4 (2x2) exactly like its own local spec at TP=2 x CP=1 x DP=4, with
+    gradients reduced by Megatron's DDP (no hand-written reduction)."""
     per_rank = pool8.run(_gpt_cases)
     for rank, res in enumerate(per_rank):
-        tp_rank, ref_losses, ref_grads = res["reference"]
-        assert ref_losses[1] < ref_losses[0]  # it trains
-        for name in ("ulysses_u2", "ring_r2", "2d_u2_r2"):
-            tp2, losses, grads = res[name]
-            assert tp2 == tp_rank
+        tp_rank, dp_ref, ref_losses, ref_grads = res["reference"]
+        assert dp_ref == 4 and ref_losses[1] < ref_losses[0]  # it trains
+        for name, dp_want in (("ulysses_u2", 2), ("ring_r2", 2), ("2d_u2_r2", 1)):
+            tp2, dp, losses, grads = res[name]
+            assert tp2 == tp_rank and dp == dp_want
             err = max(abs(a - b) for a, b in zip(losses, ref_losses))
             assert err < 1e-5, (rank, name, losses, ref_losses)
             assert grads.keys() == ref_grads.keys()

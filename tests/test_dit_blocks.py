@@ -115,6 +115,37 @@ def test_rope_3d_is_relative_and_norm_preserving():
     torch.testing.assert_close(B.apply_rope(q, B.rope_3d_angles(torch.zeros(5, 3), 16)), q)
 
 
+def _explicit_rope_3d(x, thw, dims, theta=10000.0):
+    """The 3D RoPE formula written out element by element (float64, Python loops): the rotation
+    angles are ``[t-angles, h-angles, w-angles]`` with ``angle_j = pos_axis * theta^(-2j / n_axis)``
+    for the ``n_axis`` channels of each axis (``dims``), and channel ``i`` rotates with channel
+    ``i + d/2``: ``(x_i, x_{i+d/2}) -> (x_i cos a_i - x_{i+d/2} sin a_i, x_{i+d/2} cos a_i + x_i sin a_i)``."""
+    b, s, h, d = x.shape
+    out = torch.empty_like(x)
+    for si in range(s):
+        angles = []
+        for axis, n in enumerate(dims):
+            for j in range(n // 2):
+                angles.append(float(thw[si, axis]) * theta ** (-2.0 * j / n))
+        assert len(angles) == d // 2
+        for bi in range(b):
+            for hi in range(h):
+                for i, a in enumerate(angles):
+                    x1, x2 = float(x[bi, si, hi, i]), float(x[bi, si, hi, i + d // 2])
+                    out[bi, si, hi, i] = x1 * math.cos(a) - x2 * math.sin(a)
+                    out[bi, si, hi, i + d // 2] = x2 * math.cos(a) + x1 * math.sin(a)
+    return out
+
+
+@pytest.mark.parametrize("d, dims", [(16, (8, 4, 4)), (12, (4, 4, 4)), (64, (24, 20, 20))])
+def test_rope_3d_equals_the_explicit_formula(d, dims):
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(2, 6, 2, d, generator=gen, dtype=torch.float64)
+    thw = torch.randint(0, 40, (6, 3), generator=gen)
+    got = B.apply_rope(x, B.rope_3d_angles(thw, d))
+    torch.testing.assert_close(got, _explicit_rope_3d(x, thw, dims), rtol=1e-12, atol=1e-12)
+
+
 def test_attend_matches_softmax_with_gqa_and_mask():
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(2, 5, 4, 6, generator=gen, dtype=torch.float64)

@@ -53,6 +53,11 @@ CASES = {
                       recompute=True),
     "tp2_cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2, ulysses_size=1,
                     ring_size=2, ranks_per_node=2),
+    # data x context parallel through Megatron's DDP: 2 data-parallel replicas of CP = 2
+    "dp2_cp2": dict(context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2),
+    # the other placement: ring groups inside the all-to-all stride (one node of 4)
+    "cp4_ring_inner": dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=4,
+                           placement="ring_inner", ring_balance=False),
 }
 
 
@@ -164,7 +169,7 @@ def test_step_matches_single_rank(pool4, vae_dir, family):
     assert len(nonzero) > 0.9 * len(ref["grads"]), "most parameters must receive a gradient"
     for rank, res in enumerate(per_rank):
         assert res["reference"]["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-        for label in ("cp4_u2xr2", "tp2_cp2"):
+        for label in ("cp4_u2xr2", "tp2_cp2", "dp2_cp2", "cp4_ring_inner"):
             got = res[label]
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (family, label, rank)
             _check_close(got["params"], ref["params"], "initial weight", f"{family}/{label}/rank{rank}")
@@ -173,6 +178,8 @@ def test_step_matches_single_rank(pool4, vae_dir, family):
             assert_close(got["sample"], ref["sample"], rtol=1e-4, atol=1e-4,
                          msg=lambda m: f"{family}/{label} sample: {m}")
     assert sorted(r["cp4_u2xr2"]["cp_rank"] for r in per_rank) == [0, 1, 2, 3]
+    assert sorted(r["dp2_cp2"]["cp_rank"] for r in per_rank) == [0, 0, 1, 1]
+    assert sorted(r["cp4_ring_inner"]["cp_rank"] for r in per_rank) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("family", ["video_dit", "ar_dit"])

@@ -79,3 +79,65 @@ def test_shards_give_the_procedural_batches(vae, tmp_path):
     bad = _config("video_dit", tmp_path, num_frames=17, source="shards", shards=str(tmp_path / "shards"))
     with pytest.raises(ValueError, match=r"video shape \(3, 13, 16, 16\) must be \[3, data.num_frames=17"):
         _maker(bad, vae, 0, 1).micro_batch(0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the data-parallel partition on 4 gloo ranks (DP 2 x CP 2), procedural and WebDataset sources
+# ---------------------------------------------------------------------------------------------
+def _dp_partition(tmp, source):
+    import warnings
+
+    from test_models_parallel import tiny_config
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = tiny_config("ar_dit", tmp, context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2)
+    if source == "shards":
+        cfg.data.source, cfg.data.shards = "shards", f"{tmp}/dp_shards"
+    t = Trainer(cfg, progress=False)
+    try:
+        seen = {step: [c for m in range(t.num_microbatches) for c in t.batches.micro_batch(step, m).captions]
+                for step in range(3)}
+        return t.dp_rank, t.cp_rank, t.global_batch, seen
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("source", ["synthetic", "shards"])
+def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
+    """Each step's global batch is split between the data-parallel ranks without overlap or gap;
+    the CP ranks of one data-parallel replica read the same samples."""
+    from test_models_parallel import tiny_config
+
+    from megatron_video.data.shards import write_shards
+    from megatron_video.data.synthetic import ProceduralVideoDataset
+    from megatron_video.training.vae_stage import ensure_vae
+
+    tmp = str(tmp_path_factory.mktemp(f"dp_{source}"))
+    cfg = tiny_config("ar_dit", tmp)
+    ensure_vae(cfg, progress=False)
+    d = cfg.data
+    ds = ProceduralVideoDataset(16, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed)
+    expected = None
+    if source == "shards":
+        write_shards(({"video": ds[i]["video"], "caption": f"clip {i}", "key": f"s{i}"} for i in range(16)),
+                     f"{tmp}/dp_shards", samples_per_shard=5)
+    res = pool4.run(_dp_partition, tmp, source)
+    gbs = res[0][2]
+    assert gbs == 4 and sorted((r[0], r[1]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for step in range(3):
+        by_dp = {}
+        for dp, cp, _, seen in res:
+            by_dp.setdefault(dp, []).append(seen[step])
+        for dp, views in by_dp.items():
+            assert views[0] == views[1], "CP ranks of one replica read the same samples"
+            assert len(views[0]) == gbs // 2
+        union = by_dp[0][0] + by_dp[1][0]
+        assert len(set(union)) == gbs, "no sample twice within a global batch"
+        if source == "shards":
+            # sample j of the stream goes to DP rank j % 2: rank d reads clips d, d+2, ... in order
+            expected = {f"clip {2 * (step * 2 + k) + dp}" for dp in (0, 1) for k in range(2)}
+        else:
+            expected = {ds[i]["caption"] for i in range(step * gbs, (step + 1) * gbs)}
+        assert set(union) == expected, (step, union)

@@ -2,8 +2,8 @@
 
 * Save at step k, resume in a fresh trainer, and step k+1's loss is bitwise identical to the
   uninterrupted run's; a second run with the same seed gives bitwise identical losses (AR DiT,
-  CP = 4 as U 2 x R 2 on 2 simulated nodes, activation recomputation on); a job with another
-  parallel layout refuses the checkpoint.
+  CP = 4 as U 2 x R 2 on 2 simulated nodes, activation recomputation on). Resuming under another
+  layout is tested in ``test_reliability.py``.
 * ``megatron-video train`` with a bad config exits with status 2 and names the field before any
   collective: run as one rank of a 4-rank torchrun world whose other ranks never come, a process
   that tried to form the group would hang instead of exiting.
@@ -65,15 +65,6 @@ def _resume_and_repeat(tmp):
         losses["c"] = [t.train_step(s)["loss"] for s in range(3)]
     finally:
         t.close()
-    # another parallel layout refuses the checkpoint before loading anything
-    other = tiny_config("ar_dit", tmp, tensor_model_parallel_size=2, context_parallel_size=2,
-                        ulysses_size=1, ring_size=2, ranks_per_node=2)
-    t = Trainer(other, progress=False)
-    try:
-        with pytest.raises(ValueError, match="was written with parallel layout"):
-            ckpt.load_checkpoint(f"{tmp}/run_a/checkpoints", t.model, t.optimizer, t.scheduler)
-    finally:
-        t.close()
     return losses, lr
 
 
@@ -94,7 +85,7 @@ def test_resume_bitwise_and_same_seed(pool4, vae_dir):
     assert resumed == a[2], "step 3 after resume must be bitwise identical"
     assert c == a, "same seed, same losses (bitwise)"
     assert len({r[1] for r in per_rank}) == 1  # the LR schedule resumed identically everywhere
-    assert (Path(vae_dir) / "run_a" / "checkpoints" / "latest").read_text() == "3"
+    assert (Path(vae_dir) / "run_a" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert all(r[0]["c"] == c for r in per_rank)  # the loss is reduced over the CP group
 
 
@@ -139,7 +130,7 @@ def test_short_demo_run(tmp_path):
     assert metrics["parallel"] == {"tp": 1, "pp": 1, "cp": 4, "ulysses": 2, "ring": 2, "dp": 1}
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in metrics["history"])
     assert metrics["sample"]["frames"] == 29
-    for name in ("loss.png", "sample.gif", "checkpoints/latest"):
+    for name in ("loss.png", "sample.gif", "checkpoints/latest_checkpointed_iteration.txt"):
         assert (out / name).is_file(), name
     assert any((out / "tensorboard").iterdir())
 

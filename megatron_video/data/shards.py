@@ -13,6 +13,7 @@ the rank's share the same way.
 from __future__ import annotations
 
 import glob
+import io
 import json
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence, Union
@@ -133,10 +134,41 @@ class ShardReader(torch.utils.data.IterableDataset):
             return
         # Node/worker splitting is done above, deterministically; webdataset only reads and decodes.
         stream = wds.WebDataset(urls, shardshuffle=False, nodesplitter=_identity, workersplitter=_identity,
-                                empty_check=False).decode()
+                                empty_check=False).map(_decode)
         for j, raw in enumerate(stream):
             if keep(j):
                 yield _sample(raw)
+
+
+_ENTRIES = {f"{k}.npy" for k in _DATA_KEYS} | {"caption.txt", "meta.json"}
+
+
+def _decode(raw: dict) -> dict:
+    """Decode one tar sample without running code from the file: ``.npy`` with
+    ``allow_pickle=False`` (object arrays refused), text as UTF-8, JSON with ``json``; any other
+    entry (``.pyd`` / ``.pickle`` / ``.pth``, which webdataset's default decoders would unpickle)
+    is refused. Precomputed text embeddings belong in ``.npy`` entries, converted when preparing
+    the shards, never as pickles."""
+    out = {}
+    key = raw.get("__key__")
+    for name, value in raw.items():
+        if name.startswith("__"):
+            out[name] = value
+            continue
+        if name not in _ENTRIES:
+            raise ValueError(f"shard sample {key!r}: entry {name!r} must be one of {sorted(_ENTRIES)} "
+                             f"(pickled or unknown entries are refused; nothing was decoded)")
+        if name.endswith(".npy"):
+            try:
+                out[name] = np.lib.format.read_array(io.BytesIO(value), allow_pickle=False)
+            except ValueError as e:
+                raise ValueError(f"shard sample {key!r}: entry {name!r} must be a plain numeric .npy "
+                                 f"array (object arrays need pickle, refused): {e}") from None
+        elif name.endswith(".json"):
+            out[name] = json.loads(value.decode("utf-8"))
+        else:
+            out[name] = value.decode("utf-8")
+    return out
 
 
 def _sample(raw: dict) -> dict:

@@ -1,64 +1,118 @@
 """Save / resume with ``megatron.core.dist_checkpointing``: model, optimizer, LR scheduler, RNG, step.
 
-Layout: ``<dir>/step_0000100/`` (one distributed checkpoint per save) and ``<dir>/latest`` (the
-step of the newest complete one, written by rank 0 after every rank finished saving). Model and
-optimizer are sharded tensors; scheduler state, step and the parallel layout are common
-(identical on all ranks); the RNG states are one object per global rank. Resuming needs the same
-world size and parallel layout (checked from the common part before anything is loaded), which is
-what makes the resumed run bitwise identical to an uninterrupted one.
+Layout (Megatron-LM's): ``<dir>/iter_0000100/`` holds one distributed checkpoint per save and
+``<dir>/latest_checkpointed_iteration.txt`` the step of the newest complete one.
+
+* **Atomic.** A save writes ``iter_XXXXXXX.partial/``, then rank 0 writes a manifest (size and
+  SHA-256 of every file), renames the folder to ``iter_XXXXXXX/`` and only then replaces the tracker
+  file (temp file + ``os.replace``). A crash at any point leaves the tracker on the previous
+  complete checkpoint; a leftover ``.partial`` folder is never read and is cleared by the next save.
+* **Resharding.** Model and optimizer state are Megatron sharded tensors (global shapes with this
+  rank's slice), so a checkpoint resumes under any other data / context (U x R) / tensor / pipeline
+  parallel layout the model supports: each rank reads the slices its new layout needs. The LR
+  scheduler counts samples, so with the global batch kept the schedule continues exactly. The RNG
+  states are per global rank; they are restored when the world size is unchanged and otherwise
+  left as seeded from ``train.seed`` (the trainer's injected noise is keyed by step and sample, not
+  by these states: see ``training/data.py``). Only a different model shape is refused, before
+  anything is read, naming the differing fields and tensors.
+* **Nothing from the file runs code.** Every file is checked against the manifest; the common part
+  is read with ``torch.load(weights_only=True)``; the tensor index (``.metadata``, a pickle written
+  by ``torch.distributed.checkpoint``) is read with an unpickler that can only build the index's
+  own dataclasses; an index declaring pickled objects (which PyTorch would unpickle unrestricted)
+  is refused. We write no such objects: RNG states are stored as tensors.
+
+Every check raises ``ValueError`` on every rank (the outcomes travel in one all-reduce) before any
+tensor is loaded. See README "Failure behaviour".
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import multiprocessing
 import os
+import pickle
 import random
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["latest_step", "save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["TRACKER_FILE", "latest_step", "checkpoint_path", "save_checkpoint", "load_checkpoint",
+           "rng_state", "set_rng_state", "safe_read_index"]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+
+
+def checkpoint_path(directory, step: int) -> Path:
+    return Path(directory) / f"iter_{step:07d}"
 
 
 def latest_step(directory) -> Optional[int]:
     """Step of the newest complete checkpoint under ``directory`` (None if there is none)."""
-    f = Path(directory) / "latest"
+    f = Path(directory) / TRACKER_FILE
     if not f.is_file():
         return None
     text = f.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"{f} must hold a step number, found {text!r}")
+        raise ValueError(f"checkpoint tracker {f} ({text!r}) must hold an iteration number")
     return int(text)
 
 
-def _step_dir(directory, step: int) -> Path:
-    return Path(directory) / f"step_{step:07d}"
-
-
-def rng_state() -> dict:
+# ----------------------------------------------------------------------------------------------
+# RNG states as tensors (no pickled objects in the checkpoint)
+# ----------------------------------------------------------------------------------------------
+def rng_state() -> Dict[str, torch.Tensor]:
+    """This process's RNG states (torch, CUDA, Megatron's tracker, numpy, ``random``) as 1-D tensors."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"torch": torch.get_rng_state(), "random": random.getstate(),
-             "numpy": np.random.get_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"torch": torch.get_rng_state().clone(),
+           "random": torch.tensor([version, *internal], dtype=torch.int64),
+           "random_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+           "numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
+           "numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+    for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
+        out[f"tracker.{name}"] = state.clone().cpu()
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        out["cuda"] = torch.cuda.get_rng_state().cpu()
+    return out
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: Dict[str, torch.Tensor]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    torch.set_rng_state(state["torch"].to(torch.uint8))
+    r = state["random"].tolist()
+    g = state["random_gauss"].tolist()
+    random.setstate((int(r[0]), tuple(int(x) for x in r[1:]), g[1] if g[0] else None))
+    n = state["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(n[:624], dtype=np.uint32), int(n[624]), int(n[625]),
+                         float(state["numpy_gauss"][0])))
+    tracker = {k[len("tracker."):]: v.to(torch.uint8) for k, v in state.items() if k.startswith("tracker.")}
+    if tracker:
+        get_cuda_rng_tracker().set_states(tracker)
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8))
 
 
+def _rng_sharded(world: int, rank: int) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {name: ShardedTensor.from_rank_offsets(f"rng.{name}", t, (0, rank, world), replica_id=0,
+                                                  prepend_axis_num=1)
+            for name, t in rng_state().items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded state
+# ----------------------------------------------------------------------------------------------
 @contextmanager
 def _may_fork_writers():
     """Megatron's checkpoint writer forks helper processes, which a daemonic process (e.g. a test
@@ -78,65 +132,252 @@ def _layout() -> dict:
     return {"world_size": dist.get_world_size(),
             "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-            "context_parallel_size": ps.get_context_parallel_world_size()}
+            "context_parallel_size": ps.get_context_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size()}
 
 
-def _sharded(model, optimizer, scheduler, step: int, is_loading: bool) -> dict:
+def _without_objects(sd):
+    """Drop ``ShardedObject`` entries (TransformerEngine ``_extra_state``: FP8 metadata, which these
+    models do not use) so that the checkpoint holds tensors and plain values only."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model_sd = model.sharded_state_dict()
-    return {
-        "layout": _layout(),
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
-        "scheduler": scheduler.state_dict(),
-        "step": step,
-        "rng": ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0),
-    }
+    if isinstance(sd, dict):
+        return {k: _without_objects(v) for k, v in sd.items() if not isinstance(v, ShardedObject)}
+    if isinstance(sd, list):
+        return [_without_objects(v) for v in sd if not isinstance(v, ShardedObject)]
+    return sd
 
 
-def save_checkpoint(directory, step: int, model, optimizer, scheduler) -> Path:
-    """Collective: save everything for ``step``; returns the step directory."""
+def _sharded(model, optimizer, scheduler, step: int, is_loading: bool, with_rng: bool,
+             meta: Optional[dict]) -> dict:
+    model_sd = _without_objects(model.sharded_state_dict())
+    sd = {"layout": _layout(), "model_meta": dict(meta or {}), "step": step,
+          "model": model_sd,
+          "optimizer": _without_objects(optimizer.sharded_state_dict(model_sd, is_loading=is_loading)),
+          "scheduler": scheduler.state_dict()}
+    if with_rng:
+        sd["rng"] = _rng_sharded(dist.get_world_size(), dist.get_rank())
+    return sd
+
+
+def _sharded_tensors(sd) -> Dict[str, tuple]:
+    """``{checkpoint key: global shape}`` of every sharded tensor requested by ``sd``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+
+    def walk(x):
+        if isinstance(x, ShardedTensor):
+            out[x.key] = tuple(x.global_shape)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(sd)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Safe reading
+# ----------------------------------------------------------------------------------------------
+_DCP = "torch.distributed.checkpoint"
+_INDEX_NAMES = {  # plain dataclasses / enums of a torch.distributed.checkpoint index, and torch.Size
+    *((f"{_DCP}.metadata", n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                         "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                         "MetadataIndex", "_MEM_FORMAT_ENCODING")),
+    *((f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                        "LoadPlan", "ReadItem", "LoadItemType")),
+    (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds only the named dataclasses of a ``torch.distributed.checkpoint`` index, torch dtypes /
+    layouts / sizes and plain containers; any other global (``os.system``, ``builtins.eval``, a
+    module's imported helpers, ...) is refused before it is called."""
+
+    def find_class(self, module, name):
+        if (module, name) in _INDEX_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None),
+                                            (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a checkpoint index")
+
+
+def safe_read_index(path) -> object:
+    """The ``torch.distributed.checkpoint`` index (``.metadata``) of checkpoint ``path``, read with
+    the restricted unpickler; raises ``ValueError`` for anything else in it."""
+    f = Path(path) / ".metadata"
+    try:
+        with open(f, "rb") as fh:
+            index = _IndexUnpickler(fh).load()
+    except Exception as e:  # UnpicklingError, EOFError, AttributeError, ...
+        raise ValueError(f"checkpoint index {f} is not a valid tensor index (refused, nothing executed): "
+                         f"{type(e).__name__}: {e}") from None
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    if not isinstance(index, Metadata):
+        raise ValueError(f"checkpoint index {f} holds {type(index).__name__}, must be a tensor index")
+    objects = sorted(k for k, v in index.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    if objects:
+        raise ValueError(f"checkpoint {path} stores pickled objects {objects[:5]}: refused (a checkpoint "
+                         f"must hold tensors only; loading them would run arbitrary code)")
+    return index
+
+
+def _safe_common(path) -> dict:
+    f = Path(path) / "common.pt"
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint common state {f} is unreadable or not weights-only (refused, nothing "
+                         f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(path: Path) -> List[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def _write_manifest(path: Path) -> None:
+    files = {name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
+             for name in _files(path)}
+    (path / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+
+
+def _verify_share(path: Path, rank: int, world: int) -> Optional[str]:
+    """Check this rank's round-robin share of the files against the manifest; a reason or None."""
+    m = path / MANIFEST_FILE
+    try:
+        files = json.loads(m.read_text())["files"]
+    except Exception as e:
+        return f"manifest {m} is missing or unreadable ({type(e).__name__})"
+    present = _files(path)
+    if sorted(files) != present:
+        return (f"files {sorted(set(files) ^ set(present))[:5]} differ from the manifest "
+                f"(missing or extra)")
+    for i, name in enumerate(present):
+        if i % world != rank:
+            continue
+        f = path / name
+        if f.stat().st_size != files[name]["bytes"] or _sha256(f) != files[name]["sha256"]:
+            return f"file {name} does not match the manifest (truncated or modified)"
+    return None
+
+
+def _agree(reason: Optional[str], what: str) -> None:
+    """Collective: raise ``ValueError`` on every rank if any rank has a ``reason``."""
+    nccl = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    flag = torch.tensor([0.0 if reason is None else 1.0], device="cuda" if nccl else "cpu")
+    dist.all_reduce(flag)
+    if flag.item():
+        raise ValueError(f"{what}: {reason}" if reason else
+                         f"{what}: refused on another rank (see its error)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Save / load
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Optional[dict] = None) -> Path:
+    """Collective: save everything for ``step`` atomically; returns the checkpoint folder.
+    ``meta`` (the model's shape-defining configuration) is stored to explain a refused resume."""
     from megatron.core import dist_checkpointing
 
-    path = _step_dir(directory, step)
+    final = checkpoint_path(directory, step)
+    partial = final.with_name(final.name + ".partial")
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        for stale in path.iterdir():  # an interrupted earlier save of the same step
-            if stale.is_file():
-                stale.unlink()
+        shutil.rmtree(partial, ignore_errors=True)   # an interrupted earlier save
+        partial.mkdir(parents=True)
     dist.barrier()
     with _may_fork_writers():
-        dist_checkpointing.save(_sharded(model, optimizer, scheduler, step, False), str(path))
+        dist_checkpointing.save(_sharded(model, optimizer, scheduler, step, False, True, meta), str(partial))
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = Path(directory) / f"latest.tmp{os.getpid()}"
-        tmp.write_text(str(step))
-        os.replace(tmp, Path(directory) / "latest")
+        _write_manifest(partial)
+        if final.exists():   # a re-save of the same step: swap, then drop the old one
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+        tracker = Path(directory) / TRACKER_FILE
+        tmp = tracker.with_name(f"{TRACKER_FILE}.tmp{os.getpid()}")
+        with open(tmp, "w") as fh:
+            fh.write(str(step))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, tracker)
     dist.barrier()
-    return path
+    return final
 
 
-def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] = None) -> int:
-    """Collective: restore the newest (or the given) checkpoint; returns its step."""
+def _shape_refusal(path, index, request: dict, saved_meta: dict, meta: Optional[dict]) -> Optional[str]:
+    saved = {k: tuple(v.size) for k, v in index.state_dict_metadata.items()}
+    wanted = _sharded_tensors(request)
+    missing = sorted(k for k in wanted if k not in saved)
+    wrong = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
+    if not missing and not wrong:
+        return None
+    fields = sorted(k for k in set(saved_meta) | set(meta or {})
+                    if saved_meta.get(k) != (meta or {}).get(k))
+    why = ", ".join(f"{k}: checkpoint {saved_meta.get(k)!r} vs job {(meta or {}).get(k)!r}" for k in fields)
+    detail = (f"tensors {wrong[:3]} have shapes {[saved[k] for k in wrong[:3]]} in the checkpoint, "
+              f"{[wanted[k] for k in wrong[:3]]} in this model" if wrong else
+              f"tensors {missing[:3]} are not in the checkpoint")
+    return (f"checkpoint {path} holds a different model shape ({why or 'fields unknown'}); {detail}. "
+            f"Only the parallel layout may change on resume")
+
+
+def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] = None,
+                    meta: Optional[dict] = None) -> int:
+    """Collective: restore the newest (or the given) checkpoint under any parallel layout; returns
+    its step. Raises ``ValueError`` on every rank for a missing, corrupt, unsafe or
+    different-model checkpoint before anything is loaded."""
     from megatron.core import dist_checkpointing
 
     step = latest_step(directory) if step is None else step
     if step is None:
-        raise ValueError(f"no checkpoint under {directory} (missing 'latest')")
-    path = _step_dir(directory, step)
+        raise ValueError(f"checkpoint directory ({directory}) must hold {TRACKER_FILE} (no complete "
+                         f"checkpoint)")
+    path = checkpoint_path(directory, step)
     if not path.is_dir():
-        raise ValueError(f"checkpoint directory {path} does not exist")
-    saved = dist_checkpointing.load_common_state_dict(str(path)).get("layout")
-    if saved != _layout():
-        raise ValueError(f"checkpoint {path} was written with parallel layout {saved}; this job runs "
-                         f"{_layout()} (resume with the same world size and parallel sizes)")
-    loaded = dist_checkpointing.load(_sharded(model, optimizer, scheduler, step, True), str(path))
-    model.load_state_dict(loaded["model"])
+        raise ValueError(f"checkpoint ({path}) must be an existing folder")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _agree(_verify_share(path, rank, world), f"checkpoint {path} is corrupt")
+    reason, common, index = None, {}, None
+    try:
+        index = safe_read_index(path)
+        common = _safe_common(path)
+    except ValueError as e:
+        reason = str(e)
+    _agree(reason, f"checkpoint {path} refused")
+    same_world = common.get("layout", {}).get("world_size") == world
+    request = _sharded(model, optimizer, scheduler, step, True, same_world, meta)
+    _agree(_shape_refusal(path, index, request, common.get("model_meta", {}), meta),
+           "resume refused")
+    loaded = dist_checkpointing.load(request, str(path))
+    state = loaded["model"]
+    for key, value in model.state_dict().items():   # TE extra state is not checkpointed: keep it
+        if key.endswith("_extra_state") and key not in state:
+            state[key] = value
+    model.load_state_dict(state)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
-    set_rng_state(loaded["rng"])
+    if same_world:
+        set_rng_state(loaded["rng"])
     if int(loaded["step"]) != step:
         raise ValueError(f"checkpoint {path} holds step {loaded['step']}, expected {step}")
     return step

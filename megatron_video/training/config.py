@@ -23,6 +23,7 @@ __all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "Diff
 
 FAMILIES = ("video_dit", "stdit", "ar_dit")
 OBJECTIVES = ("edm", "flow")
+NONFINITE_POLICIES = ("skip", "stop")
 TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
 
 
@@ -119,6 +120,9 @@ class TrainSection:
     tensorboard: bool = True
     bf16: bool = False                     # GPU only
     progress: bool = True
+    nonfinite_policy: str = "stop"         # non-finite loss / grad norm: skip (count, no update) | stop
+    max_skipped_steps: int = 10            # policy skip: stop after this many skipped steps in a row
+    rank_timeout_s: float = 300.0          # a rank that makes no progress this long ends the job
 
 
 @dataclass
@@ -310,6 +314,12 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
             raise ValueError(f"parallel.ulysses_size ({U}) x tensor_model_parallel_size ({TP}) must be <= "
                              f"parallel.ranks_per_node ({p.ranks_per_node}): the all-to-all group "
                              f"must lie inside one node")
+        if U > 1 and p.placement == "ring_inner" and TP * CP > p.ranks_per_node:
+            raise ValueError(f"parallel.context_parallel_size ({CP}) x tensor_model_parallel_size ({TP}) "
+                             f"must be <= parallel.ranks_per_node ({p.ranks_per_node}) for "
+                             f"parallel.placement 'ring_inner' with ulysses_size ({U}) > 1: the "
+                             f"all-to-all group strides over the ring, so the whole CP group must lie "
+                             f"inside one node")
     if p.recompute and not isinstance(p.recompute, bool):
         raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
 
@@ -341,6 +351,11 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
         if pt != 1:
             raise ValueError(f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a latent "
                              f"frame is the autoregressive unit)")
+        balance = p.ring_balance if p.ring_balance is not None else R > 1
+        if balance and p.placement == "ring_inner":
+            raise ValueError("parallel.ring_balance (True; the default when ring_size > 1) needs "
+                             "parallel.placement 'ulysses_inner' for model.family 'ar_dit'; set "
+                             "parallel.ring_balance: false to use 'ring_inner'")
         from megatron_video.layouts.balanced_sp import BalancedSPLayout
         try:
             BalancedSPLayout(F, (h // ph) * (w // pw), m.frames_per_block, CP, ring_size=R,
@@ -409,6 +424,11 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     if gbs % (t.micro_batch_size * dp):
         raise ValueError(f"train.global_batch_size ({gbs}) must be divisible by train.micro_batch_size "
                          f"({t.micro_batch_size}) * data-parallel size ({dp})")
+    if t.nonfinite_policy not in NONFINITE_POLICIES:
+        raise ValueError(f"train.nonfinite_policy ({t.nonfinite_policy!r}) must be one of "
+                         f"{NONFINITE_POLICIES}")
+    _pos_int("train.max_skipped_steps", t.max_skipped_steps)
+    _positive("train.rank_timeout_s", t.rank_timeout_s)
     if t.bf16 and not has_gpu:
         raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
     if t.sample and PP > 1:

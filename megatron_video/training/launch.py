@@ -4,7 +4,9 @@
 nodes: ``ranks_per_node`` sets ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK`` as torchrun
 would on a real cluster, which is what the U x R placement rules read. Workers fork from a server
 that preloaded torch and Megatron, and are not daemonic (Megatron's checkpoint writer forks
-helpers). If a worker fails, the others are terminated and the launcher returns its exit code.
+helpers). Each rank runs in its own process group and reports the step it starts in a shared
+array; a watchdog in the launcher ends the job when a rank dies or no rank progresses for
+``train.rank_timeout_s``, naming the rank and the step (README "Failure behaviour").
 
 Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` in the environment) the current process is one rank:
 NCCL on GPUs, gloo on CPU.
@@ -12,10 +14,11 @@ NCCL on GPUs, gloo on CPU.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch.multiprocessing as mp
 
@@ -34,7 +37,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config) -> None:
+# Frames in these files mean "waiting on other ranks" (a blocked collective or P2P wait).
+_COMM_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
+               os.path.join("megatron_video", "parallel", "comm.py"),
+               os.path.join("megatron", "core", "pipeline_parallel", "p2p_communication.py"))
+
+
+def _waiting_in_comm(frame) -> bool:
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _COMM_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Heartbeat:
+    """This rank's slots in the launcher's shared array: ``[step, time of the last beat, waiting in
+    communication (0/1)]``; the trainer beats after start-up and resume, as each step starts, and
+    around saves and sampling. A daemon thread refreshes the third slot every 0.25 s by
+    looking at the main thread's stack, so the launcher can tell a rank that computes (or hangs)
+    from one that waits for it."""
+
+    def __init__(self, shared, rank: int):
+        import threading
+
+        self.shared, self.base = shared, 3 * rank
+        self.main = threading.main_thread().ident
+        threading.Thread(target=self._watch, daemon=True, name="megatron-video-heartbeat").start()
+
+    def __call__(self, step: int) -> None:
+        self.shared[self.base] = float(step)
+        self.shared[self.base + 1] = time.time()
+
+    def _watch(self) -> None:
+        while True:
+            frame = sys._current_frames().get(self.main)
+            self.shared[self.base + 2] = 1.0 if _waiting_in_comm(frame) else 0.0
+            time.sleep(0.25)
+
+
+def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config,
+            shared, target: Optional[Callable]) -> None:
+    os.setpgid(0, 0)   # own process group: the launcher can end this rank and any helper it forked
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
@@ -42,13 +86,69 @@ def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int,
     import torch
 
     torch.set_num_threads(threads)
-    from .trainer import train
+    if target is None:
+        from .trainer import train as target
 
-    train(config)
+    target(config, heartbeat=_Heartbeat(shared, rank))
 
 
-def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> int:
-    """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success)."""
+def _kill_group(p) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code   # killed by signal N -> 128 + N, as a shell reports
+
+
+def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
+    """Wait for the ranks; ``(0, "")`` when all succeeded, else ``(exit status, reason)`` for the
+    first rank that failed, or the rank(s) that hung: after start-up, no rank beat for ``timeout`` seconds, and the culprits are the ranks not waiting in communication (all, if every rank waits)."""
+    n = len(procs)
+    def progress():
+        return [shared[3 * r + k] for r in range(n) for k in (0, 1)]
+
+    # Armed once every rank finished start-up (its first beat): start-up time varies with the
+    # machine and the model; a start-up that hangs ends through the process group's timeout.
+    last_progress, seen = time.time(), progress()
+    while any(p.is_alive() for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            # the first to die is the cause; peers that lost it fail right after with an error
+            signalled = [r for r in failed if procs[r].exitcode < 0]
+            r = (signalled or failed)[0]
+            step = int(shared[3 * r])
+            where = f"at step {step}" if step >= 0 else "before the first step"
+            return (_exit_status(procs[r].exitcode),
+                    f"rank {r} exited with code {procs[r].exitcode} {where}")
+        now = progress()
+        armed = all(shared[3 * r + 1] > 0 for r in range(n))
+        if now != seen or not armed:
+            seen, last_progress = now, time.time()
+        elif time.time() - last_progress > timeout:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            busy = [r for r in alive if not shared[3 * r + 2]] or alive
+            steps = sorted({int(shared[3 * r]) for r in busy})
+            return (1, f"rank(s) {busy} made no progress for {timeout:g} s (train.rank_timeout_s) at "
+                       f"step {steps[0] if len(steps) == 1 else steps} while rank(s) "
+                       f"{[r for r in alive if r not in busy]} waited for them")
+        time.sleep(0.2)
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        return _exit_status(bad[0][1]), f"rank {bad[0][0]} exited with code {bad[0][1]}"
+    return 0, ""
+
+
+def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
+           target: Optional[Callable] = None) -> int:
+    """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success).
+
+    ``target(config, heartbeat=...)`` runs on every rank (default: ``trainer.train``). If a rank
+    dies, or no rank makes progress for ``config.train.rank_timeout_s`` seconds, every rank (and
+    anything it forked) is killed, the rank and the step are named on stderr and the exit code is
+    non-zero (see README "Failure behaviour")."""
     if ranks_per_node is None:
         ranks_per_node = config.parallel.ranks_per_node or nproc
     validate(config, nproc)  # again here: launch() is also a library entry
@@ -57,7 +157,7 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> 
     from .vae_stage import ensure_vae
 
     ensure_vae(config, progress=config.train.progress)  # once, before the ranks start
-    if nproc == 1:
+    if nproc == 1 and target is None:
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         from .trainer import train
 
@@ -70,32 +170,23 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state",
                                 "megatron_video.training.trainer"])
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config),
-                         daemon=False) for r in range(nproc)]
+    shared = ctx.Array("d", [-1.0, 0.0, 0.0] * nproc, lock=False)
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config, shared,
+                                               target), daemon=False) for r in range(nproc)]
     for p in procs:
         p.start()
-    code = 0
+    code, reason = 1, ""
     try:
-        while any(p.is_alive() for p in procs):
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                code = failed[0].exitcode
-                print(f"[megatron-video] rank {procs.index(failed[0])} exited with code {code}; "
-                      f"stopping the other ranks", file=sys.stderr, flush=True)
-                break
-            time.sleep(0.2)
+        code, reason = _watch(procs, shared, config.train.rank_timeout_s)
     except KeyboardInterrupt:
-        code = 130
+        code, reason = 130, "interrupted"
     finally:
         for p in procs:
-            if p.is_alive():
-                p.terminate()
+            if p.is_alive() or code:
+                _kill_group(p)
         for p in procs:
             p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if code == 0:
-        codes = [p.exitcode for p in procs]
-        code = next((c for c in codes if c != 0), 0)
-    return int(code) if code >= 0 else 1
+    if code:
+        print(f"[megatron-video] {reason}; stopped all ranks (exit status {code})", file=sys.stderr,
+              flush=True)
+    return code

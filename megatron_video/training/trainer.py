@@ -13,19 +13,27 @@ from the environment: torchrun, the ``--nproc`` launcher, or a single process) a
    per-rank loss share is multiplied by the CP size by the schedule and averaged over DP x CP by
    DDP, i.e. summed over CP and averaged over DP.
 
-``run()`` adds resume, the tqdm bar (loss, tokens/s, step time), TensorBoard, periodic and final
-checkpoints, CP sampling, and ``metrics.json`` / ``loss.png`` / ``sample.gif`` in ``config.output``.
-Outputs are written by the logging rank, the last global rank (a last-stage rank, where the loss is).
+``run()`` adds resume (under any parallel layout, ``checkpoint.py``), the tqdm bar (loss, tokens/s,
+step time), TensorBoard, periodic and final checkpoints, CP sampling, and ``metrics.json`` /
+``loss.png`` / ``sample.gif`` in ``config.output``. Outputs are written by the logging rank, the
+last global rank (a last-stage rank, where the loss is).
+
+Numerics guard: after each step's backward, one all-reduce tells every rank whether any rank saw a
+non-finite loss or gradient; then the update is not applied and ``train.nonfinite_policy`` decides:
+``skip`` counts the step (``skipped_total`` in the metrics) and continues, up to
+``train.max_skipped_steps`` in a row; ``stop`` saves the state from before the step and raises
+``NonFiniteError`` naming the step (README "Failure behaviour").
 """
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +53,11 @@ from .model_factory import build_model, transformer_config
 from .objectives import make_objective
 from .vae_stage import ensure_vae, load_vae
 
-__all__ = ["init_distributed", "Trainer", "train"]
+__all__ = ["init_distributed", "Trainer", "train", "NonFiniteError"]
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient was not finite and ``train.nonfinite_policy`` says stop."""
 
 
 def _free_port() -> int:
@@ -79,7 +91,8 @@ def _to(mb: MicroBatch, device) -> MicroBatch:
 class Trainer:
     """One training job on an initialised process group (see the module docstring)."""
 
-    def __init__(self, config: Config, progress: Optional[bool] = None):
+    def __init__(self, config: Config, progress: Optional[bool] = None,
+                 heartbeat: Optional[Callable[[int], None]] = None):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -93,6 +106,7 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.has_gpu
                        else torch.device("cpu"))
         self.is_logger = self.rank == self.world - 1
+        self.heartbeat = heartbeat   # progress report to the launcher's watchdog (launch.py)
         self.progress = self.is_logger and (config.train.progress if progress is None else progress)
 
         p = config.parallel
@@ -146,6 +160,7 @@ class Trainer:
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
+        self._beat(-1)   # start-up done (the watchdog's clock restarts at every beat)
 
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -220,25 +235,60 @@ class Trainer:
         return float(loss) / self.dp_size
 
     def train_step(self, step: int) -> Dict[str, float]:
+        """One step. A non-finite loss or gradient on any rank is seen by every rank (one
+        all-reduce) and the update is not applied: ``nonfinite`` is True in the record and the
+        caller applies ``train.nonfinite_policy`` (see ``run``)."""
         loss = self.forward_backward(step)
+        if not self._all_finite(loss):
+            self.optimizer.zero_grad()
+            return {"loss": loss, "grad_norm": None, "lr": float(self.optimizer.param_groups[0]["lr"]),
+                    "skipped": True, "nonfinite": True}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.global_batch)
         return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": not ok}
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": not ok, "nonfinite": False}
+
+    def _all_finite(self, loss: Optional[float]) -> bool:
+        """Collective over all ranks: this step's loss (last stage) and reduced gradients are finite."""
+        flag = torch.zeros(1, device=self.device)
+        if loss is not None and not math.isfinite(loss):
+            flag += 1
+        # one reduction per gradient buffer (Megatron DDP keeps them contiguous), no host sync here
+        buffers = getattr(self.ddp, "buffers", []) + getattr(self.ddp, "expert_parallel_buffers", [])
+        grads = [b.grad_data for b in buffers] or [
+            getattr(p, "main_grad", p.grad) for p in self.ddp.parameters()]
+        for g in grads:
+            if g is not None and g.numel():
+                flag += (~torch.isfinite(g)).any().to(flag.dtype)
+        dist.all_reduce(flag)
+        return flag.item() == 0.0
 
     # -- checkpoints -------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.config.output) / "checkpoints"
 
+    @property
+    def model_meta(self) -> Dict:
+        """The configuration that fixes the model's shape (a resume must match it)."""
+        meta = {f"model.{k}": v for k, v in config_to_dict(self.config)["model"].items()}
+        meta["vae.latent_channels"] = self.config.vae.latent_channels
+        return meta
+
     def save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler)
+        return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler,
+                                    meta=self.model_meta)
+
+    def load(self, directory=None, step: Optional[int] = None) -> int:
+        """Restore a checkpoint written under any parallel layout (see ``checkpoint.py``)."""
+        return ckpt.load_checkpoint(directory or self.checkpoint_dir, self.model, self.optimizer,
+                                    self.scheduler, step=step, meta=self.model_meta)
 
     def maybe_resume(self) -> int:
         if not self.config.train.resume or ckpt.latest_step(self.checkpoint_dir) is None:
             return 0
-        return ckpt.load_checkpoint(self.checkpoint_dir, self.model, self.optimizer, self.scheduler)
+        return self.load()
 
     # -- sampling ----------------------------------------------------------------------------
     def _held_out(self, b: int):
@@ -333,6 +383,7 @@ class Trainer:
 
             writer = SummaryWriter(str(out_dir / "tensorboard"))
         start = self.maybe_resume()
+        self._beat(start - 1)
         history: List[Dict] = []
         prev = out_dir / "metrics.json"
         if start and self.is_logger and prev.is_file():  # keep the curve of the interrupted run
@@ -344,33 +395,43 @@ class Trainer:
                    dynamic_ncols=True)
         wall0 = time.time()
         last_saved = start if start else None
+        skipped = skipped_run = 0
         for step in range(start, t.steps):
+            self._beat(step)
             t0 = time.time()
             rec = self.train_step(step)
             dt = time.time() - t0
             rec.update(step=step, step_time=dt, tokens_per_s=tokens_per_step / dt)
+            skipped_run = skipped_run + 1 if rec["nonfinite"] else 0
+            skipped += int(rec["nonfinite"])
+            rec["skipped_total"] = skipped
+            if rec["nonfinite"]:
+                self._nonfinite(step, rec, skipped_run, history, train_wall=time.time() - wall0)
             if self.is_logger:
                 history.append(rec)
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                 step_s=f"{dt:.2f}")
                 if writer is not None and step % t.log_interval == 0:
-                    for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time"):
+                    for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "skipped_total"):
                         if rec.get(k) is not None:
                             writer.add_scalar(f"train/{k}", rec[k], step)
             if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
                 self.save(step + 1)
                 last_saved = step + 1
+                self._beat(step)
         bar.close()
         train_wall = time.time() - wall0
         if t.save and t.steps > 0 and last_saved != t.steps:
             self.save(t.steps)
+        self._beat(t.steps)
         sample = None
         sample_wall = 0.0
         if t.sample:
             s0 = time.time()
             sample = self.generate_sample()
             sample_wall = time.time() - s0
+            self._beat(t.steps)
         metrics: Dict = {}
         if self.is_logger:
             metrics = self._write_outputs(history, train_wall, sample_wall, sample, out_dir, writer)
@@ -378,6 +439,30 @@ class Trainer:
             writer.close()
         dist.barrier()
         return metrics
+
+    def _beat(self, step: int) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat(step)
+
+    def _nonfinite(self, step: int, rec: Dict, skipped_run: int, history: List[Dict],
+                   train_wall: float) -> None:
+        """Apply ``train.nonfinite_policy`` after a step whose loss or gradients were not finite
+        (the same decision on every rank). ``stop`` (or ``skip`` past ``train.max_skipped_steps``
+        in a row) saves the weights from before the step, writes the metrics and raises."""
+        t = self.config.train
+        if t.nonfinite_policy == "skip" and skipped_run <= t.max_skipped_steps:
+            return
+        saved = None
+        if t.save:
+            saved = self.save(step)   # the update was not applied: this is the state before `step`
+        if self.is_logger:
+            history.append(rec)
+            self._write_outputs(history, train_wall, 0.0, None, Path(self.config.output), None)
+        why = ("train.nonfinite_policy is 'stop'" if t.nonfinite_policy == "stop" else
+               f"{skipped_run} steps in a row were skipped (train.max_skipped_steps={t.max_skipped_steps})")
+        raise NonFiniteError(f"step {step}: non-finite loss or gradient (loss={rec['loss']}); {why}; "
+                             + (f"saved the state before this step to {saved}" if saved else
+                                "nothing saved (train.save is false)"))
 
     def _write_outputs(self, history, train_wall, sample_wall, sample, out_dir, writer) -> Dict:
         from .outputs import plot_loss, write_gif, write_metrics
@@ -400,6 +485,7 @@ class Trainer:
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "loss_mean_steps": k, "loss_first_mean": mean(losses[:k]), "loss_last_mean": mean(losses[-k:]),
             "tokens_per_s_mean": mean([h["tokens_per_s"] for h in history]),
+            "nonfinite_steps": sum(1 for h in history if h.get("nonfinite")),
             "history": history, "config": config_to_dict(c),
         }
         if losses:
@@ -422,14 +508,20 @@ class Trainer:
         destroy_model_parallel()
 
 
-def train(config: Config, progress: Optional[bool] = None) -> Dict:
-    """Run a whole job in this process (one rank); initialises and tears down what it set up."""
-    owns = init_distributed()
+def train(config: Config, progress: Optional[bool] = None,
+          heartbeat: Optional[Callable[[int], None]] = None) -> Dict:
+    """Run a whole job in this process (one rank); initialises and tears down what it set up.
+    Without a ``heartbeat`` (torchrun) the process group's timeout is ``train.rank_timeout_s``:
+    a collective waiting that long on a dead or hung peer raises. With one, the launcher's watchdog
+    ends the job after ``train.rank_timeout_s`` without progress and names the rank; the group's
+    own timeout is then a backstop."""
+    timeout = config.train.rank_timeout_s
+    owns = init_distributed(timeout if heartbeat is None else 2 * timeout + 60)
     trainer = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
-            trainer = Trainer(config, progress=progress)
+            trainer = Trainer(config, progress=progress, heartbeat=heartbeat)
             return trainer.run()
     finally:
         if trainer is not None:

@@ -97,7 +97,11 @@ def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
 
 def load_vae(path: Path, config: Optional[Config] = None) -> Tuple[CausalVideoVAE, float]:
     """``(vae in eval mode, latent_scale)`` from a file written by ``train_vae``."""
-    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    try:
+        blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as e:   # UnpicklingError for anything that is not plain tensors / containers
+        raise ValueError(f"vae.weights ({str(path)!r}) must be a weights-only torch file (refused, nothing "
+                         f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     key = blob.get("key", {})
     lc = key.get("latent_channels", config.vae.latent_channels if config else 4)
     bc = key.get("base_channels", config.vae.base_channels if config else 16)
