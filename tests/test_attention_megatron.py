@@ -1,10 +1,9 @@
-"""The Megatron drop-in: spec surgery, the adapter's checks and layout, and a GPTModel with 2D
-attention at TP=2 x CP=2 / CP=4 training exactly like Megatron's own local spec at TP=2 x CP=1."""
+"""The Megatron drop-in: spec surgery, the adapter's checks and layout, apply_query_key_layer_scaling
+and the inputs refused under CP. A whole stock Megatron job with the spec: test_megatron_stock_job.py."""
 import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -100,7 +99,7 @@ def test_adapter_single_process_matches_megatron_layout():
                              torch.ones(6, 6, dtype=torch.bool).tril(), 0.2)
     assert out.shape == (6, 2, 64)
     assert torch.allclose(out, ref.transpose(0, 1).reshape(6, 2, 64), atol=1e-6)
-    with pytest.raises(ValueError, match="attention_bias is not supported"):
+    with pytest.raises(ValueError, match="attention_bias .* is not supported"):
         m(q, k, v, None, attention_bias=torch.zeros(1))
     # packed THD input: [t, h, d], documents from cu_seqlens, causal inside each
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -115,85 +114,89 @@ def test_adapter_single_process_matches_megatron_layout():
     assert out.shape == (6, 64) and torch.allclose(out, ref[0].reshape(6, 64), atol=1e-6)
 
 
-# ------------------------------------------------------------------------------------------
-# GPTModel: TP=2 x CP=2 / CP=4 (2D attention) == TP=2 x CP=1 (Megatron's DotProductAttention)
-# ------------------------------------------------------------------------------------------
-B, S, VOCAB, STEPS = 2, 16, 64, 2
+def _oracle(q, k, v, allow, scale):
+    """float64 explicit softmax attention on Megatron's [s, b, h, d] (GQA by head repeat)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    scores = scores.masked_fill(~allow, float("-inf"))
+    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), v)
+    return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def _gpt_run(cp, ulysses_size, spec_name):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def test_apply_query_key_layer_scaling_is_exact_like_megatron():
+    """Megatron divides the scores by layer_number and multiplies it back in its softmax: with the
+    flag on, our adapter equals plain 1/sqrt(d) attention (float64 oracle), and so does Megatron's
+    own softmax given the divided scores."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.utils import attention_mask_func
+    from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
-    from megatron_video.compat.megatron_api import cpu_transformer_config_kwargs
-    from megatron_video.layouts import global_token_ids, shard_sequence
-    from megatron_video.parallel import all_reduce, destroy_video_parallel, init_video_parallel
+    from megatron_video.compat import ensure_cpu_mode
 
-    initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=cp)
-    try:
-        groups = init_video_parallel(ulysses_size, ranks_per_node=dist.get_world_size()) if cp > 1 else None
-        model_parallel_cuda_manual_seed(123)
-        torch.manual_seed(123)
-        config = TransformerConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-            attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=2,
-            context_parallel_size=cp, **cpu_transformer_config_kwargs())
-        spec = getattr(specs, spec_name) if spec_name else get_gpt_layer_local_spec()
-        model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=S,
-                         position_embedding_type="learned_absolute")
-        g = torch.Generator().manual_seed(7)
-        tokens = torch.randint(0, VOCAB, (B, S + 1), generator=g)
-        inputs, labels, pos = tokens[:, :-1], tokens[:, 1:], torch.arange(S)[None].expand(B, S)
-        if groups is not None:  # Megatron's zigzag CP layout (get_batch_on_this_cp_rank)
-            inputs, labels, pos = (shard_sequence(x, groups, dim=1, scheme="zigzag")
-                                   for x in (inputs, labels, pos))
-            assert torch.equal(pos[0], global_token_ids(groups, S, "zigzag"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses = []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            per_token = model(inputs, pos, None, labels=labels)
-            loss = per_token.sum() / (B * S)  # normalised by the GLOBAL token count
-            loss.backward()
-            total = loss.detach().clone()
-            if groups is not None:  # what Megatron's DDP does over the dp x cp group
-                all_reduce(total, groups.cp_group)
-                for p in model.parameters():
-                    all_reduce(p.grad, groups.cp_group)
-            losses.append(float(total))
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            opt.step()
-        from megatron.core import parallel_state as ps
-        return ps.get_tensor_model_parallel_rank(), losses, grads
-    finally:
-        destroy_video_parallel()
-        destroy_model_parallel()
+    ensure_cpu_mode()
+    cfg = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            attention_dropout=0.0, apply_query_key_layer_scaling=True,
+                            use_cpu_initialization=True, masked_softmax_fusion=False,
+                            gradient_accumulation_fusion=False)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(8, 2, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(8, 2, 2, 16, generator=g, requires_grad=True)
+    v = torch.randn(8, 2, 2, 16, generator=g, requires_grad=True)
+    allow = torch.ones(8, 8, dtype=torch.bool).tril()
+    ref = _oracle(q, k, v, allow, 16 ** -0.5)
+    ours = DistAttention2D(cfg, 3, AttnMaskType.causal, "self")
+    out = ours(q, k, v, None)
+    assert (out.double() - ref).abs().max() < 1e-5
+    # Megatron's own softmax (what DotProductAttention runs) multiplies the 1/layer_number back
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=False,
+                                    attn_mask_type=AttnMaskType.causal, scaled_masked_softmax_fusion=False,
+                                    mask_func=attention_mask_func, softmax_in_fp32=True, scale=3)
+    scores = torch.einsum("sbhd,tbhd->bhst", q.double(), k.double().repeat_interleave(2, 2))
+    probs = softmax(scores * (16 ** -0.5 / 3), None)
+    assert torch.allclose(probs, torch.softmax((scores * 16 ** -0.5).masked_fill(~allow, float("-inf")), -1))
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        assert (a.double() - b).abs().max() < 1e-5
 
 
-def _gpt_cases():
-    return {name: _gpt_run(*args) for name, args in {
-        "reference": (1, 1, None),
-        "ulysses_u2": (2, 2, "gpt_layer_local_2d_spec"),
-        "ring_r2": (2, 1, "gpt_layer_local_2d_spec"),
-        "2d_u2_r2": (4, 2, "gpt_layer_local_2d_spec"),
-    }.items()}
+def test_adapter_cp_only_inputs_raise_clear_errors():
+    """Dense attention_bias, packed thd under CP, padding masks and all_gather are refused with
+    the parameter, its value and the rule in the message."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
 
+    from megatron_video.parallel import VideoParallelGroups
 
-def test_megatron_gpt_tp2_cp2_and_cp4_match_cp1(pool8):
-    """Megatron's GPTModel with with_2d_attention trains on CPU at TP=2 x CP=2 (pure Ulysses, pure
-    ring) and TP=2 x CP=4 (2x2) exactly like its own local spec at TP=2 x CP=1."""
-    per_rank = pool8.run(_gpt_cases)
-    for rank, res in enumerate(per_rank):
-        tp_rank, ref_losses, ref_grads = res["reference"]
-        assert ref_losses[1] < ref_losses[0]  # it trains
-        for name in ("ulysses_u2", "ring_r2", "2d_u2_r2"):
-            tp2, losses, grads = res[name]
-            assert tp2 == tp_rank
-            err = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            assert err < 1e-5, (rank, name, losses, ref_losses)
-            assert grads.keys() == ref_grads.keys()
-            for n, g in grads.items():
-                err = float((g - ref_grads[n]).abs().max() / max(1e-3, float(ref_grads[n].abs().max())))
-                assert err < 1e-4, (rank, name, n, err)
+    m = DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self")
+    q = torch.randn(4, 1, 2, 16)
+    with pytest.raises(ValueError, match=r"attention_bias \(Tensor \(1, 2, 4, 4\)\) is not supported"):
+        m(q, q, q, None, attention_bias=torch.zeros(1, 2, 4, 4))
+    pad = DistAttention2D(_Cfg(), 1, AttnMaskType.padding, "self")
+    with pytest.raises(ValueError, match="attn_mask_type .* needs a dense attention_mask"):
+        pad(q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"cp_comm_type \('all_gather'\) is not supported"):
+        DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self", cp_comm_type="all_gather")
+    with pytest.raises(ValueError, match=r"cp_comm_type \('ring'\) must be one of"):
+        DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self", cp_comm_type="ring")
+    with pytest.raises(ValueError, match=r"scheme \('striped'\) must be one of"):
+        DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self", scheme="striped")
+    # thd under CP = 2 (explicit groups of a 2-rank CP group; the check runs before any collective)
+    cfg = _Cfg()
+    cfg.context_parallel_size = 2
+    fake = VideoParallelGroups(cp_group=None, ulysses_group=None, ring_group=None, tp_group=None,
+                               dp_group=None, dp_cp_group=None, cp_ranks=[0, 1], ulysses_ranks=[0],
+                               ring_ranks=[0, 1], ulysses_size=1, ring_size=2, cp_rank=0,
+                               ulysses_rank=0, ring_rank=0)
+    m2 = DistAttention2D(cfg, 1, AttnMaskType.causal, "self", groups=fake)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match=r"packed_seq_params \(qkv_format 'thd', context_parallel_size 2\)"):
+        m2(q[:, 0], q[:, 0], q[:, 0], None, packed_seq_params=thd)
+    # config and Megatron's CP group disagree: named, before any collective
+    with pytest.raises(ValueError, match=r"config.context_parallel_size \(2\) must equal"):
+        DistAttention2D(cfg, 1, AttnMaskType.causal, "self")(q, q, q, None)
