@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(VENV)/bin/megatron-video demo
+	$(VENV)/bin/megatron-video demo --cpu
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention_comm.py

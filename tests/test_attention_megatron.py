@@ -50,7 +50,8 @@ def test_with_2d_attention_swaps_local_te_and_block_specs():
                          submodules=SelfAttentionSubmodules(
                              linear_qkv=("transformer_engine.pytorch", "LayerNormLinear"),
                              core_attention=ModuleSpec(module=("megatron.core.extensions.transformer_engine",
-                                                               "TEDotProductAttention"))))
+                                                               "TEDotProductAttention")),
+                             linear_proj=("transformer_engine.pytorch", "Linear")))
     block = TransformerBlockSubmodules(layer_specs=[local, te_like])
     got = specs.with_2d_attention(block)
     assert [c.module for _, c in _core_attentions(got)] == [DistAttention2D, DistAttention2D]

@@ -130,7 +130,7 @@ def test_bad_nproc_layout_fails(tmp_path):
 def test_short_demo_run(tmp_path):
     out = tmp_path / "demo"
     # the shipped VAE (examples/vae/demo_vae.pt) of the real demo; a tiny DiT on smaller frames
-    r = _cli(["demo", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
+    r = _cli(["demo", "--cpu", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
               "diffusion.sample_steps=1", "train.progress=false",
               "data.height=16", "data.width=16", "train.warmup_steps=1"], timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]

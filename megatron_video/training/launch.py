@@ -34,7 +34,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config) -> None:
+def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config,
+            cpu: bool) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
@@ -44,11 +45,13 @@ def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int,
     torch.set_num_threads(threads)
     from .trainer import train
 
-    train(config)
+    train(config, cpu=cpu)
 
 
-def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> int:
-    """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success)."""
+def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None, cpu: bool = False) -> int:
+    """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success).
+
+    ``cpu``: every rank enters CPU mode (``megatron_video.compat.ensure_cpu_mode``) first."""
     if ranks_per_node is None:
         ranks_per_node = config.parallel.ranks_per_node or nproc
     validate(config, nproc)  # again here: launch() is also a library entry
@@ -61,7 +64,7 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> 
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         from .trainer import train
 
-        train(config)
+        train(config, cpu=cpu)
         return 0
     threads = max(1, (os.cpu_count() or 1) // nproc)
     port = _free_port()
@@ -70,7 +73,7 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None) -> 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state",
                                 "megatron_video.training.trainer"])
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config),
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config, cpu),
                          daemon=False) for r in range(nproc)]
     for p in procs:
         p.start()

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from megatron_video.compat import cpu_transformer_config_kwargs
+from megatron_video.compat import device_transformer_config_kwargs
 from megatron_video.models.ar_dit import ARVideoDiT
 from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
 
@@ -18,12 +18,16 @@ __all__ = ["transformer_config", "build_model"]
 def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
     """``VideoDiTConfig`` (a Megatron ``TransformerConfig``) for ``config``.
 
-    Fusions stay off (they need Apex / TE); weights are initialised on the CPU, so every parallel
-    layout starts from the same full weights (TP shards are slices of them).
+    ``has_gpu`` chooses the device settings (``compat.device_transformer_config_kwargs``): on a GPU
+    weights are initialised on the device and the fusions are on (those needing TE / Apex only where
+    installed); on a CPU fusions are off and weights are initialised on the CPU, so every parallel
+    layout starts from the same full weights (TP shards are slices of them). The dtype is bf16 when
+    ``train.bf16``, else fp32, on either device.
     """
     m, p = config.model, config.parallel
     dtype = torch.bfloat16 if config.train.bf16 else torch.float32
-    kw = cpu_transformer_config_kwargs(
+    kw = device_transformer_config_kwargs(
+        has_gpu,
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         kv_channels=m.hidden_size // m.num_attention_heads,
