@@ -2,9 +2,12 @@
 Megatron-LM entry ``examples/pretrain_video_dit.py``)."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any, Dict
 
 import torch
+from megatron.core.transformer import TransformerConfig
 
 from megatron_video.compat import device_transformer_config_kwargs
 from megatron_video.models.ar_dit import ARVideoDiT
@@ -12,7 +15,7 @@ from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
 
 from .config import Config
 
-__all__ = ["transformer_config", "build_model"]
+__all__ = ["transformer_config", "video_fields", "video_transformer_config", "build_model"]
 
 
 def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
@@ -48,6 +51,29 @@ def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
         return VideoDiTConfig(**kw)
+
+
+def video_fields(config: Config) -> Dict[str, Any]:
+    """The fields ``VideoDiTConfig`` adds to Megatron's ``TransformerConfig``, from ``config``."""
+    ours = transformer_config(config, has_gpu=False)
+    base = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {f.name: getattr(ours, f.name) for f in dataclasses.fields(VideoDiTConfig)
+            if f.init and f.name not in base}
+
+
+def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDiTConfig:
+    """``base`` (the config Megatron-LM built from its command line) plus only the video fields.
+
+    Every Megatron field -- sizes, normalisation, activation, init, precision, recompute, sequence
+    parallel, fusions, fp8 -- is taken from ``base`` unchanged (examples/pretrain_video_dit.py).
+    """
+    if not isinstance(base, TransformerConfig):
+        raise ValueError(f"base ({type(base).__name__}) must be a megatron.core TransformerConfig")
+    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(type(base)) if f.init}
+    kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(VideoDiTConfig)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
+        return VideoDiTConfig(**{**kw, **video_fields(config)})
 
 
 def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
