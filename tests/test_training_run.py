@@ -94,7 +94,9 @@ def test_resume_bitwise_and_same_seed(pool4, vae_dir):
     assert resumed == a[2], "step 3 after resume must be bitwise identical"
     assert c == a, "same seed, same losses (bitwise)"
     assert len({r[1] for r in per_rank}) == 1  # the LR schedule resumed identically everywhere
-    assert (Path(vae_dir) / "run_a" / "checkpoints" / "latest").read_text() == "3"
+    ckpts = Path(vae_dir) / "run_a" / "checkpoints"  # Megatron-LM's layout
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpts / "iter_0000003").is_dir()
     assert all(r[0]["c"] == c for r in per_rank)  # the loss is reduced over the CP group
 
 
@@ -139,7 +141,7 @@ def test_short_demo_run(tmp_path):
     assert metrics["parallel"] == {"tp": 1, "pp": 1, "cp": 4, "ulysses": 2, "ring": 2, "dp": 1}
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in metrics["history"])
     assert metrics["sample"]["frames"] == 29
-    for name in ("loss.png", "sample.gif", "checkpoints/latest"):
+    for name in ("loss.png", "sample.gif", "checkpoints/latest_checkpointed_iteration.txt"):
         assert (out / name).is_file(), name
     assert any((out / "tensorboard").iterdir())
 

@@ -1,7 +1,8 @@
 """Save / resume with ``megatron.core.dist_checkpointing``: model, optimizer, LR scheduler, RNG, step.
 
-Layout: ``<dir>/step_0000100/`` (one distributed checkpoint per save) and ``<dir>/latest`` (the
-step of the newest complete one, written by rank 0 after every rank finished saving). Model and
+Layout: Megatron-LM's directory naming -- ``<dir>/iter_0000100/`` (one distributed checkpoint per
+save) and ``<dir>/latest_checkpointed_iteration.txt`` (the iteration of the newest complete one,
+written by rank 0 after every rank finished saving); the two names are ``ITER_DIR`` / ``TRACKER``. Model and
 optimizer are sharded tensors; scheduler state, step and the parallel layout are common
 (identical on all ranks); the RNG states are one object per global rank. Resuming needs the same
 world size and parallel layout (checked from the common part before anything is loaded), which is
@@ -20,12 +21,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["latest_step", "save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["latest_step", "save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state",
+           "TRACKER", "ITER_DIR"]
+
+# Megatron-LM's names (megatron/training/checkpointing.py): tracker file and per-iteration folder.
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER_DIR = "iter_{:07d}"
 
 
 def latest_step(directory) -> Optional[int]:
     """Step of the newest complete checkpoint under ``directory`` (None if there is none)."""
-    f = Path(directory) / "latest"
+    f = Path(directory) / TRACKER
     if not f.is_file():
         return None
     text = f.read_text().strip()
@@ -35,7 +41,7 @@ def latest_step(directory) -> Optional[int]:
 
 
 def _step_dir(directory, step: int) -> Path:
-    return Path(directory) / f"step_{step:07d}"
+    return Path(directory) / ITER_DIR.format(step)
 
 
 def rng_state() -> dict:
@@ -111,9 +117,9 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler) -> Path:
         dist_checkpointing.save(_sharded(model, optimizer, scheduler, step, False), str(path))
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = Path(directory) / f"latest.tmp{os.getpid()}"
+        tmp = Path(directory) / f"{TRACKER}.tmp{os.getpid()}"
         tmp.write_text(str(step))
-        os.replace(tmp, Path(directory) / "latest")
+        os.replace(tmp, Path(directory) / TRACKER)
     dist.barrier()
     return path
 
@@ -124,7 +130,7 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
 
     step = latest_step(directory) if step is None else step
     if step is None:
-        raise ValueError(f"no checkpoint under {directory} (missing 'latest')")
+        raise ValueError(f"no checkpoint under {directory} (missing {TRACKER!r})")
     path = _step_dir(directory, step)
     if not path.is_dir():
         raise ValueError(f"checkpoint directory {path} does not exist")
