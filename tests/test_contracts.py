@@ -409,7 +409,7 @@ def test_stdit_index_maps_padding_p8():
 
 def _stdit_transitions(cases):
     from megatron_video.layouts.stdit import shard_layout_a, shard_layout_b
-    from megatron_video.models.stdit_transitions import frames_to_positions, positions_to_frames
+    from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
 
     world, me = dist.get_world_size(), dist.get_rank()
     out = []
