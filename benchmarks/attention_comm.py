@@ -1,7 +1,7 @@
 """Ulysses-only vs ring-only vs 2D attention at N = 8 (2 simulated nodes x 4 ranks), on CPU / gloo.
 
 For each layout: forward bytes per rank from the CommTracer, intra- and inter-node, next to the
-DESIGN.md formulas (a2a ``G*(2H+2H_kv)*(U-1)/U``, ring ``(R-1)*2*H_kv*G``, ``G = b*(S/N)*D*e``);
+docs/architecture.md formulas (a2a ``G*(2H+2H_kv)*(U-1)/U``, ring ``(R-1)*2*H_kv*G``, ``G = b*(S/N)*D*e``);
 for each mask the ring sub-blocks skipped; and the CPU wall-clock of forward+backward relative to
 Ulysses-only. Run: ``python benchmarks/attention_comm.py [--seq 2048 --heads 8 ...]``.
 

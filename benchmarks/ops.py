@@ -5,7 +5,7 @@ gather (kept latents of all ranks into one tensor), the dense mask and the tile 
 teacher-forcing mask in Balanced-SP rank-major order. Prints times, bytes moved, bandwidth against
 a plain device copy of the same bytes, and the extension/reference time ratio.
 
-    python benchmarks/ops.py                      # CPU, the sizes of issue 5
+    python benchmarks/ops.py                      # CPU, the default sizes
     python benchmarks/ops.py --device cuda        # what benchmarks/gpu_check.sh runs
 
 The tile-status reference evaluates every query-key pair (O(L^2)); the kernel decides most tiles
