@@ -158,3 +158,69 @@ def test_stock_job_bad_cp_settings_raise_on_every_rank(pool8):
         assert "the all-to-all group" in res["a2a_spans_nodes"] and "spans nodes" in res["a2a_spans_nodes"]
         assert "cp_comm_type ('a2a+p2p') needs two levels" in res["a2a_p2p_without_hcp"]
         assert "cp_comm_type ('all_gather') is not supported" in res["all_gather"]
+
+
+def _adapter_with_pg_collection():
+    """The adapter takes its groups from the pg_collection it is given (here: hierarchical groups
+    that Megatron's parallel state does not have), checked against a float64 oracle."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_video.attention.megatron import DistAttention2D
+    from megatron_video.compat import destroy_model_parallel, ensure_cpu_mode
+
+    ensure_cpu_mode()
+    ps.initialize_model_parallel(context_parallel_size=4)  # no hierarchical groups in Megatron
+    me, owned = dist.get_rank(), []
+    try:
+        cp_ranks = dist.get_process_group_ranks(ps.get_context_parallel_group())
+        ug = rg = None
+        for base in (0, 4):  # every rank creates every group, in the same order
+            for ranks in ([base, base + 1], [base + 2, base + 3], [base, base + 2], [base + 1, base + 3]):
+                g = dist.new_group(ranks)
+                owned.append(g)
+                if me in ranks:
+                    if ranks[1] - ranks[0] == 1:
+                        ug = g
+                    else:
+                        rg = g
+        pgc = ProcessGroupCollection(cp=ps.get_context_parallel_group(),
+                                     tp=ps.get_tensor_model_parallel_group(), hcp=[ug, rg])
+        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                context_parallel_size=4, attention_dropout=0.0, use_cpu_initialization=True)
+        core = DistAttention2D(cfg, 1, AttnMaskType.causal, "self", cp_comm_type="a2a+p2p",
+                               pg_collection=pgc)
+        g = torch.Generator().manual_seed(3)
+        S, b = 16, 2
+        q = torch.randn(S, b, 4, 8, generator=g, dtype=torch.float64)
+        k = torch.randn(S, b, 2, 8, generator=g, dtype=torch.float64)
+        v = torch.randn(S, b, 2, 8, generator=g, dtype=torch.float64)
+        w = torch.randn(S, b, 32, generator=g, dtype=torch.float64)
+        cp_rank = cp_ranks.index(me)
+        cut = lambda x: _cut_like_megatron_lm(x.transpose(0, 1), 4, cp_rank).transpose(0, 1)  # noqa: E731
+        lq, lk, lv = (cut(x).clone().requires_grad_() for x in (q, k, v))
+        out = core(lq, lk, lv, None)
+        (out * cut(w)).sum().backward()
+        # oracle: explicit causal softmax on the whole sequence (float64, one process)
+        fq, fk, fv = (x.clone().requires_grad_() for x in (q, k, v))
+        scores = torch.einsum("sbhd,tbhd->bhst", fq, fk.repeat_interleave(2, 2)) * 8 ** -0.5
+        scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+        ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), fv.repeat_interleave(2, 2))
+        ref = ref.reshape(S, b, 32)
+        (ref * w).sum().backward()
+        errs = [float((out - cut(ref)).abs().max())]
+        errs += [float((a.grad - cut(f.grad)).abs().max()) for a, f in ((lq, fq), (lk, fk), (lv, fv))]
+        vg = core.video_groups()
+        return (vg.ulysses_size, vg.ring_size, vg.ulysses_group is ug, vg.ring_group is rg), errs
+    finally:
+        for grp in owned:
+            dist.destroy_process_group(grp)
+        destroy_model_parallel()
+
+
+def test_adapter_uses_the_given_pg_collection(pool8):
+    for sizes, errs in pool8.run(_adapter_with_pg_collection):
+        assert sizes == (2, 2, True, True)
+        assert max(errs) < 1e-10, errs
