@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(VENV)/bin/megatron-video demo
+	$(VENV)/bin/megatron-video demo --cpu
 
 # Attention benchmarks of README "Measured" (tens of minutes on 2 cores); yunchang only for peer_usp.
 bench: $(STAMP)

@@ -26,7 +26,7 @@ Sections (each bounded by a share of ``--budget`` seconds; cases that do not fit
             and the math backend is capped at ``--math-max-seq``.
 
 Errors are max |ours - oracle| / max(1, max |oracle|); tolerances per dtype: fp32 2e-3 (room for
-TF32 in Triton kernels), fp16 5e-3, bf16 2.5e-2 (the documented bf16 bound of issue 3).
+TF32 in Triton kernels), fp16 5e-3, bf16 2.5e-2 (the documented bf16 bound).
 
     python benchmarks/gpu_attention.py                        # CUDA (prints SKIP without a GPU)
     python benchmarks/gpu_attention.py --device cpu --small   # the same checks on CPU, tiny sizes

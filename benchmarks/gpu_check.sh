@@ -48,5 +48,25 @@ if (( ATTN_RC != 0 )); then exit "${ATTN_RC}"; fi
 echo "== tiled attention engine: float64 parity (flex / sdpa, fp32 / bf16), memory and throughput =="
 timeout -k 5 240 "$PY" benchmarks/gpu_engine.py
 echo "engine done at ${SECONDS}s"
+# ---------------------------------------------------------------------------------------------
+# Optional: Megatron-LM pretrain() with the video entry, 20 iterations, bf16, on this GPU (CP = 1).
+# Needs a Megatron-LM checkout at a pinned tag (the container has one at /opt/Megatron-LM, tag in
+# docker/Dockerfile): MEGATRON_LM=/path/to/Megatron-LM bash benchmarks/gpu_check.sh. Never in CI.
+if [[ -n "${MEGATRON_LM:-}" ]]; then
+    echo "== Megatron-LM pretrain(): examples/pretrain_video_dit.py, 20 iterations, --bf16 =="
+    PYTHONPATH="${MEGATRON_LM}:${PYTHONPATH:-}" timeout -k 10 600 "$PY" -m torch.distributed.run \
+        --nproc-per-node 1 examples/pretrain_video_dit.py \
+        --video-config examples/configs/video_dit_cp.yaml --video-override train.sample=false \
+        --tensor-model-parallel-size 1 --context-parallel-size 1 \
+        --num-layers 4 --hidden-size 96 --num-attention-heads 4 --seq-length 128 \
+        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 2 \
+        --train-iters 20 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 2 \
+        --clip-grad 1.0 --bf16 --qk-layernorm --norm-epsilon 1e-6 --hidden-dropout 0 \
+        --attention-dropout 0 --transformer-impl transformer_engine --eval-iters 0 \
+        --log-interval 5 --tokenizer-type NullTokenizer --vocab-size 64
+    echo "pretrain done at ${SECONDS}s"
+else
+    echo "(Megatron-LM pretrain() check skipped: set MEGATRON_LM to a Megatron-LM checkout)"
+fi
 
 echo "gpu_check: done in ${SECONDS}s"

@@ -6,7 +6,7 @@ teacher-forcing mask in Balanced-SP rank-major order, beside the best plain-torc
 id bounds), and the share of an attention step spent on mask work. Prints times, bytes moved, bandwidth against
 a plain device copy of the same bytes, and the extension/reference time ratio.
 
-    python benchmarks/ops.py                      # CPU, the sizes of issue 5
+    python benchmarks/ops.py                      # CPU, the default sizes
     python benchmarks/ops.py --device cuda        # what benchmarks/gpu_check.sh runs
 
 The tile-status reference evaluates every query-key pair (O(L^2)); the kernel decides most tiles

@@ -4,7 +4,17 @@ For users who run Megatron-LM (e.g. in the NGC container). Megatron-LM owns the 
 the optimizer, the schedule, checkpointing and logging; this file provides the model, dataset and
 forward-step providers and the extra flags. The model, sequence layout and objective are those of
 ``megatron-video train`` (``--video-config`` is the same YAML); the parallel sizes, batch sizes,
-seed and sequence length come from Megatron-LM's own flags and must agree with it.
+seed, precision and sequence length come from Megatron-LM's own flags and must agree with it.
+
+``model_provider`` takes the ``TransformerConfig`` Megatron-LM builds from its command line
+(``core_transformer_config_from_args``; or the ``config`` ``get_model`` passes) and adds only the
+video fields (``model_factory.video_transformer_config``): ``--normalization``, ``--swiglu``,
+recompute, sequence parallel, fp8, ``--init-method-std``, ``--bf16`` ... all reach the model.
+``main()`` supports both ``pretrain()`` signatures, by feature detection: ``pretrain(provider,
+model_provider, model_type, forward_step, extra_args_provider=...)`` (megatron-core <= 0.17) and
+``pretrain(cfg_container, provider, ..., model_provider=...)`` with the container built from
+``parse_and_validate_args`` (>= 0.18). On a machine without CUDA pass ``--cpu`` (megatron_video's
+CPU mode, docs/architecture.md).
 
 Launch (8 GPUs: TP 2 x CP 4 as Ulysses 2 x ring 2)::
 
@@ -16,6 +26,7 @@ Launch (8 GPUs: TP 2 x CP 4 as Ulysses 2 x ring 2)::
         --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 16 \\
         --train-iters 1000 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \\
         --clip-grad 1.0 --bf16 --save runs/mlm --load runs/mlm --save-interval 500 \\
+        --qk-layernorm --norm-epsilon 1e-6 --hidden-dropout 0 --attention-dropout 0 \\
         --tokenizer-type NullTokenizer --vocab-size 64
 
 ``--seq-length`` is the model's token sequence per sample (VideoDiT / ST-DiT: frames x height x
@@ -37,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megatron_video.training.config import Config, load_config, token_grid_of, validate  # noqa: E402
 
-__all__ = ["add_video_args", "video_config_from_args", "model_provider", "PositionDataset",
-           "train_valid_test_datasets_provider", "forward_step", "sequence_length", "main"]
+__all__ = ["add_video_args", "video_config_from_args", "megatron_transformer_config",
+           "model_provider", "PositionDataset", "train_valid_test_datasets_provider", "forward_step",
+           "sequence_length", "run_pretrain", "main"]
 
 
 def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,6 +64,8 @@ def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "else the YAML's)")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for the U x R placement check (default: LOCAL_WORLD_SIZE)")
+    g.add_argument("--cpu", action="store_true",
+                   help="enter megatron_video's CPU mode for Megatron-Core (no CUDA; logged)")
     return parser
 
 
@@ -90,6 +104,7 @@ def video_config_from_args(args, world_size: Optional[int] = None) -> Config:
     t.micro_batch_size = int(args.micro_batch_size)
     t.global_batch_size = getattr(args, "global_batch_size", None)
     t.seed = int(getattr(args, "seed", t.seed))
+    t.bf16 = bool(getattr(args, "bf16", False))  # precision is Megatron-LM's (--bf16)
     t.sample = False  # Megatron-LM runs no sampling at the end
     seq = getattr(args, "seq_length", None)
     if seq is not None and seq != sequence_length(cfg):
@@ -153,13 +168,31 @@ def _job(config: Optional[Config] = None) -> _Job:
     return _JOB
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                   config: Optional[Config] = None, **unused):
-    """Megatron-LM ``model_provider``: the model of this pipeline stage."""
-    from megatron_video.training.model_factory import build_model, transformer_config
+def megatron_transformer_config(args):
+    """The ``TransformerConfig`` Megatron-LM builds from its command line (feature-detected home:
+    ``megatron.training.arguments`` up to 0.17, ``megatron.training.argument_utils`` from 0.18)."""
+    try:
+        from megatron.training.argument_utils import core_transformer_config_from_args
+    except ImportError:
+        from megatron.training.arguments import core_transformer_config_from_args
+    return core_transformer_config_from_args(args)
 
-    job = _job(config)
-    tcfg = transformer_config(job.config, torch.cuda.is_available())
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                   config=None, pg_collection=None, video_config: Optional[Config] = None, **unused):
+    """Megatron-LM ``model_provider``: the model of this pipeline stage.
+
+    ``config``: the ``TransformerConfig`` from Megatron-LM (``get_model`` passes it where it has
+    one); otherwise it is built from Megatron-LM's arguments. Only the video fields are added.
+    ``video_config`` replaces the one read from ``--video-config`` (tests)."""
+    from megatron_video.training.model_factory import build_model, video_transformer_config
+
+    job = _job(video_config)
+    if config is None:
+        from megatron.training import get_args
+
+        config = megatron_transformer_config(get_args())
+    tcfg = video_transformer_config(config, job.config)
     return build_model(job.config, tcfg, pre_process, post_process, vp_stage)
 
 
@@ -210,16 +243,44 @@ def forward_step(data_iterator, model, step: Optional[int] = None):
     return model(*args, **kwargs), partial(_loss_func, job, mb)
 
 
-def main() -> None:
+def run_pretrain(pretrain, parse_and_validate_args=None, cfg_container_from_args=None) -> None:
+    """Call ``pretrain`` with the signature it has (feature detection, no version numbers).
+
+    Up to megatron-core 0.17 ``pretrain(provider, model_provider, model_type, forward_step,
+    extra_args_provider=...)`` parses the command line itself; from 0.18 its first parameter is a
+    config container that the caller builds with ``parse_and_validate_args`` and
+    ``pretrain_cfg_container_from_args``, and ``model_provider`` is passed by keyword.
+    """
+    import inspect
+
     from megatron.core.enums import ModelType
+
+    train_valid_test_datasets_provider.is_distributed = True
+    params = inspect.signature(pretrain).parameters
+    if "cfg_container" not in params:
+        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                 forward_step, extra_args_provider=add_video_args)
+        return
+    args = parse_and_validate_args(extra_args_provider=add_video_args)
+    pretrain(cfg_container_from_args(args), train_valid_test_datasets_provider,
+             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step,
+             model_provider=model_provider)
+
+
+def main() -> None:
+    import inspect
+
     from megatron.training import pretrain
 
-    from megatron_video.compat import ensure_cpu_mode
+    if "--cpu" in sys.argv:  # before Megatron-LM initialises anything
+        from megatron_video.compat import ensure_cpu_mode
 
-    ensure_cpu_mode()
-    train_valid_test_datasets_provider.is_distributed = True
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=add_video_args)
+        ensure_cpu_mode()
+    parse = container = None
+    if "cfg_container" in inspect.signature(pretrain).parameters:
+        from megatron.training.arguments import parse_and_validate_args as parse
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args as container
+    run_pretrain(pretrain, parse, container)
 
 
 if __name__ == "__main__":

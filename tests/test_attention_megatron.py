@@ -1,5 +1,5 @@
-"""The Megatron drop-in: spec surgery, the adapter's checks and layout, and a GPTModel with 2D
-attention at TP=2 x CP=2 / CP=4 training exactly like Megatron's own local spec at TP=2 x CP=1."""
+"""The Megatron drop-in: spec surgery, the adapter's checks and layout, apply_query_key_layer_scaling
+and the inputs refused under CP. A whole stock Megatron job with the spec: test_megatron_stock_job.py."""
 import dataclasses
 
 import pytest
@@ -51,7 +51,8 @@ def test_with_2d_attention_swaps_local_te_and_block_specs():
                          submodules=SelfAttentionSubmodules(
                              linear_qkv=("transformer_engine.pytorch", "LayerNormLinear"),
                              core_attention=ModuleSpec(module=("megatron.core.extensions.transformer_engine",
-                                                               "TEDotProductAttention"))))
+                                                               "TEDotProductAttention")),
+                             linear_proj=("transformer_engine.pytorch", "Linear")))
     block = TransformerBlockSubmodules(layer_specs=[local, te_like])
     got = specs.with_2d_attention(block)
     assert [c.module for _, c in _core_attentions(got)] == [DistAttention2D, DistAttention2D]
@@ -117,7 +118,7 @@ def test_adapter_single_process_matches_megatron_layout():
     for b in range(2):
         ref = _explicit_attention(q[:, b], k[:, b], v[:, b], causal, 0.2)
         torch.testing.assert_close(out[:, b].double(), ref.reshape(6, 64), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="attention_bias is not supported"):
+    with pytest.raises(ValueError, match="attention_bias .* is not supported"):
         m(q, k, v, None, attention_bias=torch.zeros(1))
     # packed THD input: [t, h, d], documents from cu_seqlens, causal inside each
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -130,6 +131,96 @@ def test_adapter_single_process_matches_megatron_layout():
     ref = _explicit_attention(q[:, 0], k[:, 0], v[:, 0], allow, 0.2)
     assert out.shape == (6, 64)
     torch.testing.assert_close(out.double(), ref.reshape(6, 64), rtol=1e-5, atol=1e-5)
+
+
+
+
+def _oracle(q, k, v, allow, scale):
+    """float64 explicit softmax attention on Megatron's [s, b, h, d] (GQA by head repeat)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    scores = scores.masked_fill(~allow, float("-inf"))
+    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), v)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def test_apply_query_key_layer_scaling_is_exact_like_megatron():
+    """Megatron divides the scores by layer_number and multiplies it back in its softmax: with the
+    flag on, our adapter equals plain 1/sqrt(d) attention (float64 oracle), and so does Megatron's
+    own softmax given the divided scores."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.utils import attention_mask_func
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_video.compat import ensure_cpu_mode
+
+    ensure_cpu_mode()
+    cfg = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            attention_dropout=0.0, apply_query_key_layer_scaling=True,
+                            use_cpu_initialization=True, masked_softmax_fusion=False,
+                            gradient_accumulation_fusion=False)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(8, 2, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(8, 2, 2, 16, generator=g, requires_grad=True)
+    v = torch.randn(8, 2, 2, 16, generator=g, requires_grad=True)
+    allow = torch.ones(8, 8, dtype=torch.bool).tril()
+    ref = _oracle(q, k, v, allow, 16 ** -0.5)
+    ours = DistAttention2D(cfg, 3, AttnMaskType.causal, "self")
+    out = ours(q, k, v, None)
+    assert (out.double() - ref).abs().max() < 1e-5
+    # Megatron's own softmax (what DotProductAttention runs) multiplies the 1/layer_number back
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=False,
+                                    attn_mask_type=AttnMaskType.causal, scaled_masked_softmax_fusion=False,
+                                    mask_func=attention_mask_func, softmax_in_fp32=True, scale=3)
+    scores = torch.einsum("sbhd,tbhd->bhst", q.double(), k.double().repeat_interleave(2, 2))
+    probs = softmax(scores * (16 ** -0.5 / 3), None)
+    assert torch.allclose(probs, torch.softmax((scores * 16 ** -0.5).masked_fill(~allow, float("-inf")), -1))
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        assert (a.double() - b).abs().max() < 1e-5
+
+
+def test_adapter_cp_only_inputs_raise_clear_errors():
+    """Dense attention_bias, packed thd under CP, padding masks and all_gather are refused with
+    the parameter, its value and the rule in the message."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_video.parallel import VideoParallelGroups
+
+    m = DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self")
+    q = torch.randn(4, 1, 2, 16)
+    with pytest.raises(ValueError, match=r"attention_bias \(Tensor \(1, 2, 4, 4\)\) is not supported"):
+        m(q, q, q, None, attention_bias=torch.zeros(1, 2, 4, 4))
+    pad = DistAttention2D(_Cfg(), 1, AttnMaskType.padding, "self")
+    with pytest.raises(ValueError, match="attn_mask_type .* needs a dense attention_mask"):
+        pad(q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"cp_comm_type \('all_gather'\) is not supported"):
+        DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self", cp_comm_type="all_gather")
+    with pytest.raises(ValueError, match=r"cp_comm_type \('ring'\) must be one of"):
+        DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self", cp_comm_type="ring")
+    with pytest.raises(ValueError, match=r"scheme \('striped'\) must be one of"):
+        DistAttention2D(_Cfg(), 1, AttnMaskType.causal, "self", scheme="striped")
+    # thd under CP = 2 (explicit groups of a 2-rank CP group; the check runs before any collective)
+    cfg = _Cfg()
+    cfg.context_parallel_size = 2
+    fake = VideoParallelGroups(cp_group=None, ulysses_group=None, ring_group=None, tp_group=None,
+                               dp_group=None, dp_cp_group=None, cp_ranks=[0, 1], ulysses_ranks=[0],
+                               ring_ranks=[0, 1], ulysses_size=1, ring_size=2, cp_rank=0,
+                               ulysses_rank=0, ring_rank=0)
+    m2 = DistAttention2D(cfg, 1, AttnMaskType.causal, "self", groups=fake)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match=r"packed_seq_params \(qkv_format 'thd', context_parallel_size 2\)"):
+        m2(q[:, 0], q[:, 0], q[:, 0], None, packed_seq_params=thd)
+    # config and Megatron's CP group disagree: named, before any collective
+    with pytest.raises(ValueError, match=r"config.context_parallel_size \(2\) must equal"):
+        DistAttention2D(cfg, 1, AttnMaskType.causal, "self")(q, q, q, None)
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,11 +6,13 @@ on DP-averaged gradients, recomputation against no recomputation, a checkpoint r
 saved state, a PP=2 schedule against the composed two-stage model, RNG streams against
 first-principles generators. The last tests check the pure helpers in this process.
 """
+import os
 import math
 import subprocess
 import sys
 import types
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,15 +164,17 @@ def _tp_layer_matches_tp1():
 
 
 def _rng_tracker_streams():
-    """Forked streams follow Megatron's documented seeds and leave the default stream alone."""
+    """Forked streams follow Megatron's documented seeds and leave the default stream alone: the
+    user's CPU generator is neither reseeded by model_parallel_cuda_manual_seed nor advanced."""
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
 
     _init(tensor_model_parallel_size=2)
     seed = 1234
+    torch.manual_seed(99)  # the user's own seed
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    default = torch.Generator().manual_seed(seed)  # the data-parallel seed drives the default stream
+    default = torch.Generator().manual_seed(99)  # continues untouched
     model_parallel = torch.Generator().manual_seed(seed + 2718 + ps.get_tensor_model_parallel_rank())
     data_parallel = torch.Generator().manual_seed(seed)
 
@@ -203,6 +207,7 @@ def _recompute_matches_plain():
         block = TransformerBlock(_config(tp=2, dropout=0.3, num_layers=2, **kw),
                                  spec=_layer_spec(None)).double()
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)  # the default (hidden-dropout) stream is the user's on CPU
         x = x0.clone().requires_grad_()
         y = block(x, attention_mask=None)
         y.backward(dy)
@@ -486,7 +491,8 @@ assert all(m.torch is torch for m in modules)
 assert all(getattr(importlib.import_module(m), a) is f for (m, a), f in originals.items())
 assert cpu_mode._activate(cuda_available=False) is True
 n = len(cpu_mode.applied_patches())
-assert n == len(cpu_mode.MODULES_USING_CUDA) + len(cpu_mode.FUNCTION_PATCHES), n
+assert n == (len(cpu_mode.MODULES_USING_CUDA) + len(cpu_mode.FUNCTION_PATCHES)
+             + len(cpu_mode.SEEDING_FUNCTIONS)), n
 assert all(m.torch is not torch for m in modules)
 assert cpu_mode._activate(cuda_available=False) and len(cpu_mode.applied_patches()) == n
 assert cpu_mode._activate(cuda_available=True) is False  # a GPU flag never patches or unpatches
@@ -601,3 +607,59 @@ def test_cpu_config_kwargs():
                                                           num_attention_heads=2, hiden_size=8))
     opt = OptimizerConfig(**cpu_optimizer_config_kwargs(lr=1e-3))
     assert not opt.use_distributed_optimizer and opt.lr == 1e-3 and not opt.bf16
+
+
+_EXPLICIT_CPU_MODE_SCRIPT = r"""
+import logging, os, io
+import torch, torch.distributed as dist
+log = io.StringIO()
+logging.basicConfig(stream=log, level=logging.WARNING)
+from megatron_video.compat import cpu_mode_active, ensure_cpu_mode
+from megatron_video.training.config import load_config
+from megatron_video.training.trainer import Trainer
+assert not cpu_mode_active()  # importing the package (trainer included) enters nothing
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+try:
+    Trainer(load_config("examples/configs/demo.yaml", []))
+    raise SystemExit("the trainer ran without CUDA and without CPU mode")
+except RuntimeError as e:
+    assert "no CUDA device" in str(e) and "--cpu" in str(e), e
+torch.manual_seed(99)
+expected = torch.rand(3, generator=torch.Generator().manual_seed(99))
+assert ensure_cpu_mode() and cpu_mode_active()
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+ps.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1234)  # must not reseed the user's CPU generator
+assert torch.equal(torch.rand(3), expected)
+text = log.getvalue()
+assert "megatron_video CPU mode" in text and "model_parallel_cuda_manual_seed" in text, text
+assert "CPU RNG state changed within GPU RNG context" in text, text  # the dropped record is named
+print("ok")
+"""
+
+
+def test_cpu_mode_is_explicit_logged_and_keeps_the_users_generator():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PORT=str(port), PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _EXPLICIT_CPU_MODE_SCRIPT], capture_output=True,
+                         text=True, timeout=300, cwd=root, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_transformer_config_follows_the_device():
+    """``has_gpu`` chooses init device and fusions (no GPU needed to build the config)."""
+    from megatron_video.training.config import load_config
+    from megatron_video.training.model_factory import transformer_config
+
+    cfg = load_config("examples/configs/demo.yaml", [])
+    cpu, gpu = transformer_config(cfg, has_gpu=False), transformer_config(cfg, has_gpu=True)
+    assert cpu.use_cpu_initialization and not cpu.masked_softmax_fusion and not cpu.bias_dropout_fusion
+    assert not gpu.use_cpu_initialization and gpu.masked_softmax_fusion and gpu.bias_dropout_fusion
+    assert gpu.params_dtype == cpu.params_dtype == (torch.bfloat16 if cfg.train.bf16 else torch.float32)

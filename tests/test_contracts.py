@@ -6,7 +6,7 @@
   or any layout for position-independent masks) or a ``ValueError`` before any communication.
 * ``init_video_parallel`` with PP = 2 and DP > 1 against Megatron's rank order from first principles.
 * ``RingExchange`` / ``ring_shift`` with a shift that is a whole turn (or a ring of one).
-* ``BalancedSPLayout`` and ``halo_windows`` against DESIGN.md section 2 derived by hand; ST-DiT
+* ``BalancedSPLayout`` and ``halo_windows`` against docs/architecture.md (Capabilities 2) derived by hand; ST-DiT
   index maps and transitions with ``n % P != 0``, ``b > 1``, ``P = 8``.
 """
 import pytest
@@ -330,7 +330,7 @@ def test_topology_with_pipeline_and_data_parallel_and_ring_full_turn(pool8):
 
 
 # ------------------------------------------------------------------------------------------
-# Balanced SP and the VAE halo from DESIGN.md section 2, by hand
+# Balanced SP and the VAE halo from docs/architecture.md (Capabilities 2), by hand
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("F,S,nb,P", [(1, 1, 1, 1), (4, 3, 1, 2), (6, 5, 3, 1), (8, 1, 2, 4), (12, 2, 3, 4),
                                       (6, 2, 1, 3), (16, 1, 2, 8), (2, 7, 1, 2)])
@@ -410,7 +410,7 @@ def test_stdit_index_maps_padding_p8():
 
 def _stdit_transitions(cases):
     from megatron_video.layouts.stdit import shard_layout_a, shard_layout_b
-    from megatron_video.models.stdit_transitions import frames_to_positions, positions_to_frames
+    from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
 
     world, me = dist.get_world_size(), dist.get_rank()
     out = []

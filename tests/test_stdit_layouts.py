@@ -92,13 +92,16 @@ def test_divisibility_errors_name_the_parameter():
     L.check_stdit_divisibility(1, 4)  # images without a batch size: nothing to check
 
 
-def test_transitions_reachable_from_layouts_stdit():
-    from megatron_video.layouts.stdit import frames_to_positions, positions_to_frames
-    from megatron_video.models import stdit_transitions
-
-    assert frames_to_positions is stdit_transitions.frames_to_positions
-    assert positions_to_frames is stdit_transitions.positions_to_frames
+def test_transitions_live_with_the_communication_code():
+    """The communicating A <-> B transitions are in attention/ (layouts stay pure); the old
+    models.stdit_transitions name re-exports them; VideoGeometry has its own module."""
+    import megatron_video.layouts as layouts
     import megatron_video.layouts.stdit as lay
-    import pytest
-    with pytest.raises(AttributeError):
-        lay.no_such_name  # noqa: B018
+    from megatron_video.attention import stdit_transitions
+    from megatron_video.layouts.geometry import VideoGeometry
+    from megatron_video.models import stdit_transitions as old
+
+    assert old.frames_to_positions is stdit_transitions.frames_to_positions
+    assert old.positions_to_frames is stdit_transitions.positions_to_frames
+    assert lay.VideoGeometry is layouts.VideoGeometry is VideoGeometry
+    assert not hasattr(lay, "frames_to_positions")

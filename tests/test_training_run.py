@@ -85,7 +85,9 @@ def test_resume_bitwise_and_same_seed(pool4, vae_dir):
     assert resumed == a[2], "step 3 after resume must be bitwise identical"
     assert c == a, "same seed, same losses (bitwise)"
     assert len({r[1] for r in per_rank}) == 1  # the LR schedule resumed identically everywhere
-    assert (Path(vae_dir) / "run_a" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    ckpts = Path(vae_dir) / "run_a" / "checkpoints"  # Megatron-LM's layout
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpts / "iter_0000003").is_dir()
     assert all(r[0]["c"] == c for r in per_rank)  # the loss is reduced over the CP group
 
 
@@ -121,7 +123,7 @@ def test_bad_nproc_layout_fails(tmp_path):
 def test_short_demo_run(tmp_path):
     out = tmp_path / "demo"
     # the shipped VAE (examples/vae/demo_vae.pt) of the real demo; a tiny DiT on smaller frames
-    r = _cli(["demo", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
+    r = _cli(["demo", "--cpu", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
               "diffusion.sample_steps=1", "train.progress=false",
               "data.height=16", "data.width=16", "train.warmup_steps=1"], timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -171,6 +173,23 @@ def _tiny_yaml(tmp):
     return path
 
 
+def _megatron_cli_config(cfg):
+    """The TransformerConfig core_transformer_config_from_args would build for ``--num-layers 2
+    --hidden-size 48 --num-attention-heads 4 --normalization RMSNorm --init-method-std 0.011
+    --qk-layernorm --add-bias-linear --context-parallel-size 4 --use-cpu-initialization
+    --no-gradient-accumulation-fusion`` (Megatron-LM is not installed here; see README)."""
+    from megatron.core.transformer import TransformerConfig
+
+    m = cfg.model
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, normalization="RMSNorm", init_method_std=0.011,
+        qk_layernorm=True, add_bias_linear=True, hidden_dropout=0.0, attention_dropout=0.0,
+        context_parallel_size=4, use_cpu_initialization=True, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False)
+
+
 def _pretrain_entry_step(yaml_path):
     import warnings
 
@@ -185,7 +204,13 @@ def _pretrain_entry_step(yaml_path):
     initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
                               hierarchical_context_parallel_sizes=[2, 2])
     try:
-        model = mod.model_provider(True, True, config=cfg)
+        base = _megatron_cli_config(cfg)
+        model = mod.model_provider(True, True, config=base, video_config=cfg)
+        mc = model.config
+        # Megatron-LM's choices reach the model unchanged; only the video fields are added
+        assert (mc.normalization, mc.init_method_std, mc.layernorm_epsilon) == ("RMSNorm", 0.011, 1e-5)
+        assert mc.lora_rank == cfg.model.lora_rank and mc.in_channels == cfg.vae.latent_channels
+        assert mc.params_dtype == torch.float32 and not mc.bf16
         train, valid, test = mod.train_valid_test_datasets_provider([8, 0, 0])
         out, loss_func = mod.forward_step(iter([default_collate([train[3]])]), model, step=0)
         loss, logs = loss_func(out)
@@ -213,3 +238,35 @@ def test_megatron_lm_entry_providers(pool4, vae_dir):
     losses = {r[0] for r in results}
     assert len(losses) == 1 and math.isfinite(losses.pop())   # the CP-reduced loss, same everywhere
     assert all(r[1] > 0 and r[2] == 8 and r[3] is None and not r[4] for r in results)
+
+
+def test_megatron_lm_entry_calls_both_pretrain_signatures():
+    """main()'s pretrain call matches the signature it finds (<= 0.17 and >= 0.18 forms)."""
+    mod = _load_entry()
+    calls = []
+
+    def pretrain_017(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                     process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):
+        calls.append(("0.17", model_provider, forward_step_func, extra_args_provider))
+
+    def pretrain_018(cfg_container, train_valid_test_dataset_provider, model_provider, model_type,
+                     forward_step_func, process_non_loss_data_func=None):
+        calls.append(("0.18", cfg_container, model_provider, forward_step_func))
+
+    def pretrain_019(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                     model_provider=None, process_non_loss_data_func=None):
+        calls.append(("0.19", cfg_container, model_provider, forward_step_func))
+
+    parsed = []
+
+    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+        parsed.append(extra_args_provider)
+        return "ARGS"
+
+    for fn in (pretrain_017, pretrain_018, pretrain_019):
+        mod.run_pretrain(fn, parse_and_validate_args, lambda args: ("CONTAINER", args))
+    assert calls[0] == ("0.17", mod.model_provider, mod.forward_step, mod.add_video_args)
+    for version, call in zip(("0.18", "0.19"), calls[1:]):
+        assert call == (version, ("CONTAINER", "ARGS"), mod.model_provider, mod.forward_step)
+    assert parsed == [mod.add_video_args] * 2
+    assert mod.train_valid_test_datasets_provider.is_distributed

@@ -4,16 +4,26 @@
 (``DotProductAttention`` / ``TEDotProductAttention``), so ``models.specs.with_2d_attention`` can put
 it into any layer spec. It takes ``query [s_local, b, heads/TP, d]`` and ``key, value
 [s_local, b, kv_heads/TP, d]`` (RoPE / QK-norm already applied by ``Attention``) and returns
-``[s_local, b, heads/TP * d]``. The sequence must be laid out by ``scheme`` over the CP group;
-the default ``"zigzag"`` is exactly what Megatron's ``get_batch_on_this_cp_rank`` produces. Groups
-come from ``megatron_video.parallel.init_video_parallel`` (called after Megatron's
-``initialize_model_parallel``); with CP = 1 and no groups the module runs locally.
+``[s_local, b, heads/TP * d]``.
 
-Masks: ``attn_mask_type`` causal -> ``masks.causal()``, no_mask -> full; a spec may instead pass any
-``AttentionMask`` as ``params={"mask": ...}`` (block-causal video, teacher forcing, ...), which wins.
-Dense ``attention_mask`` tensors and ``attention_bias`` are not supported (masks here are functions
-of global token ids, which is what lets ring steps be derived and skipped). Packed ``thd`` input is
-supported with CP = 1 (documents from ``cu_seqlens_q``).
+Groups (docs/architecture.md, "Groups"): from Megatron, at the first forward -- the
+``pg_collection`` Megatron's ``Attention`` hands over, else ``parallel_state`` -- with
+``cp_comm_type`` choosing the scheme exactly as for Transformer Engine: ``"a2a+p2p"`` = Ulysses over
+the hierarchical level 0 x ring over level 1, ``"p2p"`` (or unset) = ring, ``"a2a"`` = Ulysses,
+``"all_gather"`` = ``ValueError``. A stock Megatron job therefore needs nothing but the spec. Explicit
+control: pass ``groups=init_video_parallel(...)`` in the spec's params. The token layout is
+``scheme`` over the CP group; the default ``"zigzag"`` is Megatron-LM's ``get_batch_on_this_cp_rank``
+cut (2*CP chunks, CP rank c keeps chunks c and 2CP-1-c).
+
+Masks: ``attn_mask_type`` causal -> ``masks.causal()``, no_mask -> full (a dense ``attention_mask``
+is then ignored, as Transformer Engine's core attention does: the type decides); a spec may instead
+pass any ``AttentionMask`` as ``params={"mask": ...}`` (block-causal video, teacher forcing, ...),
+which wins. Other mask types, ``attention_bias`` and packed ``thd`` input with CP > 1 raise
+``ValueError`` (masks here are functions of global token ids, which is what lets ring steps be
+derived and skipped; use ``masks.packed(...)`` over the laid-out sequence instead). Packed ``thd``
+input is supported with CP = 1 (documents from ``cu_seqlens_q``). ``apply_query_key_layer_scaling``
+is exact: Megatron divides the scores by the layer number and multiplies it back inside its softmax,
+so the softmax sees ``softmax_scale`` either way.
 """
 from __future__ import annotations
 
@@ -24,7 +34,8 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..parallel.topology import get_video_parallel_groups
+from ..layouts.zigzag import SCHEMES
+from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, groups_from_megatron
 from . import masks as masks_mod
 from .attention_2d import dist_attention
 
@@ -38,7 +49,7 @@ class DistAttention2D(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None,
                  mask: Optional[masks_mod.AttentionMask] = None, scheme: str = "zigzag",
-                 backend: str = "auto", **kwargs):
+                 backend: str = "auto", groups: Optional[VideoParallelGroups] = None, **kwargs):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -54,13 +65,28 @@ class DistAttention2D(MegatronModule):
                              f"short context does not use CP)")
         if mask is not None and not isinstance(mask, masks_mod.AttentionMask):
             raise ValueError(f"mask ({mask!r}) must be None or a megatron_video AttentionMask")
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} (the CP token layout)")
+        if groups is not None and not isinstance(groups, VideoParallelGroups):
+            raise ValueError(f"groups ({type(groups).__name__}) must be None or the "
+                             f"VideoParallelGroups of init_video_parallel(...)")
+        self.cp_comm_type = check_cp_comm_type(cp_comm_type)
+        self.pg_collection = pg_collection
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.mask, self.scheme, self.backend = mask, scheme, backend
+        self._groups, self._resolved = groups, groups is not None
         head_dim = config.kv_channels
+        # apply_query_key_layer_scaling needs nothing here: Megatron's 1/layer_number on the scores
+        # is undone by the same factor inside its softmax (see the module docstring).
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        if config.apply_query_key_layer_scaling:  # Megatron's convention: scores / layer_number
-            self.softmax_scale /= self.layer_number
+
+    def video_groups(self) -> Optional[VideoParallelGroups]:
+        """The U x R groups this layer runs on (resolved from Megatron at the first call)."""
+        if not self._resolved:
+            self._groups = groups_from_megatron(self.pg_collection, self.cp_comm_type)
+            self._resolved = True
+        return self._groups
 
     def _mask(self, attn_mask_type, packed_seq_params):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -79,20 +105,27 @@ class DistAttention2D(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by DistAttention2D")
-        groups = get_video_parallel_groups(check_initialized=False)
-        cp = groups.cp_size if groups is not None else self.config.context_parallel_size
-        if groups is None and cp > 1:
-            raise RuntimeError("context_parallel_size > 1 needs megatron_video.parallel."
-                               "init_video_parallel(ulysses_size) after initialize_model_parallel")
+            raise ValueError(f"attention_bias ({type(attention_bias).__name__} "
+                             f"{tuple(getattr(attention_bias, 'shape', ()))}) is not supported by "
+                             f"DistAttention2D: it must be None (express the bias-free mask as a "
+                             f"megatron_video AttentionMask on global token ids)")
+        groups = self.video_groups()
+        cp = groups.cp_size if groups is not None else 1
+        if cp != self.config.context_parallel_size:
+            raise ValueError(f"config.context_parallel_size ({self.config.context_parallel_size}) "
+                             f"must equal the size of the CP group Megatron set up ({cp}): call "
+                             f"initialize_model_parallel(context_parallel_size=...) before the "
+                             f"forward")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed_seq_params is not None:
             cu_q, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
             if (not thd or cp > 1 or (padded is not None and not torch.equal(padded, cu_q))
                     or not torch.equal(cu_q, packed_seq_params.cu_seqlens_kv)):
-                raise ValueError("packed_seq_params: only qkv_format 'thd' without padding and with "
-                                 "cu_seqlens_q == cu_seqlens_kv at context_parallel_size 1 is supported; "
-                                 "with CP use masks.packed(...) over the whole laid-out sequence")
+                raise ValueError(f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, "
+                                 f"context_parallel_size {cp}): only qkv_format 'thd' without padding "
+                                 f"and with cu_seqlens_q == cu_seqlens_kv at context_parallel_size 1 "
+                                 f"is supported; with CP use masks.packed(...) over the whole "
+                                 f"laid-out sequence as the spec's mask")
         mask = self._mask(attn_mask_type, packed_seq_params)
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = query[None], key[None], value[None]

@@ -1,9 +1,15 @@
 """CPU mode: the one place megatron_video patches Megatron-Core, and only when no GPU is present.
 
-Megatron-Core 0.16 assumes CUDA in a few places that the CPU tests and the embedded-default job
-need. :func:`ensure_cpu_mode` (idempotent; called by the package's entry points and the test worker
-pool) makes them work on CPU when ``torch.cuda.is_available()`` is False, and does nothing on a GPU.
-The real ``torch`` module is never modified. Every patch is a module attribute of Megatron:
+Megatron-Core assumes CUDA in a few places that the CPU tests and the embedded-default job need.
+:func:`ensure_cpu_mode` (idempotent) makes them work on CPU when ``torch.cuda.is_available()`` is
+False, and does nothing on a GPU. It is entered only explicitly: by calling it (the test worker
+pool does, and a stock Megatron job on a CPU does), or with ``megatron-video train/demo --cpu``;
+nothing in the package enters it behind the caller's back, and the trainer refuses to run on a
+machine without CUDA unless it is active (docs/architecture.md, "CPU mode"). On activation it logs
+(logger ``megatron_video.compat``, level WARNING) every attribute it changed. The real ``torch``
+module is never modified, the user's global CPU generator is not reseeded (see 4.) and no Megatron
+warning is silenced (see 3. for the one log record dropped, which is named in the log). Every patch
+is a module attribute of Megatron:
 
 1. ``torch`` -> :data:`~megatron_video.compat.cpu_torch.CPU_TORCH` in the modules of
    :data:`MODULES_USING_CUDA` (reason per module there). Inside them ``torch.cuda.current_device()``
@@ -22,6 +28,10 @@ The real ``torch`` module is never modified. Every patch is a module attribute o
 3. A logging filter on ``megatron.core.tensor_parallel.random`` that drops "CPU RNG state changed
    within GPU RNG context": on CPU the forked generator *is* the CPU one, so it fired on every
    dropout and said nothing.
+4. ``model_parallel_cuda_manual_seed`` (in ``megatron.core.tensor_parallel`` and its ``random``
+   module) wrapped so that the CPU generator's state is restored after it: on a GPU it seeds the
+   device generator; on a CPU the "device" generator is the user's global CPU generator, which the
+   unwrapped function would silently reseed. The tracker's streams are seeded as on a GPU.
 
 Not covered (GPU-only by nature): the distributed optimizer (use ``use_distributed_optimizer=False``),
 fusions and ``gradient_accumulation_fusion`` (turn off; see ``cpu_transformer_config_kwargs``), CUDA
@@ -30,6 +40,7 @@ graphs, streams/events (overlapped communication), Transformer Engine. ``psutil`
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -56,7 +67,7 @@ MODULES_USING_CUDA: Tuple[Tuple[str, str], ...] = (
     ("megatron.core.utils",
      "GlobalMemoryBuffer (DotProductAttention, sequence parallel) on current_device()"),
     ("megatron.core.transformer.utils", "default causal mask built with device='cuda'"),
-    ("megatron.core.distributed.param_and_grad_buffer", "DDP param / grad buffers on current_device()"),
+    ("megatron.core.distributed.param_and_grad_buffer", "DDP param / grad buffers on current_device(); current_stream() before grad sync (>= 0.19)"),
     ("megatron.core.distributed.distributed_data_parallel", "synchronize / empty_cache"),
     ("megatron.core.optimizer.optimizer", "found_inf / scale tensors with device='cuda'"),
     ("megatron.core.optimizer.clip_grads", "grad-norm and zero-count accumulators on 'cuda'"),
@@ -91,7 +102,14 @@ FUNCTION_PATCHES: Tuple[Tuple[str, str, Callable], ...] = (
      cpu_functions.get_pos_emb_on_this_cp_rank),
 )
 
+# Wrapped (arguments passed through unchanged) so that they leave the CPU generator as they found it.
+SEEDING_FUNCTIONS: Tuple[Tuple[str, str], ...] = (
+    (_RNG, "model_parallel_cuda_manual_seed"),
+    ("megatron.core.tensor_parallel", "model_parallel_cuda_manual_seed"),
+)
+
 _FORK_WARNING = "CPU RNG state changed within GPU RNG context"
+_LOG = logging.getLogger("megatron_video.compat")
 
 
 @dataclass(frozen=True)
@@ -137,12 +155,26 @@ def _same_parameters(original, replacement) -> bool:
 
 def _import(name: str):
     try:
-        with warnings.catch_warnings():
-            # Expected without a GPU; otherwise printed by every worker process.
-            warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-            return importlib.import_module(name)
+        return importlib.import_module(name)
     except ImportError:  # a module this Megatron version does not have
         return None
+
+
+def _keep_cpu_generator(fn):
+    """``fn`` that restores the global CPU generator's state when it returns (see 4. above)."""
+    if getattr(fn, "_megatron_video_keeps_cpu_generator", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    wrapper._megatron_video_keeps_cpu_generator = True
+    return wrapper
 
 
 def _activate(cuda_available: bool) -> bool:
@@ -167,6 +199,18 @@ def _activate(cuda_available: bool) -> bool:
             continue
         setattr(module, attr, replacement)
         _applied.append(Patch(name, attr, f"compat.cpu_functions.{replacement.__name__}"))
+    for name, attr in SEEDING_FUNCTIONS:
+        module = _import(name)
+        original = getattr(module, attr, None) if module is not None else None
+        if original is None:
+            continue
+        setattr(module, attr, _keep_cpu_generator(original))
+        _applied.append(Patch(name, attr, "compat.cpu_mode._keep_cpu_generator(original)"))
     logging.getLogger(_RNG).addFilter(_DropForkWarning())
     _active = True
+    _LOG.warning(
+        "megatron_video CPU mode (no CUDA device): %d Megatron attributes replaced: %s; log records "
+        "%r of logger %s are dropped (on CPU the forked generator is the CPU one)",
+        len(_applied), ", ".join(f"{p.module}.{p.attribute} -> {p.replacement}" for p in _applied),
+        _FORK_WARNING, _RNG)
     return True

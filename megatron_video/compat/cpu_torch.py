@@ -64,6 +64,22 @@ def _manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
+class CpuStream:
+    """The one CPU "stream": work runs in order, so every wait is already satisfied."""
+
+    def wait_event(self, event=None):
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream=None):
+        """Nothing to wait for."""
+
+    def synchronize(self):
+        """Nothing to wait for."""
+
+
+_CPU_STREAM = CpuStream()
+
+
 class CpuCuda:
     """``torch.cuda`` as seen by a patched Megatron module on a machine without a GPU."""
 
@@ -85,6 +101,11 @@ class CpuCuda:
     @staticmethod
     def empty_cache():
         """No caching allocator on CPU."""
+
+    @staticmethod
+    def current_stream(device=None):
+        """megatron-core >= 0.19 waits on the current stream before a grad reduction."""
+        return _CPU_STREAM
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)

@@ -14,6 +14,7 @@ import torch
 
 __all__ = ["accepted_kwargs", "accepts_var_kwargs", "call_with_accepted_kwargs",
            "cpu_optimizer_config_kwargs", "cpu_transformer_config_kwargs",
+           "device_transformer_config_kwargs", "gpu_transformer_config_kwargs",
            "initialize_model_parallel"]
 
 # Values that mean "feature off": an unknown argument at one of these can be dropped safely.
@@ -96,6 +97,39 @@ def cpu_transformer_config_kwargs(**overrides) -> Dict[str, Any]:
 
     base, _ = accepted_kwargs(TransformerConfig, _CPU_TRANSFORMER_CONFIG)
     return {**base, **overrides}
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def gpu_transformer_config_kwargs(**overrides) -> Dict[str, Any]:
+    """``TransformerConfig`` kwargs for a GPU: weights initialised on the device and the fusions on.
+
+    Fusions that need Transformer Engine or Apex (fused weight-gradient accumulation, fused RoPE,
+    persistent layer norm) are enabled only where one of them is importable; the others are plain
+    PyTorch / Megatron kernels. Fields this Megatron version lacks are left out.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    te_or_apex = _importable("transformer_engine") or _importable("apex")
+    gpu = dict(use_cpu_initialization=False, gradient_accumulation_fusion=te_or_apex,
+               bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True,
+               persist_layer_norm=te_or_apex, apply_rope_fusion=te_or_apex)
+    base, _ = accepted_kwargs(TransformerConfig, gpu)
+    return {**base, **overrides}
+
+
+def device_transformer_config_kwargs(has_gpu: bool, **overrides) -> Dict[str, Any]:
+    """The GPU settings when ``has_gpu``, else the CPU ones (``cpu_transformer_config_kwargs``)."""
+    if has_gpu:
+        return gpu_transformer_config_kwargs(**overrides)
+    return cpu_transformer_config_kwargs(**overrides)
 
 
 def cpu_optimizer_config_kwargs(**overrides) -> Dict[str, Any]:

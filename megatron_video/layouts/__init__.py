@@ -1,7 +1,8 @@
 from .zigzag import (SCHEMES, concat_global_ids, contiguous_global_ids, global_token_ids,  # noqa: F401
                      shard_global_ids, shard_owner, shard_sequence,
                      unshard_sequence, zigzag_global_ids)
-from .stdit import (VideoGeometry, check_stdit_divisibility, frames_per_rank,  # noqa: F401
+from .geometry import VideoGeometry  # noqa: F401
+from .stdit import (check_stdit_divisibility, frames_per_rank,  # noqa: F401
                     image_batch_range, layout_a_indices, layout_a_owner, layout_b_indices,
                     layout_b_owner, padded_positions, positions_per_rank, shard_layout_a,
                     shard_layout_b, token_thw, unshard_layout_a)

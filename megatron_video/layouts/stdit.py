@@ -15,50 +15,21 @@ group of size ``P``:
   instead: rank ``r`` holds whole samples ``[r*b/P, (r+1)*b/P)``; A and B coincide (no transition).
 
 Everything here is pure and rank-explicit; the communicating transitions live in
-``megatron_video.models.stdit_transitions``.
+``megatron_video.attention.stdit_transitions`` (docs/architecture.md, "Layers of the code").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Tuple
 
 import torch
+
+from .geometry import VideoGeometry, _positive_int
 
 __all__ = [
     "VideoGeometry", "check_stdit_divisibility", "positions_per_rank", "padded_positions",
     "frames_per_rank", "layout_a_indices", "layout_b_indices", "layout_a_owner", "layout_b_owner",
     "token_thw", "image_batch_range", "shard_layout_a", "shard_layout_b", "unshard_layout_a",
 ]
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
-
-@dataclass(frozen=True)
-class VideoGeometry:
-    """Global token grid of one sample: ``frames`` x ``height`` x ``width`` (after patchify)."""
-
-    frames: int
-    height: int
-    width: int
-
-    def __post_init__(self):
-        for name in ("frames", "height", "width"):
-            _positive_int(name, getattr(self, name))
-
-    @property
-    def positions(self) -> int:
-        return self.height * self.width
-
-    @property
-    def tokens(self) -> int:
-        return self.frames * self.positions
-
-    @property
-    def is_image(self) -> bool:
-        return self.frames == 1
 
 
 def check_stdit_divisibility(num_frames: int, cp_size: int, batch_size: int = None) -> None:
@@ -199,14 +170,3 @@ def shard_layout_b(video: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor
     if hi > lo:
         out[:, :hi - lo] = video[:, :, lo:hi].transpose(1, 2)
     return out
-
-
-def __getattr__(name):
-    """``frames_to_positions`` / ``positions_to_frames`` are part of this layout's public surface
-    (issue 6), but they communicate, so they live in ``models.stdit_transitions``; resolving them
-    lazily keeps this module free of communication imports."""
-    if name in ("frames_to_positions", "positions_to_frames"):
-        from ..models import stdit_transitions
-
-        return getattr(stdit_transitions, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

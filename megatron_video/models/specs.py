@@ -3,8 +3,10 @@
 ``with_2d_attention(layer_spec, **params)`` returns a copy of any Megatron layer (or block) spec
 whose self-attention core is :class:`~megatron_video.attention.megatron.DistAttention2D`
 (Ulysses x ring, exact, masks on global token ids); ``params`` go to its constructor (``mask``,
-``scheme``, ``backend``). The module-level specs below work with Megatron-LM's
-``--spec megatron_video.models.specs <name>``.
+``scheme``, ``backend``, ``groups``). Without ``groups`` the layer takes its groups from Megatron
+(``pg_collection`` / parallel state) and its scheme from ``config.cp_comm_type`` at the first
+forward (docs/architecture.md, "Groups"), so a stock Megatron job needs nothing else. The
+module-level specs below work with Megatron-LM's ``--spec megatron_video.models.specs <name>``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fused halo scatter and its inverse (DESIGN.md §2, VAE halo).
+"""Fused halo scatter and its inverse (docs/architecture.md, "Capabilities" 2: VAE halo).
 
 ``halo_scatter`` cuts every SP rank's raw-frame window ``[start_p, end_p)`` (windows overlap by the
 left halo) out of a video batch into one packed send buffer, in one pass. ``halo_gather`` is the
@@ -166,7 +166,7 @@ def halo_gather_packed(buffer: torch.Tensor, shapes: Sequence[Sequence[int]], dr
 def _halo_windows(latent_bounds: Sequence[Sequence[int]], halo: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw-frame windows and leading latents to drop for ranks keeping latents ``[ls, le)``.
 
-    DESIGN §2 rule, kept private (layouts.vae_halo owns the public one) for tests and benchmarks:
+    docs/architecture.md (Capabilities 2) rule, kept private (layouts.vae_halo owns the public one) for tests and benchmarks:
     ``hs = max(0, ls - halo)``; window ``[0, 1 + 4(le-1))`` if ``hs == 0`` else
     ``[4(hs-1), 1 + 4(le-1))``; drop ``= (hs > 0) + ls - hs``.
     """

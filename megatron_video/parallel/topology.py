@@ -1,6 +1,16 @@
 """U x R context-parallel topology carved out of Megatron's CP group.
 
-Call ``init_video_parallel(U)`` after ``megatron.core.parallel_state.initialize_model_parallel``.
+Two ways in (docs/architecture.md, "Groups"):
+
+* ``groups_from_megatron(pg_collection, cp_comm_type)``: the default, used by the Megatron
+  core-attention adapter. It reads what Megatron already has (``pg_collection`` when given, else
+  ``megatron.core.parallel_state`` through its public getters), creates no group and keeps no
+  state. ``cp_comm_type`` picks the scheme like Transformer Engine does: ``"a2a+p2p"`` -> Ulysses
+  over Megatron's hierarchical level 0 x ring over level 1 (``initialize_model_parallel(...,
+  hierarchical_context_parallel_sizes=[U, R])``), ``"p2p"`` (and None, Megatron's default) -> ring
+  over the CP group, ``"a2a"`` -> Ulysses over the CP group.
+* ``init_video_parallel(U)``: explicit control (placement, ranks-per-node checks, groups created
+  here when Megatron's do not match), called after ``initialize_model_parallel``.
 The CP group of size ``N = U*R`` splits into a Ulysses (all-to-all) group of size U and a ring
 (P2P) group of size R. With ``placement="ulysses_inner"`` (default) the CP index is ``c = r*U + u``:
 the Ulysses group ``{r*U + u : u}`` is contiguous in the CP group (inside a node, over NVLink) and
@@ -20,11 +30,13 @@ from typing import List, Optional
 import torch.distributed as dist
 
 __all__ = [
-    "VideoParallelGroups", "init_video_parallel", "get_video_parallel_groups",
+    "CP_COMM_TYPES", "groups_from_megatron", "VideoParallelGroups", "init_video_parallel", "get_video_parallel_groups",
     "destroy_video_parallel", "PLACEMENTS", "cp_index", "local_groups",
 ]
 
 PLACEMENTS = ("ulysses_inner", "ring_inner")
+# Megatron's TransformerConfig.cp_comm_type values; None means "p2p" (Megatron's / TE's default).
+CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather")
 
 
 def cp_index(u: int, r: int, ulysses_size: int, ring_size: int, placement: str = "ulysses_inner") -> int:
@@ -160,7 +172,7 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
                          f"({cp_size})")
     rpn = _resolve_ranks_per_node(ranks_per_node, world)
 
-    cp_ranks = list(ps._CONTEXT_PARALLEL_GLOBAL_RANKS)  # this rank's CP group, in CP-index order
+    cp_ranks = list(dist.get_process_group_ranks(cp_group))  # this rank's CP group, CP-index order
     ug, rg = local_groups(cp_ranks, ulysses_size, ring_size, placement)
     me = dist.get_rank()
     my_ug = next(g for g in ug if me in g)
@@ -232,3 +244,87 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
     )
     _GROUPS = groups
     return groups
+
+
+def check_cp_comm_type(cp_comm_type) -> str:
+    """The scheme for Megatron's ``cp_comm_type`` (None -> ``"p2p"``); ``ValueError`` otherwise."""
+    comm = "p2p" if cp_comm_type is None else cp_comm_type
+    if comm not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type ({cp_comm_type!r}) must be one of {CP_COMM_TYPES} or None")
+    if comm == "all_gather":
+        raise ValueError("cp_comm_type ('all_gather') is not supported by megatron_video's 2D "
+                         "attention (it would hold the whole sequence's K/V on every rank); use "
+                         "'p2p' (ring), 'a2a' (Ulysses) or 'a2a+p2p' (Ulysses x ring)")
+    return comm
+
+
+def _pg(pg_collection, name):
+    return getattr(pg_collection, name, None) if pg_collection is not None else None
+
+
+def groups_from_megatron(pg_collection=None, cp_comm_type=None,
+                         ranks_per_node: Optional[int] = None) -> Optional[VideoParallelGroups]:
+    """U x R groups from Megatron's groups; ``None`` when there is no CP (size 1 or no state).
+
+    ``pg_collection`` (a Megatron ``ProcessGroupCollection``) wins where it has a group (``cp``,
+    ``hcp``, ``tp``, ``dp``, ``dp_cp``); the rest comes from ``megatron.core.parallel_state``'s
+    public getters. Creates no process group, keeps no state and communicates nothing, so it may run
+    lazily at a layer's first forward. The CP index is the rank in the CP group (what Megatron-LM's
+    ``get_batch_on_this_cp_rank`` uses). For ``"a2a+p2p"`` the Ulysses group is Megatron's
+    hierarchical level 0, which must be contiguous in the CP group (``c = r*U + u``), and must lie in
+    one node (``ranks_per_node``, default ``LOCAL_WORLD_SIZE``); the same holds for the whole CP
+    group with ``"a2a"``. Every member of a group reaches the same verdict (they see the same ranks).
+    Raises ``ValueError`` naming the setting and the rule.
+    """
+    from megatron.core import parallel_state as ps
+
+    comm = check_cp_comm_type(cp_comm_type)
+    cp_group = _pg(pg_collection, "cp") or ps.get_context_parallel_group(check_initialized=False)
+    if cp_group is None or not dist.is_initialized() or dist.get_world_size(cp_group) == 1:
+        return None
+    cp_ranks = list(dist.get_process_group_ranks(cp_group))
+    me = dist.get_rank()
+    n, cp_rank = len(cp_ranks), cp_ranks.index(me)
+    if comm == "a2a":
+        U, ug, rg = n, cp_group, None
+    elif comm == "p2p":
+        U, ug, rg = 1, None, cp_group
+    else:
+        hcp = _pg(pg_collection, "hcp") or ps.get_hierarchical_context_parallel_groups(
+            check_initialized=False)
+        if not hcp or len(hcp) != 2:
+            raise ValueError(
+                f"cp_comm_type ('a2a+p2p') needs two levels of hierarchical context-parallel groups "
+                f"(initialize_model_parallel(..., hierarchical_context_parallel_sizes=[U, R]) or "
+                f"pg_collection.hcp); got {0 if not hcp else len(hcp)}")
+        ug, rg = hcp
+        U = dist.get_world_size(ug)
+        if U * dist.get_world_size(rg) != n:
+            raise ValueError(f"hierarchical_context_parallel_sizes ([{U}, {dist.get_world_size(rg)}]) "
+                             f"must multiply to context_parallel_size ({n})")
+    R = n // U
+    u, r = cp_rank % U, cp_rank // U
+    want_u, want_r = cp_ranks[r * U:(r + 1) * U], cp_ranks[u::U]
+    ulysses_ranks = list(dist.get_process_group_ranks(ug)) if ug is not None else [me]
+    ring_ranks = list(dist.get_process_group_ranks(rg)) if rg is not None else [me]
+    if U > 1 and R > 1 and (ulysses_ranks != want_u or ring_ranks != want_r):
+        raise ValueError(
+            f"hierarchical context-parallel groups (level 0 {ulysses_ranks}, level 1 {ring_ranks}) "
+            f"must be the contiguous and the strided split of the CP group {cp_ranks} "
+            f"(level 0 = {want_u}, level 1 = {want_r}), as initialize_model_parallel builds them")
+    rpn = _resolve_ranks_per_node(ranks_per_node, dist.get_world_size())
+    nodes = sorted({g // rpn for g in ulysses_ranks})
+    if len(nodes) > 1:
+        raise ValueError(
+            f"cp_comm_type ({comm!r}): the all-to-all group {ulysses_ranks} spans nodes {nodes} at "
+            f"ranks_per_node ({rpn}); the Ulysses group must lie inside one node (use 'a2a+p2p' "
+            f"with hierarchical_context_parallel_sizes [U, R] and tensor_model_parallel_size * U <= "
+            f"ranks_per_node, or 'p2p')")
+    return VideoParallelGroups(
+        cp_group=cp_group, ulysses_group=ug, ring_group=rg,
+        tp_group=_pg(pg_collection, "tp") or ps.get_tensor_model_parallel_group(check_initialized=False),
+        dp_group=_pg(pg_collection, "dp"), dp_cp_group=_pg(pg_collection, "dp_cp"),
+        cp_ranks=cp_ranks, ulysses_ranks=ulysses_ranks, ring_ranks=ring_ranks,
+        ulysses_size=U, ring_size=R, cp_rank=cp_rank, ulysses_rank=u, ring_rank=r,
+        placement="ulysses_inner", ranks_per_node=rpn, reused_megatron_groups=True,
+        extra={"cp_comm_type": comm})

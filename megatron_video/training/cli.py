@@ -2,8 +2,8 @@
 
 Subcommands::
 
-    megatron-video train --config FILE [--nproc N] [--ranks-per-node K] [--output DIR] [section.key=value ...]
-    megatron-video demo [--output DIR] [section.key=value ...]
+    megatron-video train --config FILE [--nproc N] [--ranks-per-node K] [--output DIR] [--cpu] [section.key=value ...]
+    megatron-video demo [--output DIR] [--cpu] [section.key=value ...]
     megatron-video train-vae [--config FILE] [--output PATH] [section.key=value ...]
     megatron-video validate --config FILE [--nproc N] [--ranks-per-node K] [section.key=value ...]
 
@@ -11,6 +11,9 @@ Subcommands::
 under ``torchrun``, this process as one rank. ``demo`` is ``train --config
 examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``. A bad configuration
 exits with status 2 and names the field, before any process or process group is started.
+
+``--cpu`` enters megatron_video's CPU mode for Megatron-Core (``megatron_video.compat``; it logs what
+it changes and does nothing where CUDA is available); without a GPU the job needs it.
 """
 from __future__ import annotations
 
@@ -56,10 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--ranks-per-node", type=int, default=None,
                    help="simulated ranks per node for the U x R placement (default: all on one node)")
     t.add_argument("--output", default=None, help="run directory (default: the config's output)")
+    t.add_argument("--cpu", action="store_true",
+                   help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)")
 
     d = sub.add_parser("demo", help="the embedded demo: causal AR DiT, Balanced SP, 4 CPU ranks as 2x2")
     d.add_argument("overrides", nargs="*", metavar="section.key=value")
     d.add_argument("--output", default=DEMO_ARGS["output"], help="run directory (default runs/demo)")
+    d.add_argument("--cpu", action="store_true",
+                   help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)")
 
     v = sub.add_parser("train-vae", help="train (and cache) the small causal video VAE")
     common(v, False)
@@ -81,7 +88,7 @@ def _load(path, overrides: List[str], output: Optional[str], ranks_per_node: Opt
     return load_config(path, list(overrides) + extra)
 
 
-def _train(config, nproc: Optional[int]) -> int:
+def _train(config, nproc: Optional[int], cpu: bool = False) -> int:
     from .launch import launch, under_torchrun
 
     if under_torchrun():
@@ -94,13 +101,13 @@ def _train(config, nproc: Optional[int]) -> int:
         validate(config, int(os.environ["WORLD_SIZE"]), torch.cuda.is_available())
         from .trainer import train
 
-        train(config)
+        train(config, cpu=cpu)
         return 0
     nproc = 1 if nproc is None else nproc
     if nproc < 1:
         raise ValueError(f"--nproc ({nproc}) must be >= 1")
     validate(config, nproc)
-    return launch(config, nproc, config.parallel.ranks_per_node)
+    return launch(config, nproc, config.parallel.ranks_per_node, cpu=cpu)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -108,10 +115,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "train":
             config = _load(args.config, args.overrides, args.output, args.ranks_per_node)
-            return _train(config, args.nproc)
+            return _train(config, args.nproc, args.cpu)
         if args.command == "demo":
             config = _load(demo_config_path(), args.overrides, args.output, DEMO_ARGS["ranks_per_node"])
-            return _train(config, DEMO_ARGS["nproc"])
+            return _train(config, DEMO_ARGS["nproc"], args.cpu)
         if args.command == "train-vae":
             from .vae_stage import train_vae, vae_cache_path
 

@@ -77,7 +77,7 @@ class _Heartbeat:
 
 
 def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config,
-            shared, target: Optional[Callable]) -> None:
+            shared, target: Optional[Callable], cpu: bool) -> None:
     os.setpgid(0, 0)   # own process group: the launcher can end this rank and any helper it forked
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -86,6 +86,10 @@ def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int,
     import torch
 
     torch.set_num_threads(threads)
+    if cpu:  # explicit CPU mode (`--cpu`), entered before anything builds Megatron objects
+        from megatron_video.compat import ensure_cpu_mode
+
+        ensure_cpu_mode()
     if target is None:
         from .trainer import train as target
 
@@ -142,8 +146,10 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
 
 
 def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
-           target: Optional[Callable] = None) -> int:
+           target: Optional[Callable] = None, cpu: bool = False) -> int:
     """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success).
+
+    ``cpu``: every rank enters CPU mode (``megatron_video.compat.ensure_cpu_mode``) first.
 
     ``target(config, heartbeat=...)`` runs on every rank (default: ``trainer.train``). If a rank
     dies, or no rank makes progress for ``config.train.rank_timeout_s`` seconds, every rank (and
@@ -161,7 +167,7 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         from .trainer import train
 
-        train(config)
+        train(config, cpu=cpu)
         return 0
     threads = max(1, (os.cpu_count() or 1) // nproc)
     port = _free_port()
@@ -172,7 +178,7 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
                                 "megatron_video.training.trainer"])
     shared = ctx.Array("d", [-1.0, 0.0, 0.0] * nproc, lock=False)
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config, shared,
-                                               target), daemon=False) for r in range(nproc)]
+                                               target, cpu), daemon=False) for r in range(nproc)]
     for p in procs:
         p.start()
     code, reason = 1, ""

@@ -2,28 +2,35 @@
 Megatron-LM entry ``examples/pretrain_video_dit.py``)."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any, Dict
 
 import torch
+from megatron.core.transformer import TransformerConfig
 
-from megatron_video.compat import cpu_transformer_config_kwargs
+from megatron_video.compat import device_transformer_config_kwargs
 from megatron_video.models.ar_dit import ARVideoDiT
 from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
 
 from .config import Config
 
-__all__ = ["transformer_config", "build_model"]
+__all__ = ["transformer_config", "video_fields", "video_transformer_config", "build_model"]
 
 
 def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
     """``VideoDiTConfig`` (a Megatron ``TransformerConfig``) for ``config``.
 
-    Fusions stay off (they need Apex / TE); weights are initialised on the CPU, so every parallel
-    layout starts from the same full weights (TP shards are slices of them).
+    ``has_gpu`` chooses the device settings (``compat.device_transformer_config_kwargs``): on a GPU
+    weights are initialised on the device and the fusions are on (those needing TE / Apex only where
+    installed); on a CPU fusions are off and weights are initialised on the CPU, so every parallel
+    layout starts from the same full weights (TP shards are slices of them). The dtype is bf16 when
+    ``train.bf16``, else fp32, on either device.
     """
     m, p = config.model, config.parallel
     dtype = torch.bfloat16 if config.train.bf16 else torch.float32
-    kw = cpu_transformer_config_kwargs(
+    kw = device_transformer_config_kwargs(
+        has_gpu,
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         kv_channels=m.hidden_size // m.num_attention_heads,
@@ -44,6 +51,29 @@ def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
         return VideoDiTConfig(**kw)
+
+
+def video_fields(config: Config) -> Dict[str, Any]:
+    """The fields ``VideoDiTConfig`` adds to Megatron's ``TransformerConfig``, from ``config``."""
+    ours = transformer_config(config, has_gpu=False)
+    base = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {f.name: getattr(ours, f.name) for f in dataclasses.fields(VideoDiTConfig)
+            if f.init and f.name not in base}
+
+
+def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDiTConfig:
+    """``base`` (the config Megatron-LM built from its command line) plus only the video fields.
+
+    Every Megatron field -- sizes, normalisation, activation, init, precision, recompute, sequence
+    parallel, fusions, fp8 -- is taken from ``base`` unchanged (examples/pretrain_video_dit.py).
+    """
+    if not isinstance(base, TransformerConfig):
+        raise ValueError(f"base ({type(base).__name__}) must be a megatron.core TransformerConfig")
+    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(type(base)) if f.init}
+    kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(VideoDiTConfig)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
+        return VideoDiTConfig(**{**kw, **video_fields(config)})
 
 
 def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,

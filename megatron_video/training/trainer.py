@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from megatron_video.compat import (cpu_optimizer_config_kwargs, destroy_model_parallel,
-                                   ensure_cpu_mode, initialize_model_parallel)
+from megatron_video.compat import (cpu_mode_active, cpu_optimizer_config_kwargs,
+                                   destroy_model_parallel, ensure_cpu_mode,
+                                   initialize_model_parallel)
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.parallel import comm
@@ -92,13 +93,18 @@ class Trainer:
     """One training job on an initialised process group (see the module docstring)."""
 
     def __init__(self, config: Config, progress: Optional[bool] = None,
-                 heartbeat: Optional[Callable[[int], None]] = None):
+                 heartbeat: Optional[Callable[[int], None]] = None, cpu: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
-        ensure_cpu_mode()
+        if cpu:  # explicit: `megatron-video ... --cpu` (a no-op where CUDA is available)
+            ensure_cpu_mode()
+        if not torch.cuda.is_available() and not cpu_mode_active():
+            raise RuntimeError("no CUDA device: run on CPU with `megatron-video ... --cpu`, or call "
+                               "megatron_video.compat.ensure_cpu_mode() before the trainer "
+                               "(docs/architecture.md, 'CPU mode')")
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.has_gpu = torch.cuda.is_available()
@@ -509,19 +515,20 @@ class Trainer:
 
 
 def train(config: Config, progress: Optional[bool] = None,
-          heartbeat: Optional[Callable[[int], None]] = None) -> Dict:
+          heartbeat: Optional[Callable[[int], None]] = None, cpu: bool = False) -> Dict:
     """Run a whole job in this process (one rank); initialises and tears down what it set up.
     Without a ``heartbeat`` (torchrun) the process group's timeout is ``train.rank_timeout_s``:
     a collective waiting that long on a dead or hung peer raises. With one, the launcher's watchdog
     ends the job after ``train.rank_timeout_s`` without progress and names the rank; the group's
-    own timeout is then a backstop."""
+    own timeout is then a backstop. ``cpu``: enter CPU mode first (``megatron_video.compat.ensure_cpu_mode``;
+    a no-op on a GPU)."""
     timeout = config.train.rank_timeout_s
     owns = init_distributed(timeout if heartbeat is None else 2 * timeout + 60)
     trainer = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
-            trainer = Trainer(config, progress=progress, heartbeat=heartbeat)
+            trainer = Trainer(config, progress=progress, heartbeat=heartbeat, cpu=cpu)
             return trainer.run()
     finally:
         if trainer is not None:

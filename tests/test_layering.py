@@ -1,0 +1,43 @@
+"""Layers import only downward (docs/architecture.md, "Layers of the code"): a module of layer L
+imports megatron_video modules of layers above L only. Read from the source (AST), no imports."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "megatron_video"
+ORDER = ["compat", "parallel", "layouts", "ops", "attention", "models", "diffusion", "data", "training"]
+# Known upward imports still to be removed (the caption vocabulary lives in data.synthetic).
+KNOWN = {("models/video_dit.py", "data"), ("models/embedders.py", "data")}
+
+
+def _imported_layers(path: Path):
+    rel = path.relative_to(ROOT).parts
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this file's package
+                base = list(rel[:-1])[: len(rel) - node.level]
+                mod = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.startswith("megatron_video."):
+                mod = node.module.split(".")[1:]
+            else:
+                continue
+            yield mod[0] if mod else None, node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("megatron_video."):
+                    yield a.name.split(".")[1], node.lineno
+
+
+def test_layers_import_only_downward():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).parts
+        if len(rel) < 2 or rel[0] not in ORDER:
+            continue
+        me = ORDER.index(rel[0])
+        for layer, line in _imported_layers(path):
+            key = ("/".join(rel), layer)
+            if layer in ORDER and ORDER.index(layer) > me and key not in KNOWN:
+                bad.append(f"{'/'.join(rel)}:{line} imports {layer} (below {rel[0]})")
+    assert not bad, "\n".join(bad)
+    # the cycle this rule removed
+    assert not any(layer == "models" for layer, _ in _imported_layers(ROOT / "layouts" / "stdit.py"))
