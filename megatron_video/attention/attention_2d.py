@@ -1,11 +1,12 @@
 """2D context-parallel attention: Ulysses all-to-all (inside a node) x P2P ring (across nodes).
 
-``dist_attention`` = all-to-all (scatter heads, gather the U shards of the sequence) -> exact ring
-attention over the R ring ranks -> inverse all-to-all. N = U*R = 1 (local), U = 1 (pure ring) and
-R = 1 (pure Ulysses) take the same path. Every ring step derives its mask from global token ids, so
-any layout is exact and the gathered tokens need no permutation; with the zigzag layout and
-``ulysses_inner`` placement ring rank ``r`` holds the zigzag chunks of its Ulysses group, the same
-causal work on every ring rank.
+``dist_attention`` = all-to-all (scatter heads, gather the U shards of the sequence) -> reorder the
+gathered tokens by global id -> exact ring attention over the R ring ranks -> inverse reorder ->
+inverse all-to-all. N = U*R = 1 (local), U = 1 (pure ring) and R = 1 (pure Ulysses) take the same
+path. Every ring step derives its mask from global token ids, so any layout is exact; sorting the
+gathered ids gives ring rank ``r`` the zigzag chunks ``r`` and ``2R-1-r`` (of ``2R``) for the
+zigzag layout with ``ulysses_inner`` placement, i.e. a balanced causal ring, and keeps each shard
+in a few runs of consecutive ids (the granularity at which fully masked sub-blocks are skipped).
 
 Every ring step runs on the tiled engine (``attention.engine``): per-rank memory is linear in the
 sequence (no ``s x s`` mask or score tensor), fully masked tiles cost nothing.
@@ -69,7 +70,7 @@ def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_r
 
     Returns ``(gathered, ring_ids)``: the global ids of this rank's sequence right after the Ulysses
     all-to-all (shards concatenated in Ulysses group-rank order), and for each ring position ``j``
-    the global ids that ring rank holds during ring attention (its Ulysses group's gather order).
+    the sorted global ids that ring rank holds during ring attention.
     """
     n = len(cp_ranks)
     cp_of = {g: c for c, g in enumerate(cp_ranks)}
@@ -78,7 +79,7 @@ def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_r
     ring_ids = []
     for g in ring_ranks:
         members = next(grp for grp in ulysses_cp if cp_of[g] in grp)
-        ring_ids.append(concat_global_ids(members, n, seq_len, scheme))
+        ring_ids.append(torch.sort(concat_global_ids(members, n, seq_len, scheme)).values)
     return gathered, ring_ids
 
 
@@ -157,17 +158,20 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
         q = seq_to_heads(q, ug, "ulysses.q")
         k = seq_to_heads(prepare_kv(k, U), ug, "ulysses.k")
         v = seq_to_heads(prepare_kv(v, U), ug, "ulysses.v")
-    # No permutation: the engine takes the gathered order as it is (its tiles follow runs of
-    # consecutive ids, and masks are evaluated on global ids), so ring rank r holds exactly the ids
-    # its Ulysses group gathered.
-    if not torch.equal(gathered, ring_ids[ring_rank]):
-        raise RuntimeError("internal: the Ulysses gather order disagrees with the ring's index map")
+    order = torch.argsort(gathered)
+    reorder = not torch.equal(order, torch.arange(order.numel()))
+    if reorder:  # a local permutation: sorted global ids on every ring rank
+        order = order.to(q.device)
+        q, k, v = (x.index_select(1, order) for x in (q, k, v))
+
     kernel = engine.engine_backend(backend, q)
     plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=list(ring_ids), mask=mask,
                     softmax_scale=scale, backend=kernel, stats=stats,
                     tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device))
     out = ring_attention(q, k, v, plan)
 
+    if reorder:
+        out = out.index_select(1, torch.argsort(order))
     if U > 1:
         out = heads_to_seq(out, ug, "ulysses.out")
     return out
