@@ -330,7 +330,7 @@ def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
     Path(cfg.output).mkdir()
     Path(cfg.output, "fault").write_text(fault)
     t0 = time.time()
-    code = launch(cfg, 4, 2, target=_faulty_train)
+    code = launch(cfg, 4, 2, target=_faulty_train, cpu=True)
     took = time.time() - t0
     err = capsys.readouterr().err
     assert code != 0
