@@ -183,6 +183,21 @@ def _crafted_index(tmp):
         assert not (tmp / "pwned").exists(), "the payload ran"
 
 
+def _crafted_common_state(tmp):
+    """megatron-core >= 0.19 keeps the common state as a pickled object inside the torch_dist files;
+    a crafted one must be refused without running (torch's default planner would unpickle it)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron_video.training import checkpoint as ckpt
+
+    payload = io.BytesIO(pickle.dumps([_Payload(str(tmp / "pwned"))]))
+    dcp.save({"weight": torch.zeros(3), ckpt._COMMON_STATE_KEY: payload},
+             storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    try:
+        ckpt.safe_read_common(tmp, ckpt.safe_read_index(tmp))
+    finally:
+        assert not (tmp / "pwned").exists(), "the payload ran"
+
+
 def _crafted_vae(tmp):
     from megatron_video.training.vae_stage import load_vae
 
@@ -247,6 +262,7 @@ CHECKPOINTS = {
     "bad_tracker": (_bad_tracker, "latest_checkpointed_iteration.txt"),
     "missing_iteration": (_missing_iteration, "iter_0000007"),
     "crafted_index": (_crafted_index, "checkpoint index"),
+    "crafted_common_state": (_crafted_common_state, "common state"),
 }
 DATA = {
     "crafted_vae": (_crafted_vae, "vae.weights"),

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TRACKER_FILE", "latest_step", "checkpoint_path", "save_checkpoint", "load_checkpoint",
-           "rng_state", "set_rng_state", "safe_read_index"]
+           "rng_state", "set_rng_state", "safe_read_index", "safe_read_common"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
@@ -191,6 +191,7 @@ _INDEX_NAMES = {  # plain dataclasses / enums of a torch.distributed.checkpoint 
                                         "LoadPlan", "ReadItem", "LoadItemType")),
     (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),   # StorageMeta.checkpoint_id (a plain value)
 }
 
 
@@ -222,19 +223,52 @@ def safe_read_index(path) -> object:
 
     if not isinstance(index, Metadata):
         raise ValueError(f"checkpoint index {f} holds {type(index).__name__}, must be a tensor index")
-    objects = sorted(k for k, v in index.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    objects = sorted(k for k, v in index.state_dict_metadata.items()
+                     if isinstance(v, BytesStorageMetadata) and k != _COMMON_STATE_KEY)
     if objects:
         raise ValueError(f"checkpoint {path} stores pickled objects {objects[:5]}: refused (a checkpoint "
                          f"must hold tensors only; loading them would run arbitrary code)")
     return index
 
 
-def _safe_common(path) -> dict:
+# megatron-core >= 0.19 stores the common (non-tensor) state as one ShardedObject inside the
+# torch_dist checkpoint (its unique key below) instead of ``common.pt``; torch's default load
+# planner would unpickle it unrestricted, so its bytes are read raw and checked weights-only first.
+_COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+def _raw_bytes_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class _RawBytes(DefaultLoadPlanner):
+        """Copies BYTE_IO items raw into the caller's ``BytesIO`` (never unpickled by the planner)."""
+
+        def load_bytes(self, read_item, value):
+            self.state_dict[read_item.dest_index.fqn].write(value.read())
+
+    return _RawBytes(flatten_state_dict=False)
+
+
+def safe_read_common(path, index) -> dict:
+    """The checkpoint's common state, read with ``torch.load(weights_only=True)``: from ``common.pt``
+    (megatron-core <= 0.18) or from the torch_dist ``common_state`` object (>= 0.19)."""
     f = Path(path) / "common.pt"
+    what = str(f)
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        if f.exists() or _COMMON_STATE_KEY not in index.state_dict_metadata:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        import torch.distributed.checkpoint as dcp
+
+        what = f"{path} [{_COMMON_STATE_KEY}]"
+        buf = {_COMMON_STATE_KEY: io.BytesIO()}
+        dcp.load(buf, storage_reader=dcp.FileSystemReader(str(path)), planner=_raw_bytes_planner(),
+                 no_dist=True)
+        raw = buf[_COMMON_STATE_KEY]
+        raw.seek(0)
+        loaded = torch.load(raw, map_location="cpu", weights_only=True)
+        return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
     except Exception as e:
-        raise ValueError(f"checkpoint common state {f} is unreadable or not weights-only (refused, nothing "
+        raise ValueError(f"checkpoint common state {what} is unreadable or not weights-only (refused, nothing "
                          f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
@@ -325,7 +359,7 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Opt
 
 
 def _shape_refusal(path, index, request: dict, saved_meta: dict, meta: Optional[dict]) -> Optional[str]:
-    saved = {k: tuple(v.size) for k, v in index.state_dict_metadata.items()}
+    saved = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if hasattr(v, "size")}
     wanted = _sharded_tensors(request)
     missing = sorted(k for k in wanted if k not in saved)
     wrong = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
@@ -360,7 +394,7 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
     reason, common, index = None, {}, None
     try:
         index = safe_read_index(path)
-        common = _safe_common(path)
+        common = safe_read_common(path, index)
     except ValueError as e:
         reason = str(e)
     _agree(reason, f"checkpoint {path} refused")
