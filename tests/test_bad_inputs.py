@@ -183,19 +183,28 @@ def _crafted_index(tmp):
         assert not (tmp / "pwned").exists(), "the payload ran"
 
 
-def _crafted_common_state(tmp):
-    """megatron-core >= 0.19 keeps the common state as a pickled object inside the torch_dist files;
-    a crafted one must be refused without running (torch's default planner would unpickle it)."""
-    import torch.distributed.checkpoint as dcp
-    from megatron_video.training import checkpoint as ckpt
+def _crafted_common_state(layers: int):
+    """megatron-core >= 0.19 keeps the common state as a pickled object inside the torch_dist files
+    (torch's default load planner would unpickle it unrestricted); a crafted one, stored raw
+    (``layers=1``) or wrapped once more in a ``BytesIO`` as torch's save planner does (``layers=2``),
+    must be refused without running."""
+    def run(tmp):
+        import torch.distributed.checkpoint as dcp
+        from megatron_video.training import checkpoint as ckpt
 
-    payload = io.BytesIO(pickle.dumps([_Payload(str(tmp / "pwned"))]))
-    dcp.save({"weight": torch.zeros(3), ckpt._COMMON_STATE_KEY: payload},
-             storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
-    try:
-        ckpt.safe_read_common(tmp, ckpt.safe_read_index(tmp))
-    finally:
-        assert not (tmp / "pwned").exists(), "the payload ran"
+        class _Raw(dcp.DefaultSavePlanner):   # writes the object's bytes as given
+            def transform_object(self, write_item, obj):
+                return obj
+
+        payload = io.BytesIO(pickle.dumps([_Payload(str(tmp / "pwned"))]))
+        dcp.save({"weight": torch.zeros(3), ckpt._COMMON_STATE_KEY: payload},
+                 storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True,
+                 planner=_Raw() if layers == 1 else None)
+        try:
+            ckpt.safe_read_common(tmp, ckpt.safe_read_index(tmp))
+        finally:
+            assert not (tmp / "pwned").exists(), "the payload ran"
+    return run
 
 
 def _crafted_vae(tmp):
@@ -262,7 +271,8 @@ CHECKPOINTS = {
     "bad_tracker": (_bad_tracker, "latest_checkpointed_iteration.txt"),
     "missing_iteration": (_missing_iteration, "iter_0000007"),
     "crafted_index": (_crafted_index, "checkpoint index"),
-    "crafted_common_state": (_crafted_common_state, "common state"),
+    "crafted_common_state": (_crafted_common_state(1), "common state"),
+    "crafted_common_state_wrapped": (_crafted_common_state(2), "common state"),
 }
 DATA = {
     "crafted_vae": (_crafted_vae, "vae.weights"),

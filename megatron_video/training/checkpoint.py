@@ -266,6 +266,9 @@ def safe_read_common(path, index) -> dict:
         raw = buf[_COMMON_STATE_KEY]
         raw.seek(0)
         loaded = torch.load(raw, map_location="cpu", weights_only=True)
+        if isinstance(loaded, io.BytesIO):   # a second serialisation layer (torch's default planner)
+            loaded.seek(0)
+            loaded = torch.load(loaded, map_location="cpu", weights_only=True)
         return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
     except Exception as e:
         raise ValueError(f"checkpoint common state {what} is unreadable or not weights-only (refused, nothing "
