@@ -41,7 +41,6 @@ import torch
 from megatron.core.models.multimodal import llava_model as _llava
 
 from ..attention.megatron import DistAttention2D
-from ..attention.ulysses import check_heads
 from ..parallel.topology import check_cp_comm_type
 from .sharding import MMSPBatch, plan_batch, reshard_to_llm
 
@@ -166,9 +165,10 @@ class MMSPLLaVAModel(LLaVAModel):
                              f"images ({n_tiles})")
         cfg, tp = self.config, self.tensor_model_parallel_size_lm
         groups = self._groups() if self.language_model is not None else None
-        if groups is not None:
-            check_heads(cfg.num_attention_heads // tp, (cfg.num_query_groups or cfg.num_attention_heads)
-                        // tp, groups.ulysses_size)
+        if groups is not None and (cfg.num_attention_heads // tp) % groups.ulysses_size:
+            raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) / "
+                             f"tensor_model_parallel_size ({tp}) must be divisible by the Ulysses "
+                             f"size ({groups.ulysses_size}, from cp_comm_type {cfg.cp_comm_type!r})")
         batch = plan_batch(input_ids, tiles, token, self.img_seq_len, self.cp_group.rank(),
                            self.context_parallel_lm, self.tubelet_size,
                            seq_len=self._language_max_sequence_length
