@@ -185,7 +185,8 @@ def _step(model, name, cp_group=None):
         qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(cu[-1]),
         max_seqlen_kv=int(cu[-1]))  # RoPE length: the combined sequence (positions are global)
     model.zero_grad(set_to_none=True)
-    logits, _ = model(images, ids, pos, None, num_image_tiles=tiles, packed_seq_params=packed)
+    logits, _ = model(images, ids, pos, None, num_image_tiles=tiles, packed_seq_params=packed,
+                      runtime_gather_output=True)
     batch = model.last_mmsp_batch if cp_group is not None else None
     lab, mask = model.local_labels(ids, labels, loss_mask, tiles, batch=batch)
     ce = torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), lab.flatten().clamp(min=0),

@@ -85,5 +85,5 @@ def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_
         vision_projection_config=pcfg,
         vision_projection_layer_spec=_mlp_submodules(get_mlp_module_spec(use_te=False)),
         language_position_embedding_type="rope", img_h=s.img_size, img_w=s.img_size,
-        patch_dim=s.patch_dim, image_token_index=s.image_token_index, parallel_output=False,
+        patch_dim=s.patch_dim, image_token_index=s.image_token_index,
         vision_model=encoder)
