@@ -290,3 +290,54 @@ def test_exact_vs_single_process_two_nodes(pool4):
 def test_exact_vs_single_process_ulysses4(pool4):
     per_rank = pool4.run(_run, ["u4"], DATA, ranks_per_node=4)
     _check(per_rank, ["u4"], DATA)
+
+
+# ---------------------------------------------------------------------------------------------
+# the primitive: comm.all_to_all_v with uneven (and zero) counts, its inverse backward, bad counts
+# ---------------------------------------------------------------------------------------------
+COUNTS = [[0, 3, 1, 2], [2, 0, 0, 5], [1, 1, 1, 1], [0, 0, 4, 0]]  # COUNTS[src][dst]
+
+
+def _a2av_rows():
+    import torch.distributed as dist
+
+    from megatron_video.parallel import comm
+
+    me, n = dist.get_rank(), 4
+    # row (src, dst, k) carries the value 100*src + 10*dst + k, three features wide
+    vals = [100 * me + 10 * d + k for d in range(n) for k in range(COUNTS[me][d])]
+    x = torch.tensor(vals, dtype=torch.float64)[:, None].repeat(1, 3).requires_grad_(True)
+    with comm.CommTracer() as tr:
+        y = comm.all_to_all_v(x, COUNTS[me], None, tag="t")
+        (y * (1 + torch.arange(y.shape[0], dtype=torch.float64))[:, None]).sum().backward()
+    errors = {}
+    bad_sum = [COUNTS[me][0] + 1] + COUNTS[me][1:]
+    for name, counts in (("length", [1, 2, 3]), ("sum", bad_sum), ("negative", [-1, 3, 1, 3])):
+        try:
+            comm.all_to_all_v(x.detach()[: sum(COUNTS[me])], counts, None)
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+        dist.barrier()
+    return dict(y=y.detach(), grad=x.grad, fwd=tr.bytes("all_to_all_v", "fwd"),
+                bwd=tr.bytes("all_to_all_v", "bwd"), calls=tr.count("all_to_all_v"),
+                counts_calls=tr.count("a2a_counts"), errors=errors)
+
+
+def test_all_to_all_v_uneven_counts(pool4):
+    res = pool4.run(_a2av_rows)
+    for me, r in enumerate(res):
+        want = [100 * s + 10 * me + k for s in range(4) for k in range(COUNTS[s][me])]
+        assert r["y"][:, 0].tolist() == want and (r["y"] == r["y"][:, :1]).all()
+        assert r["calls"] == 2 and r["counts_calls"] == 1
+        row = 3 * 8
+        assert r["fwd"] == row * (sum(COUNTS[me]) - COUNTS[me][me])
+        assert r["bwd"] == row * (sum(COUNTS[s][me] for s in range(4)) - COUNTS[me][me])
+        # the gradient of each sent row is the weight its receiver gave it (1 + received position)
+        for d in range(4):
+            start = sum(COUNTS[me][:d])
+            pos0 = sum(COUNTS[s][d] for s in range(me))
+            for k in range(COUNTS[me][d]):
+                assert r["grad"][start + k].tolist() == [1.0 + pos0 + k] * 3, (me, d, k)
+        for name, msg in r["errors"].items():
+            assert msg is not None and "send_counts" in msg, (name, msg)
