@@ -341,3 +341,91 @@ def test_all_to_all_v_uneven_counts(pool4):
                 assert r["grad"][start + k].tolist() == [1.0 + pos0 + k] * 3, (me, d, k)
         for name, msg in r["errors"].items():
             assert msg is not None and "send_counts" in msg, (name, msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline parallelism: PP2 x CP2 through Megatron's pipelined schedule
+# ---------------------------------------------------------------------------------------------
+def _stage_name(model, name):
+    """Parameter name with the stage's local layer index replaced by the global one."""
+    parts = name.split(".")
+    if parts[:3] == ["language_model", "decoder", "layers"]:
+        parts[3] = str(model.language_model.decoder.layers[int(parts[3])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _pp_run():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_video.compat import destroy_model_parallel
+    from megatron_video.mmsp import global_token_loss
+    from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
+
+    sizes = VideoLLaVASizes(**SIZES)
+    images, ids, labels, loss_mask, tiles, _ = _data("unpacked")
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    f64 = dict(pipeline_dtype=torch.float64)
+
+    def step(model, cp_group):
+        def fwd(it, m):
+            next(it)
+            out, mask = m(images, ids, pos, None, labels=labels, loss_mask=loss_mask,
+                          num_image_tiles=tiles)
+
+            def loss_func(o):
+                share = global_token_loss(o.double(), mask, cp_group)
+                return share, {"loss": share.detach().clone()}  # the schedule scales share in place
+            return out, loss_func
+
+        model.zero_grad(set_to_none=True)
+        return get_forward_backward_func()(
+            forward_step_func=fwd, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=SIZES["max_sequence_length"], micro_batch_size=ids.shape[0], forward_only=False)
+
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(3)
+    torch.manual_seed(3)
+    ref = video_llava_model(sizes, **f64).double()
+    _perturb(ref)
+    weights = _full(ref, "param")
+    ref_loss = float(step(ref, None)[0]["loss"])
+    ref_grads = {k: v.clone() for k, v in _full(ref, "grad").items()}
+    destroy_model_parallel()
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2)
+    try:
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        model = video_llava_model(sizes, cp=2, cp_comm_type="a2a", pp=2, pre_process=first,
+                                  post_process=last, **f64).double()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[_stage_name(model, name)])
+        losses = step(model, ps.get_context_parallel_group())
+        grads = {_stage_name(model, k): v / 2 for k, v in _full(model, "grad").items()}  # schedule x CP
+        loss = float(losses[0]["loss"]) if last else None
+        if last:
+            t = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(t, group=ps.get_context_parallel_group())
+            loss = float(t)
+    finally:
+        destroy_model_parallel()
+    return dict(ref_loss=ref_loss, ref_grads=ref_grads, loss=loss, grads=grads, first=first, last=last)
+
+
+def test_pipeline_pp2_cp2(pool4):
+    per_rank = pool4.run(_pp_run)
+    seen = set()
+    for rank, r in enumerate(per_rank):
+        assert r["first"] != r["last"]
+        if r["last"]:  # Megatron's CE runs in fp32: the loss agrees to fp32 rounding
+            assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
+        for k, g in r["grads"].items():
+            ref = r["ref_grads"][k]
+            assert_close(g, ref, rtol=1e-5, atol=1e-6 * (float(ref.abs().max()) + 1e-30),
+                         msg=lambda m: f"pp2xcp2 rank{rank} grad {k}: {m}")
+            seen.add(k)
+    assert seen == set(per_rank[0]["ref_grads"]), sorted(set(per_rank[0]["ref_grads"]) - seen)
+    assert any(k.startswith("vision_model.") for k in seen)

@@ -40,12 +40,14 @@ def _mlp_submodules(spec):
 
 
 def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_type=None,
-                      two_d_attention: bool = True, init_std: float = 0.02, **config_kwargs):
+                      two_d_attention: bool = True, init_std: float = 0.02, pp: int = 1,
+                      pre_process: bool = True, post_process: bool = True, **config_kwargs):
     """An ``MMSPLLaVAModel``: ``FrameViT`` encoder, MLP projector, GPT with RoPE (local specs).
 
     ``two_d_attention=False`` keeps Megatron's own local core attention in the LLM (CP = 1 only):
     the independent reference the MM-SP tests compare against. Megatron's parallel state must be
-    initialised with the same ``tp`` / ``cp``.
+    initialised with the same ``tp`` / ``cp`` / ``pp``; with ``pp > 1`` pass this stage's
+    ``pre_process`` / ``post_process`` (the encoder lives on the first stage, as in Megatron).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
@@ -64,7 +66,8 @@ def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_
     lcfg = TransformerConfig(num_layers=s.num_layers, hidden_size=s.hidden_size,
                              num_attention_heads=s.num_attention_heads,
                              num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size,
-                             context_parallel_size=cp, cp_comm_type=cp_comm_type, **common)
+                             context_parallel_size=cp, cp_comm_type=cp_comm_type,
+                             pipeline_model_parallel_size=pp, **common)
     vcfg = TransformerConfig(num_layers=s.vision_layers, hidden_size=s.vision_hidden_size,
                              num_attention_heads=s.vision_heads,
                              ffn_hidden_size=2 * s.vision_hidden_size, **common)
@@ -77,7 +80,7 @@ def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_
     lspec = get_gpt_layer_local_spec()
     if two_d_attention:
         lspec = with_2d_attention(lspec)
-    encoder = FrameViT(vcfg, vspec, s.img_size, s.img_size, s.patch_dim)
+    encoder = FrameViT(vcfg, vspec, s.img_size, s.img_size, s.patch_dim) if pre_process else None
     return MMSPLLaVAModel(
         lcfg, lspec, language_vocab_size=s.vocab_size,
         language_max_sequence_length=s.max_sequence_length, vision_transformer_config=vcfg,
@@ -86,4 +89,5 @@ def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_
         vision_projection_layer_spec=_mlp_submodules(get_mlp_module_spec(use_te=False)),
         language_position_embedding_type="rope", img_h=s.img_size, img_w=s.img_size,
         patch_dim=s.patch_dim, image_token_index=s.image_token_index,
-        vision_model=encoder)
+        vision_model=encoder, pre_process=pre_process, post_process=post_process,
+        add_encoder=pre_process)

@@ -102,6 +102,10 @@ class MMSPLLaVAModel(LLaVAModel):
             self.vision_projection = MultimodalProjector(
                 named["vision_projection_config"], named["vision_projection_layer_spec"],
                 named["vision_projection_type"], width, tp_group=self.pg_collection.tp)
+        if not hasattr(self, "model_type"):  # what Megatron's schedules read (Megatron-LM sets it too)
+            from megatron.core.enums import ModelType
+
+            self.model_type = ModelType.encoder_or_decoder
         self.context_parallel_lm = cp
         self.cp_group = self.pg_collection.cp if cp > 1 else None
         self.tubelet_size = tubelet_size
