@@ -101,9 +101,11 @@ def _rank(frames, text):
     local = b.shards.local_units(rank)
 
     # stage 1: this rank's frames vs all frames
-    _, out["flops_mmsp"] = _flops(lambda: model._encode(images[local]))
+    from megatron_video.mmsp import encode_local
+
+    _, out["flops_mmsp"] = _flops(lambda: encode_local(model._encode, images, b))
     _, out["flops_repl"] = _flops(lambda: model._encode(images))
-    _, out["act_mmsp"] = _saved_bytes(lambda: model._encode(images[local]))
+    _, out["act_mmsp"] = _saved_bytes(lambda: encode_local(model._encode, images, b))
     _, out["act_repl"] = _saved_bytes(lambda: model._encode(images))
     out["frames_mmsp"], out["frames_total"] = int(local.numel()), int(images.shape[0])
 

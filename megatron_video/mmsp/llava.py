@@ -42,7 +42,7 @@ from megatron.core.models.multimodal import llava_model as _llava
 
 from ..attention.megatron import DistAttention2D
 from ..parallel.topology import check_cp_comm_type
-from .sharding import MMSPBatch, plan_batch, reshard_to_llm
+from .sharding import MMSPBatch, encode_local, plan_batch, reshard_to_llm
 
 __all__ = ["MMSPLLaVAModel"]
 
@@ -125,14 +125,15 @@ class MMSPLLaVAModel(LLaVAModel):
         return None
 
     def _encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Megatron's vision call on this rank's tiles: ``[n_local * img_seq_len, h_language]``."""
+        """Megatron's vision call (model, class-token drop, pixel shuffle, projector) on some tiles:
+        ``[n, img_seq_len, h_language]``."""
         emb = self.vision_model(images)  # [n_local, img_seq_len (+cls), h_vision]
         if self._drop_vision_class_token:
             emb = emb[:, self.vision_model.class_token_len:, :]
         if self._pixel_shuffle:
             emb = _llava.pixel_shuffle(emb)
         emb = self.vision_projection(emb.permute(1, 0, 2).contiguous())  # [img_seq_len, n, h]
-        return emb.permute(1, 0, 2).reshape(-1, emb.shape[-1])
+        return emb.permute(1, 0, 2)  # [n, img_seq_len, h_language]
 
     def forward(self, images, input_ids, position_ids, attention_mask, labels=None, loss_mask=None,
                 inference_context=None, num_image_tiles=None, image_token_index=None,
@@ -192,8 +193,7 @@ class MMSPLLaVAModel(LLaVAModel):
         if self.pre_process:
             h = cfg.hidden_size
             if self.add_encoder and has_images:
-                local = images.index_select(0, batch.shards.local_units(batch.plan.rank).to(images.device))
-                visual = self._encode(local)
+                visual = encode_local(self._encode, images, batch)  # this rank's frames only
             elif self.add_encoder:
                 visual = torch.zeros(0, h, dtype=cfg.params_dtype)
             else:
