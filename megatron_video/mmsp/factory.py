@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["VideoLLaVASizes", "video_llava_model"]
+__all__ = ["VideoLLaVASizes", "video_llava_configs", "video_llava_model"]
 
 
 @dataclass
@@ -39,27 +39,14 @@ def _mlp_submodules(spec):
     return spec.keywords["submodules"]
 
 
-def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_type=None,
-                      two_d_attention: bool = True, init_std: float = 0.02, pp: int = 1,
-                      pre_process: bool = True, post_process: bool = True, **config_kwargs):
-    """An ``MMSPLLaVAModel``: ``FrameViT`` encoder, MLP projector, GPT with RoPE (local specs).
-
-    ``two_d_attention=False`` keeps Megatron's own local core attention in the LLM (CP = 1 only):
-    the independent reference the MM-SP tests compare against. Megatron's parallel state must be
-    initialised with the same ``tp`` / ``cp`` / ``pp``; with ``pp > 1`` pass this stage's
-    ``pre_process`` / ``post_process`` (the encoder lives on the first stage, as in Megatron).
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+def video_llava_configs(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_type=None,
+                        init_std: float = 0.02, pp: int = 1, has_gpu: bool = False, **config_kwargs):
+    """``(language, vision, projector)`` ``TransformerConfig``s of ``video_llava_model``."""
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
 
     from ..compat import cpu_transformer_config_kwargs
-    from ..models.specs import with_2d_attention
-    from .encoders import FrameViT
-    from .llava import MMSPLLaVAModel
 
-    common = dict(cpu_transformer_config_kwargs() if not torch.cuda.is_available() else {})
+    common = dict(cpu_transformer_config_kwargs() if not has_gpu else {})
     common.update(attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=tp,
                   init_method_std=init_std, **config_kwargs)
     s = sizes
@@ -74,8 +61,36 @@ def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_
     vcfg.vision_model_type = "clip"  # LLaVAModel's token count rule: patches + 1 class token
     pcfg = TransformerConfig(num_layers=1, hidden_size=s.hidden_size, num_attention_heads=tp,
                              ffn_hidden_size=s.hidden_size, **common)
-    vspec = get_vit_layer_with_local_spec()
-    vspec = copy.deepcopy(vspec)
+    return lcfg, vcfg, pcfg
+
+
+def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_type=None,
+                      two_d_attention: bool = True, init_std: float = 0.02, pp: int = 1,
+                      pre_process: bool = True, post_process: bool = True, language_config=None,
+                      **config_kwargs):
+    """An ``MMSPLLaVAModel``: ``FrameViT`` encoder, MLP projector, GPT with RoPE (local specs).
+
+    ``two_d_attention=False`` keeps Megatron's own local core attention in the LLM (CP = 1 only):
+    the independent reference the MM-SP tests compare against. Megatron's parallel state must be
+    initialised with the same ``tp`` / ``cp`` / ``pp``; with ``pp > 1`` pass this stage's
+    ``pre_process`` / ``post_process`` (the encoder lives on the first stage, as in Megatron).
+    ``language_config``: use this language ``TransformerConfig`` (e.g. the trainer's) instead of a
+    new one.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from ..models.specs import with_2d_attention
+    from .encoders import FrameViT
+    from .llava import MMSPLLaVAModel
+
+    s = sizes
+    lcfg, vcfg, pcfg = video_llava_configs(sizes, tp, cp, cp_comm_type, init_std, pp,
+                                           torch.cuda.is_available(), **config_kwargs)
+    if language_config is not None:
+        lcfg = language_config
+    vspec = copy.deepcopy(get_vit_layer_with_local_spec())
     vspec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
     lspec = get_gpt_layer_local_spec()
     if two_d_attention:
