@@ -1,7 +1,8 @@
 """Megatron ModuleSpecs: the drop-in surface of megatron_video.
 
-``with_2d_attention(layer_spec, **params)`` returns a copy of any Megatron layer (or block) spec
-whose self-attention core is :class:`~megatron_video.attention.megatron.DistAttention2D`
+``with_2d_attention(layer_spec, **params)`` returns a copy of any Megatron layer (or block) spec --
+Megatron's GPT specs or the video DiT specs (``get_video_dit_layer_spec``,
+``get_stdit_layer_spec``, ``get_ar_dit_layer_spec``, local or TE) -- whose self-attention core is :class:`~megatron_video.attention.megatron.DistAttention2D`
 (Ulysses x ring, exact, masks on global token ids); ``params`` go to its constructor (``mask``,
 ``scheme``, ``backend``, ``groups``). Without ``groups`` the layer takes its groups from Megatron
 (``pg_collection`` / parallel state) and its scheme from ``config.cp_comm_type`` at the first
@@ -19,11 +20,21 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..attention.megatron import DistAttention2D
 
-__all__ = ["with_2d_attention", "gpt_layer_local_2d_spec", "gpt_layer_local_2d_qknorm_spec"]
+__all__ = ["with_2d_attention", "gpt_layer_local_2d_spec", "gpt_layer_local_2d_qknorm_spec",
+           "SKIPPED_SLOTS"]
+
+
+# Attention slots whose core is not sequence-wide self-attention and is left alone: cross-attention
+# to short text (no CP), and ST-DiT's spatial / temporal attention (local rows of one frame / one
+# position, cut by the layer; docs/architecture.md, "Megatron integration").
+SKIPPED_SLOTS = ("cross_attention", "spatial_attention", "temporal_attention")
 
 
 def _swap(obj, params) -> int:
-    """Replace every self-attention ``core_attention`` below ``obj`` in place; return the count."""
+    """Replace every self-attention ``core_attention`` below ``obj`` in place; return the count.
+
+    A slot that already holds a ``DistAttention2D`` keeps its parameters (e.g. the video DiTs'
+    ``scheme="contiguous"``) where ``params`` does not override them."""
     if isinstance(obj, ModuleSpec):
         return _swap(obj.submodules, params)
     if isinstance(obj, (list, tuple)):
@@ -32,10 +43,15 @@ def _swap(obj, params) -> int:
         return 0
     count = 0
     for f in dataclasses.fields(obj):
-        if f.name == "cross_attention":  # short text context: no CP there
+        if f.name in SKIPPED_SLOTS:
             continue
         if f.name == "core_attention":
-            setattr(obj, f.name, ModuleSpec(module=DistAttention2D, params=dict(params)))
+            old = getattr(obj, f.name)
+            kept = {}
+            if (isinstance(old, ModuleSpec) and isinstance(old.module, type)
+                    and issubclass(old.module, DistAttention2D)):
+                kept = dict(old.params or {})
+            setattr(obj, f.name, ModuleSpec(module=DistAttention2D, params={**kept, **params}))
             count += 1
         else:
             count += _swap(getattr(obj, f.name), params)
