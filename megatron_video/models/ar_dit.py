@@ -128,15 +128,16 @@ class ARVideoDiT(VideoDiT):
     """
 
     def __init__(self, config: VideoDiTConfig, pre_process: bool = True, post_process: bool = True,
-                 vp_stage: Optional[int] = None):
+                 vp_stage: Optional[int] = None, layer_spec: Optional[ModuleSpec] = None):
         if config.patch_size[0] != 1:
             raise ValueError(f"patch_size ({config.patch_size}) must have a temporal patch of 1 for "
                              f"the AR DiT (a latent frame is the autoregressive unit)")
         # Same embedders, stage split and checkpoint layout as VideoDiT; only the layers differ.
-        check_layer_backend(config.layer_backend)
-        super().__init__(config, pre_process, post_process,
-                         layer_spec=get_ar_dit_layer_spec(config.lora_rank, config.text_dim,
-                                                          backend=config.layer_backend),
+        if layer_spec is None:
+            check_layer_backend(config.layer_backend)
+            layer_spec = get_ar_dit_layer_spec(config.lora_rank, config.text_dim,
+                                               backend=config.layer_backend)
+        super().__init__(config, pre_process, post_process, layer_spec=layer_spec,
                          vp_stage=vp_stage)
 
     def forward(self, x: Optional[torch.Tensor], t: torch.Tensor, *, frame_positions: torch.Tensor,

@@ -334,8 +334,10 @@ def resolve_video_groups(groups: Optional[VideoParallelGroups] = None, pg_collec
                          cp_comm_type=None) -> Optional[VideoParallelGroups]:
     """The U x R groups a module built from a spec runs on (the one rule; docs/architecture.md,
     "Groups"): ``groups`` when given; else the groups of ``init_video_parallel`` when it was called
-    (explicit control, e.g. ``placement="ring_inner"``) and they cover the same CP group; else
-    ``groups_from_megatron(pg_collection, cp_comm_type)``. ``None`` without context parallelism.
+    (explicit control, e.g. ``placement="ring_inner"``) on the CP group in use (the same group
+    object: ``pg_collection.cp`` or Megatron's current one, so groups left over from an earlier
+    ``initialize_model_parallel`` are never picked up); else ``groups_from_megatron(pg_collection,
+    cp_comm_type)``. ``None`` without context parallelism.
     """
     if groups is not None:
         if not isinstance(groups, VideoParallelGroups):
@@ -343,7 +345,9 @@ def resolve_video_groups(groups: Optional[VideoParallelGroups] = None, pg_collec
                              f"VideoParallelGroups of init_video_parallel(...)")
         return groups
     if _GROUPS is not None:
-        cp = _pg(pg_collection, "cp")
-        if cp is None or sorted(dist.get_process_group_ranks(cp)) == sorted(_GROUPS.cp_ranks):
+        from megatron.core import parallel_state as ps
+
+        cp = _pg(pg_collection, "cp") or ps.get_context_parallel_group(check_initialized=False)
+        if cp is not None and cp is _GROUPS.cp_group:
             return _GROUPS
     return groups_from_megatron(pg_collection, cp_comm_type)
