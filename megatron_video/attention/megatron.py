@@ -37,10 +37,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..layouts.zigzag import SCHEMES
+from ..parallel.comm import check_same_shape
 from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, resolve_video_groups
 from . import masks as masks_mod
 from .attention_2d import dist_attention
 from .engine import local_attention
+from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 
 __all__ = ["DistAttention2D", "UlyssesAttention", "LocalDotProductAttention"]
 
@@ -148,7 +150,45 @@ class DistAttention2D(MegatronModule):
 class UlyssesAttention(DistAttention2D):
     """``DistAttention2D`` with the whole CP group as one Ulysses (all-to-all) group, no ring.
 
-    The ST-DiT "Ulysses everywhere" baseline: 4 all-to-alls per attention (q, k, v, out)."""
+    The ST-DiT "Ulysses everywhere" baseline: 4 all-to-alls per attention (q, k, v, out). With a
+    ``masks.VideoRows`` mask (spatial / temporal attention) the gathered whole sequence is cut into
+    its rows (frames / positions) and attended row by row, as a Ulysses implementation would."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        groups = self.video_groups()
+        if (not isinstance(attention_mask, masks_mod.VideoRows) or groups is None
+                or groups.cp_size == 1 or attention_bias is not None or packed_seq_params is not None):
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params, **kwargs)
+        if self.scheme != "contiguous":
+            raise ValueError(f"scheme ({self.scheme!r}) must be 'contiguous' for video rows")
+        P, group = groups.cp_size, groups.cp_group
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))     # [b, s_local, h, d]
+        s_local = q.shape[1]
+        check_heads(q.shape[2], k.shape[2], P)
+        check_same_shape({"q": q, "k": k, "v": v}, group, "UlyssesAttention")
+        q = seq_to_heads(q, group, "ulysses.q")                         # [b, S, h/P, d]
+        k = seq_to_heads(prepare_kv(k, P), group, "ulysses.k")
+        v = seq_to_heads(prepare_kv(v, P), group, "ulysses.v")
+        b, S, _, d = q.shape
+        n = attention_mask.positions
+        if S % n:
+            raise ValueError(f"sequence length ({S}) must be a multiple of the mask's positions ({n})")
+        t = S // n
+
+        def rows(x):
+            if attention_mask.pattern == "spatial":
+                return x.reshape(b * t, n, x.shape[2], d)
+            return x.reshape(b, t, n, x.shape[2], d).transpose(1, 2).reshape(b * n, t, x.shape[2], d)
+
+        o = local_attention(rows(q), rows(k), rows(v), None, self.softmax_scale,
+                            backend=self.backend)[0]
+        h = o.shape[2]
+        if attention_mask.pattern == "temporal":
+            o = o.reshape(b, n, t, h, d).transpose(1, 2)
+        o = heads_to_seq(o.reshape(b, S, h, d), group, "ulysses.out")   # [b, s_local, h, d]
+        return o.transpose(0, 1).reshape(s_local, b, -1)
 
     def video_groups(self) -> Optional[VideoParallelGroups]:
         if not self._resolved:

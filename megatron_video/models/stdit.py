@@ -177,10 +177,8 @@ class STDiTLayer(DiTLayerBase):
                 angles = angles.reshape(d1, d2, -1).expand(b, -1, -1, -1).reshape(b * d1, d2, -1)
         else:
             rows = x.reshape(b, d1 * d2, D)
-            if pattern == "spatial":
-                mask = masks.predicate(lambda qi, ki: qi // n == ki // n)   # same frame
-            elif pattern == "temporal":
-                mask = masks.predicate(lambda qi, ki: qi % n == ki % n)     # same position
+            if pattern != "full":   # same frame / same position, on global token ids
+                mask = masks.video_rows(n, pattern)
         if (geometry.is_image and P > 1
                 and not isinstance(module.core_attention, LocalDotProductAttention)):
             # images are sharded by sample: their attention is local, whatever the core would do
