@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
@@ -58,9 +59,30 @@ def _swap(obj, params) -> int:
     return count
 
 
+def _copy_tree(obj):
+    """A copy of a spec tree's structure (ModuleSpecs, submodule dataclasses, lists, tuples, dicts,
+    ``functools.partial`` builders); the leaves -- module classes, enums, masks, process groups --
+    are shared, not copied (they need not be copyable)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _copy_tree(getattr(obj, f.name)))
+        return new
+    if isinstance(obj, list):
+        return [_copy_tree(x) for x in obj]
+    if type(obj) is tuple:
+        return tuple(_copy_tree(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, functools.partial):
+        return functools.partial(obj.func, *(_copy_tree(a) for a in obj.args),
+                                 **{k: _copy_tree(v) for k, v in obj.keywords.items()})
+    return obj
+
+
 def with_2d_attention(layer_spec, **params):
     """A copy of ``layer_spec`` (local or TE, layer or block) with 2D attention as core attention."""
-    spec = copy.deepcopy(layer_spec)
+    spec = _copy_tree(layer_spec)
     if _swap(spec, params) == 0:
         raise ValueError(f"layer_spec ({type(layer_spec).__name__}) has no self-attention "
                          f"core_attention submodule to replace")
