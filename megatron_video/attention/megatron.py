@@ -11,7 +11,9 @@ Groups (docs/architecture.md, "Groups"): from Megatron, at the first forward -- 
 ``cp_comm_type`` choosing the scheme exactly as for Transformer Engine: ``"a2a+p2p"`` = Ulysses over
 the hierarchical level 0 x ring over level 1, ``"p2p"`` (or unset) = ring, ``"a2a"`` = Ulysses,
 ``"all_gather"`` = ``ValueError``. A stock Megatron job therefore needs nothing but the spec. Explicit
-control: pass ``groups=init_video_parallel(...)`` in the spec's params. The token layout is
+control: pass ``groups=init_video_parallel(...)`` in the spec's params, or call
+``init_video_parallel`` (its groups are used on the CP group they were made for; the one rule is
+``parallel.topology.resolve_video_groups``, shared with the video-DiT layers). The token layout is
 ``scheme`` over the CP group; the default ``"zigzag"`` is Megatron-LM's ``get_batch_on_this_cp_rank``
 cut (2*CP chunks, CP rank c keeps chunks c and 2CP-1-c).
 
