@@ -328,6 +328,8 @@ def _layer_errors():
         dict(params=DiTParams(cond)),                           # no geometry
         dict(params=None),                                      # no params
         dict(params=DiTParams(None, VideoGeometry(4, 2, 3))),   # no conditioning
+        # the old convention: conditioning in Megatron's attention_mask slot is refused
+        dict(params=DiTParams(cond, VideoGeometry(4, 2, 3)), attention_mask=cond),
     ]
     for kw in attempts:
         try:
@@ -465,12 +467,13 @@ def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4):
 
     out = pool4.run(_cp4_cases, CASES)       # U=2 x R=2 over 2 simulated nodes
     for errors in (o[1] for o in out):
-        assert len(errors) == 5, errors
+        assert len(errors) == 6, errors
         assert "num_frames (6) must be divisible by cp_size (4)" in errors[0]
         assert "hidden_states sequence length (6) must be frames per rank (2)" in errors[1]
         assert "params.geometry (NoneType) must be a VideoGeometry" in errors[2]
         assert "params (NoneType) must be a DiTParams" in errors[3]
         assert "params.conditioning must be the AdaLN conditioning vector [b, D]" in errors[4]
+        assert "attention_mask must be None for STDiTLayer" in errors[5]
     results = [o[0] for o in out]
     _check_transformer_block([o[2] for o in out])
     for i, case in enumerate(CASES):

@@ -73,9 +73,12 @@ class ARDiTLayer(DiTLayerBase):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, **unused):
+                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
+                packed_seq_params=None, **unused):
         """``hidden_states [s, b, D]`` -> ``([s, b, D], context)``; see the module docstring."""
-        params = self._check_params(params, "per-token conditioning, teacher-forcing mask, RoPE")
+        params = self._check_params(params, "per-token conditioning, teacher-forcing mask, RoPE", dict(
+            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
         s, b, D = hidden_states.shape
         cond = params.conditioning
         if not isinstance(cond, torch.Tensor) or tuple(cond.shape) != (s, b, D):

@@ -33,6 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention import local_attention
+from megatron_video.attention.megatron import DistAttention2D
 
 __all__ = [
     "timestep_embedding", "AdaLNNorm", "rope_embedding", "TimestepEmbedder", "AdaLNLoRAModulation", "modulate",
@@ -252,8 +253,6 @@ class DiTSelfAttention(MegatronModule):
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False)
         core = submodules.core_attention
         if core is None:
-            from megatron_video.attention.megatron import DistAttention2D
-
             core = ModuleSpec(module=DistAttention2D, params=dict(scheme="contiguous"))
         self.core_attention = build_module(
             core, config=config, layer_number=layer_number or 1, attn_mask_type=attn_mask_type,

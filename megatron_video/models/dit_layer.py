@@ -141,7 +141,12 @@ class DiTLayerBase(TransformerLayer):
         return (1, 0) if g is None else (g.cp_size, g.cp_rank)
 
     # -- shared forward helpers ---------------------------------------------------------------
-    def _check_params(self, params, what: str) -> DiTParams:
+    def _check_params(self, params, what: str, slots: Optional[dict] = None) -> DiTParams:
+        """``params`` as a ``DiTParams``; Megatron slots in ``slots`` must be unused (None)."""
+        used = sorted(k for k, v in (slots or {}).items() if v is not None)
+        if used:
+            raise ValueError(f"{', '.join(used)} must be None for {type(self).__name__}: "
+                             f"conditioning, geometry, masks and RoPE travel in params (DiTParams)")
         if not isinstance(params, DiTParams):
             raise ValueError(f"params ({type(params).__name__}) must be a DiTParams ({what}); run "
                              f"{type(self).__name__} in a VideoTransformerBlock or call it with "
@@ -168,6 +173,10 @@ class VideoTransformerBlock(TransformerBlock):
     def forward(self, hidden_states: Optional[torch.Tensor], params: DiTParams = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
                 **unused):
+        used = sorted(k for k, v in unused.items() if v is not None)
+        if used:
+            raise ValueError(f"{', '.join(used)} must be None for VideoTransformerBlock: "
+                             f"conditioning, geometry, masks and RoPE travel in params (DiTParams)")
         if not isinstance(params, DiTParams):
             raise ValueError(f"params ({type(params).__name__}) must be a DiTParams (the AdaLN "
                              f"conditioning and video geometry of this batch)")

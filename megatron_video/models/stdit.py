@@ -194,9 +194,12 @@ class STDiTLayer(DiTLayerBase):
     # -- forward ------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, **unused):
+                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
+                packed_seq_params=None, **unused):
         """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module docstring."""
-        params = self._check_params(params, "the AdaLN conditioning and the global (t, h, w)")
+        params = self._check_params(params, "the AdaLN conditioning and the global (t, h, w)", dict(
+            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
         geometry = self._geometry(params, "the global (t, h, w)")
         conditioning = params.conditioning
         P = self._cp()[0]

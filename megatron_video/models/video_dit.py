@@ -226,9 +226,12 @@ class VideoDiTLayer(DiTLayerBase):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, **unused):
+                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
+                packed_seq_params=None, **unused):
         """``hidden_states [s, b, D]`` (contiguous CP shard) -> ``([s, b, D], context)``."""
-        params = self._check_params(params, "the AdaLN conditioning and the global token grid")
+        params = self._check_params(params, "the AdaLN conditioning and the global token grid", dict(
+            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
         geometry = self._geometry(params, "the global token grid")
         conditioning = params.conditioning
         s, b, D = hidden_states.shape
