@@ -282,7 +282,7 @@ def _cp4_cases(cases):
                               hierarchical_context_parallel_sizes=[2, 2])
     groups = init_video_parallel(2)
     results = [_run_block(_build(case), case, groups.cp_rank, groups.cp_size) for case in cases]
-    stack = {rc: _transformer_block_case(groups, rc) for rc in (False, True)}
+    stack = {rc: _transformer_block_case(groups, rc) for rc in (False, True, "block")}
     return results, _layer_errors(), stack
 
 
@@ -300,8 +300,9 @@ def _transformer_block_case(groups, recompute):
     from megatron_video.models.stdit import get_stdit_layer_spec
 
     model_parallel_cuda_manual_seed(1234)
-    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if recompute else {}
+    # recompute True: every layer checkpointed ("uniform"); "block": the first layer only
+    extra = dict(recompute_granularity="full", recompute_num_layers=1,
+                 recompute_method="block" if recompute == "block" else "uniform") if recompute else {}
     cfg = _config(H, num_layers=2, **extra)
     spec = get_stdit_layer_spec("hybrid", full_attention_layers=(2,), lora_rank=LORA, context_dim=DC)
     block = VideoTransformerBlock(cfg, spec, post_layer_norm=False)
@@ -532,11 +533,13 @@ def _check_transformer_block(stacks):
     _close(sum(r["dctx"] for r in plain), ctx.grad, case, "block text grad")
     for name, p in P.items():
         _close(sum(r["grads"][name] for r in plain), p.grad, case, f"block grad of {name}")
-    for s in stacks:   # full activation recompute changes nothing
-        for key in ("out", "dx", "dc", "dctx"):
-            torch.testing.assert_close(s[True][key], s[False][key], rtol=1e-12, atol=1e-12)
-        for name in P:
-            torch.testing.assert_close(s[True]["grads"][name], s[False]["grads"][name], rtol=1e-12, atol=1e-12)
+    for s in stacks:   # full activation recompute (uniform or block) changes nothing
+        for rc in (True, "block"):
+            for key in ("out", "dx", "dc", "dctx"):
+                torch.testing.assert_close(s[rc][key], s[False][key], rtol=1e-12, atol=1e-12)
+            for name in P:
+                torch.testing.assert_close(s[rc]["grads"][name], s[False]["grads"][name],
+                                           rtol=1e-12, atol=1e-12)
 
 
 def test_stdit_block_tp2_cp2_matches_oracle(pool4):
