@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..layouts.balanced_sp import BalancedSPLayout
-from ..layouts.vae_halo import HaloWindow, halo_window, resolve_halo, temporal_receptive_field
+from ..layouts.vae_halo import Encoder, HaloWindow, encoder_halo, halo_window, resolve_halo
 from ..parallel import comm
 
 __all__ = ["TensorFrameSource", "read_window", "rank_windows", "scatter_windows",
@@ -57,7 +57,7 @@ def read_window(source, meta: HaloWindow) -> torch.Tensor:
 
 def rank_windows(layout: BalancedSPLayout, rank: int, halo_latents: Optional[int] = None,
                  temporal_stride: int = 4, causal_first_frame: bool = True,
-                 encoder: Optional[nn.Module] = None) -> List[HaloWindow]:
+                 encoder: Optional[Encoder] = None) -> List[HaloWindow]:
     """One halo window per contiguous frame segment of ``rank`` (in local frame order); the halo
     is derived from ``encoder`` when ``halo_latents`` is None (see ``vae_halo.resolve_halo``)."""
     h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
@@ -122,16 +122,19 @@ def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloW
     return list(out.narrow(td, 0, lengths[me]).split([w.num_raw for w in mine[me]], dim=td))
 
 
-def encode_with_halo(encoder: nn.Module, window: torch.Tensor, meta: HaloWindow,
+def encode_with_halo(encoder: Encoder, window: torch.Tensor, meta: HaloWindow,
                      time_dim: int = 2) -> torch.Tensor:
     """Encode a raw window and return exactly the rank's kept latents ``[ls, le)``.
+
+    ``encoder``: a module or a callable (``lambda x: vae.encode(x).latent_dist.mean``); its halo
+    comes from declared causal ops or, for anything else, a cached probe (``vae_halo.encoder_halo``).
 
     Raises ``ValueError`` if ``meta.halo_latents`` is below the encoder's temporal receptive field
     (on every rank alike, whether or not its own window reaches the video start), or if the window or
     the encoder output do not match ``meta``.
     """
-    need = temporal_receptive_field(encoder, temporal_stride=meta.temporal_stride,
-                                    causal_first_frame=meta.causal_first_frame)
+    need = encoder_halo(encoder, temporal_stride=meta.temporal_stride,
+                        causal_first_frame=meta.causal_first_frame)
     if meta.halo_latents < need:
         raise ValueError(f"halo_latents ({meta.halo_latents}) must be >= the encoder's temporal "
                          f"receptive field ({need} latents)")
@@ -145,7 +148,7 @@ def encode_with_halo(encoder: nn.Module, window: torch.Tensor, meta: HaloWindow,
     return out.narrow(time_dim, meta.drop, meta.num_kept)
 
 
-def encode_rank_latents(encoder: nn.Module, windows: Sequence[torch.Tensor], metas: Sequence[HaloWindow],
+def encode_rank_latents(encoder: Encoder, windows: Sequence[torch.Tensor], metas: Sequence[HaloWindow],
                         time_dim: int = 2) -> torch.Tensor:
     """Encode each of a rank's windows with its halo and concatenate: the rank's latents in local
     frame order."""

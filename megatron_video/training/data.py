@@ -26,7 +26,7 @@ from megatron_video.data.video_windows import TensorFrameSource, encode_rank_lat
 from megatron_video.diffusion.edm import EDMConfig, sample_sigma
 from megatron_video.diffusion.flow_matching import sample_timesteps
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
-from megatron_video.layouts.vae_halo import halo_window, temporal_receptive_field
+from megatron_video.layouts.vae_halo import encoder_halo, halo_window
 from megatron_video.models.embedders import patchify
 
 from .config import Config, latent_shape, token_grid_of
@@ -112,7 +112,7 @@ class BatchMaker:
         else:
             n = self.F // cp_size
             self.segments = [(cp_rank * n, (cp_rank + 1) * n)]
-        need = temporal_receptive_field(vae.encoder, temporal_stride=4) if vae is not None else 0
+        need = encoder_halo(vae.encoder, temporal_stride=4) if vae is not None else 0
         self.halo = config.vae.halo_latents if config.vae.halo_latents is not None else need
         self.windows = [halo_window(a, b, self.halo, 4, True, rank=cp_rank) for a, b in self.segments]
         d = config.data
