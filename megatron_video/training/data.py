@@ -7,7 +7,7 @@ run sees exactly the batches an uninterrupted one would.
 * Samples: data-parallel rank ``d`` takes global samples ``((step*M + m)*DP + d)*b + j`` (mod the
   dataset size) of the procedural dataset, or the next ones of its share of WebDataset shards.
 * Encoding starts inside the SP partition: the rank reads only its raw window(s) from the clip
-  (``data.video_windows.read_window``; the procedural source renders the clip first) and encodes
+  (the procedural source renders the clip first and cuts the windows with ``ops.halo_scatter``) and encodes
   them with the left halo (``encode_rank_latents``), keeping exactly its latent frames.
 * Injected noise: drawn per sample over the WHOLE token sequence from a generator seeded by
   ``(seed, step, sample)``, then sliced to the rank's tokens, so any parallel layout sees the same
@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from megatron_video.data.synthetic import CaptionTokenizer, ProceduralVideoDataset
-from megatron_video.data.video_windows import TensorFrameSource, encode_rank_latents, read_window
+from megatron_video.data.video_windows import encode_rank_latents
 from megatron_video.diffusion.edm import EDMConfig, sample_sigma
 from megatron_video.diffusion.flow_matching import sample_timesteps
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.layouts.vae_halo import encoder_halo, halo_window
 from megatron_video.models.embedders import patchify
+from megatron_video.ops.halo import halo_scatter
 
 from .config import Config, latent_shape, token_grid_of
 
@@ -167,8 +168,8 @@ class BatchMaker:
             frames = torch.cat([torch.arange(a, b) for a, b in self.segments])
             return torch.stack(list(latents)).index_select(2, frames) * self.latent_scale
         batch = torch.stack(list(videos))
-        source = TensorFrameSource(batch, time_dim=2)
-        raws = [read_window(source, w) for w in self.windows]
+        packed = halo_scatter(batch, [w.window for w in self.windows], "bcthw")  # one pass, C++ when built
+        raws = [packed.window(i) for i in range(len(self.windows))]
         with torch.no_grad():
             moments = encode_rank_latents(self.vae.encoder, raws, self.windows)
         return moments[:, :z] * self.latent_scale
