@@ -15,6 +15,7 @@ run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -90,6 +91,51 @@ class _ShardClips:
                 return sample
 
 
+class _EnergonClips:
+    """This rank's windows from an energon dataset (``data.energon_video``), batch by batch."""
+
+    def __init__(self, config: Config, windows, dp_rank: int, dp_size: int):
+        from megatron_video.data.energon_video import video_window_loader
+
+        d = config.data
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.loader, self.task_encoder = video_window_loader(
+            d.path, windows, num_frames=d.num_frames, height=d.height, width=d.width,
+            batch_size=config.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=d.seed)
+        self.it = None
+
+    def next_batch(self, n: int) -> list:
+        if self.it is None:
+            self.it = iter(self.loader)
+        batch = next(self.it)
+        if len(batch) != n:
+            raise ValueError(f"energon batch holds {len(batch)} samples; the micro-batch needs {n}")
+        return batch
+
+    def state_json(self) -> str:
+        from megatron_video.data.energon_video import state_to_json
+
+        return json.dumps({"dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                           "skipped": self.task_encoder.skipped,
+                           "loader": state_to_json(self.loader.save_state_rank())})
+
+    def restore_json(self, text: Optional[str]) -> None:
+        from megatron_video.data.energon_video import state_from_json
+
+        if text is None:
+            raise ValueError("checkpoint holds no data-loader state for this rank (saved without "
+                             "data.source=energon?); the energon order cannot be resumed")
+        blob = json.loads(text)
+        if (blob["dp_rank"], blob["dp_size"]) != (self.dp_rank, self.dp_size):
+            raise ValueError(f"data-loader state was saved by dp rank {blob['dp_rank']} of {blob['dp_size']}; "
+                             f"this rank is {self.dp_rank} of {self.dp_size} (energon resumes with the same "
+                             f"data-parallel size)")
+        if self.it is not None:
+            raise ValueError("the energon loader already started; restore its state before the first batch")
+        self.loader.restore_state_rank(state_from_json(blob["loader"]))
+        self.task_encoder.skipped = int(blob.get("skipped", 0))
+
+
 class BatchMaker:
     """Builds this rank's micro-batches (see the module docstring).
 
@@ -121,6 +167,9 @@ class BatchMaker:
         self.dataset = ProceduralVideoDataset(d.num_samples, num_frames=d.num_frames, height=d.height,
                                               width=d.width, seed=d.seed, caption_len=d.caption_len)
         self.shards = _ShardClips(d.shards, dp_rank, dp_size) if d.source == "shards" else None
+        self.energon = None
+        if d.source == "energon":
+            self.energon = _EnergonClips(config, self.windows, dp_rank, dp_size)
         t = config.train
         self.micro = t.micro_batch_size
         gbs = t.global_batch_size or self.micro * dp_size
@@ -174,6 +223,21 @@ class BatchMaker:
             moments = encode_rank_latents(self.vae.encoder, raws, self.windows)
         return moments[:, :z] * self.latent_scale
 
+    def _window_latents(self, raws: List[torch.Tensor]) -> torch.Tensor:
+        """Latents of raw windows decoded per rank (energon): encoded with the halo, scaled."""
+        with torch.no_grad():
+            moments = encode_rank_latents(self.vae.encoder, raws, self.windows)
+        return moments[:, :self.config.vae.latent_channels] * self.latent_scale
+
+    # -- loader state (checkpointed) -----------------------------------------------------------
+    def data_state(self) -> Optional[str]:
+        """This rank's loader state as JSON (energon), or None (the other sources are stateless)."""
+        return self.energon.state_json() if self.energon is not None else None
+
+    def restore_data_state(self, text: Optional[str]) -> None:
+        if self.energon is not None:
+            self.energon.restore_json(text)
+
     # -- the micro-batch ---------------------------------------------------------------------
     def micro_batch(self, step: int, microbatch: int) -> MicroBatch:
         """Micro-batch ``microbatch`` of training step ``step`` of this data-parallel rank."""
@@ -181,11 +245,18 @@ class BatchMaker:
 
     def from_positions(self, positions: Sequence[int], step: int) -> MicroBatch:
         """The micro-batch of the given global sample positions (e.g. from Megatron-LM's sampler);
-        ``step`` seeds the injected noise together with the position."""
+        ``step`` seeds the injected noise together with the position. With ``data.source=energon``
+        the clips are the loader's next batch (this rank's windows only; its state is checkpointed)."""
         cfg = self.config
         seed = cfg.train.seed
         indices, captions, videos, latents = [], [], [], []
-        for pos in positions:
+        windows = None
+        if self.energon is not None:
+            batch = self.energon.next_batch(len(positions))
+            indices = list(positions)
+            captions = [s.caption for s in batch]
+            windows = [torch.stack([s.windows[i] for s in batch]) for i in range(len(self.windows))]
+        for pos in positions if self.energon is None else ():
             idx, cap, video, lat = self._clip(pos)
             indices.append(idx)
             captions.append(cap)
@@ -207,7 +278,8 @@ class BatchMaker:
             drop.append(bool(torch.rand(1, generator=g) < cfg.diffusion.cfg_dropout))
         clean = None
         if self.need_latents:
-            clean = patchify(self._local_latents(videos, latents), self.patch)
+            clean = patchify(self._window_latents(windows) if windows is not None
+                             else self._local_latents(videos, latents), self.patch)
         return MicroBatch(indices=indices, captions=captions, caption_ids=ids, caption_mask=mask,
                           drop=torch.tensor(drop, dtype=torch.bool),
                           clean=clean, noise=torch.stack(noise) if self.need_latents else None,
