@@ -46,7 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from megatron_video.training.config import Config, load_config, token_grid_of, validate  # noqa: E402
+from megatron_video.training.config import Config, load_config, validate  # noqa: E402
+from megatron_video.training.families import get_family  # noqa: E402
 
 __all__ = ["add_video_args", "video_config_from_args", "megatron_transformer_config",
            "model_provider", "PositionDataset", "train_valid_test_datasets_provider", "forward_step",
@@ -71,8 +72,7 @@ def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def sequence_length(config: Config) -> int:
     """Tokens per sample that the model processes (Megatron-LM's ``--seq-length``)."""
-    T, H, W = token_grid_of(config)
-    return (2 if config.model.family == "ar_dit" else 1) * T * H * W
+    return get_family(config.model.family).seq_length(config)
 
 
 def video_config_from_args(args, world_size: Optional[int] = None) -> Config:
@@ -122,12 +122,8 @@ class _Job:
     def __init__(self, config: Config):
         from megatron.core import parallel_state as ps
 
-        from megatron_video.layouts.balanced_sp import BalancedSPLayout
-        from megatron_video.layouts.stdit import VideoGeometry
         from megatron_video.parallel.topology import get_video_parallel_groups, init_video_parallel
-        from megatron_video.training.config import latent_shape
         from megatron_video.training.data import BatchMaker
-        from megatron_video.training.objectives import make_objective
         from megatron_video.training.vae_stage import ensure_vae, load_vae
 
         p = config.parallel
@@ -135,21 +131,13 @@ class _Job:
         self.groups = get_video_parallel_groups(check_initialized=False) or init_video_parallel(
             p.ulysses_size, p.ring_size, ranks_per_node=p.ranks_per_node, placement=p.placement)
         vae, scale = load_vae(ensure_vae(config, progress=False), config)
-        F, _, _ = latent_shape(config)
-        T, H, W = token_grid_of(config)
-        layout = None
-        if config.model.family == "ar_dit":
-            layout = BalancedSPLayout(F, H * W, config.model.frames_per_block, self.groups.cp_size,
-                                      ring_size=p.ring_size, ring_balance=p.ring_balance)
-            geometry = VideoGeometry(F, H, W)
-        else:
-            geometry = VideoGeometry(T, H, W)
+        sample = get_family(config.model.family).sample_layout(config, self.groups.cp_size)
         self.first_stage = ps.is_pipeline_first_stage()
         self.batches = BatchMaker(config, vae=vae, latent_scale=scale, cp_rank=self.groups.cp_rank,
                                   cp_size=self.groups.cp_size, dp_rank=ps.get_data_parallel_rank(),
-                                  dp_size=ps.get_data_parallel_world_size(), layout=layout,
+                                  dp_size=ps.get_data_parallel_world_size(), layout=sample.layout,
                                   need_latents=self.first_stage or ps.is_pipeline_last_stage())
-        self.objective = make_objective(config, self.groups, layout, geometry)
+        self.objective = get_family(config.model.family).make_objective(config, self.groups, sample)
 
 
 _JOB: Optional[_Job] = None  # one job per process; Megatron-LM's providers are plain functions

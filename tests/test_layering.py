@@ -41,3 +41,29 @@ def test_layers_import_only_downward():
     assert not bad, "\n".join(bad)
     # the cycle this rule removed
     assert not any(layer == "models" for layer, _ in _imported_layers(ROOT / "layouts" / "stdit.py"))
+
+
+def _family_branches(path: Path):
+    """Comparisons of a ``family`` value with string literals (``family == "ar_dit"``, ``in (...)``)."""
+    def is_family(n):
+        return (isinstance(n, ast.Attribute) and n.attr == "family") or (isinstance(n, ast.Name)
+                                                                          and n.id == "family")
+
+    def is_literal(n):
+        return (isinstance(n, ast.Constant) and isinstance(n.value, str)) or (
+            isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(is_literal(e) for e in n.elts))
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_family(s) for s in sides) and any(is_literal(s) for s in sides):
+                yield node.lineno
+
+
+def test_family_choices_live_in_one_place():
+    """Model-family choices are written once, in training/families.py (docs/architecture.md,
+    "Model families"): no other module of the library or the examples branches on a family's name."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    bad = [f"{p}:{line}" for p in sorted([*ROOT.rglob("*.py"), *examples.rglob("*.py")])
+           if p != ROOT / "training" / "families.py" for line in _family_branches(p)]
+    assert not bad, "branches on model.family outside training/families.py:\n" + "\n".join(bad)

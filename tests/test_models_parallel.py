@@ -24,8 +24,9 @@ import torch
 from torch.testing import assert_close
 
 from megatron_video.training.config import Config, config_from_dict
+from megatron_video.training.families import family_names
 
-FAMILIES = ("video_dit", "stdit", "ar_dit")
+FAMILIES = family_names()
 
 
 def tiny_config(family: str, tmp: str, **parallel) -> Config:

@@ -18,10 +18,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import yaml
 
 __all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "DiffusionSection",
-           "TrainSection", "Config", "FAMILIES", "load_config", "apply_overrides", "config_from_dict",
+           "TrainSection", "Config", "load_config", "apply_overrides", "config_from_dict",
            "config_to_dict", "validate", "latent_shape", "token_grid_of", "data_parallel_size"]
 
-FAMILIES = ("video_dit", "stdit", "ar_dit")
 OBJECTIVES = ("edm", "flow")
 NONFINITE_POLICIES = ("skip", "stop")
 TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
@@ -29,7 +28,7 @@ TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
 
 @dataclass
 class ModelSection:
-    family: str = "ar_dit"                 # video_dit | stdit | ar_dit
+    family: str = "ar_dit"                 # video_dit | stdit | ar_dit (training/families.py)
     num_layers: int = 4
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -140,7 +139,8 @@ class Config:
     def objective(self) -> str:
         if self.diffusion.objective is not None:
             return self.diffusion.objective
-        return "flow" if self.model.family == "ar_dit" else "edm"
+        from .families import get_family
+        return get_family(self.model.family).default_objective
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,8 +263,8 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     m, p, d, v, df, t = (config.model, config.parallel, config.data, config.vae, config.diffusion,
                          config.train)
     _pos_int("world_size", world_size)
-    if m.family not in FAMILIES:
-        raise ValueError(f"model.family ({m.family!r}) must be one of {FAMILIES}")
+    from .families import get_family
+    family = get_family(m.family)   # ValueError naming model.family
     for name in ("num_layers", "hidden_size", "num_attention_heads", "lora_rank", "frames_per_block"):
         _pos_int(f"model.{name}", getattr(m, name))
     if not isinstance(m.patch_size, (list, tuple)) or len(m.patch_size) != 3:
@@ -350,40 +350,7 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
             raise ValueError(f"model.patch_size ({list(m.patch_size)}) must divide the latent {axis} "
                              f"({n}, from data.num_frames={d.num_frames}, height={d.height}, "
                              f"width={d.width})")
-    T_tok = F // pt
-    if m.family == "ar_dit":
-        if pt != 1:
-            raise ValueError(f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a latent "
-                             f"frame is the autoregressive unit)")
-        balance = p.ring_balance if p.ring_balance is not None else R > 1
-        if balance and p.placement == "ring_inner":
-            raise ValueError("parallel.ring_balance (True; the default when ring_size > 1) needs "
-                             "parallel.placement 'ulysses_inner' for model.family 'ar_dit'; set "
-                             "parallel.ring_balance: false to use 'ring_inner'")
-        from megatron_video.layouts.balanced_sp import BalancedSPLayout
-        try:
-            BalancedSPLayout(F, (h // ph) * (w // pw), m.frames_per_block, CP, ring_size=R,
-                             ring_balance=p.ring_balance, world_size=world_size,
-                             num_heads=H // TP, ulysses_size=U)
-        except ValueError as e:
-            raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
-                             f"model.frames_per_block ({m.frames_per_block}) / parallel: {e}") from None
-    elif T_tok % CP:
-        raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token frames with "
-                         f"patch {pt}) must give token frames divisible by parallel.context_parallel_size "
-                         f"({CP}): each CP rank holds whole frames")
-    if m.family == "stdit":
-        from megatron_video.models.stdit import VARIANTS
-        if m.stdit_variant not in VARIANTS:
-            raise ValueError(f"model.stdit_variant ({m.stdit_variant!r}) must be one of {VARIANTS}")
-        bad = [x for x in m.stdit_full_attention_layers if not 1 <= x <= m.num_layers]
-        if bad:
-            raise ValueError(f"model.stdit_full_attention_layers ({bad}) must lie in [1, model.num_layers "
-                             f"({m.num_layers})]")
-        if m.stdit_variant == "ulysses_everywhere" and (H // TP) % CP:
-            raise ValueError(f"model.num_attention_heads ({H}) / tensor_model_parallel_size ({TP}) must be "
-                             f"divisible by parallel.context_parallel_size ({CP}) for stdit_variant "
-                             f"'ulysses_everywhere'")
+    family.check(config, world_size)   # the family's own rules (training/families.py)
 
     for name in ("latent_channels", "base_channels", "train_steps", "batch_size"):
         _pos_int(f"vae.{name}", getattr(v, name), 0 if name == "train_steps" else 1)
@@ -397,9 +364,7 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     objective = config.objective
     if objective not in OBJECTIVES:
         raise ValueError(f"diffusion.objective ({objective!r}) must be one of {OBJECTIVES}")
-    if m.family == "ar_dit" and objective != "flow":
-        raise ValueError(f"diffusion.objective ({objective!r}) must be 'flow' for model.family 'ar_dit' "
-                         f"(teacher forcing trains with flow matching)")
+    family.check_objective(objective)
     for name in ("sigma_data", "p_std", "flow_shift"):
         _positive(f"diffusion.{name}", getattr(df, name))
     if not 0.0 <= df.cfg_dropout <= 1.0:

@@ -10,10 +10,10 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from megatron_video.compat import device_transformer_config_kwargs
-from megatron_video.models.ar_dit import ARVideoDiT
-from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
+from megatron_video.models.video_dit import VideoDiTConfig
 
 from .config import Config
+from .families import get_family
 
 __all__ = ["transformer_config", "video_fields", "video_transformer_config", "build_model"]
 
@@ -42,7 +42,7 @@ def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
         params_dtype=dtype, pipeline_dtype=dtype, bf16=config.train.bf16,
         in_channels=config.vae.latent_channels, patch_size=tuple(m.patch_size), lora_rank=m.lora_rank,
         rope_theta=m.rope_theta, text_max_len=config.data.caption_len,
-        layer_type="stdit" if m.family == "stdit" else "full", stdit_variant=m.stdit_variant,
+        layer_type=get_family(m.family).layer_type, stdit_variant=m.stdit_variant,
         stdit_full_attention_layers=tuple(m.stdit_full_attention_layers),
         cond_seed=config.train.seed + 17,
     )
@@ -78,7 +78,5 @@ def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDi
 
 def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
                 post_process: bool = True, vp_stage=None):
-    """The model of ``config.model.family`` for this pipeline stage."""
-    if config.model.family == "ar_dit":
-        return ARVideoDiT(tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-    return VideoDiT(tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    """The model of ``config.model.family`` for this pipeline stage (``families.FamilySpec``)."""
+    return get_family(config.model.family).build_model(tcfg, pre_process, post_process, vp_stage)

@@ -1,6 +1,6 @@
 """Training objectives as glue between a ``MicroBatch`` and the models (per CP rank, per stage).
 
-Each objective turns a micro-batch into the model call of this rank and the model output into this
+The family's spec (``families.FamilySpec.make_objective``) picks one. Each objective turns a micro-batch into the model call of this rank and the model output into this
 rank's loss SHARE: a sum over its loss tokens divided by the GLOBAL number of loss tokens of the
 micro-batch, so the shares of a CP group sum to the single-process loss (Megatron's schedule then
 multiplies by the CP size and DDP averages over data x context parallel ranks, giving the sum).
@@ -25,7 +25,7 @@ from megatron_video.layouts.stdit import VideoGeometry
 
 from .data import MicroBatch
 
-__all__ = ["EDMObjective", "FlowObjective", "TeacherForcing", "make_objective"]
+__all__ = ["EDMObjective", "FlowObjective", "TeacherForcing"]
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -102,11 +102,3 @@ class TeacherForcing:
         per_element = (output[:, self.half:].to(acc) - target.to(acc)) ** 2
         n = mb.clean.shape[0] * self.layout.num_loss_tokens
         return reduce_token_loss(per_element, None, n)
-
-
-def make_objective(config, groups, layout, geometry: VideoGeometry):
-    if config.model.family == "ar_dit":
-        return TeacherForcing(layout, groups, geometry)
-    if config.objective == "edm":
-        return EDMObjective(config.diffusion.sigma_data, geometry)
-    return FlowObjective(geometry)

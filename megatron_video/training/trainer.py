@@ -42,16 +42,14 @@ from tqdm.auto import tqdm
 from megatron_video.compat import (cpu_mode_active, cpu_optimizer_config_kwargs,
                                    destroy_model_parallel, ensure_cpu_mode,
                                    initialize_model_parallel)
-from megatron_video.layouts.balanced_sp import BalancedSPLayout
-from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.parallel import comm
 from megatron_video.parallel.topology import destroy_video_parallel, init_video_parallel
 
 from . import checkpoint as ckpt
-from .config import Config, config_to_dict, latent_shape, token_grid_of, validate
+from .config import Config, config_to_dict, validate
 from .data import BatchMaker, MicroBatch, sample_generator
+from .families import get_family
 from .model_factory import build_model, transformer_config
-from .objectives import make_objective
 from .vae_stage import ensure_vae, load_vae
 
 __all__ = ["init_distributed", "Trainer", "train", "NonFiniteError"]
@@ -147,22 +145,14 @@ class Trainer:
         self.vae, self.latent_scale = load_vae(self.vae_path, config)
 
         # layout, geometry, data, objective
-        F, h, w = latent_shape(config)
-        T, Hp, Wp = token_grid_of(config)
-        self.layout = None
-        if config.model.family == "ar_dit":
-            self.layout = BalancedSPLayout(F, Hp * Wp, config.model.frames_per_block, self.cp_size,
-                                           ring_size=R, ring_balance=p.ring_balance)
-            self.geometry = VideoGeometry(F, Hp, Wp)
-            self.seq_length = 2 * F * Hp * Wp
-        else:
-            self.geometry = VideoGeometry(T, Hp, Wp)
-            self.seq_length = T * Hp * Wp
+        self.family = get_family(config.model.family)
+        sample = self.family.sample_layout(config, self.cp_size)
+        self.layout, self.geometry, self.seq_length = sample.layout, sample.geometry, sample.seq_length
         self.batches = BatchMaker(config, vae=self.vae, latent_scale=self.latent_scale,
                                   cp_rank=self.cp_rank, cp_size=self.cp_size, dp_rank=self.dp_rank,
                                   dp_size=self.dp_size, layout=self.layout,
                                   need_latents=self.first_stage or self.last_stage)
-        self.objective = make_objective(config, self.groups, self.layout, self.geometry)
+        self.objective = self.family.make_objective(config, self.groups, sample)
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
@@ -325,7 +315,7 @@ class Trainer:
         cond = (ids, mask, torch.zeros(b, dtype=torch.bool, device=self.device))
         null = (ids, mask, torch.ones(b, dtype=torch.bool, device=self.device))
         C = self.tcfg.patch_dim
-        N = self.seq_length // 2 if self.layout is not None else self.seq_length
+        N = self.seq_length // 2 if self.family.autoregressive else self.seq_length
         noise = torch.stack([torch.randn(N, C, generator=sample_generator(c.train.seed, 10 ** 9, i))
                              for i in range(b)]).to(self.device)
         local_ids = self.batches.token_ids
@@ -333,7 +323,7 @@ class Trainer:
         self.ddp.eval()
         try:
             with torch.no_grad():
-                if self.layout is not None:
+                if self.family.autoregressive:
                     tf = self.objective.tf
 
                     def velocity(x, t, cnd):
