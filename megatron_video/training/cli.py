@@ -11,7 +11,8 @@ Subcommands::
 
 ``train`` runs ``--nproc`` local ranks (gloo on CPU, simulated nodes of ``--ranks-per-node``) or,
 under ``torchrun``, this process as one rank. ``demo`` is ``train --config
-examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``. A bad configuration
+examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``, reading real mp4 files
+through energon (prepared once under ``runs/demo-data`` by the same code as ``prepare --procedural``). A bad configuration
 exits with status 2 and names the field, before any process or process group is started.
 
 ``prepare`` turns a folder of videos + captions into an energon dataset for ``data.source=energon``
@@ -125,6 +126,28 @@ def _train(config, nproc: Optional[int], cpu: bool = False) -> int:
     return launch(config, nproc, config.parallel.ranks_per_node, cpu=cpu)
 
 
+DEMO_CLIPS = 128   # procedural mp4 clips of the demo's energon dataset (it repeats over epochs)
+
+
+def _ensure_demo_data(config) -> None:
+    """The demo reads real mp4 files through energon: prepare them once (``prepare --procedural``)."""
+    d = config.data
+    if d.source != "energon":
+        return
+    if d.path == "runs/demo/data":     # the shipped default follows --output
+        d.path = str(Path(config.output) / "data")
+    if (Path(d.path) / ".nv-meta" / "dataset.yaml").is_file():
+        return
+    from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+
+    print(f"[megatron-video] writing {DEMO_CLIPS} procedural mp4 clips and preparing the energon dataset "
+          f"{d.path} (once)", flush=True)
+    src = Path(d.path) / "videos"
+    write_procedural_videos(src, DEMO_CLIPS, num_frames=d.num_frames, height=d.height, width=d.width,
+                            seed=d.seed)
+    prepare_dataset(src, d.path)
+
+
 def _prepare(args) -> int:
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 
@@ -158,6 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _train(config, args.nproc, args.cpu)
         if args.command == "demo":
             config = _load(demo_config_path(), args.overrides, args.output, DEMO_ARGS["ranks_per_node"])
+            _ensure_demo_data(config)
             return _train(config, DEMO_ARGS["nproc"], args.cpu)
         if args.command == "train-vae":
             from .vae_stage import train_vae, vae_cache_path
