@@ -8,6 +8,7 @@ Subcommands::
     megatron-video validate --config FILE [--nproc N] [--ranks-per-node K] [section.key=value ...]
     megatron-video prepare SRC DST [--manifest FILE.jsonl] [--samples-per-shard N]
     megatron-video prepare --procedural N DST [--config FILE] [section.key=value ...]
+    megatron-video precompute --config FILE DST [--sp-size P] [section.key=value ...]
 
 ``train`` runs ``--nproc`` local ranks (gloo on CPU, simulated nodes of ``--ranks-per-node``) or,
 under ``torchrun``, this process as one rank. ``demo`` is ``train --config
@@ -18,6 +19,9 @@ exits with status 2 and names the field, before any process or process group is 
 ``prepare`` turns a folder of videos + captions into an energon dataset for ``data.source=energon``
 (``data.energon_video``); ``--procedural N`` first writes N of the embedded procedural clips as mp4
 files (at the config's frame count and size) into ``DST/videos`` and prepares those.
+
+``precompute`` encodes the energon dataset ``data.path`` with the config's VAE (each clip as the
+``--sp-size`` halo windows SP ranks would encode) into latent shards for ``data.source=shards``.
 
 ``--cpu`` enters megatron_video's CPU mode for Megatron-Core (``megatron_video.compat``; it logs what
 it changes and does nothing where CUDA is available); without a GPU the job needs it.
@@ -87,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="write N procedural mp4 clips (the embedded default data) and prepare them")
     pr.add_argument("--config", default=None, help="config whose data section sizes the procedural clips")
     pr.add_argument("--overrides", nargs="*", default=[], metavar="section.key=value")
+
+    pc = sub.add_parser("precompute", help="energon dataset -> latent shards (VAE once, SP-folded windows)")
+    common(pc, True)
+    pc.add_argument("--out", required=True, help="output folder of latent shards (data.shards for training)")
+    pc.add_argument("--sp-size", type=int, default=1, help="encode each clip as this many halo windows")
 
     c = sub.add_parser("validate", help="check a config without running it; print the resolved config")
     common(c, True)
@@ -189,6 +198,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             config = load_config(args.config, args.overrides)
             out = Path(args.output) if args.output else vae_cache_path(config)
             print(f"[megatron-video] VAE written to {train_vae(config, out)}")
+            return 0
+        if args.command == "precompute":
+            from .precompute import precompute_latents
+
+            config = load_config(args.config, args.overrides)
+            r = precompute_latents(config, args.out, sp_size=args.sp_size)
+            print(f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards under {args.out} "
+                  f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
+                  f"data.shards={args.out}")
             return 0
         if args.command == "prepare":
             return _prepare(args)
