@@ -8,7 +8,7 @@ Subcommands::
     megatron-video validate --config FILE [--nproc N] [--ranks-per-node K] [section.key=value ...]
     megatron-video prepare SRC DST [--manifest FILE.jsonl] [--samples-per-shard N]
     megatron-video prepare --procedural N DST [--config FILE] [section.key=value ...]
-    megatron-video precompute --config FILE DST [--sp-size P] [section.key=value ...]
+    megatron-video precompute --config FILE --out DST [--sp-size P] [--text-encoder DIR] [section.key=value ...]
 
 ``train`` runs ``--nproc`` local ranks (gloo on CPU, simulated nodes of ``--ranks-per-node``) or,
 under ``torchrun``, this process as one rank. ``demo`` is ``train --config
@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     common(pc, True)
     pc.add_argument("--out", required=True, help="output folder of latent shards (data.shards for training)")
     pc.add_argument("--sp-size", type=int, default=1, help="encode each clip as this many halo windows")
+    pc.add_argument("--text-encoder", default=None,
+                    help="local HF folder (tokenizer + T5/UMT5 encoder): store caption embeddings too")
+    pc.add_argument("--text-len", type=int, default=64, help="tokens per caption for --text-encoder")
 
     c = sub.add_parser("validate", help="check a config without running it; print the resolved config")
     common(c, True)
@@ -203,7 +206,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .precompute import precompute_latents
 
             config = load_config(args.config, args.overrides)
-            r = precompute_latents(config, args.out, sp_size=args.sp_size)
+            text = None
+            if args.text_encoder:
+                from megatron_video.data.text import HFTextEncoder
+
+                text = HFTextEncoder.from_pretrained(args.text_encoder, args.text_len)
+            r = precompute_latents(config, args.out, sp_size=args.sp_size, text_encoder=text)
             print(f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards under {args.out} "
                   f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
                   f"data.shards={args.out}")
