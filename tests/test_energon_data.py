@@ -129,3 +129,65 @@ def test_state_json_refuses_foreign_classes():
         state_from_json(bad)
     with pytest.raises(ValueError, match="must be a megatron_video.energon_state/1"):
         state_from_json("{}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's path: loader state in the checkpoint, resume = uninterrupted (DP2 x CP2)
+# ---------------------------------------------------------------------------------------------
+DP2_CP2 = dict(context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2)
+
+
+def _trainer_resume(tmp, ds):
+    import warnings
+
+    from test_models_parallel import tiny_config
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+
+    def make(name):
+        cfg = tiny_config("ar_dit", tmp, **DP2_CP2)
+        cfg.data.source, cfg.data.path, cfg.output = "energon", ds, f"{tmp}/{name}"
+        t = Trainer(cfg, progress=False)
+        keys = []
+        nb = t.batches.energon.next_batch
+        t.batches.energon.next_batch = lambda n: (lambda b: (keys.append([s.__key__ for s in b]), b)[1])(nb(n))
+        return t, keys
+
+    t, keys = make("a")
+    try:
+        losses = [t.train_step(s)["loss"] for s in (0, 1)]
+        t.save(2)
+        losses += [t.train_step(s)["loss"] for s in (2, 3)]
+        full_keys = list(keys)
+    finally:
+        t.close()
+    t, keys = make("b")
+    try:
+        assert t.load(f"{tmp}/a/checkpoints") == 2
+        resumed = [t.train_step(s)["loss"] for s in (2, 3)]
+    finally:
+        t.close()
+    return dict(losses=losses, resumed=resumed, full_keys=full_keys, resumed_keys=keys, dp=t.dp_rank)
+
+
+def test_trainer_checkpoint_resumes_energon_order(pool4, tmp_path_factory):
+    from test_models_parallel import tiny_config
+
+    from megatron_video.training.vae_stage import ensure_vae
+
+    tmp = tmp_path_factory.mktemp("energon_trainer")
+    ensure_vae(tiny_config("ar_dit", str(tmp)), progress=False)
+    write_procedural_videos(tmp / "src", 6, num_frames=13, height=16, width=16, seed=9)
+    prepare_dataset(tmp / "src", tmp / "ds")
+    out = pool4.run(_trainer_resume, str(tmp), str(tmp / "ds"))
+    for r in out:
+        assert len(r["full_keys"]) == 8                       # 4 steps x 2 micro-batches
+        assert r["resumed_keys"] == r["full_keys"][4:]        # the loader continued where it stood
+        if r["losses"][0] is not None:
+            assert r["resumed"] == r["losses"][2:]            # bit-identical steps after resume
+    assert out[0]["full_keys"] == out[1]["full_keys"] != out[2]["full_keys"] == out[3]["full_keys"]
+    ck = tmp / "a" / "checkpoints"
+    files = sorted(p.name for p in ck.rglob("dataloader/*.json"))
+    assert files == [f"rank{r}.json" for r in range(4)]
