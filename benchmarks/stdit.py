@@ -35,10 +35,11 @@ VARIANTS = ("hybrid", "cp_everywhere", "ulysses_everywhere")
 
 
 def _config(a, num_layers=1):
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=num_layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        context_parallel_size=ps.get_context_parallel_world_size(), num_layers=num_layers, hidden_size=a.hidden, num_attention_heads=a.heads,
         ffn_hidden_size=4 * a.hidden, use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=True, add_bias_linear=True,
@@ -58,7 +59,7 @@ def bench_rank(a):
 
     from megatron_video.compat import initialize_model_parallel
     from megatron_video.layouts.stdit import VideoGeometry
-    from megatron_video.models.dit_blocks import VideoSeqParams
+    from megatron_video.models.dit_layer import DiTParams
     from megatron_video.models.stdit import get_stdit_layer_spec
     from megatron_video.parallel.comm import CommTracer
     from megatron_video.parallel.topology import init_video_parallel
@@ -90,7 +91,7 @@ def bench_rank(a):
 
     def step(layer):
         h = hidden.clone().requires_grad_(True)
-        y, _ = layer(h, attention_mask=c, context=text, packed_seq_params=VideoSeqParams(geometry=geo))
+        y, _ = layer(h, context=text, params=DiTParams(conditioning=c, geometry=geo))
         y.sum().backward()
 
     out = {}

@@ -46,6 +46,7 @@ def _config(hkv=H, **kw):
         ffn_hidden_size=2 * D, use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=True, add_bias_linear=True,
+        attention_dropout=0.0,
         params_dtype=torch.float64, **kw)
 
 

@@ -180,9 +180,11 @@ def oracle_block(P, x, c, ctx, ctx_mask, thw, has_full, hkv):
 # Worker side
 # ---------------------------------------------------------------------------------------------
 def _config(hkv, **kw):
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
     kw.setdefault("num_layers", 1)
+    kw.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
     return TransformerConfig(
         **kw, hidden_size=D, num_attention_heads=H, num_query_groups=hkv, kv_channels=HD,
         ffn_hidden_size=FFN, use_cpu_initialization=True, gradient_accumulation_fusion=False,
@@ -235,7 +237,7 @@ def _build(case):
 
 def _run_block(layer, case, groups_rank, cp_size):
     from megatron_video.layouts.stdit import VideoGeometry
-    from megatron_video.models.dit_blocks import VideoSeqParams
+    from megatron_video.models.dit_layer import DiTParams
     from megatron_video.parallel.comm import CommTracer
 
     dtype = case["dtype"]
@@ -254,8 +256,8 @@ def _run_block(layer, case, groups_rank, cp_size):
     cond = c.to(dtype).requires_grad_(True)
     text = ctx.transpose(0, 1).to(dtype).requires_grad_(True)
     with CommTracer() as tr:
-        out = layer(hidden, attention_mask=cond, context=text, context_mask=ctx_mask,
-                    packed_seq_params=VideoSeqParams(geometry=geo))
+        out = layer(hidden, params=DiTParams(conditioning=cond, geometry=geo), context=text,
+                    context_mask=ctx_mask)
         out, ctx_out = out if isinstance(out, tuple) else (out, text)  # a layer returns (h, context)
         (out * up.reshape(b, -1, D).transpose(0, 1).to(dtype)).sum().backward()
     grads = {n: p.grad.double().clone() for n, p in layer.named_parameters()}
@@ -280,7 +282,7 @@ def _cp4_cases(cases):
                               hierarchical_context_parallel_sizes=[2, 2])
     groups = init_video_parallel(2)
     results = [_run_block(_build(case), case, groups.cp_rank, groups.cp_size) for case in cases]
-    stack = {rc: _transformer_block_case(groups, rc) for rc in (False, True)}
+    stack = {rc: _transformer_block_case(groups, rc) for rc in (False, True, "block")}
     return results, _layer_errors(), stack
 
 
@@ -289,19 +291,21 @@ STACK_CASE = dict(name="transformer_block", variant="hybrid", full=False, t=4, h
 
 
 def _transformer_block_case(groups, recompute):
-    """Two ST-DiT layers in Megatron's TransformerBlock, full attention in layer 2 only; with and
-    without full activation recompute (the conditioning rides the attention_mask slot)."""
+    """Two ST-DiT layers in a VideoTransformerBlock (Megatron's TransformerBlock), full attention in
+    layer 2 only; with and without full activation recompute (the conditioning is a checkpoint
+    argument, the rest of the DiTParams closed over)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_block import TransformerBlock
 
+    from megatron_video.models.dit_layer import VideoTransformerBlock
     from megatron_video.models.stdit import get_stdit_layer_spec
 
     model_parallel_cuda_manual_seed(1234)
-    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if recompute else {}
+    # recompute True: every layer checkpointed ("uniform"); "block": the first layer only
+    extra = dict(recompute_granularity="full", recompute_num_layers=1,
+                 recompute_method="block" if recompute == "block" else "uniform") if recompute else {}
     cfg = _config(H, num_layers=2, **extra)
     spec = get_stdit_layer_spec("hybrid", full_attention_layers=(2,), lora_rank=LORA, context_dim=DC)
-    block = TransformerBlock(cfg, spec, post_layer_norm=False)
+    block = VideoTransformerBlock(cfg, spec, post_layer_norm=False)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -313,31 +317,26 @@ def _transformer_block_case(groups, recompute):
 def _layer_errors():
     """Bad inputs raise ValueError naming the parameter (before any collective)."""
     from megatron_video.layouts.stdit import VideoGeometry
-    from megatron_video.models.dit_blocks import VideoSeqParams
+    from megatron_video.models.dit_layer import DiTParams
 
     errors = []
     good = dict(CASES[0], seed=0)
     layer = _build(good)
     hidden, cond = torch.zeros(6, 2, D, dtype=torch.float64), torch.zeros(2, D, dtype=torch.float64)
     attempts = [
-        dict(packed_seq_params=VideoSeqParams(geometry=VideoGeometry(6, 2, 3))),   # t % P != 0
-        dict(packed_seq_params=VideoSeqParams(geometry=VideoGeometry(8, 2, 3))),   # wrong s
-        dict(packed_seq_params=None),                                             # no geometry
+        dict(params=DiTParams(cond, VideoGeometry(6, 2, 3))),   # t % P != 0
+        dict(params=DiTParams(cond, VideoGeometry(8, 2, 3))),   # wrong s
+        dict(params=DiTParams(cond)),                           # no geometry
+        dict(params=None),                                      # no params
+        dict(params=DiTParams(None, VideoGeometry(4, 2, 3))),   # no conditioning
+        # the old convention: conditioning in Megatron's attention_mask slot is refused
+        dict(params=DiTParams(cond, VideoGeometry(4, 2, 3)), attention_mask=cond),
     ]
     for kw in attempts:
         try:
-            layer(hidden, attention_mask=cond, **kw)
+            layer(hidden, **kw)
         except ValueError as e:
             errors.append(str(e))
-    try:
-        layer(hidden, attention_mask=None, packed_seq_params=attempts[1]["packed_seq_params"])
-    except ValueError as e:
-        errors.append(str(e))
-    uly = _build(dict(good, variant="ulysses_everywhere", hkv=2))  # 2 kv heads over 4 ranks
-    try:
-        uly(hidden, attention_mask=cond, packed_seq_params=VideoSeqParams(geometry=VideoGeometry(4, 2, 3)))
-    except ValueError as e:
-        errors.append(str(e))
     return errors
 
 
@@ -469,12 +468,13 @@ def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4):
 
     out = pool4.run(_cp4_cases, CASES)       # U=2 x R=2 over 2 simulated nodes
     for errors in (o[1] for o in out):
-        assert len(errors) == 5, errors
+        assert len(errors) == 6, errors
         assert "num_frames (6) must be divisible by cp_size (4)" in errors[0]
         assert "hidden_states sequence length (6) must be frames per rank (2)" in errors[1]
-        assert "packed_seq_params (NoneType) must be a VideoSeqParams" in errors[2]
-        assert "attention_mask (None) must be the AdaLN conditioning vector" in errors[3]
-        assert "key/value heads per TP rank (2) must be divisible by cp_size (4)" in errors[4]
+        assert "params.geometry (NoneType) must be a VideoGeometry" in errors[2]
+        assert "params (NoneType) must be a DiTParams" in errors[3]
+        assert "params.conditioning must be the AdaLN conditioning vector [b, D]" in errors[4]
+        assert "attention_mask must be None for STDiTLayer" in errors[5]
     results = [o[0] for o in out]
     _check_transformer_block([o[2] for o in out])
     for i, case in enumerate(CASES):
@@ -533,11 +533,13 @@ def _check_transformer_block(stacks):
     _close(sum(r["dctx"] for r in plain), ctx.grad, case, "block text grad")
     for name, p in P.items():
         _close(sum(r["grads"][name] for r in plain), p.grad, case, f"block grad of {name}")
-    for s in stacks:   # full activation recompute changes nothing
-        for key in ("out", "dx", "dc", "dctx"):
-            torch.testing.assert_close(s[True][key], s[False][key], rtol=1e-12, atol=1e-12)
-        for name in P:
-            torch.testing.assert_close(s[True]["grads"][name], s[False]["grads"][name], rtol=1e-12, atol=1e-12)
+    for s in stacks:   # full activation recompute (uniform or block) changes nothing
+        for rc in (True, "block"):
+            for key in ("out", "dx", "dc", "dctx"):
+                torch.testing.assert_close(s[rc][key], s[False][key], rtol=1e-12, atol=1e-12)
+            for name in P:
+                torch.testing.assert_close(s[rc]["grads"][name], s[False]["grads"][name],
+                                           rtol=1e-12, atol=1e-12)
 
 
 def test_stdit_block_tp2_cp2_matches_oracle(pool4):

@@ -27,7 +27,7 @@ from ..ops import masks as _ops
 from ..ops.rules import EMPTY, FULL, PARTIAL
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "AttentionMask", "RuleMask", "full", "causal", "block_causal",
-           "packed", "predicate", "from_dense"]
+           "packed", "predicate", "from_dense", "VideoRows", "video_rows"]
 
 
 def _tile_edges(n: int, tile: int):
@@ -263,6 +263,32 @@ def packed(cu_seqlens, inner: Optional[AttentionMask] = None) -> AttentionMask:
 def predicate(fn: Callable, default_scheme: str = "contiguous") -> AttentionMask:
     """Any mask given as ``fn(q_idx [sq,1], k_idx [1,sk]) -> bool [sq,sk]`` on global indices."""
     return _Predicate(fn, default_scheme)
+
+
+class VideoRows(AttentionMask):
+    """Attention within rows of a frame-major video token sequence (``positions`` tokens a frame):
+    ``"spatial"`` = same frame, ``"temporal"`` = same spatial position (global token ids). A core
+    attention that sees the whole sequence (all-to-all) may cut the rows instead of masking."""
+
+    def __init__(self, positions: int, pattern: str):
+        if not isinstance(positions, int) or positions < 1:
+            raise ValueError(f"positions ({positions!r}) must be a positive int")
+        if pattern not in ("spatial", "temporal"):
+            raise ValueError(f"pattern ({pattern!r}) must be 'spatial' or 'temporal'")
+        self.positions, self.pattern = positions, pattern
+
+    def dense(self, q_ids, k_ids):
+        n = self.positions
+        q, k = q_ids.reshape(-1, 1), k_ids.reshape(1, -1)
+        return (q // n == k // n) if self.pattern == "spatial" else (q % n == k % n)
+
+    def __repr__(self):
+        return f"video_rows({self.positions}, {self.pattern!r})"
+
+
+def video_rows(positions: int, pattern: str) -> VideoRows:
+    """Same-frame (``"spatial"``) or same-position (``"temporal"``) attention of a video sequence."""
+    return VideoRows(positions, pattern)
 
 
 class _Dense(AttentionMask):

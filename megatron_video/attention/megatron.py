@@ -11,11 +11,14 @@ Groups (docs/architecture.md, "Groups"): from Megatron, at the first forward -- 
 ``cp_comm_type`` choosing the scheme exactly as for Transformer Engine: ``"a2a+p2p"`` = Ulysses over
 the hierarchical level 0 x ring over level 1, ``"p2p"`` (or unset) = ring, ``"a2a"`` = Ulysses,
 ``"all_gather"`` = ``ValueError``. A stock Megatron job therefore needs nothing but the spec. Explicit
-control: pass ``groups=init_video_parallel(...)`` in the spec's params. The token layout is
+control: pass ``groups=init_video_parallel(...)`` in the spec's params, or call
+``init_video_parallel`` (its groups are used on the CP group they were made for; the one rule is
+``parallel.topology.resolve_video_groups``, shared with the video-DiT layers). The token layout is
 ``scheme`` over the CP group; the default ``"zigzag"`` is Megatron-LM's ``get_batch_on_this_cp_rank``
 cut (2*CP chunks, CP rank c keeps chunks c and 2CP-1-c).
 
-Masks: ``attn_mask_type`` causal -> ``masks.causal()``, no_mask -> full (a dense ``attention_mask``
+Masks: an ``AttentionMask`` passed as ``attention_mask`` (per call; the video layers use it for
+teacher forcing and the ST-DiT baselines) wins; else ``attn_mask_type`` causal -> ``masks.causal()``, no_mask -> full (a dense ``attention_mask``
 is then ignored, as Transformer Engine's core attention does: the type decides); a spec may instead
 pass any ``AttentionMask`` as ``params={"mask": ...}`` (block-causal video, teacher forcing, ...),
 which wins. Other mask types, ``attention_bias`` and packed ``thd`` input with CP > 1 raise
@@ -27,6 +30,7 @@ so the softmax sees ``softmax_scale`` either way.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -35,11 +39,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..layouts.zigzag import SCHEMES
-from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, groups_from_megatron
+from ..parallel.comm import check_same_shape
+from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, resolve_video_groups
 from . import masks as masks_mod
 from .attention_2d import dist_attention
+from .engine import local_attention
+from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 
-__all__ = ["DistAttention2D"]
+__all__ = ["DistAttention2D", "UlyssesAttention", "LocalDotProductAttention"]
 
 
 class DistAttention2D(MegatronModule):
@@ -82,14 +89,18 @@ class DistAttention2D(MegatronModule):
         self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
 
     def video_groups(self) -> Optional[VideoParallelGroups]:
-        """The U x R groups this layer runs on (resolved from Megatron at the first call)."""
+        """The U x R groups this layer runs on (resolved at the first call by
+        ``parallel.topology.resolve_video_groups``: spec ``groups``, else ``init_video_parallel``'s,
+        else Megatron's ``pg_collection`` / parallel state with ``cp_comm_type``)."""
         if not self._resolved:
-            self._groups = groups_from_megatron(self.pg_collection, self.cp_comm_type)
+            self._groups = resolve_video_groups(self._groups, self.pg_collection, self.cp_comm_type)
             self._resolved = True
         return self._groups
 
-    def _mask(self, attn_mask_type, packed_seq_params):
+    def _mask(self, attn_mask_type, packed_seq_params, attention_mask=None):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if isinstance(attention_mask, masks_mod.AttentionMask):  # per call (video layers)
+            return attention_mask
         if self.mask is not None:
             return self.mask
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -126,7 +137,7 @@ class DistAttention2D(MegatronModule):
                                  f"and with cu_seqlens_q == cu_seqlens_kv at context_parallel_size 1 "
                                  f"is supported; with CP use masks.packed(...) over the whole "
                                  f"laid-out sequence as the spec's mask")
-        mask = self._mask(attn_mask_type, packed_seq_params)
+        mask = self._mask(attn_mask_type, packed_seq_params, attention_mask)
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = query[None], key[None], value[None]
         else:    # Megatron's [s, b, h, d] -> [b, s, h, d]
@@ -135,4 +146,97 @@ class DistAttention2D(MegatronModule):
                              scheme=self.scheme, backend=self.backend)
         if thd:
             return out[0].reshape(out.shape[1], -1)
+        return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
+
+
+class UlyssesAttention(DistAttention2D):
+    """``DistAttention2D`` with the whole CP group as one Ulysses (all-to-all) group, no ring.
+
+    The ST-DiT "Ulysses everywhere" baseline: 4 all-to-alls per attention (q, k, v, out). With a
+    ``masks.VideoRows`` mask (spatial / temporal attention) the gathered whole sequence is cut into
+    its rows (frames / positions) and attended row by row, as a Ulysses implementation would."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        groups = self.video_groups()
+        if (not isinstance(attention_mask, masks_mod.VideoRows) or groups is None
+                or groups.cp_size == 1 or attention_bias is not None or packed_seq_params is not None):
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params, **kwargs)
+        if self.scheme != "contiguous":
+            raise ValueError(f"scheme ({self.scheme!r}) must be 'contiguous' for video rows")
+        P, group = groups.cp_size, groups.cp_group
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))     # [b, s_local, h, d]
+        s_local = q.shape[1]
+        check_heads(q.shape[2], k.shape[2], P)
+        check_same_shape({"q": q, "k": k, "v": v}, group, "UlyssesAttention")
+        q = seq_to_heads(q, group, "ulysses.q")                         # [b, S, h/P, d]
+        k = seq_to_heads(prepare_kv(k, P), group, "ulysses.k")
+        v = seq_to_heads(prepare_kv(v, P), group, "ulysses.v")
+        b, S, _, d = q.shape
+        n = attention_mask.positions
+        if S % n:
+            raise ValueError(f"sequence length ({S}) must be a multiple of the mask's positions ({n})")
+        t = S // n
+
+        def rows(x):
+            if attention_mask.pattern == "spatial":
+                return x.reshape(b * t, n, x.shape[2], d)
+            return x.reshape(b, t, n, x.shape[2], d).transpose(1, 2).reshape(b * n, t, x.shape[2], d)
+
+        o = local_attention(rows(q), rows(k), rows(v), None, self.softmax_scale,
+                            backend=self.backend)[0]
+        h = o.shape[2]
+        if attention_mask.pattern == "temporal":
+            o = o.reshape(b, n, t, h, d).transpose(1, 2)
+        o = heads_to_seq(o.reshape(b, S, h, d), group, "ulysses.out")   # [b, s_local, h, d]
+        return o.transpose(0, 1).reshape(s_local, b, -1)
+
+    def video_groups(self) -> Optional[VideoParallelGroups]:
+        if not self._resolved:
+            g = resolve_video_groups(self._groups, self.pg_collection, self.cp_comm_type)
+            if g is not None and g.ring_size > 1:
+                me = g.cp_ranks[g.cp_rank]
+                g = dataclasses.replace(g, ulysses_group=g.cp_group, ring_group=None,
+                                        ulysses_size=g.cp_size, ring_size=1,
+                                        ulysses_ranks=list(g.cp_ranks), ring_ranks=[me],
+                                        ulysses_rank=g.cp_rank, ring_rank=0,
+                                        placement="ulysses_inner")
+            self._groups, self._resolved = g, True
+        return self._groups
+
+
+class LocalDotProductAttention(MegatronModule):
+    """Core attention on this rank only (no context parallelism), Megatron's core-attention interface.
+
+    For attention over short sequences a layer has already made local (ST-DiT spatial / temporal
+    attention, whose rows are whole frames or whole positions): ``query [s, b, h, d]``, ``key,
+    value [s, b, h_kv, d]`` -> ``[s, b, h*d]``; full attention (no mask) or causal by
+    ``attn_mask_type``; an ``AttentionMask`` as ``attention_mask`` is applied on local positions.
+    """
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=None,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, backend: str = "auto", **kwargs):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout ({dropout}) must be 0 for LocalDotProductAttention")
+        self.attn_mask_type, self.backend = attn_mask_type, backend
+        self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
+                              else softmax_scale)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("attention_bias and packed_seq_params must be None for "
+                             "LocalDotProductAttention")
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        mask = None
+        if isinstance(attention_mask, masks_mod.AttentionMask):
+            mask = attention_mask
+        elif mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            mask = masks_mod.causal()
+        out = local_attention(q, k, v, mask, self.softmax_scale, backend=self.backend)[0]
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)

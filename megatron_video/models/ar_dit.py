@@ -8,67 +8,52 @@ Self-attention is 2D attention over the CP group with the teacher-forcing mask (
 the attention order); 3D RoPE uses the token's global latent frame (both halves share it) and its
 spatial position; cross-attention to the whole text runs without CP; MLP; final AdaLN layer.
 
-Layer call convention (Megatron ``TransformerBlock`` slots): ``hidden_states [s, b, D]``,
-``attention_mask`` = per-token conditioning ``[s, b, D]``, ``context [L, b, D_c]``,
-``context_mask [b, L]``, ``packed_seq_params`` = ``ARSeqParams`` (mask + RoPE angles).
+Layer call convention (``models.video_dit``): ``hidden_states [s, b, D]``, ``context [L, b,
+D_c]``, ``context_mask [b, L]`` and ``params`` a ``DiTParams`` with the per-token conditioning
+``[s, b, D]``, the teacher-forcing ``attention_mask`` (given to the 2D core attention per call)
+and the RoPE ``rotary_pos_emb``.
 The model follows ``TeacherForcingObjective``'s contract
 ``model(x [b, s, C], t [b, s], *, frame_positions, token_ids, mask, ...) -> [b, s, C]``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_video.attention import dist_attention
 from megatron_video.attention.masks import AttentionMask
 from megatron_video.layouts.stdit import VideoGeometry
-from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionSubmodules,
-                                              DiTCrossAttention, DiTCrossAttentionSubmodules,
-                                              DiTSelfAttention, rope_3d_angles)
-from megatron_video.models.dit_layer import DiTLayerBase
-from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
+from megatron_video.models.dit_blocks import AdaLNLoRAModulation, rope_3d_angles, rope_embedding
+from megatron_video.models.dit_layer import DiTLayerBase, DiTLayerSubmodules, DiTParams
+from megatron_video.models.video_dit import (VideoDiT, VideoDiTConfig, check_layer_backend,
+                                             dit_backend_modules, dit_cross_attention_spec,
+                                             dit_mlp_spec, dit_self_attention_spec,
+                                             full_2d_attention)
 from megatron_video.parallel.comm import check_same_shape
 
-__all__ = ["ARSeqParams", "ARDiTLayerSubmodules", "ARDiTLayer", "get_ar_dit_layer_spec",
+__all__ = ["ARDiTLayer", "get_ar_dit_layer_spec",
            "ARVideoDiT", "ar_rope_thw"]
 
 
-@dataclass
-class ARSeqParams(PackedSeqParams):
-    """Per-batch attention description for ``ARDiTLayer`` (through Megatron's packed-seq slot)."""
-
-    attention_mask: Optional[AttentionMask] = None   # on attention-order positions
-    rope_angles: Optional[torch.Tensor] = None       # [s_local, head_dim/2]
-
-
-@dataclass
-class ARDiTLayerSubmodules:
-    modulation: Union[ModuleSpec, type] = AdaLNLoRAModulation
-    self_attention: Union[ModuleSpec, type] = None
-    cross_attention: Union[ModuleSpec, type] = None
-    mlp: Union[ModuleSpec, type] = None
-
-
-def get_ar_dit_layer_spec(lora_rank: int = 256, context_dim: Optional[int] = None) -> ModuleSpec:
-    """``ModuleSpec`` of ``ARDiTLayer`` for Megatron's ``TransformerBlock``."""
+def get_ar_dit_layer_spec(lora_rank: int = 256, context_dim: Optional[int] = None,
+                          backend: str = "local") -> ModuleSpec:
+    """``ModuleSpec`` of ``ARDiTLayer`` for Megatron's ``TransformerBlock`` (``backend`` as
+    ``get_video_dit_layer_spec``); the self-attention core is the 2D attention, which takes the
+    teacher-forcing mask per call."""
+    m = dit_backend_modules(backend)
     return ModuleSpec(
         module=ARDiTLayer,
-        params=dict(lora_rank=lora_rank, context_dim=context_dim),
-        submodules=ARDiTLayerSubmodules(
-            modulation=AdaLNLoRAModulation,
-            self_attention=ModuleSpec(module=DiTSelfAttention, submodules=DiTAttentionSubmodules()),
-            cross_attention=ModuleSpec(module=DiTCrossAttention,
-                                       submodules=DiTCrossAttentionSubmodules()),
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))),
+        params=dict(lora_rank=lora_rank),
+        submodules=DiTLayerSubmodules(
+            input_layernorm=m["norm"],
+            self_attention=dit_self_attention_spec(full_2d_attention(), backend),
+            pre_cross_attn_layernorm=m["norm"],
+            cross_attention=dit_cross_attention_spec(context_dim, backend),
+            pre_mlp_layernorm=m["norm"],
+            mlp=dit_mlp_spec(backend),
+            modulation=AdaLNLoRAModulation),
     )
 
 
@@ -81,49 +66,51 @@ class ARDiTLayer(DiTLayerBase):
 
     sequence_parallel_reason = "its sequence is already split by Balanced SP"
 
-    def __init__(self, config: TransformerConfig, submodules: ARDiTLayerSubmodules,
-                 layer_number: int = 1, pg_collection=None, vp_stage: Optional[int] = None,
-                 lora_rank: int = 256, context_dim: Optional[int] = None):
-        super().__init__(config, layer_number, vp_stage)
-        self._build_dit_submodules(submodules, lora_rank, context_dim)
+    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
+                 layer_number: int = 1, lora_rank: int = 256, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self._build_modulation(submodules.modulation, 9, lora_rank)
 
-    def _attention(self, x, params: ARSeqParams):
-        angles = None if params.rope_angles is None else params.rope_angles.to(x.device)
-        q, k, v = self.self_attention.qkv(x, angles)
-        o = dist_attention(q, k, v, self.groups, mask=params.attention_mask, scheme="contiguous")
-        return self.self_attention.project(o)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[ARSeqParams] = None, **unused):
+                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
+                packed_seq_params=None, **unused):
         """``hidden_states [s, b, D]`` -> ``([s, b, D], context)``; see the module docstring."""
-        if not isinstance(packed_seq_params, ARSeqParams):
-            raise ValueError(f"packed_seq_params ({type(packed_seq_params).__name__}) must be an "
-                             f"ARSeqParams (teacher-forcing mask and RoPE angles)")
+        params = self._check_params(params, "per-token conditioning, teacher-forcing mask, RoPE", dict(
+            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
         s, b, D = hidden_states.shape
-        cond = attention_mask
-        if cond is None or tuple(cond.shape) != (s, b, D):
-            raise ValueError(f"attention_mask (per-token conditioning) must be [s, b, D] = "
-                             f"[{s}, {b}, {D}], got {None if cond is None else tuple(cond.shape)}")
+        cond = params.conditioning
+        if not isinstance(cond, torch.Tensor) or tuple(cond.shape) != (s, b, D):
+            raise ValueError(f"params.conditioning (per-token) must be [s, b, D] = [{s}, {b}, {D}], "
+                             f"got {tuple(getattr(cond, 'shape', ())) or None}")
         if self.groups is not None and self.groups.cp_size > 1:
             shapes = {"hidden_states": hidden_states}
             if context is not None:
                 shapes["context"] = context
             check_same_shape(shapes, self.groups.cp_group, where="ARDiTLayer")
-        mods = self.modulation(cond.transpose(0, 1))                       # 9 x [b, s, D]
-        eps = self.config.layernorm_epsilon
+        mods = self.modulation(cond)                                   # 9 x [s, b, D]
+        rope = params.rotary_pos_emb
+        if rope is not None:
+            rope = rope.to(hidden_states.device)
 
-        def branch(i, x, f):
+        def branch(i, x, norm, f):
             shift, scale, gate = mods[3 * i:3 * i + 3]
-            return x + gate * f(_token_modulate(F.layer_norm(x, (D,), eps=eps), shift, scale))
+            return x + gate * f(_token_modulate(norm(x), shift, scale))
 
-        x = hidden_states.transpose(0, 1)
-        x = branch(0, x, lambda y: self._attention(y, packed_seq_params))
+        def attention(y):
+            return self.self_attention(y, attention_mask=params.attention_mask,
+                                       rotary_pos_emb=rope)[0]
+
+        x = hidden_states
+        x = branch(0, x, self.input_layernorm, attention)
         if context is not None:
             ctx = context.transpose(0, 1)
-            x = branch(1, x, lambda y: self.cross_attention(y, ctx, context_mask))
-        x = branch(2, x, self._mlp)
-        return x.transpose(0, 1).contiguous(), context
+            x = branch(1, x, self.pre_cross_attn_layernorm,
+                       lambda y: self.cross_attention(y.transpose(0, 1), ctx,
+                                                      context_mask).transpose(0, 1))
+        x = branch(2, x, self.pre_mlp_layernorm, self._mlp)
+        return x.contiguous(), context
 
 
 def ar_rope_thw(frame_positions: torch.Tensor, token_ids: torch.Tensor,
@@ -144,13 +131,16 @@ class ARVideoDiT(VideoDiT):
     """
 
     def __init__(self, config: VideoDiTConfig, pre_process: bool = True, post_process: bool = True,
-                 vp_stage: Optional[int] = None):
+                 vp_stage: Optional[int] = None, layer_spec: Optional[ModuleSpec] = None):
         if config.patch_size[0] != 1:
             raise ValueError(f"patch_size ({config.patch_size}) must have a temporal patch of 1 for "
                              f"the AR DiT (a latent frame is the autoregressive unit)")
         # Same embedders, stage split and checkpoint layout as VideoDiT; only the layers differ.
-        super().__init__(config, pre_process, post_process,
-                         layer_spec=get_ar_dit_layer_spec(config.lora_rank, config.text_dim),
+        if layer_spec is None:
+            check_layer_backend(config.layer_backend)
+            layer_spec = get_ar_dit_layer_spec(config.lora_rank, config.text_dim,
+                                               backend=config.layer_backend)
+        super().__init__(config, pre_process, post_process, layer_spec=layer_spec,
                          vp_stage=vp_stage)
 
     def forward(self, x: Optional[torch.Tensor], t: torch.Tensor, *, frame_positions: torch.Tensor,
@@ -161,20 +151,22 @@ class ARVideoDiT(VideoDiT):
         D = self.config.hidden_size
         c = self.t_embedder(t.reshape(-1) * self.config.timestep_scale).view(b, s, D)
         ctx, ctx_mask = self.text_embedder(caption_ids, caption_mask, drop)
-        angles = None
+        rope = None
         if self.config.rope_theta is not None:
             head_dim = self.config.kv_channels
-            angles = rope_3d_angles(ar_rope_thw(frame_positions.cpu(), token_ids.cpu(), geometry),
-                                    head_dim, self.config.rope_theta)
+            rope = rope_embedding(rope_3d_angles(
+                ar_rope_thw(frame_positions.cpu(), token_ids.cpu(), geometry), head_dim,
+                self.config.rope_theta))
         hidden = None
         if self.pre_process:
             if x is None or tuple(x.shape) != (b, s, self.config.patch_dim):
                 raise ValueError(f"x ({None if x is None else tuple(x.shape)}) must be [b, s_local, "
                                  f"patch_dim] = [{b}, {s}, {self.config.patch_dim}]")
             hidden = self.patch_embed(x).transpose(0, 1).contiguous()
-        out = self.decoder(hidden, attention_mask=c.transpose(0, 1).contiguous(),
-                           context=ctx.transpose(0, 1).contiguous(), context_mask=ctx_mask,
-                           packed_seq_params=ARSeqParams(attention_mask=mask, rope_angles=angles))
+        params = DiTParams(conditioning=c.transpose(0, 1).contiguous(), geometry=geometry,
+                           attention_mask=mask, rotary_pos_emb=rope)
+        out = self.decoder(hidden, params, context=ctx.transpose(0, 1).contiguous(),
+                           context_mask=ctx_mask)
         if isinstance(out, tuple):
             out = out[0]
         if not self.post_process:

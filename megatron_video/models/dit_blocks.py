@@ -7,13 +7,14 @@
   so it needs no tensor-parallel communication; its modules are named ``q_layernorm`` /
   ``k_layernorm`` so Megatron's ``finalize_model_grads`` sums their gradients over TP ranks when
   ``config.qk_layernorm`` is set.
-* ``DiTSelfAttention`` / ``DiTCrossAttention``: projections with Megatron's ``ColumnParallelLinear``
-  / ``RowParallelLinear`` (heads split over TP); the attention pattern itself is left to the caller
-  (local, 2D context-parallel, ...), which receives ``[b, s, h, d]`` tensors. Cross-attention to
-  text runs without context parallelism: every rank keeps its video queries and the whole text.
+* ``AdaLNNorm``: LayerNorm without affine parameters, the norm slots of the local layer specs.
+* ``DiTSelfAttention``: Megatron's self-attention slots (``linear_qkv``, ``q_layernorm`` /
+  ``k_layernorm``, ``core_attention``, ``linear_proj``) in Megatron's ``[s, b, D]`` convention; the
+  attention pattern is its ``core_attention`` (2D context-parallel, local, ...).
+  ``DiTCrossAttention``: video queries attend to the whole text without context parallelism.
+  Linear layers from the spec (Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` or TE's).
 * 3D RoPE from global ``(t, h, w)`` token positions, so every layout rotates a token the same way.
 
-Conventions inside these blocks: batch-major ``[b, s, D]`` activations, ``[b, s, h, d]`` heads.
 Masks are boolean with ``True`` = may attend.
 """
 from __future__ import annotations
@@ -25,33 +26,21 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention import local_attention
-from megatron_video.layouts.stdit import VideoGeometry
+from megatron_video.attention.megatron import DistAttention2D
 
 __all__ = [
-    "VideoSeqParams", "timestep_embedding", "TimestepEmbedder", "AdaLNLoRAModulation", "modulate",
+    "timestep_embedding", "AdaLNNorm", "rope_embedding", "TimestepEmbedder", "AdaLNLoRAModulation", "modulate",
     "gated", "HeadRMSNorm", "rope_3d_split", "rope_3d_angles", "apply_rope", "attend",
     "DiTAttentionSubmodules", "DiTSelfAttention", "DiTCrossAttentionSubmodules", "DiTCrossAttention",
     "tp_world_size",
 ]
-
-
-@dataclass
-class VideoSeqParams(PackedSeqParams):
-    """Sequence description handed to video layers through Megatron's ``packed_seq_params`` slot.
-
-    ``TransformerBlock`` forwards that slot untouched to every layer (also under activation
-    recompute, where it is closed over rather than saved), which makes it the place for the
-    per-batch token grid: ``geometry`` is the global ``(frames, height, width)`` of every sample.
-    """
-
-    geometry: Optional[VideoGeometry] = None
 
 
 def tp_world_size() -> int:
@@ -144,6 +133,20 @@ class HeadRMSNorm(torch.nn.Module):
         return y.to(x.dtype) * self.weight.to(x.dtype)
 
 
+class AdaLNNorm(torch.nn.Module):
+    """LayerNorm without affine parameters (AdaLN supplies the scale and shift): the norm slots
+    (``input_layernorm``, ...) of the local DiT layer specs. Megatron's norm-builder signature."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: Optional[float] = None,
+                 **kwargs):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = config.layernorm_epsilon if eps is None else eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), eps=self.eps)
+
+
 # ----------------------------------------------------------------------------------------------
 # 3D RoPE from global token positions
 # ----------------------------------------------------------------------------------------------
@@ -206,30 +209,54 @@ def _heads(config: TransformerConfig) -> Tuple[int, int, int]:
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class DiTAttentionSubmodules:
+    """Submodules of ``DiTSelfAttention`` (the slots of Megatron's ``SelfAttentionSubmodules``)."""
+
     linear_qkv: Union[ModuleSpec, type] = ColumnParallelLinear
+    core_attention: Union[ModuleSpec, type] = None   # default: DistAttention2D (contiguous)
     q_layernorm: Union[ModuleSpec, type] = HeadRMSNorm
     k_layernorm: Union[ModuleSpec, type] = HeadRMSNorm
     linear_proj: Union[ModuleSpec, type] = RowParallelLinear
 
 
-class DiTSelfAttention(MegatronModule):
-    """QKV / output projections of a DiT self-attention (the attention pattern is the caller's).
+def rope_embedding(angles: torch.Tensor) -> torch.Tensor:
+    """3D RoPE angles ``[s, d/2]`` (or ``[s, b, d/2]``) as Megatron's ``rotary_pos_emb``
+    ``[s, 1|b, 1, d]``: its rotate-half convention pairs channels ``(i, i + d/2)`` like ``apply_rope``."""
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb[:, None, None, :] if emb.dim() == 2 else emb[:, :, None, :]
 
-    The fused QKV weight uses Megatron's per-query-group layout ``[q_heads_of_group, k, v]`` so TP
-    shards hold whole groups and checkpoints match Megatron's ``SelfAttention``.
+
+class DiTSelfAttention(MegatronModule):
+    """Self-attention of the DiT layers with Megatron's slots: ``linear_qkv``, per-head
+    ``q_layernorm`` / ``k_layernorm``, 3D RoPE, a ``core_attention`` and ``linear_proj``.
+
+    ``forward(hidden_states [s, b, D], attention_mask=None, rotary_pos_emb=None)`` -> ``(out,
+    bias)`` like Megatron's ``SelfAttention``; the core attention has Megatron's core-attention
+    interface (``DistAttention2D`` for sequence-wide attention over the CP group,
+    ``LocalDotProductAttention`` for short local sequences), receives Megatron's ``cp_comm_type``
+    and ``pg_collection``, and may be swapped by ``models.specs.with_2d_attention``. The fused QKV
+    weight uses Megatron's per-query-group layout ``[q_heads_of_group, k, v]`` so TP shards hold
+    whole groups and checkpoints match Megatron's ``SelfAttention``.
     """
 
     def __init__(self, config: TransformerConfig, submodules: DiTAttentionSubmodules = None,
-                 layer_number: Optional[int] = None):
+                 layer_number: Optional[int] = None, attn_mask_type=AttnMaskType.no_mask,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
         super().__init__(config=config)
         submodules = submodules or DiTAttentionSubmodules()
         H, Hkv, hd = _heads(config)
         tp = tp_world_size()
         self.heads, self.kv_heads, self.head_dim = H // tp, Hkv // tp, hd
+        self.attn_mask_type = attn_mask_type
         self.linear_qkv = build_module(
             submodules.linear_qkv, config.hidden_size, (H + 2 * Hkv) * hd, config=config,
             init_method=config.init_method, gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False)
+        core = submodules.core_attention
+        if core is None:
+            core = ModuleSpec(module=DistAttention2D, params=dict(scheme="contiguous"))
+        self.core_attention = build_module(
+            core, config=config, layer_number=layer_number or 1, attn_mask_type=attn_mask_type,
+            attention_type="self", cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=hd)
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=hd)
         self.linear_proj = build_module(
@@ -238,7 +265,9 @@ class DiTSelfAttention(MegatronModule):
             input_is_parallel=True, skip_bias_add=False, is_expert=False)
 
     def qkv(self, x: torch.Tensor, rope_angles: Optional[torch.Tensor] = None):
-        """``x [b, s, D]`` -> q ``[b, s, h, d]``, k, v ``[b, s, h_kv, d]`` (this TP rank's heads)."""
+        """``x [..., D]`` -> q ``[..., h, d]``, k, v ``[..., h_kv, d]`` (this TP rank's heads);
+        ``rope_angles`` broadcast against ``x``'s leading dims without the last (``[s, d/2]`` for
+        ``[b, s, D]``)."""
         mixed, _ = self.linear_qkv(x)
         g = self.heads // self.kv_heads
         mixed = mixed.view(*x.shape[:-1], self.kv_heads, g + 2, self.head_dim)
@@ -250,9 +279,20 @@ class DiTSelfAttention(MegatronModule):
         return q, k, v
 
     def project(self, o: torch.Tensor) -> torch.Tensor:
-        """``o [b, s, h, d]`` -> ``[b, s, D]`` (all-reduced over TP by ``RowParallelLinear``)."""
+        """``o [..., h, d]`` -> ``[..., D]`` (all-reduced over TP by ``RowParallelLinear``)."""
         out, bias = self.linear_proj(o.reshape(*o.shape[:-2], self.heads * self.head_dim))
         return out if bias is None else out + bias
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                rotary_pos_emb: Optional[torch.Tensor] = None, **kwargs):
+        """``[s, b, D]`` -> ``([s, b, D], None)``; ``rotary_pos_emb [s, 1|b, 1, d]`` (see
+        ``rope_embedding``); ``attention_mask``: None or a megatron_video ``AttentionMask``."""
+        angles = None
+        if rotary_pos_emb is not None:
+            angles = rotary_pos_emb[..., 0, : self.head_dim // 2]      # [s, 1|b, d/2]
+        q, k, v = self.qkv(hidden_states, angles)
+        o = self.core_attention(q, k, v, attention_mask, attn_mask_type=self.attn_mask_type)
+        return self.project(o.view(*o.shape[:2], self.heads, self.head_dim)), None
 
 
 @dataclass
@@ -272,7 +312,9 @@ class DiTCrossAttention(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, submodules: DiTCrossAttentionSubmodules = None,
-                 layer_number: Optional[int] = None, context_dim: Optional[int] = None):
+                 layer_number: Optional[int] = None, context_dim: Optional[int] = None,
+                 **kwargs):
+        # (Megatron's cp_comm_type / pg_collection are accepted and unused: no CP here)
         super().__init__(config=config)
         submodules = submodules or DiTCrossAttentionSubmodules()
         H, Hkv, hd = _heads(config)

@@ -1,96 +1,226 @@
-"""Shared constructor plumbing of the DiT layers (``VideoDiTLayer``, ``STDiTLayer``, ``ARDiTLayer``).
+"""What the video-DiT layers (``VideoDiTLayer``, ``STDiTLayer``, ``ARDiTLayer``) share.
 
-``DiTLayerBase`` refuses Megatron's sequence parallelism (the sequence is already split over the
-CP group), resolves the global layer number, fetches the megatron_video parallel groups and checks
-them against Megatron's context parallelism. It also builds sub-modules from a layer's
-``ModuleSpec`` submodules with the shared keyword arguments; each layer still assigns its own
-attributes, in its own order, so parameter names (state-dict keys) belong to the layer.
+* ``DiTParams``: the one typed object that carries a batch's AdaLN conditioning and video geometry
+  (and, for the AR DiT, its teacher-forcing mask and RoPE) to every layer. Megatron's own slots
+  keep their meaning: ``attention_mask`` / ``packed_seq_params`` are not used for any of it.
+* ``DiTLayerSubmodules``: Megatron's ``TransformerLayerSubmodules`` plus ``modulation``
+  (AdaLN-LoRA as its own submodule).
+* ``DiTLayerBase``: a Megatron ``TransformerLayer`` (built by ``TransformerLayer.__init__`` from
+  the spec's norm / attention / MLP slots, with Megatron's ``pg_collection`` and
+  ``cp_comm_type``) that adds the modulation, refuses sequence parallelism and resolves its CP
+  group lazily with the one rule of ``parallel.topology.resolve_video_groups`` (docs/architecture.md,
+  "Groups"): no ``init_video_parallel`` needed.
+* ``VideoTransformerBlock``: Megatron's ``TransformerBlock`` whose ``forward`` takes the
+  ``DiTParams``. Stock ``TransformerBlock.forward`` (megatron-core 0.16 and 0.19) has no slot for
+  it: it accepts no extra keyword arguments, and its full-recompute path hands the layers only
+  tensors as checkpoint arguments (closing over ``packed_seq_params`` / ``attention_bias``), so the
+  conditioning -- a tensor that needs its gradient -- could only ride a repurposed slot. The
+  subclass runs the layers itself: with full activation recompute (``recompute_method`` uniform or
+  block, as Megatron) the conditioning is a checkpoint argument and the rest of the ``DiTParams``
+  is closed over per call, so pipelined micro-batches cannot mix them up.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Optional, Union
 
-import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (BaseTransformerLayer,
-                                                         get_transformer_layer_offset)
+from megatron.core.transformer.transformer_layer import (TransformerLayer,
+                                                         TransformerLayerSubmodules)
+from megatron.core.utils import make_viewless_tensor
 
+from megatron_video.attention.masks import AttentionMask
 from megatron_video.layouts.stdit import VideoGeometry
+from megatron_video.models.dit_blocks import AdaLNLoRAModulation
 from megatron_video.parallel.comm import group_rank
-from megatron_video.parallel.topology import get_video_parallel_groups
+from megatron_video.parallel.topology import resolve_video_groups
 
-__all__ = ["DiTLayerBase"]
+__all__ = ["DiTParams", "DiTLayerSubmodules", "DiTLayerBase", "VideoTransformerBlock",
+           "mlp_submodule"]
 
 
-class DiTLayerBase(MegatronModule, BaseTransformerLayer):
-    """Base of the DiT layers; subclasses set the two class-level error-message fragments."""
+@dataclass
+class DiTParams:
+    """Per-batch inputs of the DiT layers besides hidden states and text.
+
+    ``conditioning``: AdaLN conditioning, ``[b, D]`` per sample (VideoDiT, ST-DiT) or ``[s, b, D]``
+    per token (AR DiT); ``geometry``: the global token grid of every sample; ``attention_mask``:
+    the self-attention mask on global token ids (AR DiT: teacher forcing); ``rotary_pos_emb``:
+    precomputed RoPE in Megatron's ``[s, 1, 1, d]`` format (AR DiT; the others derive it from the
+    geometry and their CP rank).
+    """
+
+    conditioning: torch.Tensor
+    geometry: Optional[VideoGeometry] = None
+    attention_mask: Optional[AttentionMask] = None
+    rotary_pos_emb: Optional[torch.Tensor] = None
+
+
+@dataclass
+class DiTLayerSubmodules(TransformerLayerSubmodules):
+    """Megatron's layer slots (norms, ``self_attention`` with its ``core_attention``,
+    ``cross_attention``, ``mlp``) plus the AdaLN-LoRA ``modulation``."""
+
+    modulation: Union[ModuleSpec, type] = AdaLNLoRAModulation
+
+
+def mlp_submodule(submodules):
+    """The ``mlp`` slot in the form this megatron-core builds it (feature-detected): the
+    ``MLP.as_mlp_submodule`` builder where it exists (0.19), else a ``ModuleSpec`` of ``MLP``."""
+    from megatron.core.transformer.mlp import MLP
+
+    if hasattr(MLP, "as_mlp_submodule"):
+        import functools
+
+        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
+class DiTLayerBase(TransformerLayer):
+    """Base of the DiT layers; subclasses set the error-message fragments and ``num_modulations``."""
 
     # why ``config.sequence_parallel`` cannot be used (completes "... is not supported by X: ")
     sequence_parallel_reason: str = "its sequence is already split by context parallelism"
     # appended to the CP rank-order error
     cp_order_note: str = ""
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1,
-                 vp_stage: Optional[int] = None):
-        super().__init__(config=config)
+    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
+                 layer_number: int = 1, groups=None, **kwargs):
         if config.sequence_parallel:
             raise ValueError(f"config.sequence_parallel (True) is not supported by "
                              f"{type(self).__name__}: {self.sequence_parallel_reason}")
-        self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
-        # None without megatron_video parallel groups (then CP must be 1)
-        self.groups = get_video_parallel_groups(check_initialized=False)
-        cp = parallel_state.get_context_parallel_world_size()
-        if self.groups is None and cp > 1:
-            raise RuntimeError(f"context_parallel_size ({cp}) > 1 but megatron_video parallel groups "
-                               "are not initialised: call init_video_parallel(...) first")
-        if self.groups is not None and group_rank(self.groups.cp_group) != self.groups.cp_rank:
-            raise RuntimeError("the CP group's rank order differs from the CP index order"
-                               + self.cp_order_note)
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        self._groups, self._resolved = groups, False
 
-    # -- sub-module builders (shared keyword arguments) ----------------------------------------
-    def _build_modulation(self, spec, num_chunks: int, lora_rank: int):
-        return build_module(spec, config=self.config, num_chunks=num_chunks, lora_rank=lora_rank)
+    def _build_modulation(self, spec, num_chunks: int, lora_rank: int) -> None:
+        self.modulation = build_module(spec, config=self.config, num_chunks=num_chunks,
+                                       lora_rank=lora_rank)
 
-    def _build_attention(self, spec):
-        return build_module(spec, config=self.config, layer_number=self.layer_number)
-
-    def _build_cross_attention(self, spec, context_dim: Optional[int]):
+    def _build(self, spec, **kwargs):
+        """A submodule the layer adds to Megatron's slots, built with the same keyword arguments
+        ``TransformerLayer`` gives its attention (``layer_number``, ``pg_collection``,
+        ``cp_comm_type`` when CP > 1)."""
+        extra = dict(pg_collection=getattr(self, "pg_collection", None))
+        if self.config.context_parallel_size > 1 and self.config.cp_comm_type is not None:
+            extra["cp_comm_type"] = self._cp_comm_type()
         return build_module(spec, config=self.config, layer_number=self.layer_number,
-                            context_dim=context_dim)
+                            **extra, **kwargs)
 
-    def _build_mlp(self, spec):
-        return build_module(spec, config=self.config, ffn_hidden_size=self.config.ffn_hidden_size)
+    # -- groups -------------------------------------------------------------------------------
+    def _cp_comm_type(self):
+        comm = self.config.cp_comm_type
+        return comm[self.layer_number - 1] if isinstance(comm, list) else comm
 
-    def _build_dit_submodules(self, submodules, lora_rank: int, context_dim: Optional[int]) -> None:
-        """``modulation`` (9 chunks), ``self_attention``, ``cross_attention``, ``mlp``, in order."""
-        self.modulation = self._build_modulation(submodules.modulation, 9, lora_rank)
-        self.self_attention = self._build_attention(submodules.self_attention)
-        self.cross_attention = self._build_cross_attention(submodules.cross_attention, context_dim)
-        self.mlp = self._build_mlp(submodules.mlp)
+    @property
+    def groups(self):
+        """The U x R groups (``None`` without CP), resolved at the first use like the core
+        attention's (same ``pg_collection`` and ``cp_comm_type``, same rule)."""
+        if not self._resolved:
+            g = resolve_video_groups(self._groups, getattr(self, "pg_collection", None),
+                                     self._cp_comm_type())
+            cp = 1 if g is None else g.cp_size
+            if cp != self.config.context_parallel_size:
+                raise ValueError(f"config.context_parallel_size ({self.config.context_parallel_size}) "
+                                 f"must equal the size of the CP group Megatron set up ({cp}) for "
+                                 f"{type(self).__name__}")
+            if g is not None and group_rank(g.cp_group) != g.cp_rank:
+                raise RuntimeError("the CP group's rank order differs from the CP index order"
+                                   + self.cp_order_note)
+            self._groups, self._resolved = g, True
+        return self._groups
+
+    def _cp(self):
+        """``(cp_size, cp_rank)``; ``(1, 0)`` without context parallelism."""
+        g = self.groups
+        return (1, 0) if g is None else (g.cp_size, g.cp_rank)
 
     # -- shared forward helpers ---------------------------------------------------------------
-    def _cp(self) -> Tuple[int, int]:
-        """``(cp_size, cp_rank)``; ``(1, 0)`` without video parallel groups."""
-        if self.groups is None:
-            return 1, 0
-        return self.groups.cp_size, self.groups.cp_rank
+    def _check_params(self, params, what: str, slots: Optional[dict] = None) -> DiTParams:
+        """``params`` as a ``DiTParams``; Megatron slots in ``slots`` must be unused (None)."""
+        used = sorted(k for k, v in (slots or {}).items() if v is not None)
+        if used:
+            raise ValueError(f"{', '.join(used)} must be None for {type(self).__name__}: "
+                             f"conditioning, geometry, masks and RoPE travel in params (DiTParams)")
+        if not isinstance(params, DiTParams):
+            raise ValueError(f"params ({type(params).__name__}) must be a DiTParams ({what}); run "
+                             f"{type(self).__name__} in a VideoTransformerBlock or call it with "
+                             f"params=DiTParams(...)")
+        return params
 
-    def _geometry(self, packed_seq_params, what: str) -> VideoGeometry:
-        """The global token grid carried by ``packed_seq_params`` (a ``VideoSeqParams``)."""
-        geometry = getattr(packed_seq_params, "geometry", None)
-        if not isinstance(geometry, VideoGeometry):
-            raise ValueError(f"packed_seq_params ({type(packed_seq_params).__name__}) must be a "
-                             f"VideoSeqParams with a VideoGeometry; {type(self).__name__} needs {what}")
-        return geometry
-
-    def _norm(self, x):
-        return F.layer_norm(x, x.shape[-1:], eps=self.config.layernorm_epsilon)
+    def _geometry(self, params: DiTParams, what: str) -> VideoGeometry:
+        if not isinstance(params.geometry, VideoGeometry):
+            raise ValueError(f"params.geometry ({type(params.geometry).__name__}) must be a "
+                             f"VideoGeometry; {type(self).__name__} needs {what}")
+        return params.geometry
 
     def _mlp(self, x):
         # Megatron's linear layers take 3-D activations (their weight-gradient GEMM flattens 3-D)
         out, bias = self.mlp(x.reshape(x.shape[0], -1, x.shape[-1]))
         out = out if bias is None else out + bias
         return out.reshape(x.shape)
+
+
+class VideoTransformerBlock(TransformerBlock):
+    """``TransformerBlock`` of DiT layers: ``forward(hidden_states, params, context=None,
+    context_mask=None)`` with ``params`` a ``DiTParams`` (see the module docstring)."""
+
+    def forward(self, hidden_states: Optional[torch.Tensor], params: DiTParams = None,
+                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
+                **unused):
+        used = sorted(k for k, v in unused.items() if v is not None)
+        if used:
+            raise ValueError(f"{', '.join(used)} must be None for VideoTransformerBlock: "
+                             f"conditioning, geometry, masks and RoPE travel in params (DiTParams)")
+        if not isinstance(params, DiTParams):
+            raise ValueError(f"params ({type(params).__name__}) must be a DiTParams (the AdaLN "
+                             f"conditioning and video geometry of this batch)")
+        if not self.pre_process:  # see set_input_tensor()
+            hidden_states = self.input_tensor
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+
+        def run(start: int, end: int):
+            def forward_chunk(h, ctx, ctx_mask, conditioning):
+                p = dataclasses.replace(params, conditioning=conditioning)
+                for layer in self.layers[start:end]:
+                    h, _ = layer(h, context=ctx, context_mask=ctx_mask, params=p)
+                return h
+            return forward_chunk
+
+        n, cfg = len(self.layers), self.config
+        if cfg.recompute_granularity == "full" and self.training:
+            k = cfg.recompute_num_layers
+            if cfg.recompute_method == "uniform":
+                chunks = [(i, min(i + k, n), True) for i in range(0, n, k)]
+            elif cfg.recompute_method == "block":
+                chunks = [(i, i + 1, i < k) for i in range(n)]
+            else:
+                raise ValueError(f"config.recompute_method ({cfg.recompute_method!r}) must be "
+                                 f"'uniform' or 'block' with recompute_granularity 'full'")
+        else:
+            chunks = [(0, n, False)]
+        quantization = nullcontext()
+        if cfg.fp8:
+            from megatron.core.fp8_utils import get_fp8_context
+
+            quantization = get_fp8_context(cfg)
+        args = (context, context_mask, params.conditioning)
+        with quantization:
+            for start, end, checkpointed in chunks:
+                if not checkpointed:
+                    hidden_states = run(start, end)(hidden_states, *args)
+                elif cfg.fp8:
+                    from megatron.core.extensions.transformer_engine import te_checkpoint
+
+                    hidden_states = te_checkpoint(run(start, end), cfg.distribute_saved_activations,
+                                                  tensor_parallel.random.get_cuda_rng_tracker,
+                                                  self.pg_collection.tp, hidden_states, *args)
+                else:
+                    hidden_states = tensor_parallel.checkpoint(
+                        run(start, end), cfg.distribute_saved_activations, hidden_states, *args)
+        return hidden_states

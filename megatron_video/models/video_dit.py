@@ -2,8 +2,8 @@
 
 ``VideoDiTConfig`` extends Megatron's ``TransformerConfig`` with the video fields. ``VideoDiT``
 is a ``MegatronModule``: conditioning embedders (timestep, text) on every pipeline stage, patch
-embedding on the first, a Megatron ``TransformerBlock`` of layers from a ``ModuleSpec``, and the
-final AdaLN layer on the last. Two layer families share the shell:
+embedding on the first, a ``VideoTransformerBlock`` (Megatron's ``TransformerBlock``) of
+``TransformerLayer``-based layers from a ``ModuleSpec``, and the final AdaLN layer on the last. Two layer families share the shell:
 
 * ``layer_type="full"``: ``VideoDiTLayer`` (this module): 2D (Ulysses x ring) full self-attention
   over the CP group, cross-attention to the whole text without CP, MLP; AdaLN-LoRA modulation
@@ -14,40 +14,44 @@ Token layout: a sample's frame-major token sequence (``embedders.patchify``) is 
 over the CP group, rank ``c`` holding tokens ``[c*s, (c+1)*s)``; with the frame count divisible by
 the CP size that is exactly ST-DiT's layout A, so both families take the same local input.
 
-Layer call convention (shared with ``STDiTLayer``; Megatron's ``TransformerBlock`` has fixed slots):
-``hidden_states [s, b, D]``, ``attention_mask`` = AdaLN conditioning ``[b, D]``, ``context [L, b,
-D_c]`` / ``context_mask [b, L]`` (True = real text token), ``packed_seq_params`` = a
-``VideoSeqParams`` carrying the global token grid.
+Layer call convention (shared with ``STDiTLayer`` and ``ARDiTLayer``): ``hidden_states [s, b, D]``,
+``context [L, b, D_c]`` / ``context_mask [b, L]`` (True = real text token) in Megatron's slots, and
+``params``, a ``models.dit_layer.DiTParams`` with the AdaLN conditioning ``[b, D]`` and the global
+token grid. Specs: ``get_video_dit_layer_spec(..., backend="local" | "te")``; the self-attention's
+``core_attention`` slot holds the 2D attention and ``models.specs.with_2d_attention`` swaps it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_video.attention import dist_attention
+from megatron_video.attention.megatron import DistAttention2D
 from megatron_video.data.synthetic import VOCAB
 from megatron_video.layouts.stdit import VideoGeometry, token_thw
-from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTAttentionSubmodules,
-                                              DiTCrossAttention, DiTCrossAttentionSubmodules,
-                                              DiTSelfAttention, TimestepEmbedder, VideoSeqParams,
-                                              attend, gated, modulate, rope_3d_angles)
-from megatron_video.models.dit_layer import DiTLayerBase
+from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, AdaLNNorm,
+                                              DiTAttentionSubmodules, DiTCrossAttention,
+                                              DiTCrossAttentionSubmodules, DiTSelfAttention,
+                                              TimestepEmbedder, gated, modulate, rope_3d_angles,
+                                              rope_embedding)
+from megatron_video.models.dit_layer import (DiTLayerBase, DiTLayerSubmodules, DiTParams,
+                                             VideoTransformerBlock, mlp_submodule)
 from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
                                              mark_pipeline_replicated)
 from megatron_video.parallel.comm import check_same_shape
 
-__all__ = ["LAYER_TYPES", "VideoDiTConfig", "VideoDiTLayerSubmodules", "VideoDiTLayer",
-           "get_video_dit_layer_spec", "layer_spec_for", "VideoDiT", "replicated_embedders",
+__all__ = ["LAYER_TYPES", "LAYER_BACKENDS", "VideoDiTConfig", "VideoDiTLayer",
+           "get_video_dit_layer_spec", "layer_spec_for", "dit_backend_modules",
+           "dit_self_attention_spec", "dit_cross_attention_spec", "dit_mlp_spec", "full_2d_attention", "VideoDiT", "replicated_embedders",
            "mark_pp_replicas"]
 
 LAYER_TYPES = ("full", "stdit")
@@ -69,6 +73,7 @@ class VideoDiTConfig(TransformerConfig):
     layer_type: str = "full"                     # "full" (VideoDiT) or "stdit"
     stdit_variant: str = "hybrid"
     stdit_full_attention_layers: Tuple[int, ...] = ()
+    layer_backend: str = "local"                 # layer spec: "local" or "te" (TransformerEngine)
     cond_seed: int = 1234                        # replicated embedders start identical everywhere
     # Megatron's finalize_model_grads all-reduces params tagged ``pipeline_parallel`` over the
     # pipeline group when this is set (the conditioning embedders live on every stage).
@@ -93,98 +98,169 @@ class VideoDiTConfig(TransformerConfig):
 
 
 # ----------------------------------------------------------------------------------------------
-# The full-attention layer
+# Layer specs (local and TE) and the full-attention layer
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class VideoDiTLayerSubmodules:
-    modulation: Union[ModuleSpec, type] = AdaLNLoRAModulation
-    self_attention: Union[ModuleSpec, type] = None
-    cross_attention: Union[ModuleSpec, type] = None
-    mlp: Union[ModuleSpec, type] = None
+LAYER_BACKENDS = ("local", "te")
+
+
+def dit_backend_modules(backend: str = "local") -> dict:
+    """The linear / norm classes of a DiT layer spec: Megatron-core's own (``"local"``, CPU and
+    GPU) or TransformerEngine's (``"te"``: ``TEColumnParallelLinear`` / ``TERowParallelLinear`` /
+    ``TENorm``, FP8-capable). TE classes are looked up only here, when a TE spec is asked for."""
+    if backend == "local":
+        return dict(column=ColumnParallelLinear, row=RowParallelLinear, norm=AdaLNNorm)
+    if backend == "te":
+        from megatron.core.extensions import transformer_engine as te
+
+        return dict(column=te.TEColumnParallelLinear, row=te.TERowParallelLinear, norm=te.TENorm)
+    raise ValueError(f"backend ({backend!r}) must be one of {LAYER_BACKENDS}")
+
+
+def check_layer_backend(backend: str) -> None:
+    """``ValueError`` unless ``backend`` can build modules here (``"te"`` needs TransformerEngine)."""
+    if backend not in LAYER_BACKENDS:
+        raise ValueError(f"layer_backend ({backend!r}) must be one of {LAYER_BACKENDS}")
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        if not HAVE_TE:
+            raise ValueError("layer_backend ('te') needs TransformerEngine, which is not installed "
+                             "here; use 'local'")
+
+
+def dit_self_attention_spec(core_attention, backend: str = "local") -> ModuleSpec:
+    """``DiTSelfAttention`` with ``core_attention`` and the backend's linears."""
+    m = dit_backend_modules(backend)
+    return ModuleSpec(module=DiTSelfAttention, params=dict(attn_mask_type=AttnMaskType.no_mask),
+                      submodules=DiTAttentionSubmodules(linear_qkv=m["column"],
+                                                        core_attention=core_attention,
+                                                        linear_proj=m["row"]))
+
+
+def dit_cross_attention_spec(context_dim: Optional[int], backend: str = "local") -> ModuleSpec:
+    """Cross-attention to the whole text (no CP) with the backend's linears."""
+    m = dit_backend_modules(backend)
+    return ModuleSpec(module=DiTCrossAttention, params=dict(context_dim=context_dim),
+                      submodules=DiTCrossAttentionSubmodules(linear_q=m["column"],
+                                                             linear_kv=m["column"],
+                                                             linear_proj=m["row"]))
+
+
+def dit_mlp_spec(backend: str = "local"):
+    m = dit_backend_modules(backend)
+    return mlp_submodule(MLPSubmodules(linear_fc1=m["column"], linear_fc2=m["row"]))
+
+
+def full_2d_attention() -> ModuleSpec:
+    """Core attention over the whole sequence, context-parallel: 2D attention on the contiguous
+    CP split the DiT models use (rank ``c`` holds tokens ``[c*s, (c+1)*s)``)."""
+    return ModuleSpec(module=DistAttention2D, params=dict(scheme="contiguous"))
 
 
 def get_video_dit_layer_spec(lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
-                             context_dim: Optional[int] = None) -> ModuleSpec:
-    """``ModuleSpec`` of ``VideoDiTLayer`` for Megatron's ``TransformerBlock``."""
+                             context_dim: Optional[int] = None, backend: str = "local") -> ModuleSpec:
+    """``ModuleSpec`` of ``VideoDiTLayer`` for Megatron's ``TransformerBlock``; ``backend``
+    ``"local"`` (Megatron-core linears, parameter-free AdaLN norms) or ``"te"`` (TE linears and
+    norms; building modules from it needs TransformerEngine)."""
+    m = dit_backend_modules(backend)
     return ModuleSpec(
         module=VideoDiTLayer,
-        params=dict(lora_rank=lora_rank, rope_theta=rope_theta, context_dim=context_dim),
-        submodules=VideoDiTLayerSubmodules(
-            modulation=AdaLNLoRAModulation,
-            self_attention=ModuleSpec(module=DiTSelfAttention, submodules=DiTAttentionSubmodules()),
-            cross_attention=ModuleSpec(module=DiTCrossAttention,
-                                       submodules=DiTCrossAttentionSubmodules()),
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))),
+        params=dict(lora_rank=lora_rank, rope_theta=rope_theta),
+        submodules=DiTLayerSubmodules(
+            input_layernorm=m["norm"],
+            self_attention=dit_self_attention_spec(full_2d_attention(), backend),
+            pre_cross_attn_layernorm=m["norm"],
+            cross_attention=dit_cross_attention_spec(context_dim, backend),
+            pre_mlp_layernorm=m["norm"],
+            mlp=dit_mlp_spec(backend),
+            modulation=AdaLNLoRAModulation),
     )
 
 
 def layer_spec_for(config: VideoDiTConfig) -> ModuleSpec:
-    """The layer spec selected by ``config.layer_type``."""
+    """The layer spec selected by ``config.layer_type`` and ``config.layer_backend``."""
+    check_layer_backend(config.layer_backend)
     if config.layer_type == "stdit":
         from megatron_video.models.stdit import get_stdit_layer_spec
 
         return get_stdit_layer_spec(config.stdit_variant, config.stdit_full_attention_layers,
-                                    config.lora_rank, config.rope_theta, config.text_dim)
-    return get_video_dit_layer_spec(config.lora_rank, config.rope_theta, config.text_dim)
+                                    config.lora_rank, config.rope_theta, config.text_dim,
+                                    backend=config.layer_backend)
+    return get_video_dit_layer_spec(config.lora_rank, config.rope_theta, config.text_dim,
+                                    backend=config.layer_backend)
+
+
+def adaln_branch(x, mods, i: int, norm, f):
+    """``x + gate_i * f(modulate(norm(x), shift_i, scale_i))`` with per-sample ``[b, D]`` chunks."""
+    shift, scale, gate = mods[3 * i:3 * i + 3]
+    return x + gated(f(modulate(norm(x), shift, scale)), gate)
 
 
 class VideoDiTLayer(DiTLayerBase):
-    """Full-attention DiT block: 2D self-attention, cross-attention, MLP, each AdaLN-gated."""
+    """Full-attention DiT block: 2D self-attention, cross-attention, MLP, each AdaLN-gated.
+
+    A Megatron ``TransformerLayer``: ``input_layernorm`` / ``self_attention`` (its
+    ``core_attention`` the 2D attention), ``pre_cross_attn_layernorm`` / ``cross_attention``,
+    ``pre_mlp_layernorm`` / ``mlp``, plus ``modulation`` (9 chunks).
+    ``forward(hidden_states [s, b, D], context=[L, b, D_c], context_mask=[b, L], params=DiTParams)``
+    -> ``([s, b, D], context)`` with ``params.conditioning [b, D]`` and ``params.geometry``.
+    """
 
     sequence_parallel_reason = "its sequence is already split by context parallelism"
 
-    def __init__(self, config: TransformerConfig, submodules: VideoDiTLayerSubmodules,
-                 layer_number: int = 1, pg_collection=None, vp_stage: Optional[int] = None,
-                 lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
-                 context_dim: Optional[int] = None):
-        super().__init__(config, layer_number, vp_stage)
+    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
+                 layer_number: int = 1, lora_rank: int = 256,
+                 rope_theta: Optional[float] = 10000.0, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self._build_modulation(submodules.modulation, 9, lora_rank)
         self.rope_theta = rope_theta
-        self._build_dit_submodules(submodules, lora_rank, context_dim)
 
-    def _attention(self, x, geometry: VideoGeometry):
-        P, rank = self._cp()
-        s = x.shape[1]
-        angles = None
-        if self.rope_theta is not None:
-            ids = torch.arange(rank * s, (rank + 1) * s)
-            angles = rope_3d_angles(token_thw(ids, geometry), self.self_attention.head_dim,
-                                    self.rope_theta).to(x.device)
-        q, k, v = self.self_attention.qkv(x, angles)
-        o = attend(q, k, v) if P == 1 else dist_attention(q, k, v, self.groups, scheme="contiguous")
-        return self.self_attention.project(o)
+    def _rope(self, s: int, geometry: VideoGeometry, device):
+        if self.rope_theta is None:
+            return None
+        _, rank = self._cp()
+        ids = torch.arange(rank * s, (rank + 1) * s)
+        angles = rope_3d_angles(token_thw(ids, geometry), self.self_attention.head_dim,
+                                self.rope_theta)
+        return rope_embedding(angles).to(device)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[VideoSeqParams] = None, **unused):
+                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
+                packed_seq_params=None, **unused):
         """``hidden_states [s, b, D]`` (contiguous CP shard) -> ``([s, b, D], context)``."""
-        conditioning = attention_mask
-        geometry = self._geometry(packed_seq_params, "the global token grid")
+        params = self._check_params(params, "the AdaLN conditioning and the global token grid", dict(
+            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
+        geometry = self._geometry(params, "the global token grid")
+        conditioning = params.conditioning
         s, b, D = hidden_states.shape
         P, _ = self._cp()
         if s * P != geometry.tokens:
             raise ValueError(f"hidden_states sequence length ({s}) x cp_size ({P}) must equal the "
                              f"tokens of geometry {geometry} ({geometry.tokens})")
-        if conditioning is None or tuple(conditioning.shape) != (b, D):
-            raise ValueError(f"attention_mask (conditioning) must be [b, D] = [{b}, {D}], got "
-                             f"{None if conditioning is None else tuple(conditioning.shape)}")
+        if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != (b, D):
+            raise ValueError(f"params.conditioning must be [b, D] = [{b}, {D}], got "
+                             f"{tuple(getattr(conditioning, 'shape', ())) or None}")
         if P > 1:
             shapes = {"hidden_states": hidden_states, "conditioning": conditioning}
             if context is not None:
                 shapes["context"] = context
             check_same_shape(shapes, self.groups.cp_group, where="VideoDiTLayer")
         mods = self.modulation(conditioning)
+        rope = self._rope(s, geometry, hidden_states.device)
 
-        def branch(i, x, f):
-            shift, scale, gate = mods[3 * i:3 * i + 3]
-            return x + gated(f(modulate(self._norm(x), shift, scale)), gate)
+        def attention(y):   # [b, s, D] in and out; the attention modules take Megatron's [s, b, D]
+            out, _ = self.self_attention(y.transpose(0, 1), rotary_pos_emb=rope)
+            return out.transpose(0, 1)
 
         x = hidden_states.transpose(0, 1)
-        x = branch(0, x, lambda y: self._attention(y, geometry))
+        x = adaln_branch(x, mods, 0, self.input_layernorm, attention)
         if context is not None:
             ctx = context.transpose(0, 1)
-            x = branch(1, x, lambda y: self.cross_attention(y, ctx, context_mask))
-        x = branch(2, x, self._mlp)
+            x = adaln_branch(x, mods, 1, self.pre_cross_attn_layernorm,
+                             lambda y: self.cross_attention(y, ctx, context_mask))
+        x = adaln_branch(x, mods, 2, self.pre_mlp_layernorm, self._mlp)
         return x.transpose(0, 1).contiguous(), context
 
 
@@ -236,7 +312,7 @@ class VideoDiT(MegatronModule):
             mark_pipeline_replicated(getattr(self, name))
         if pre_process:
             self.patch_embed = PatchEmbed(config, config.patch_dim)
-        self.decoder = TransformerBlock(config, layer_spec or layer_spec_for(config),
+        self.decoder = VideoTransformerBlock(config, layer_spec or layer_spec_for(config),
                                         pre_process=pre_process, post_process=False,
                                         vp_stage=vp_stage)
         if post_process:
@@ -261,8 +337,8 @@ class VideoDiT(MegatronModule):
                 raise ValueError(f"tokens ({None if tokens is None else tuple(tokens.shape)}) must be "
                                  f"[b, s_local, patch_dim = {self.config.patch_dim}]")
             hidden = self.patch_embed(tokens).transpose(0, 1).contiguous()
-        out = self.decoder(hidden, attention_mask=c, context=ctx.transpose(0, 1).contiguous(),
-                           context_mask=ctx_mask, packed_seq_params=VideoSeqParams(geometry=geometry))
+        out = self.decoder(hidden, DiTParams(conditioning=c, geometry=geometry),
+                           context=ctx.transpose(0, 1).contiguous(), context_mask=ctx_mask)
         if isinstance(out, tuple):
             out = out[0]
         if not self.post_process:

@@ -30,7 +30,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 __all__ = [
-    "CP_COMM_TYPES", "groups_from_megatron", "VideoParallelGroups", "init_video_parallel", "get_video_parallel_groups",
+    "CP_COMM_TYPES", "groups_from_megatron", "resolve_video_groups", "VideoParallelGroups", "init_video_parallel", "get_video_parallel_groups",
     "destroy_video_parallel", "PLACEMENTS", "cp_index", "local_groups",
 ]
 
@@ -328,3 +328,26 @@ def groups_from_megatron(pg_collection=None, cp_comm_type=None,
         ulysses_size=U, ring_size=R, cp_rank=cp_rank, ulysses_rank=u, ring_rank=r,
         placement="ulysses_inner", ranks_per_node=rpn, reused_megatron_groups=True,
         extra={"cp_comm_type": comm})
+
+
+def resolve_video_groups(groups: Optional[VideoParallelGroups] = None, pg_collection=None,
+                         cp_comm_type=None) -> Optional[VideoParallelGroups]:
+    """The U x R groups a module built from a spec runs on (the one rule; docs/architecture.md,
+    "Groups"): ``groups`` when given; else the groups of ``init_video_parallel`` when it was called
+    (explicit control, e.g. ``placement="ring_inner"``) on the CP group in use (the same group
+    object: ``pg_collection.cp`` or Megatron's current one, so groups left over from an earlier
+    ``initialize_model_parallel`` are never picked up); else ``groups_from_megatron(pg_collection,
+    cp_comm_type)``. ``None`` without context parallelism.
+    """
+    if groups is not None:
+        if not isinstance(groups, VideoParallelGroups):
+            raise ValueError(f"groups ({type(groups).__name__}) must be None or the "
+                             f"VideoParallelGroups of init_video_parallel(...)")
+        return groups
+    if _GROUPS is not None:
+        from megatron.core import parallel_state as ps
+
+        cp = _pg(pg_collection, "cp") or ps.get_context_parallel_group(check_initialized=False)
+        if cp is not None and cp is _GROUPS.cp_group:
+            return _GROUPS
+    return groups_from_megatron(pg_collection, cp_comm_type)

@@ -65,15 +65,24 @@ def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDi
     """``base`` (the config Megatron-LM built from its command line) plus only the video fields.
 
     Every Megatron field -- sizes, normalisation, activation, init, precision, recompute, sequence
-    parallel, fusions, fp8 -- is taken from ``base`` unchanged (examples/pretrain_video_dit.py).
+    parallel, fusions, fp8 -- is taken from ``base`` unchanged (examples/pretrain_video_dit.py);
+    ``base.transformer_impl == "transformer_engine"`` selects the TE layer spec where
+    TransformerEngine is installed (``layer_backend="te"``).
     """
     if not isinstance(base, TransformerConfig):
         raise ValueError(f"base ({type(base).__name__}) must be a megatron.core TransformerConfig")
     kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(type(base)) if f.init}
     kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(VideoDiTConfig)}}
+    fields = video_fields(config)
+    # Megatron-LM's --transformer-impl picks the layer spec: TE linears and norms where it asks for
+    # transformer_engine and TransformerEngine is installed, the local spec otherwise.
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if getattr(base, "transformer_impl", None) == "transformer_engine" and HAVE_TE:
+        fields["layer_backend"] = "te"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*scope is deprecated.*")
-        return VideoDiTConfig(**{**kw, **video_fields(config)})
+        return VideoDiTConfig(**{**kw, **fields})
 
 
 def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
