@@ -191,3 +191,49 @@ def test_trainer_checkpoint_resumes_energon_order(pool4, tmp_path_factory):
     ck = tmp / "a" / "checkpoints"
     files = sorted(p.name for p in ck.rglob("dataloader/*.json"))
     assert files == [f"rank{r}.json" for r in range(4)]
+
+
+def test_prepare_cli_manifest_json_sidecars_and_errors(tmp_path, capsys):
+    from megatron_video.training.cli import main
+
+    src = tmp_path / "src"
+    paths = write_procedural_videos(src / "sub", 3, num_frames=9, height=16, width=16)
+    for p in paths:                                    # captions from a JSONL manifest
+        p.with_suffix(".txt").unlink()
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"video": f"sub/{p.name}", "caption": f"clip {i}"}) + "\n"
+                                              for i, p in enumerate(paths)))
+    assert main(["prepare", str(src), str(tmp_path / "ds"), "--manifest", str(tmp_path / "m.jsonl"),
+                 "--samples-per-shard", "2"]) == 0
+    info = json.loads((tmp_path / "ds" / ".nv-meta" / "megatron_video.json").read_text())
+    assert [v["caption"] for v in info["videos"]] == ["clip 0", "clip 1", "clip 2"]
+    assert [v["num_frames"] for v in info["videos"]] == [9, 9, 9] and len(info["shards"]) == 2
+    for p in paths:                                    # sidecar .json captions
+        p.with_suffix(".json").write_text(json.dumps({"caption": f"json {p.stem}"}))
+    assert main(["prepare", str(src), str(tmp_path / "ds2")]) == 0
+    info = json.loads((tmp_path / "ds2" / ".nv-meta" / "megatron_video.json").read_text())
+    assert info["videos"][0]["caption"] == f"json {paths[0].stem}"
+    assert main(["prepare", "--procedural", "2", str(tmp_path / "ds3"), "--overrides", "data.num_frames=9",
+                 "data.height=16", "data.width=16"]) == 0
+    assert (tmp_path / "ds3" / "videos" / "clip000001.mp4").is_file()
+    capsys.readouterr()
+    (src / "sub" / "clip000000.json").unlink()         # a video without a caption: exit 2, named
+    assert main(["prepare", str(src), str(tmp_path / "ds4")]) == 2
+    err = capsys.readouterr().err
+    assert "clip000000.mp4 has no caption" in err
+    assert main(["prepare", str(tmp_path / "nope"), str(tmp_path / "ds5")]) == 2
+    assert "SRC (" in capsys.readouterr().err
+
+
+def test_energon_config_and_loader_refusals(tmp_path):
+    from megatron_video.training.config import load_config, validate
+
+    with pytest.raises(ValueError, match=r"data.path \(None\) must name an energon dataset"):
+        validate(load_config(None, ["data.source=energon"]), 1)
+    with pytest.raises(ValueError, match=r"data.source \('tar'\) must be 'synthetic', 'shards' or 'energon'"):
+        validate(load_config(None, ["data.source=tar"]), 1)
+    with pytest.raises(ValueError, match=r"must be an energon dataset \(run `megatron-video prepare"):
+        video_window_loader(tmp_path, halo_windows(F, 2, 2)[:1], num_frames=T, height=HW, width=HW,
+                            batch_size=1, dp_rank=0, dp_size=1)
+    with pytest.raises(ValueError, match=r"windows reach raw frame 29; must lie in num_frames \(13\)"):
+        from megatron_video.data.energon_video import VideoWindowTaskEncoder
+        VideoWindowTaskEncoder(halo_windows(F, 2, 2)[1:], 13, HW, HW)
