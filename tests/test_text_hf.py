@@ -66,3 +66,62 @@ def test_precompute_stores_text_embeddings(tmp_path):
     for s in ShardReader(str(tmp_path / "lat")):
         emb, mask = te([s["caption"]])
         assert torch.equal(s["text_mask"], mask[0]) and torch.allclose(s["text_emb"], emb[0])
+
+
+def test_text_embedder_projects_precomputed_embeddings():
+    from megatron_video.models.embedders import TextEmbedder
+
+    te = TextEmbedder(10, 8, 5, seed=3, input_dim=6)
+    emb = torch.randn(2, 5, 6)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    out, m = te(emb, mask, drop=torch.tensor([False, True]))
+    ref = (emb[0] @ te.proj.weight.T + te.proj.bias) * mask[0, :, None]
+    assert torch.allclose(out[0], ref, atol=1e-6) and torch.equal(m[0], mask[0])
+    assert torch.equal(out[1], te.captions.null(1)[0][0]) and m[1].all()     # CFG drop: the null caption
+    with pytest.raises(ValueError, match=r"caption embeddings \(2, 5, 7\).*input_dim=6"):
+        te(torch.randn(2, 5, 7), mask)
+    ids_out, _ = te(torch.zeros(2, 5, dtype=torch.long), mask)               # ids still work
+    assert ids_out.shape == (2, 5, 8)
+
+
+def _train_on_text_embeddings(tmp, lat):
+    import warnings
+
+    from test_models_parallel import tiny_config
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = tiny_config("ar_dit", tmp, context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2)
+    cfg.data.source, cfg.data.shards, cfg.data.text_embed_dim = "shards", lat, 16
+    cfg.output, cfg.train.steps = f"{tmp}/run_text", 4
+    t = Trainer(cfg, progress=False)
+    try:
+        w0 = t.model.text_embedder.proj.weight.detach().clone()
+        mb = t.batches.micro_batch(0, 0)
+        losses = [t.train_step(s)["loss"] for s in range(4)]
+        moved = not torch.equal(w0, t.model.text_embedder.proj.weight.detach())
+        return dict(losses=losses, moved=moved, ids=(tuple(mb.caption_ids.shape), mb.caption_ids.dtype))
+    finally:
+        t.close()
+
+
+def test_training_conditions_on_precomputed_text_embeddings(pool4, tmp_path):
+    """precompute --text-encoder -> latent shards with caption embeddings -> the DiT trains on them
+    (DP2 x CP2), its projection learns."""
+    from test_models_parallel import tiny_config
+
+    from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+    from megatron_video.training.precompute import precompute_latents
+
+    fast, enc = _tiny(tmp_path)
+    write_procedural_videos(tmp_path / "src", 4, num_frames=13, height=16, width=16)
+    prepare_dataset(tmp_path / "src", tmp_path / "ds")
+    cfg = tiny_config("ar_dit", str(tmp_path))
+    cfg.data.path = str(tmp_path / "ds")
+    precompute_latents(cfg, tmp_path / "lat", sp_size=2, text_encoder=HFTextEncoder(fast, enc, max_len=16))
+    out = pool4.run(_train_on_text_embeddings, str(tmp_path), str(tmp_path / "lat"))
+    for r in out:
+        assert r["ids"] == ((1, 16, 16), torch.float32)
+        assert r["moved"]
+        assert all(x is None or torch.isfinite(torch.tensor(x)) for x in r["losses"])

@@ -57,7 +57,7 @@ def rank_token_ids(config: Config, cp_rank: int, cp_size: int,
 class MicroBatch:
     indices: List[int]
     captions: List[str]
-    caption_ids: torch.Tensor        # [b, L]
+    caption_ids: torch.Tensor        # [b, L] ids, or [b, L, data.text_embed_dim] precomputed embeddings
     caption_mask: torch.Tensor       # [b, L]
     drop: torch.Tensor               # [b] bool: train with the null caption
     clean: Optional[torch.Tensor]    # [b, s_local, patch_dim] (None where the stage needs none)
@@ -167,6 +167,7 @@ class BatchMaker:
         self.dataset = ProceduralVideoDataset(d.num_samples, num_frames=d.num_frames, height=d.height,
                                               width=d.width, seed=d.seed, caption_len=d.caption_len)
         self.shards = _ShardClips(d.shards, dp_rank, dp_size) if d.source == "shards" else None
+        self._text = {}   # position -> precomputed (caption embeddings, mask) of shard samples
         self.energon = None
         if d.source == "energon":
             self.energon = _EnergonClips(config, self.windows, dp_rank, dp_size)
@@ -207,6 +208,14 @@ class BatchMaker:
         want = (self.config.vae.latent_channels, self.F, self.h, self.w)
         if tuple(lat.shape) != want:
             raise ValueError(f"shard sample {key!r}: latent shape {tuple(lat.shape)} must be {list(want)}")
+        if d.text_embed_dim is not None:   # precomputed caption embeddings travel with the latent
+            emb, tm = s.get("text_emb"), s.get("text_mask")
+            if emb is None or tm is None or tuple(emb.shape) != (d.caption_len, d.text_embed_dim) \
+                    or tuple(tm.shape) != (d.caption_len,):
+                raise ValueError(f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
+                                 f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask; "
+                                 f"got {None if emb is None else tuple(emb.shape)}")
+            self._text[position] = (emb.float(), tm.bool())
         return position, s["caption"], None, lat
 
     def _local_latents(self, videos: Sequence[Optional[torch.Tensor]],
@@ -262,7 +271,11 @@ class BatchMaker:
             captions.append(cap)
             videos.append(video)
             latents.append(lat)
-        ids, mask = self.tokenizer.encode_batch(captions)
+        if self.config.data.text_embed_dim is not None and self.energon is None and self.shards is not None:
+            pairs = [self._text.pop(p) for p in positions]
+            ids, mask = torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
+        else:
+            ids, mask = self.tokenizer.encode_batch(captions)
         C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
         noise, sig, ts, drop = [], [], [], []
         for pos in positions:
