@@ -284,7 +284,12 @@ class Trainer:
         step = ckpt.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, step=step,
                                     meta=self.model_meta)
         if self.config.data.source == "energon":   # the loader resumes where the saved run stood
-            self.batches.restore_data_state(ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}"))
+            reason = None
+            try:
+                self.batches.restore_data_state(ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}"))
+            except ValueError as e:
+                reason = str(e)
+            ckpt._agree(reason, "data-loader resume refused")   # every rank raises, none hangs
         return step
 
     def maybe_resume(self) -> int:
