@@ -2,6 +2,8 @@
 
 A shard is a tar of samples, each ``<key>.video.npy`` (raw clip, by convention ``[C, T, H, W]`` in
 ``[-1, 1]``) or ``<key>.latent.npy`` (VAE latents), plus ``<key>.caption.txt`` and ``<key>.meta.json``.
+``megatron-video precompute`` writes ``<key>.latent.pth`` instead (a dict of tensors: ``latent`` and
+optionally ``text_emb`` / ``text_mask``; read with ``torch.load(weights_only=True)``, never unpickled).
 Users turn their own clips into shards with ``write_shards`` and point training at the folder.
 
 Data-parallel split is deterministic: with ``split="shards"`` rank ``r`` reads shards ``r::dp_size`` of
@@ -140,7 +142,8 @@ class ShardReader(torch.utils.data.IterableDataset):
                 yield _sample(raw)
 
 
-_ENTRIES = {f"{k}.npy" for k in _DATA_KEYS} | {"caption.txt", "meta.json"}
+_ENTRIES = {f"{k}.npy" for k in _DATA_KEYS} | {"caption.txt", "meta.json", "latent.pth"}
+_PTH_KEYS = ("latent", "text_emb", "text_mask")   # tensors of a precomputed ``latent.pth`` entry
 
 
 def _decode(raw: dict) -> dict:
@@ -158,7 +161,18 @@ def _decode(raw: dict) -> dict:
         if name not in _ENTRIES:
             raise ValueError(f"shard sample {key!r}: entry {name!r} must be one of {sorted(_ENTRIES)} "
                              f"(pickled or unknown entries are refused; nothing was decoded)")
-        if name.endswith(".npy"):
+        if name == "latent.pth":   # `megatron-video precompute`: tensors only, read weights-only
+            try:
+                blob = torch.load(io.BytesIO(value), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ValueError(f"shard sample {key!r}: entry 'latent.pth' must be a weights-only torch "
+                                 f"file of tensors (refused, nothing executed): {type(e).__name__}") from None
+            if not isinstance(blob, dict) or not isinstance(blob.get("latent"), torch.Tensor) or \
+                    any(k not in _PTH_KEYS or not isinstance(v, torch.Tensor) for k, v in blob.items()):
+                raise ValueError(f"shard sample {key!r}: entry 'latent.pth' must hold a dict of tensors with "
+                                 f"'latent' and optionally 'text_emb' / 'text_mask'")
+            out[name] = blob
+        elif name.endswith(".npy"):
             try:
                 out[name] = np.lib.format.read_array(io.BytesIO(value), allow_pickle=False)
             except ValueError as e:
@@ -176,4 +190,5 @@ def _sample(raw: dict) -> dict:
     for k in _DATA_KEYS:
         if f"{k}.npy" in raw:
             out[k] = torch.from_numpy(np.ascontiguousarray(raw[f"{k}.npy"]))
+    out.update(raw.get("latent.pth", {}))   # precomputed latent (+ text embeddings)
     return out

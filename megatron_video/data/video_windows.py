@@ -7,7 +7,8 @@ get them there:
   ``FrameSource``: anything with ``num_frames`` and ``read(start, end)``);
 * otherwise the loading rank distributes them in ONE collective (``scatter_windows``): a small
   header broadcast tells every rank the video's shape and dtype (shapes are exchanged explicitly,
-  never assumed), then one scatter delivers each rank its windows, padded to a common length.
+  never assumed), ``ops.halo_scatter`` (C++ when built) cuts every rank's windows out in one pass,
+  and one scatter delivers each rank its packed windows, padded to a common length.
 
 ``encode_with_halo(encoder, window, meta)`` checks the halo against the encoder's receptive field,
 encodes, and drops the leading latents. ``encode_rank_latents`` does it for every segment a
@@ -21,7 +22,8 @@ import torch
 from torch import nn
 
 from ..layouts.balanced_sp import BalancedSPLayout
-from ..layouts.vae_halo import HaloWindow, halo_window, resolve_halo, temporal_receptive_field
+from ..layouts.vae_halo import Encoder, HaloWindow, encoder_halo, halo_window, resolve_halo
+from ..ops.halo import halo_scatter
 from ..parallel import comm
 
 __all__ = ["TensorFrameSource", "read_window", "rank_windows", "scatter_windows",
@@ -57,7 +59,7 @@ def read_window(source, meta: HaloWindow) -> torch.Tensor:
 
 def rank_windows(layout: BalancedSPLayout, rank: int, halo_latents: Optional[int] = None,
                  temporal_stride: int = 4, causal_first_frame: bool = True,
-                 encoder: Optional[nn.Module] = None) -> List[HaloWindow]:
+                 encoder: Optional[Encoder] = None) -> List[HaloWindow]:
     """One halo window per contiguous frame segment of ``rank`` (in local frame order); the halo
     is derived from ``encoder`` when ``halo_latents`` is None (see ``vae_halo.resolve_halo``)."""
     h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
@@ -87,7 +89,7 @@ def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloW
     if me == src:
         if video is None:
             header[0] = 1
-        elif video.dim() > _HEADER - 3 or video.dtype not in _DTYPES:
+        elif video.dim() not in (4, 5) or video.dtype not in _DTYPES:
             header[0] = 2
         else:
             header[1], header[2] = _DTYPES.index(video.dtype), video.dim()
@@ -98,40 +100,64 @@ def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloW
     status = int(header[0])
     if status:
         why = {1: "no video on the loading rank",
-               2: f"video must have <= {_HEADER - 3} dims and a dtype in {_DTYPES}",
+               2: f"video must have 4 or 5 dims and a dtype in {_DTYPES}",
                3: f"the video has fewer frames than the windows need ({need_t})"}[status]
         raise ValueError(f"scatter_windows (src {src}): {why}")
     dtype, ndim = _DTYPES[int(header[1])], int(header[2])
     shape = [int(s) for s in header[3:3 + ndim]]
     td = time_dim % ndim
-    lengths = [sum(w.num_raw for w in ws) for ws in mine]
-    shape[td] = max(lengths)
-    out = torch.empty(shape, dtype=dtype)
+    layout = _halo_layout(ndim, td)
+    # every window, ranks in order, cut out in one pass by ops.halo_scatter (C++ when built); the
+    # flat chunk of a rank is its windows back to back, zero-padded to the largest rank's size
+    flat_windows = [(w.raw_start, w.raw_end) for ws in mine for w in ws]
+    frame_elems = 1
+    for i, d in enumerate(shape):
+        frame_elems *= d if i != td else 1
+    sizes = [[w.num_raw * frame_elems for w in ws] for ws in mine]
+    chunk = max(sum(s) for s in sizes)
+    out = torch.empty(chunk, dtype=dtype)
     chunks = None
     if me == src:
-        chunks = []
-        for ws in mine:
-            parts = [video.narrow(td, w.raw_start, w.num_raw) for w in ws]
-            pad = shape[td] - sum(w.num_raw for w in ws)
-            if pad:  # equal-size chunks for the collective; receivers trim by their own windows
-                zshape = list(shape)
-                zshape[td] = pad
-                parts.append(torch.zeros(zshape, dtype=dtype))
-            chunks.append(torch.cat(parts, dim=td))
+        x = video if ndim == 5 else video.unsqueeze(0)
+        packed = halo_scatter(x.detach(), flat_windows, layout)
+        chunks, i = [], 0
+        for ws, sz in zip(mine, sizes):
+            part = packed.buffer.narrow(0, int(packed.offsets[i]), sum(sz))
+            i += len(ws)
+            pad = chunk - sum(sz)
+            chunks.append(torch.cat([part, part.new_zeros(pad)]) if pad else part)
     comm.scatter(chunks, out, group, src, tag=tag)
-    return list(out.narrow(td, 0, lengths[me]).split([w.num_raw for w in mine[me]], dim=td))
+    result = []
+    for w, part in zip(mine[me], out.narrow(0, 0, sum(sizes[me])).split(sizes[me])):
+        wshape = list(shape)
+        wshape[td] = w.num_raw
+        result.append(part.view(wshape))
+    return result
 
 
-def encode_with_halo(encoder: nn.Module, window: torch.Tensor, meta: HaloWindow,
+def _halo_layout(ndim: int, td: int) -> str:
+    """The ``ops.halo_scatter`` layout of a ``ndim``-D video with time at ``td`` (4-D: ``[C, T, H, W]``)."""
+    if ndim == 5 and td in (1, 2):
+        return "bcthw" if td == 2 else "btchw"
+    if ndim == 4 and td == 1:
+        return "bcthw"
+    raise ValueError(f"time_dim ({td}) of a {ndim}-D video must be 2 ([B, C, T, H, W]) or 1 "
+                     f"([B, T, C, H, W] or [C, T, H, W])")
+
+
+def encode_with_halo(encoder: Encoder, window: torch.Tensor, meta: HaloWindow,
                      time_dim: int = 2) -> torch.Tensor:
     """Encode a raw window and return exactly the rank's kept latents ``[ls, le)``.
+
+    ``encoder``: a module or a callable (``lambda x: vae.encode(x).latent_dist.mean``); its halo
+    comes from declared causal ops or, for anything else, a cached probe (``vae_halo.encoder_halo``).
 
     Raises ``ValueError`` if ``meta.halo_latents`` is below the encoder's temporal receptive field
     (on every rank alike, whether or not its own window reaches the video start), or if the window or
     the encoder output do not match ``meta``.
     """
-    need = temporal_receptive_field(encoder, temporal_stride=meta.temporal_stride,
-                                    causal_first_frame=meta.causal_first_frame)
+    need = encoder_halo(encoder, temporal_stride=meta.temporal_stride,
+                        causal_first_frame=meta.causal_first_frame)
     if meta.halo_latents < need:
         raise ValueError(f"halo_latents ({meta.halo_latents}) must be >= the encoder's temporal "
                          f"receptive field ({need} latents)")
@@ -145,7 +171,7 @@ def encode_with_halo(encoder: nn.Module, window: torch.Tensor, meta: HaloWindow,
     return out.narrow(time_dim, meta.drop, meta.num_kept)
 
 
-def encode_rank_latents(encoder: nn.Module, windows: Sequence[torch.Tensor], metas: Sequence[HaloWindow],
+def encode_rank_latents(encoder: Encoder, windows: Sequence[torch.Tensor], metas: Sequence[HaloWindow],
                         time_dim: int = 2) -> torch.Tensor:
     """Encode each of a rank's windows with its halo and concatenate: the rank's latents in local
     frame order."""

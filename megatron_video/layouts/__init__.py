@@ -9,8 +9,8 @@ from .stdit import (check_stdit_divisibility, frames_per_rank,  # noqa: F401
 from .balanced_sp import (BalancedSPLayout, max_over_mean, naive_identity_units,  # noqa: F401
                           naive_slice_global_ids, ring_attention_work, single_gpu_teacher_forcing_mask,
                           teacher_forcing_rule)
-from .vae_halo import (HaloWindow, encoder_temporal_ops, halo_for_lookback, halo_window,  # noqa: F401
-                       halo_windows, num_raw_frames, resolve_halo, temporal_lookback,
-                       temporal_receptive_field)
+from .vae_halo import (HaloProbe, HaloWindow, encoder_halo, encoder_temporal_ops,  # noqa: F401
+                       halo_for_lookback, halo_window, halo_windows, num_raw_frames, probe_halo,
+                       resolve_halo, temporal_lookback, temporal_receptive_field)
 from .mmsp import (FrameShards, ReshardPlan, SequenceLayout, causal_work, frame_shards,  # noqa: F401
                    position_sources, reshard_plan, sequence_layout, visual_targets)

@@ -22,19 +22,33 @@ final output ``j`` reads raw frames ``[j*Σ - L, j*Σ]`` with ``Σ = Π stride_i
 ``L = Σ_i (kernel_i - 1) * Π_{j<i} stride_j``. In a window the kept latent sits at raw window index
 ``Σ*drop`` (first-frame case), so it is exact iff ``Σ*drop >= L``, i.e. ``h >= ceil(L/Σ) - 1``
 (``h >= ceil((L - Σ + 1)/Σ)`` without the first-frame rule, whose latent ends at ``Σk + Σ-1``).
+
+An encoder that declares nothing (e.g. diffusers' ``AutoencoderKLWan``, or a callable such as
+``lambda x: vae.encode(x).latent_dist.mean``) gets its halo from its behaviour (``probe_halo``): in
+float64, at a small spatial size, the gradient of the LAST latent of a short random clip with
+respect to the raw frames is non-zero exactly on the frames it reads, which gives ``L``; frames after
+an earlier latent must get no gradient (causality). The halo from ``L`` is then checked by encoding
+the window of the last latent and comparing with the full clip's encoding (raised until exact, in
+case the encoder treats a window's first frame differently from a frame with history). The result
+is cached per encoder configuration (``encoder_halo``); declared ops stay the fast path.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 __all__ = [
     "HaloWindow", "halo_window", "halo_windows", "resolve_halo", "num_raw_frames", "encoder_temporal_ops",
-    "temporal_lookback", "halo_for_lookback", "temporal_receptive_field",
+    "temporal_lookback", "halo_for_lookback", "temporal_receptive_field", "HaloProbe", "probe_halo",
+    "encoder_halo",
 ]
+
+Encoder = Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def _nonneg_int(name: str, value) -> None:
@@ -125,7 +139,7 @@ def halo_window(latent_start: int, latent_end: int, halo_latents: int, temporal_
 
 def halo_windows(num_latent_frames: int, sp_size: int, halo_latents: Optional[int] = None,
                  temporal_stride: int = 4, causal_first_frame: bool = True,
-                 encoder: Optional[nn.Module] = None) -> List[HaloWindow]:
+                 encoder: Optional[Encoder] = None) -> List[HaloWindow]:
     """Per-rank windows for the contiguous partition ``[r*F/P, (r+1)*F/P)``.
 
     ``halo_latents=None`` takes the halo from ``encoder`` (``temporal_receptive_field``); with both
@@ -142,16 +156,17 @@ def halo_windows(num_latent_frames: int, sp_size: int, halo_latents: Optional[in
             for r in range(P)]
 
 
-def resolve_halo(halo_latents: Optional[int], encoder: Optional[nn.Module], temporal_stride: int = 4,
+def resolve_halo(halo_latents: Optional[int], encoder: Optional[Encoder], temporal_stride: int = 4,
                  causal_first_frame: bool = True) -> int:
-    """The halo to use: ``halo_latents`` checked against ``encoder``'s receptive field, or derived."""
+    """The halo to use: ``halo_latents`` checked against ``encoder``'s receptive field, or derived
+    (declared causal ops, else a cached probe: ``encoder_halo``)."""
     if halo_latents is None and encoder is None:
         raise ValueError("halo_latents (None) needs an encoder to derive the halo from")
     if halo_latents is not None:
         _nonneg_int("halo_latents", halo_latents)
     if encoder is None:
         return halo_latents
-    need = temporal_receptive_field(encoder, temporal_stride, causal_first_frame)
+    need = encoder_halo(encoder, temporal_stride, causal_first_frame)
     if halo_latents is None:
         return need
     if halo_latents < need:
@@ -218,3 +233,201 @@ def temporal_receptive_field(encoder: nn.Module, temporal_stride: Optional[int] 
         raise ValueError(f"temporal_stride ({temporal_stride}) differs from the encoder's total "
                          f"temporal stride ({st})")
     return halo_for_lookback(L, st, causal_first_frame)
+
+
+# ----------------------------------------------------------------------------------------------
+# Any causal encoder: the halo from its behaviour
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HaloProbe:
+    """What ``probe_halo`` found: ``halo`` latents (exact, verified), the raw look-back ``lookback``
+    of a latent from the gradient, the clip length it took (``probe_latents``), and
+    ``verified_from`` (the halo the look-back alone gives; ``halo`` is larger only when the
+    windowed check needed more)."""
+
+    halo: int
+    lookback: int
+    temporal_stride: int
+    probe_latents: int
+    verified_from: int
+
+
+def _modules_of(encoder: Encoder) -> List[nn.Module]:
+    """The modules an encoder runs: itself, or those a callable closes over / is bound to."""
+    if isinstance(encoder, nn.Module):
+        return [encoder]
+    found = []
+    bound = getattr(encoder, "__self__", None)
+    if isinstance(bound, nn.Module):
+        found.append(bound)
+    for cell in getattr(encoder, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(v, nn.Module):
+            found.append(v)
+    code = getattr(encoder, "__code__", None)
+    glb = getattr(encoder, "__globals__", {}) or {}
+    if code is not None:
+        for name in code.co_names:
+            if isinstance(glb.get(name), nn.Module):
+                found.append(glb[name])
+    for v in (getattr(encoder, "__defaults__", None) or ()):
+        if isinstance(v, nn.Module):
+            found.append(v)
+    return list({id(m): m for m in found}.values())
+
+
+def _module_key(m: nn.Module) -> str:
+    cfg = getattr(m, "config", None)
+    parts = [type(m).__module__, type(m).__qualname__, repr(m)]
+    if isinstance(cfg, dict) or hasattr(cfg, "items"):
+        try:
+            parts.append(repr(sorted((str(k), repr(v)) for k, v in cfg.items())))
+        except Exception:  # an exotic config object: the module tree and shapes identify it
+            pass
+    parts += [f"{n}:{tuple(t.shape)}" for n, t in m.state_dict().items()]
+    return "|".join(parts)
+
+
+def _config_key(encoder: Encoder, *args) -> str:
+    """One key per encoder configuration (architecture, not weights: the look-back is structural)."""
+    parts = [_module_key(m) for m in _modules_of(encoder)]
+    if not isinstance(encoder, nn.Module):
+        code = getattr(encoder, "__code__", None)
+        parts.append(repr((code.co_code, code.co_consts, code.co_names)) if code is not None
+                     else f"{type(encoder).__qualname__}@{id(encoder)}")
+    parts.append(repr(args))
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _as_float64(modules: Sequence[nn.Module]):
+    """Run ``modules`` in float64 and eval mode; every tensor and flag restored afterwards (float32
+    / bfloat16 -> float64 -> back is exact)."""
+    saved, modes = [], []
+    try:
+        for m in modules:
+            modes += [(sub, sub.training) for sub in m.modules()]
+            m.eval()
+            for t in list(m.parameters()) + list(m.buffers()):
+                if t.is_floating_point() and t.dtype != torch.float64:
+                    saved.append((t, t.data))
+                    t.data = t.data.to(torch.float64)
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+        for sub, mode in modes:
+            sub.train(mode)
+
+
+def _in_channels(encoder: Encoder) -> int:
+    for m in _modules_of(encoder):
+        cfg = getattr(m, "config", None)
+        c = cfg.get("in_channels") if hasattr(cfg, "get") else None
+        if c is None and "in_channels" in vars(m):
+            c = vars(m)["in_channels"]
+        if isinstance(c, int) and not isinstance(c, bool):
+            return c
+        for sub in m.modules():
+            if isinstance(sub, nn.Conv3d):
+                return sub.in_channels
+    return 3
+
+
+def _run(encoder: Encoder, x: torch.Tensor, name: str) -> torch.Tensor:
+    out = encoder(x)
+    if not isinstance(out, torch.Tensor) or out.dim() != 5:
+        raise ValueError(f"{name} must return a 5-D tensor [B, C, F, h, w] for a [B, C, T, H, W] video; "
+                         f"got {getattr(out, 'shape', type(out).__name__)}")
+    return out
+
+
+def probe_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: bool = True, *,
+               in_channels: Optional[int] = None, spatial: Tuple[int, int] = (16, 16),
+               num_latents: int = 8, max_latents: int = 64, seed: int = 0,
+               atol: float = 1e-10) -> HaloProbe:
+    """Derive the smallest exact halo of a causal ``encoder`` (module or callable) from its behaviour
+    (module docstring). Raises ``ValueError`` when the encoder is not causal, produces the wrong
+    number of latents for ``temporal_stride``, or looks back further than ``max_latents`` latents."""
+    _positive_int("temporal_stride", temporal_stride)
+    _positive_int("num_latents", num_latents)
+    if num_latents < 3:
+        raise ValueError(f"num_latents ({num_latents}) must be >= 3 (a causality check and a windowed check)")
+    st, cff = temporal_stride, causal_first_frame
+    c = _in_channels(encoder) if in_channels is None else in_channels
+    g = torch.Generator().manual_seed(seed)
+    N = num_latents
+    with _as_float64(_modules_of(encoder)):
+        while True:
+            T = num_raw_frames(N, st, cff)
+            x = torch.randn(1, c, T, *spatial, generator=g, dtype=torch.float64)
+            with torch.enable_grad():
+                x.requires_grad_(True)
+                out = _run(encoder, x, "encoder")
+                if out.shape[2] != N:
+                    raise ValueError(f"encoder produced {out.shape[2]} latents for {T} raw frames; with "
+                                     f"temporal_stride={st}, causal_first_frame={cff} it must produce {N}")
+                w = torch.randn(out[:, :, -1:].shape, generator=g, dtype=out.dtype)
+                g_last, = torch.autograd.grad((out[:, :, -1:] * w).sum(), x, retain_graph=True)
+                g_prev, = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
+            reach_last = g_last.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
+            reach_prev = g_prev.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
+            prev_end = st * (N - 2) if cff else st * (N - 1) - 1   # last raw frame of latent N-2
+            if reach_prev.numel() and int(reach_prev[-1]) > prev_end:
+                raise ValueError(f"encoder is not causal in time: latent {N - 2} depends on raw frame "
+                                 f"{int(reach_prev[-1])} (> {prev_end}); a halo cannot make windows exact")
+            if reach_last.numel() == 0:
+                raise ValueError("encoder's last latent does not depend on its input (no gradient); "
+                                 "cannot probe its temporal look-back")
+            first = int(reach_last[0])
+            if first > 0 or N >= max_latents:
+                break
+            N *= 2
+        if first == 0:
+            raise ValueError(f"encoder's look-back reaches the start of a {N}-latent probe clip "
+                             f"(max_latents={max_latents}); it is not a finite causal window")
+        L = st * (N - 1) - first
+        h0 = h = halo_for_lookback(L, st, cff)
+        with torch.no_grad():
+            x = torch.randn(1, c, num_raw_frames(N, st, cff), *spatial, generator=g, dtype=torch.float64)
+            full = _run(encoder, x, "encoder")[:, :, -1:]
+            scale = max(1.0, float(full.abs().max()))
+            while True:
+                win = halo_window(N - 1, N, h, st, cff)
+                got = _run(encoder, win.slice_raw(x), "encoder")
+                if got.shape[2] == win.num_window_latents and \
+                        float((got[:, :, -1:] - full).abs().max()) <= atol * scale:
+                    break
+                if win.halo_start == 0:
+                    raise ValueError(f"no halo below {N - 1} latents makes the encoder's windows exact "
+                                     f"(look-back {L} raw frames); is it causal?")
+                h += 1
+    return HaloProbe(halo=h, lookback=L, temporal_stride=st, probe_latents=N, verified_from=h0)
+
+
+_HALO_CACHE: Dict[str, HaloProbe] = {}
+
+
+def encoder_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: bool = True,
+                 **probe_kwargs) -> int:
+    """Halo latents ``encoder`` needs: from its declared causal ops (fast path), else from
+    ``probe_halo``, probed once per encoder configuration (cached in-process; ``probe_kwargs`` are
+    used by the first probe of a configuration)."""
+    if isinstance(encoder, nn.Module):
+        try:
+            ops = encoder_temporal_ops(encoder)
+        except ValueError:
+            ops = None    # an undeclared temporal conv: its behaviour decides
+        if ops:
+            return temporal_receptive_field(encoder, temporal_stride, causal_first_frame)
+    elif not callable(encoder):
+        raise ValueError(f"encoder ({type(encoder).__name__}) must be an nn.Module or a callable "
+                         f"video -> latents")
+    # the look-back is structural: the probe's clip and spatial size do not enter the key
+    key = _config_key(encoder, temporal_stride, causal_first_frame)
+    if key not in _HALO_CACHE:
+        _HALO_CACHE[key] = probe_halo(encoder, temporal_stride, causal_first_frame, **probe_kwargs)
+    return _HALO_CACHE[key].halo

@@ -111,15 +111,35 @@ class TextEmbedder(torch.nn.Module):
 
     ``drop [b]`` (bool) replaces a sample's caption by the learned null caption (all positions
     valid); the decision is an input so every CP / TP / PP rank applies the same one.
+    With ``input_dim``, precomputed caption embeddings (a floating ``[b, L, input_dim]`` tensor in
+    place of the ids, e.g. a T5 encoder's, ``data.text``) are projected to ``d`` by a learned linear
+    layer instead; integer ids still go through the small caption embedder.
     """
 
-    def __init__(self, vocab_size: int, dim: int, max_len: int, seed: int = 0):
+    def __init__(self, vocab_size: int, dim: int, max_len: int, seed: int = 0,
+                 input_dim: Optional[int] = None):
         super().__init__()
-        self.captions = CaptionEmbedder(vocab_size, dim, max_len,
-                                        generator=torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        self.captions = CaptionEmbedder(vocab_size, dim, max_len, generator=g)
+        self.input_dim = input_dim
+        if input_dim is not None:
+            if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
+                raise ValueError(f"input_dim ({input_dim!r}) must be a positive integer")
+            self.proj = torch.nn.Linear(input_dim, dim)
+            torch.nn.init.normal_(self.proj.weight, std=input_dim ** -0.5, generator=g)
+            torch.nn.init.zeros_(self.proj.bias)
 
     def forward(self, ids: Tensor, mask: Tensor, drop: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        emb, mask = self.captions(ids, mask)
+        if ids.is_floating_point():   # precomputed embeddings
+            if self.input_dim is None or ids.dim() != 3 or ids.shape[2] != self.input_dim \
+                    or ids.shape[1] != self.captions.max_len or mask.shape != ids.shape[:2]:
+                raise ValueError(f"caption embeddings {tuple(ids.shape)} (mask {tuple(mask.shape)}) must be "
+                                 f"[b, {self.captions.max_len}, input_dim={self.input_dim}] (set "
+                                 f"data.text_embed_dim to the encoder's width)")
+            mask = mask.bool()
+            emb = self.proj(ids.to(self.proj.weight.dtype)) * mask[..., None].to(self.proj.weight.dtype)
+        else:
+            emb, mask = self.captions(ids, mask)
         if drop is not None:
             null, null_mask = self.captions.null(ids.shape[0])
             d = drop.to(torch.bool)

@@ -70,6 +70,7 @@ class VideoDiTConfig(TransformerConfig):
     text_vocab_size: int = len(VOCAB)
     text_max_len: int = 16
     text_dim: Optional[int] = None               # width of the text embeddings (default hidden_size)
+    text_input_dim: Optional[int] = None         # width of precomputed caption embeddings (projected)
     layer_type: str = "full"                     # "full" (VideoDiT) or "stdit"
     stdit_variant: str = "hybrid"
     stdit_full_attention_layers: Tuple[int, ...] = ()
@@ -307,7 +308,8 @@ class VideoDiT(MegatronModule):
             torch.manual_seed(config.cond_seed)
             self.t_embedder = TimestepEmbedder(config, config.timestep_frequency_dim)
             self.text_embedder = TextEmbedder(config.text_vocab_size, config.text_dim,
-                                              config.text_max_len, seed=config.cond_seed)
+                                              config.text_max_len, seed=config.cond_seed,
+                                              input_dim=config.text_input_dim)
         for name in replicated_embedders(self):
             mark_pipeline_replicated(getattr(self, name))
         if pre_process:

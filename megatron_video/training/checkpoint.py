@@ -36,17 +36,18 @@ import random
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["TRACKER_FILE", "latest_step", "checkpoint_path", "save_checkpoint", "load_checkpoint",
+__all__ = ["TRACKER_FILE", "read_data_state", "latest_step", "checkpoint_path", "save_checkpoint", "load_checkpoint",
            "rng_state", "set_rng_state", "safe_read_index", "safe_read_common"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
+DATA_STATE_DIR = "dataloader"
 
 
 def checkpoint_path(directory, step: int) -> Path:
@@ -326,9 +327,12 @@ def _agree(reason: Optional[str], what: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Save / load
 # ----------------------------------------------------------------------------------------------
-def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Optional[dict] = None) -> Path:
+def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Optional[dict] = None,
+                    data_state: Optional[Tuple[str, str]] = None) -> Path:
     """Collective: save everything for ``step`` atomically; returns the checkpoint folder.
-    ``meta`` (the model's shape-defining configuration) is stored to explain a refused resume."""
+    ``meta`` (the model's shape-defining configuration) is stored to explain a refused resume.
+    ``data_state``: ``(name, json_text)`` this rank's data-loader state, written to
+    ``dataloader/<name>.json`` (plain JSON, covered by the manifest; ``read_data_state``)."""
     from megatron.core import dist_checkpointing
 
     final = checkpoint_path(directory, step)
@@ -339,6 +343,13 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Opt
     dist.barrier()
     with _may_fork_writers():
         dist_checkpointing.save(_sharded(model, optimizer, scheduler, step, False, True, meta), str(partial))
+    if data_state is not None:
+        name, text = data_state
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"data_state name ({name!r}) must be a plain file name")
+        json.loads(text)   # only JSON goes into a checkpoint
+        (partial / DATA_STATE_DIR).mkdir(exist_ok=True)
+        (partial / DATA_STATE_DIR / f"{name}.json").write_text(text)
     dist.barrier()
     if dist.get_rank() == 0:
         _write_manifest(partial)
@@ -359,6 +370,13 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Opt
         os.replace(tmp, tracker)
     dist.barrier()
     return final
+
+
+def read_data_state(directory, step: int, name: str) -> Optional[str]:
+    """This rank's data-loader state (JSON text) from checkpoint ``step``, or None if it has none
+    (the file was checked against the manifest when the checkpoint was loaded)."""
+    f = checkpoint_path(directory, step) / DATA_STATE_DIR / f"{name}.json"
+    return f.read_text() if f.is_file() else None
 
 
 def _shape_refusal(path, index, request: dict, saved_meta: dict, meta: Optional[dict]) -> Optional[str]:

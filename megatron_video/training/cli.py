@@ -6,11 +6,22 @@ Subcommands::
     megatron-video demo [--output DIR] [--cpu] [section.key=value ...]
     megatron-video train-vae [--config FILE] [--output PATH] [section.key=value ...]
     megatron-video validate --config FILE [--nproc N] [--ranks-per-node K] [section.key=value ...]
+    megatron-video prepare SRC DST [--manifest FILE.jsonl] [--samples-per-shard N]
+    megatron-video prepare --procedural N DST [--config FILE] [section.key=value ...]
+    megatron-video precompute --config FILE --out DST [--sp-size P] [--text-encoder DIR] [section.key=value ...]
 
 ``train`` runs ``--nproc`` local ranks (gloo on CPU, simulated nodes of ``--ranks-per-node``) or,
 under ``torchrun``, this process as one rank. ``demo`` is ``train --config
-examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``. A bad configuration
+examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``, reading real mp4 files
+through energon (prepared once under ``runs/demo-data`` by the same code as ``prepare --procedural``). A bad configuration
 exits with status 2 and names the field, before any process or process group is started.
+
+``prepare`` turns a folder of videos + captions into an energon dataset for ``data.source=energon``
+(``data.energon_video``); ``--procedural N`` first writes N of the embedded procedural clips as mp4
+files (at the config's frame count and size) into ``DST/videos`` and prepares those.
+
+``precompute`` encodes the energon dataset ``data.path`` with the config's VAE (each clip as the
+``--sp-size`` halo windows SP ranks would encode) into latent shards for ``data.source=shards``.
 
 ``--cpu`` enters megatron_video's CPU mode for Megatron-Core (``megatron_video.compat``; it logs what
 it changes and does nothing where CUDA is available); without a GPU the job needs it.
@@ -72,6 +83,23 @@ def _parser() -> argparse.ArgumentParser:
     common(v, False)
     v.add_argument("--output", default=None, help="weights file (default: the cache path)")
 
+    pr = sub.add_parser("prepare", help="videos + captions -> an energon dataset (WebDataset + .nv-meta)")
+    pr.add_argument("paths", nargs="+", metavar="SRC DST", help="SRC DST, or DST with --procedural")
+    pr.add_argument("--manifest", default=None, help="JSONL of {\"video\": path under SRC, \"caption\": ...}")
+    pr.add_argument("--samples-per-shard", type=int, default=64)
+    pr.add_argument("--procedural", type=int, default=None, metavar="N",
+                    help="write N procedural mp4 clips (the embedded default data) and prepare them")
+    pr.add_argument("--config", default=None, help="config whose data section sizes the procedural clips")
+    pr.add_argument("--overrides", nargs="*", default=[], metavar="section.key=value")
+
+    pc = sub.add_parser("precompute", help="energon dataset -> latent shards (VAE once, SP-folded windows)")
+    common(pc, True)
+    pc.add_argument("--out", required=True, help="output folder of latent shards (data.shards for training)")
+    pc.add_argument("--sp-size", type=int, default=1, help="encode each clip as this many halo windows")
+    pc.add_argument("--text-encoder", default=None,
+                    help="local HF folder (tokenizer + T5/UMT5 encoder): store caption embeddings too")
+    pc.add_argument("--text-len", type=int, default=64, help="tokens per caption for --text-encoder")
+
     c = sub.add_parser("validate", help="check a config without running it; print the resolved config")
     common(c, True)
     c.add_argument("--nproc", type=int, default=1)
@@ -110,6 +138,53 @@ def _train(config, nproc: Optional[int], cpu: bool = False) -> int:
     return launch(config, nproc, config.parallel.ranks_per_node, cpu=cpu)
 
 
+DEMO_CLIPS = 128   # procedural mp4 clips of the demo's energon dataset (it repeats over epochs)
+
+
+def _ensure_demo_data(config) -> None:
+    """The demo reads real mp4 files through energon: prepare them once (``prepare --procedural``)."""
+    d = config.data
+    if d.source != "energon":
+        return
+    if d.path == "runs/demo/data":     # the shipped default follows --output
+        d.path = str(Path(config.output) / "data")
+    if (Path(d.path) / ".nv-meta" / "dataset.yaml").is_file():
+        return
+    from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+
+    print(f"[megatron-video] writing {DEMO_CLIPS} procedural mp4 clips and preparing the energon dataset "
+          f"{d.path} (once)", flush=True)
+    src = Path(d.path) / "videos"
+    write_procedural_videos(src, DEMO_CLIPS, num_frames=d.num_frames, height=d.height, width=d.width,
+                            seed=d.seed)
+    prepare_dataset(src, d.path)
+
+
+def _prepare(args) -> int:
+    from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+
+    if args.procedural is not None:
+        if len(args.paths) != 1:
+            raise ValueError(f"prepare --procedural takes DST only (got {args.paths})")
+        if args.procedural < 1:
+            raise ValueError(f"--procedural ({args.procedural}) must be >= 1")
+        dst = Path(args.paths[0])
+        d = load_config(args.config, args.overrides).data
+        src = dst / "videos"
+        write_procedural_videos(src, args.procedural, num_frames=d.num_frames, height=d.height,
+                                width=d.width, seed=d.seed)
+    else:
+        if len(args.paths) != 2:
+            raise ValueError(f"prepare takes SRC DST (got {args.paths})")
+        src, dst = Path(args.paths[0]), Path(args.paths[1])
+    summary = prepare_dataset(src, dst, manifest=args.manifest, samples_per_shard=args.samples_per_shard)
+    print(f"[megatron-video] energon dataset {dst}: {summary['samples']} samples in {len(summary['shards'])} "
+          f"shards; {len(summary['skipped'])} unreadable videos skipped")
+    for f, why in summary["skipped"]:
+        print(f"[megatron-video]   skipped {f}: {why}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -118,6 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _train(config, args.nproc, args.cpu)
         if args.command == "demo":
             config = _load(demo_config_path(), args.overrides, args.output, DEMO_ARGS["ranks_per_node"])
+            _ensure_demo_data(config)
             return _train(config, DEMO_ARGS["nproc"], args.cpu)
         if args.command == "train-vae":
             from .vae_stage import train_vae, vae_cache_path
@@ -126,6 +202,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             out = Path(args.output) if args.output else vae_cache_path(config)
             print(f"[megatron-video] VAE written to {train_vae(config, out)}")
             return 0
+        if args.command == "precompute":
+            from .precompute import precompute_latents
+
+            config = load_config(args.config, args.overrides)
+            text = None
+            if args.text_encoder:
+                from megatron_video.data.text import HFTextEncoder
+
+                text = HFTextEncoder.from_pretrained(args.text_encoder, args.text_len)
+            r = precompute_latents(config, args.out, sp_size=args.sp_size, text_encoder=text)
+            print(f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards under {args.out} "
+                  f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
+                  f"data.shards={args.out}")
+            return 0
+        if args.command == "prepare":
+            return _prepare(args)
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
             validate(config, args.nproc)

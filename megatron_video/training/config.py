@@ -58,8 +58,11 @@ class ParallelSection:
 
 @dataclass
 class DataSection:
-    source: str = "synthetic"              # synthetic | shards
+    source: str = "synthetic"              # synthetic | shards | energon
     shards: Optional[str] = None           # folder / glob of WebDataset shards (source=shards)
+    path: Optional[str] = None             # energon dataset from `megatron-video prepare` (source=energon)
+    text_embed_dim: Optional[int] = None   # shards from `precompute --text-encoder`: condition on the stored
+                                           # caption embeddings of this width (caption_len = their length)
     num_samples: int = 100000              # synthetic: dataset size
     num_frames: int = 29                   # raw frames, 1 + 4k
     height: int = 32
@@ -323,8 +326,17 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     if p.recompute and not isinstance(p.recompute, bool):
         raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
 
-    if d.source not in ("synthetic", "shards"):
-        raise ValueError(f"data.source ({d.source!r}) must be 'synthetic' or 'shards'")
+    if d.source not in ("synthetic", "shards", "energon"):
+        raise ValueError(f"data.source ({d.source!r}) must be 'synthetic', 'shards' or 'energon'")
+    if d.text_embed_dim is not None:
+        _pos_int("data.text_embed_dim", d.text_embed_dim)
+        if d.source != "shards":
+            raise ValueError(f"data.text_embed_dim ({d.text_embed_dim}) needs data.source 'shards' (latent "
+                             f"shards with caption embeddings from `megatron-video precompute --text-encoder`); "
+                             f"got {d.source!r}")
+    if d.source == "energon" and not d.path:
+        raise ValueError("data.path (None) must name an energon dataset (`megatron-video prepare SRC DST`) "
+                         "when data.source is 'energon'")
     if d.source == "shards" and not d.shards:
         raise ValueError("data.shards (None) must name a folder or glob of .tar shards when "
                          "data.source is 'shards'")

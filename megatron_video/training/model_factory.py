@@ -42,6 +42,7 @@ def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
         params_dtype=dtype, pipeline_dtype=dtype, bf16=config.train.bf16,
         in_channels=config.vae.latent_channels, patch_size=tuple(m.patch_size), lora_rank=m.lora_rank,
         rope_theta=m.rope_theta, text_max_len=config.data.caption_len,
+        text_input_dim=config.data.text_embed_dim,
         layer_type=get_family(m.family).layer_type, stdit_variant=m.stdit_variant,
         stdit_full_attention_layers=tuple(m.stdit_full_attention_layers),
         cond_seed=config.train.seed + 17,

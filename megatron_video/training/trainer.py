@@ -282,13 +282,24 @@ class Trainer:
         return meta
 
     def save(self, step: int) -> Path:
+        state = self.batches.data_state()
         return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler,
-                                    meta=self.model_meta)
+                                    meta=self.model_meta,
+                                    data_state=None if state is None else (f"rank{dist.get_rank()}", state))
 
     def load(self, directory=None, step: Optional[int] = None) -> int:
         """Restore a checkpoint written under any parallel layout (see ``checkpoint.py``)."""
-        return ckpt.load_checkpoint(directory or self.checkpoint_dir, self.model, self.optimizer,
-                                    self.scheduler, step=step, meta=self.model_meta)
+        directory = directory or self.checkpoint_dir
+        step = ckpt.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, step=step,
+                                    meta=self.model_meta)
+        if self.config.data.source == "energon":   # the loader resumes where the saved run stood
+            reason = None
+            try:
+                self.batches.restore_data_state(ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}"))
+            except ValueError as e:
+                reason = str(e)
+            ckpt._agree(reason, "data-loader resume refused")   # every rank raises, none hangs
+        return step
 
     def maybe_resume(self) -> int:
         if not self.config.train.resume or ckpt.latest_step(self.checkpoint_dir) is None:

@@ -1,0 +1,429 @@
+"""Real video through megatron-energon: dataset preparation and per-rank frame-range loading.
+
+**Preparation** (``prepare_dataset``, ``megatron-video prepare SRC DST``): a folder of videos
+(``.mp4`` / ``.webm`` / ``.mkv``) with captions -- a sidecar ``<name>.txt`` (the caption) or
+``<name>.json`` (``{"caption": ...}``), or a JSONL manifest of ``{"video": <relative path>,
+"caption": ...}`` lines -- becomes an energon dataset: WebDataset tars of crude samples
+``<key>.<ext>`` (the encoded video bytes, untouched) + ``<key>.json`` (caption, ``num_frames``,
+``fps``, ``width``, ``height``, ``source``), indexed by energon's own
+``BaseWebdatasetFactory.prepare_dataset`` (``.nv-meta``: split, index) with a ``CrudeWebdataset``
+``dataset.yaml``. Unreadable videos are reported by name and left out. ``write_procedural_videos``
+renders the embedded procedural clips as real mp4 files (PyAV) for the same command.
+
+**Loading** (``VideoWindowTaskEncoder``, ``video_window_loader``): energon's cooker for these crude
+samples decodes ONLY the raw frames this context-parallel rank needs -- its halo windows from
+``layouts.vae_halo`` (its share of latent frames plus the left halo) -- with energon's
+``AVDecoder.get_video_clips`` (frame-range clips, seek to the nearest key frame), resizes the short
+side and centre-crops to the training size, and yields ``VideoWindowSample`` (windows in
+``[-1, 1]``, ``[3, T_w, H, W]``; ``decoded_frames`` counts what was decoded). Samples shard over the
+pure data-parallel group (``WorkerConfig(rank=dp_rank, world_size=dp_size)``), so every CP rank of
+a replica sees the same sample. A file that fails to decode (corrupt or truncated, or too short) is
+skipped with a log line naming the file and counted (``VideoWindowTaskEncoder.skipped``).
+
+The loader's savable state (``save_state_rank``) is turned into JSON by ``state_to_json`` (only
+plain values, tensors / arrays as lists, and energon's own state dataclasses, rebuilt from an
+allowlist by ``state_from_json``; nothing is unpickled) and travels in every checkpoint
+(``training.checkpoint``, ``dataloader/``).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..layouts.vae_halo import HaloWindow
+
+__all__ = ["VIDEO_EXTENSIONS", "probe_video", "prepare_dataset", "write_procedural_videos",
+           "VideoWindowSample", "VideoWindowTaskEncoder", "video_window_loader", "state_to_json",
+           "state_from_json"]
+
+VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
+log = logging.getLogger("megatron_video.data")
+
+
+# ----------------------------------------------------------------------------------------------
+# Preparation
+# ----------------------------------------------------------------------------------------------
+def probe_video(data: Union[bytes, str, Path], name: str = "") -> Dict:
+    """``{"num_frames", "fps", "width", "height"}`` of an encoded video (frames counted by decoding
+    packets' headers, i.e. demuxing: exact also where the container stores no frame count)."""
+    import av
+
+    src = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else str(data)
+    try:
+        with av.open(src) as c:
+            if not c.streams.video:
+                raise ValueError(f"video {name or src!r} has no video stream")
+            s = c.streams.video[0]
+            n = sum(1 for p in c.demux(s) if p.size)
+            fps = float(s.average_rate) if s.average_rate else 0.0
+            w, h = s.codec_context.width, s.codec_context.height
+    except Exception as e:   # PyAV raises its own error types (some are ValueErrors) for broken files
+        if str(e).startswith("video "):
+            raise
+        raise ValueError(f"video {name or src!r} is unreadable: {type(e).__name__}: {e}") from None
+    if n < 1 or not w or not h:
+        raise ValueError(f"video {name or src!r} has no frames")
+    return {"num_frames": int(n), "fps": fps, "width": int(w), "height": int(h)}
+
+
+def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
+    if manifest is not None:
+        out = []
+        for n, line in enumerate(Path(manifest).read_text().splitlines()):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("video"), str) \
+                    or not isinstance(rec.get("caption"), str):
+                raise ValueError(f"manifest {manifest} line {n + 1} ({line[:80]!r}) must be a JSON object "
+                                 f"with string fields 'video' and 'caption'")
+            out.append((src / rec["video"], rec["caption"]))
+        return out
+    out = []
+    for f in sorted(p for p in src.rglob("*") if p.suffix[1:].lower() in VIDEO_EXTENSIONS):
+        txt, js = f.with_suffix(".txt"), f.with_suffix(".json")
+        if txt.is_file():
+            cap = txt.read_text().strip()
+        elif js.is_file():
+            cap = json.loads(js.read_text()).get("caption")
+            if not isinstance(cap, str):
+                raise ValueError(f"caption file {js} must hold {{\"caption\": <string>}}")
+        else:
+            raise ValueError(f"video {f} has no caption: add {txt.name} or {js.name}, or pass a JSONL "
+                             f"manifest")
+        out.append((f, cap))
+    return out
+
+
+def prepare_dataset(src: Union[str, Path], dst: Union[str, Path], *, manifest: Optional[Union[str, Path]] = None,
+                    samples_per_shard: int = 64, progress: bool = False) -> Dict:
+    """Turn the videos + captions under ``src`` into an energon dataset at ``dst`` (module docstring).
+    Returns a summary: ``{"samples", "shards", "skipped": [(file, reason)], "videos": [meta...]}``."""
+    import webdataset as wds
+    from megatron.energon import BaseWebdatasetFactory
+
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ValueError(f"SRC ({str(src)!r}) must be a folder of videos")
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard ({samples_per_shard}) must be >= 1")
+    items = _captions(src, Path(manifest) if manifest else None)
+    if not items:
+        raise ValueError(f"SRC ({str(src)!r}) holds no {'/'.join(VIDEO_EXTENSIONS)} videos")
+    dst.mkdir(parents=True, exist_ok=True)
+    shards, skipped, metas, writer, n = [], [], [], None, 0
+    try:
+        for path, caption in items:
+            ext = path.suffix[1:].lower()
+            if ext not in VIDEO_EXTENSIONS:
+                skipped.append((str(path), f"extension must be one of {VIDEO_EXTENSIONS}"))
+                continue
+            try:
+                data = path.read_bytes()
+                meta = probe_video(data, str(path))
+            except (OSError, ValueError) as e:
+                skipped.append((str(path), str(e)))
+                log.warning("prepare: skipped %s: %s", path, e)
+                continue
+            if n % samples_per_shard == 0:
+                if writer is not None:
+                    writer.close()
+                shards.append(f"videos-{len(shards):06d}.tar")
+                writer = wds.TarWriter(str(dst / shards[-1]))
+            meta = dict(meta, caption=caption, source=str(path.relative_to(src)), ext=ext)
+            writer.write({"__key__": f"{n:09d}", ext: data, "json": json.dumps(meta).encode()})
+            metas.append(meta)
+            n += 1
+    finally:
+        if writer is not None:
+            writer.close()
+    if not shards:
+        raise ValueError(f"no readable video under {src} (skipped: {skipped[:3]})")
+    BaseWebdatasetFactory.prepare_dataset(dst, shards, split_parts_ratio=[("train", 1.0)],
+                                          shuffle_seed=None, workers=1)
+    (dst / ".nv-meta" / "dataset.yaml").write_text(
+        "__module__: megatron.energon\n__class__: CrudeWebdataset\n")
+    summary = {"samples": n, "shards": shards, "skipped": skipped, "videos": metas}
+    (dst / ".nv-meta" / "megatron_video.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def write_procedural_videos(out_dir: Union[str, Path], num_videos: int, *, num_frames: int = 29,
+                            height: int = 32, width: int = 32, seed: int = 0, fps: int = 8,
+                            gop: int = 8) -> List[Path]:
+    """The embedded procedural clips (``data.synthetic``) as real mp4 files (H.264 via PyAV, a key
+    frame every ``gop`` frames so frame-range decoding can seek) with sidecar ``.txt`` captions."""
+    import av
+
+    from .synthetic import ProceduralVideoDataset
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ds = ProceduralVideoDataset(num_videos, num_frames=num_frames, height=height, width=width, seed=seed)
+    paths = []
+    for i in range(num_videos):
+        s = ds[i]
+        frames = ((s["video"].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)   # [3, T, H, W]
+        p = out / f"clip{i:06d}.mp4"
+        with av.open(str(p), "w") as c:
+            st = c.add_stream("libx264", rate=fps)
+            st.width, st.height, st.pix_fmt = width, height, "yuv444p"
+            st.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0", "qp": "0",
+                          "bf": "0"}
+            for t in range(frames.shape[1]):
+                img = frames[:, t].permute(1, 2, 0).contiguous().numpy()
+                for pkt in st.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                    c.mux(pkt)
+            for pkt in st.encode():
+                c.mux(pkt)
+        p.with_suffix(".txt").write_text(s["caption"])
+        paths.append(p)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: the rank's raw-frame windows only
+# ----------------------------------------------------------------------------------------------
+def _define_sample():
+    from megatron.energon import Sample, edataclass
+
+    @edataclass
+    class VideoWindowSample(Sample):
+        """One clip's raw windows for this CP rank (energon sample)."""
+
+        #: the rank's windows in ``[-1, 1]``, each ``[3, T_w, H, W]`` (local frame order)
+        windows: List[torch.Tensor]
+        caption: str
+        #: frames decoded from the file for this sample (sum of the windows' lengths)
+        decoded_frames: int
+        meta: dict
+
+    return VideoWindowSample
+
+
+_VWS = None
+
+
+def __getattr__(name):   # VideoWindowSample is defined lazily (energon is imported on use)
+    global _VWS
+    if name == "VideoWindowSample":
+        if _VWS is None:
+            _VWS = _define_sample()
+        return _VWS
+    raise AttributeError(name)
+
+
+def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``[T, 3, h, w]`` uint8 -> ``[3, T, H, W]`` float in [-1, 1]: short side to the target (bilinear,
+    only when the size differs), centre crop."""
+    x = clip.to(torch.float32)
+    t, _, h, w = x.shape
+    if (h, w) != (height, width):
+        s = max(height / h, width / w)
+        nh, nw = max(height, round(h * s)), max(width, round(w * s))
+        if (nh, nw) != (h, w):
+            x = torch.nn.functional.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False,
+                                                antialias=True)
+        top, left = (nh - height) // 2, (nw - width) // 2
+        x = x[:, :, top:top + height, left:left + width]
+    return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
+
+
+def _make_task_encoder_class():
+    from megatron.energon import Cooker, DefaultTaskEncoder, SkipSample, basic_sample_keys, stateless
+
+    VideoWindowSample = __getattr__("VideoWindowSample")
+
+    class VideoWindowTaskEncoder(DefaultTaskEncoder):
+        """Cooks crude video samples into this rank's raw windows (module docstring).
+
+        ``windows``: this CP rank's ``HaloWindow`` s (``data.video_windows.rank_windows``);
+        ``num_frames``: raw frames per training clip (the first ``num_frames`` of each video are used;
+        shorter videos are skipped); ``height`` x ``width``: training frame size.
+        """
+
+        def __init__(self, windows: Sequence[HaloWindow], num_frames: int, height: int, width: int):
+            super().__init__()
+            if not windows:
+                raise ValueError("windows ([]) must hold this rank's halo windows")
+            need = max(w.raw_end for w in windows)
+            if need > num_frames:
+                raise ValueError(f"windows reach raw frame {need}; must lie in num_frames ({num_frames})")
+            self.windows, self.num_frames = list(windows), int(num_frames)
+            self.height, self.width = int(height), int(width)
+            self.skipped = 0
+            self.decoded_frames = 0
+            self.cookers = [Cooker(self.cook)]
+
+        @stateless
+        def cook(self, sample: dict):
+            meta = sample.get("json") or {}
+            if isinstance(meta, (bytes, str)):
+                meta = json.loads(meta)
+            src = meta.get("source", sample.get("__key__"))
+            key = sample.get("__key__")
+            try:
+                ext = next(e for e in VIDEO_EXTENSIONS if e in sample)
+                if int(meta.get("num_frames", self.num_frames)) < self.num_frames:
+                    raise ValueError(f"{meta.get('num_frames')} frames, training clips need {self.num_frames}")
+                dec = sample[ext]
+                # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
+                clips, _ = dec.get_video_clips([(w.raw_start, w.raw_end - 1) for w in self.windows],
+                                               video_unit="frames")
+                if len(clips) != len(self.windows) or any(c.shape[0] != w.num_raw
+                                                          for c, w in zip(clips, self.windows)):
+                    raise ValueError(f"decoded {[int(c.shape[0]) for c in clips]} frames for windows "
+                                     f"{[w.window for w in self.windows]} (truncated file?)")
+                windows = [_resize_crop(c, self.height, self.width) for c in clips]
+            except SkipSample:
+                raise
+            except Exception as e:
+                self.skipped += 1
+                log.warning("skipped sample %s (file %s): %s: %s [%d skipped so far]", key, src,
+                            type(e).__name__, e, self.skipped)
+                raise SkipSample() from None
+            n = sum(c.shape[0] for c in clips)
+            self.decoded_frames += n
+            return VideoWindowSample(**basic_sample_keys(sample), windows=windows,
+                                     caption=str(meta.get("caption", "")), decoded_frames=n, meta=meta)
+
+        def batch(self, samples):
+            return list(samples)
+
+        def encode_batch(self, batch):
+            return batch
+
+    return VideoWindowTaskEncoder
+
+
+class _Lazy:
+    cls = None
+
+
+def VideoWindowTaskEncoder(*args, **kwargs):   # noqa: N802 (a class, built on first use)
+    """See ``_make_task_encoder_class`` (energon is imported on first use)."""
+    if _Lazy.cls is None:
+        _Lazy.cls = _make_task_encoder_class()
+    return _Lazy.cls(*args, **kwargs)
+
+
+def video_window_loader(path: Union[str, Path], windows: Sequence[HaloWindow], *, num_frames: int,
+                        height: int, width: int, batch_size: int, dp_rank: int, dp_size: int,
+                        seed: int = 0, shuffle_buffer_size: Optional[int] = None):
+    """``(loader, task_encoder)``: energon's savable loader of this rank's windows, sharded over the
+    pure DP group (``dp_rank`` of ``dp_size``; CP ranks of a replica pass the same ``dp_rank``)."""
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+    path = Path(path)
+    if not (path / ".nv-meta" / "dataset.yaml").is_file():
+        raise ValueError(f"data.path ({str(path)!r}) must be an energon dataset (run `megatron-video "
+                         f"prepare SRC {path}`)")
+    te = VideoWindowTaskEncoder(windows, num_frames, height, width)
+    wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=0, seed_offset=seed)
+    ds = get_train_dataset(path, worker_config=wc, batch_size=batch_size, shuffle_buffer_size=shuffle_buffer_size,
+                           max_samples_per_sequence=None, task_encoder=te, repeat=True)
+    loader = get_savable_loader(ds, watchdog_timeout_seconds=None)
+    return loader, te
+
+
+# ----------------------------------------------------------------------------------------------
+# Loader state <-> JSON (no pickle)
+# ----------------------------------------------------------------------------------------------
+def _enc(x):
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return {"__tensor__": x.detach().cpu().tolist(), "dtype": str(x.dtype).replace("torch.", "")}
+    if isinstance(x, np.ndarray):
+        return {"__ndarray__": x.tolist(), "dtype": str(x.dtype)}
+    if isinstance(x, np.generic):
+        return _enc(x.item())
+    if isinstance(x, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(x)).decode()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        cls = type(x)
+        return {"__dataclass__": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: _enc(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+    if isinstance(x, dict):
+        cls = type(x)
+        d = {"__dict__": [[_enc(k), _enc(v)] for k, v in x.items()]}
+        if cls is not dict:
+            d["type"] = f"{cls.__module__}:{cls.__qualname__}"
+        return d
+    if isinstance(x, tuple):
+        return {"__tuple__": [_enc(v) for v in x]}
+    if isinstance(x, list):
+        return [_enc(v) for v in x]
+    raise ValueError(f"loader state holds a {type(x).__module__}.{type(x).__qualname__}, which has no "
+                     f"JSON form (not saved)")
+
+
+def state_to_json(state) -> str:
+    """energon loader state (``save_state_rank``) -> JSON text."""
+    return json.dumps({"format": "megatron_video.energon_state/1", "state": _enc(state)})
+
+
+def _allowed(name: str):
+    """Only energon's own dataclasses / dict subclasses may be rebuilt from a saved state."""
+    import importlib
+
+    mod, _, qual = name.partition(":")
+    if not (mod == "megatron.energon" or mod.startswith("megatron.energon.")) or "<" in qual:
+        raise ValueError(f"loader state names class {name!r}; only megatron.energon classes are allowed")
+    obj = importlib.import_module(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type) or not (dataclasses.is_dataclass(obj) or issubclass(obj, dict)):
+        raise ValueError(f"loader state names {name!r}, which is not a state dataclass")
+    return obj
+
+
+def _dec(x):
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [_dec(v) for v in x]
+    if not isinstance(x, dict):
+        raise ValueError(f"loader state: unexpected JSON value {type(x).__name__}")
+    if "__tensor__" in x:
+        return torch.tensor(x["__tensor__"], dtype=getattr(torch, x["dtype"]))
+    if "__ndarray__" in x:
+        return np.asarray(x["__ndarray__"], dtype=np.dtype(x["dtype"]))
+    if "__bytes__" in x:
+        return base64.b64decode(x["__bytes__"])
+    if "__tuple__" in x:
+        return tuple(_dec(v) for v in x["__tuple__"])
+    if "__dataclass__" in x:
+        cls = _allowed(x["__dataclass__"])
+        fields = {k: _dec(v) for k, v in x["fields"].items()}
+        init = {f.name for f in dataclasses.fields(cls) if f.init}
+        obj = cls(**{k: v for k, v in fields.items() if k in init})
+        for k, v in fields.items():
+            if k not in init:
+                object.__setattr__(obj, k, v)
+        return obj
+    if "__dict__" in x:
+        items = [(_dec(k), _dec(v)) for k, v in x["__dict__"]]
+        items = [(tuple(k) if isinstance(k, list) else k, v) for k, v in items]
+        cls = _allowed(x["type"]) if "type" in x else dict
+        return cls(items)
+    raise ValueError(f"loader state: unknown JSON object with keys {sorted(x)[:5]}")
+
+
+def state_from_json(text: str):
+    """JSON text from ``state_to_json`` -> the energon loader state (``restore_state_rank``)."""
+    try:
+        blob = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"loader state is not JSON: {e}") from None
+    if not isinstance(blob, dict) or blob.get("format") != "megatron_video.energon_state/1":
+        raise ValueError("loader state must be a megatron_video.energon_state/1 JSON document")
+    return _dec(blob["state"])

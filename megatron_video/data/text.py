@@ -1,0 +1,50 @@
+"""Text conditioning from a Hugging Face tokenizer + encoder (e.g. T5 / UMT5), local files only.
+
+The embedded default stays ``data.synthetic.CaptionTokenizer`` (ids the DiT embeds itself).
+``HFTextEncoder`` turns captions into ``(embeddings [b, L, d] float32, mask [b, L] bool)`` with a
+``transformers`` tokenizer and encoder (``last_hidden_state``; padded positions zeroed), padded /
+truncated to ``max_len``. ``from_pretrained`` reads a LOCAL folder (``local_files_only``: nothing is
+downloaded). ``megatron-video precompute --text-encoder DIR`` stores the embeddings next to the
+latents (``text_emb`` / ``text_mask`` in ``latent.pth``).
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+__all__ = ["HFTextEncoder"]
+
+
+class HFTextEncoder:
+    """``encoder(captions) -> (emb, mask)`` from a HF tokenizer and encoder module."""
+
+    def __init__(self, tokenizer, encoder: torch.nn.Module, max_len: int = 64):
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len ({max_len!r}) must be a positive integer")
+        if not callable(tokenizer) or not isinstance(encoder, torch.nn.Module):
+            raise ValueError("tokenizer must be a callable HF tokenizer and encoder an nn.Module")
+        self.tokenizer, self.encoder, self.max_len = tokenizer, encoder.eval(), max_len
+
+    @classmethod
+    def from_pretrained(cls, path: str, max_len: int = 64) -> "HFTextEncoder":
+        """Tokenizer + encoder from a local folder (``save_pretrained`` layout), e.g. a T5 / UMT5."""
+        from transformers import AutoTokenizer, T5EncoderModel
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        enc = T5EncoderModel.from_pretrained(path, local_files_only=True, use_safetensors=True)
+        return cls(tok, enc, max_len)
+
+    @property
+    def dim(self) -> int:
+        return int(self.encoder.config.d_model)
+
+    @torch.no_grad()
+    def __call__(self, captions: Sequence[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(captions, str) or not all(isinstance(c, str) for c in captions):
+            raise ValueError("captions must be a sequence of strings")
+        t = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_len,
+                           return_tensors="pt")
+        mask = t["attention_mask"].bool()
+        emb = self.encoder(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).last_hidden_state
+        return (emb.float() * mask[..., None]).contiguous(), mask
