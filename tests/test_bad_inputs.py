@@ -1,10 +1,10 @@
 """The counted bad-input suite: every row is one bad input and the parameter its error must name.
 
 Categories: config (``validate`` and the CLI), layouts, masks, tensors (``dist_attention`` on 4
-gloo ranks, explicit ``scheme=``), checkpoints, data. Each row asserts ``ValueError`` (exit
-status 2 for the CLI) and that the message names the parameter; the rule's wording is free.
-``test_bad_input_count`` keeps the table at >= 25 rows across all six categories (README "Failure
-behaviour" lists them).
+gloo ranks, explicit ``scheme=``), MM-SP (``MMSPLLaVAModel`` on 4 ranks), checkpoints, data. Each
+row asserts ``ValueError`` (exit status 2 for the CLI) and that the message names the parameter;
+the rule's wording is free. ``test_bad_input_count`` keeps the table at >= 25 rows across all seven
+categories (README "Failure behaviour" lists them).
 """
 import io
 import os
@@ -283,6 +283,21 @@ DATA = {
     "write_sample": (_write_bad_sample, "sample 0"),
 }
 
+def _mmsp_layout(fn, *args):
+    def run(tmp):
+        from megatron_video.layouts import mmsp
+
+        getattr(mmsp, fn)(*args)
+    return run
+
+
+LAYOUTS.update({
+    "mmsp_frames_below_cp": (_mmsp_layout("frame_shards", [8, 3], 4), "num_frames[1]"),
+    "mmsp_tubelet_split": (_mmsp_layout("frame_shards", [6, 5], 2, 2), "num_frames[1]"),
+    "mmsp_tokens_per_video": (_mmsp_layout("sequence_layout", torch.tensor([[1, -200, 2, -200]]), -200,
+                                           [4], 2), "tokens_per_video"),
+})
+
 PROCESS_FREE = {"config": CONFIG, "layouts": LAYOUTS, "masks": MASKS, "checkpoints": CHECKPOINTS, "data": DATA}
 ROWS = [(f"{cat}/{name}", fn, param) for cat, table in PROCESS_FREE.items() for name, (fn, param) in table.items()]
 
@@ -340,6 +355,62 @@ def test_bad_tensor_inputs(pool4):
             assert param in out[name], f"{name} on rank {rank}: {out[name]}"
 
 
+# ---------------------------------------------------------------------------------------------
+# MM-SP on Megatron's LLaVA model (4 ranks, U2 x R2): errors on every rank before any collective
+# ---------------------------------------------------------------------------------------------
+def _mmsp_forward(frames, tiles=None, n_tokens=None):
+    def run(model):
+        ids = torch.arange(1, 13).view(1, 12)
+        for i in range(len(frames) if n_tokens is None else n_tokens):
+            ids[0, 2 + 4 * i] = -200
+        images = torch.zeros(sum(frames), 3, 8, 8)
+        model(images, ids, torch.arange(12)[None], None,
+              num_image_tiles=torch.tensor(frames if tiles is None else tiles))
+    return run
+
+
+MMSP = {
+    "frames_below_cp": (_mmsp_forward([8, 3]), "num_frames[1]"),
+    "image_tokens_vs_tiles": (_mmsp_forward([4, 4], n_tokens=1), "num_image_tiles"),
+    "tiles_vs_images": (_mmsp_forward([4, 4], tiles=[4, 5]), "num_image_tiles"),
+    "heads_vs_ulysses": ("heads", "num_attention_heads"),
+    "te_free_core_attention": ("spec", "core_attention"),
+}
+
+
+def _mmsp_rows():
+    import torch.distributed as dist
+
+    from megatron_video.compat import initialize_model_parallel
+    from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
+
+    initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    model = video_llava_model(VideoLLaVASizes(), cp=4, cp_comm_type="a2a+p2p")
+    out = {}
+    for name, (fn, param) in MMSP.items():
+        try:
+            if fn == "heads":
+                m = video_llava_model(VideoLLaVASizes(hidden_size=24, num_attention_heads=3,
+                                                      num_query_groups=3), cp=4, cp_comm_type="a2a+p2p")
+                _mmsp_forward([4])(m)
+            elif fn == "spec":
+                video_llava_model(VideoLLaVASizes(), cp=4, cp_comm_type="a2a+p2p", two_d_attention=False)
+            else:
+                fn(model)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+        dist.barrier()
+    return out
+
+
+def test_bad_mmsp_inputs(pool4):
+    for rank, out in enumerate(pool4.run(_mmsp_rows)):
+        for name, (_, param) in MMSP.items():
+            assert out[name] is not None, f"{name}: no ValueError on rank {rank}"
+            assert param in out[name], f"{name} on rank {rank}: {out[name]}"
+
+
 def test_bad_input_cli_exit_status(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "megatron_video.training.cli", "validate", "--config",
@@ -351,5 +422,6 @@ def test_bad_input_cli_exit_status(tmp_path):
 def test_bad_input_count():
     counts = {cat: len(t) for cat, t in PROCESS_FREE.items()}
     counts["tensors"] = len(TENSORS)
+    counts["mmsp"] = len(MMSP)
     counts["cli"] = 1
     assert sum(counts.values()) >= 25 and all(counts.values()), counts

@@ -24,7 +24,10 @@ pass any ``AttentionMask`` as ``params={"mask": ...}`` (block-causal video, teac
 which wins. Other mask types, ``attention_bias`` and packed ``thd`` input with CP > 1 raise
 ``ValueError`` (masks here are functions of global token ids, which is what lets ring steps be
 derived and skipped; use ``masks.packed(...)`` over the laid-out sequence instead). Packed ``thd``
-input is supported with CP = 1 (documents from ``cu_seqlens_q``). ``apply_query_key_layer_scaling``
+input is supported with CP = 1 (documents from ``cu_seqlens_q``); ``PackedSeqParams`` with
+``qkv_format="sbhd"`` at any CP size gives the documents of the global (unsharded) ``[s, b]``
+sequence, ``masks.packed(cu_seqlens_q, inner=causal)`` (Megatron's RoPE stays the zigzag one:
+positions are global; what ``mmsp.MMSPLLaVAModel`` uses for packed samples). ``apply_query_key_layer_scaling``
 is exact: Megatron divides the scores by the layer number and multiplies it back inside its softmax,
 so the softmax sees ``softmax_scale`` either way.
 """
@@ -130,13 +133,16 @@ class DistAttention2D(MegatronModule):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed_seq_params is not None:
             cu_q, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-            if (not thd or cp > 1 or (padded is not None and not torch.equal(padded, cu_q))
+            sbhd = packed_seq_params.qkv_format == "sbhd"
+            if (not (thd or sbhd) or (thd and cp > 1)
+                    or (padded is not None and not torch.equal(padded, cu_q))
                     or not torch.equal(cu_q, packed_seq_params.cu_seqlens_kv)):
                 raise ValueError(f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, "
-                                 f"context_parallel_size {cp}): only qkv_format 'thd' without padding "
-                                 f"and with cu_seqlens_q == cu_seqlens_kv at context_parallel_size 1 "
-                                 f"is supported; with CP use masks.packed(...) over the whole "
-                                 f"laid-out sequence as the spec's mask")
+                                 f"context_parallel_size {cp}): supported are qkv_format 'thd' at "
+                                 f"context_parallel_size 1 and 'sbhd' (documents on the global, "
+                                 f"unsharded sequence, any CP size), both without padding and with "
+                                 f"cu_seqlens_q == cu_seqlens_kv; or give the spec a "
+                                 f"masks.packed(...) mask")
         mask = self._mask(attn_mask_type, packed_seq_params, attention_mask)
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = query[None], key[None], value[None]

@@ -83,6 +83,8 @@ MODULES_USING_CUDA: Tuple[Tuple[str, str], ...] = (
     ("megatron.core.dist_checkpointing.strategies.fully_parallel", "synchronize (load / save)"),
     ("megatron.core.dist_checkpointing.tensor_aware_state_dict", "synchronize (load)"),
     ("megatron.core.dist_checkpointing.exchange_utils", "exchange buffers on 'cuda' (load)"),
+    ("megatron.core.models.multimodal.llava_model",
+     "empty sound embeddings on current_device() in LLaVAModel.forward (>= 0.19)"),
 )
 
 _RNG = "megatron.core.tensor_parallel.random"

@@ -8,12 +8,15 @@ Byte convention (what the tracer records as ``bytes_sent`` by this rank):
   * ring send: the bytes of every tensor sent to the next rank;
   * all-reduce: ``nbytes * (N-1)/N`` (the ring-algorithm volume per rank);
   * all-gather: ``nbytes * (N-1)`` (this rank's input reaches every other rank);
-  * shape checks (``check_same_shape``) are recorded with ``op="shape_check"`` so they never mix
-    with data traffic.
+  * all-to-all-v: the bytes of the rows sent to the other ranks (exact, from the split sizes); the
+    split-size exchange before it is recorded as ``op="a2a_counts"``;
+  * shape / value checks (``check_same_shape``, ``check_same_values``) are recorded with
+    ``op="shape_check"`` so they never mix with data traffic.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from numbers import Integral
 from dataclasses import dataclass, field
@@ -26,7 +29,7 @@ __all__ = [
     "CommEvent", "CommTracer", "all_to_all", "all_to_all_single", "ring_shift", "RingExchange",
     "check_same_shape", "check_dim", "group_ranks", "group_size", "group_rank", "all_reduce",
     "all_gather_cat", "copy_to_group", "gather_from_group",
-    "broadcast", "scatter",
+    "broadcast", "scatter", "all_to_all_v", "exchange_counts", "check_same_values",
 ]
 
 
@@ -235,6 +238,120 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: s
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, tag)
+
+
+# ----------------------------------------------------------------------------------------------
+# All-to-all-v (uneven splits; gloo has only all_to_all_single, which takes split sizes)
+# ----------------------------------------------------------------------------------------------
+def _check_counts(name: str, counts, n: int) -> List[int]:
+    vals = list(counts) if isinstance(counts, (list, tuple, torch.Tensor)) else None
+    ok = vals is not None and len(vals) == n
+    out = []
+    for c in vals or []:
+        if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point() and c.dtype != torch.bool:
+            c = int(c)
+        if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
+            ok = False
+            break
+        out.append(int(c))
+    if not ok:
+        raise ValueError(f"{name} ({counts!r}) must be a sequence of {n} (the group size) "
+                         f"non-negative integers")
+    return out
+
+
+def exchange_counts(send_counts: Sequence[int], group, tag: str = "") -> List[int]:
+    """Every rank tells every other rank how many rows it will send it: ``recv[j]`` is the count
+    group rank ``j`` passed for this rank. One tiny ``all_to_all_single`` (``op="a2a_counts"``)."""
+    n = group_size(group)
+    send = torch.tensor(_check_counts("send_counts", send_counts, n), dtype=torch.int64)
+    if n == 1:
+        return send.tolist()
+    recv = torch.empty_like(send)
+    _record("a2a_counts", group, send.nbytes * (n - 1) // n, tag, "fwd")
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+def _a2av(x: torch.Tensor, send: List[int], recv: List[int], group, tag: str, direction: str):
+    x = x.contiguous()
+    row = math.prod(x.shape[1:]) * x.element_size()
+    me = group_rank(group)
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    _record("all_to_all_v", group, row * (sum(send) - send[me]), tag, direction)
+    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send),
+                           group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group, tag):
+        ctx.send, ctx.recv, ctx.group, ctx.tag = send, recv, group, tag
+        return _a2av(x, send, recv, group, tag, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The inverse exchange: every received row's gradient goes back to the rank that sent it,
+        # in the order it was sent (split sizes swapped; no count exchange needed).
+        return _a2av(grad, ctx.recv, ctx.send, ctx.group, ctx.tag, "bwd"), None, None, None, None
+
+
+def all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], group, tag: str = "",
+                 expect_recv_counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Autograd all-to-all with uneven splits along dim 0.
+
+    ``x`` holds ``send_counts[j]`` rows for group rank ``j``, in group-rank order. The counts are
+    exchanged first (``exchange_counts``), then one ``all_to_all_single`` with split sizes moves
+    the rows; the result holds the rows received from group rank 0, 1, ... in that order. The
+    backward is the inverse exchange, so every sender receives exactly the gradient of the rows it
+    sent. ``expect_recv_counts`` (optional): the counts this rank computed for itself; a
+    difference from the exchanged ones raises ``ValueError`` (callers agree on their inputs first,
+    e.g. with ``check_same_values``, so that every rank reaches the same verdict).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"x ({type(x).__name__} {tuple(getattr(x, 'shape', ()))}) must be a tensor "
+                         f"with at least one dimension (rows along dim 0)")
+    n = group_size(group)
+    send = _check_counts("send_counts", send_counts, n)
+    if sum(send) != x.shape[0]:
+        raise ValueError(f"send_counts ({send}) must sum to x.shape[0] ({x.shape[0]})")
+    recv = exchange_counts(send, group, tag)
+    if expect_recv_counts is not None and list(expect_recv_counts) != recv:
+        raise ValueError(f"all_to_all_v{f' ({tag})' if tag else ''}: the counts the other ranks send "
+                         f"({recv}) differ from expect_recv_counts ({list(expect_recv_counts)})")
+    if n == 1:
+        return x
+    return _AllToAllV.apply(x, send, recv, group, tag)
+
+
+def check_same_values(values: Dict[str, torch.Tensor], group, where: str = "") -> None:
+    """Raise ``ValueError`` on every rank if the named tensors' values differ across ``group``.
+
+    Each tensor is reduced to (numel, CRC32 of its bytes); one small all-gather of those
+    fingerprints (``op="shape_check"``). Used where every rank must hold the same metadata (e.g.
+    the token ids that decide where each visual token goes) before uneven collectives.
+    """
+    if group is None or group_size(group) == 1:
+        return
+    import zlib
+
+    sig = []
+    for t in values.values():
+        t = torch.as_tensor(t).detach().cpu().contiguous()
+        sig += [t.numel(), zlib.crc32(t.numpy().tobytes()) if t.numel() else 0]
+    local = torch.tensor(sig, dtype=torch.int64)
+    gathered = [torch.empty_like(local) for _ in range(group_size(group))]
+    _record("shape_check", group, local.nbytes * (group_size(group) - 1), where, "fwd")
+    dist.all_gather(gathered, local, group=group)
+    names = list(values)
+    for r, g in enumerate(gathered):
+        if not torch.equal(g, gathered[0]):
+            diff = [names[i // 2] for i in range(0, len(sig), 2)
+                    if not torch.equal(g[i:i + 2], gathered[0][i:i + 2])]
+            raise ValueError(f"{where or 'collective'}: {', '.join(sorted(set(diff)))} differ between "
+                             f"ranks of the group (group rank {r} vs group rank 0); every rank must "
+                             f"pass the same values")
 
 
 # ----------------------------------------------------------------------------------------------

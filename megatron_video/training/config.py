@@ -21,7 +21,7 @@ __all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "Diff
            "TrainSection", "Config", "load_config", "apply_overrides", "config_from_dict",
            "config_to_dict", "validate", "latent_shape", "token_grid_of", "data_parallel_size"]
 
-OBJECTIVES = ("edm", "flow")
+OBJECTIVES = ("edm", "flow", "lm")  # lm: next-token cross-entropy (model.family video_llava)
 NONFINITE_POLICIES = ("skip", "stop")
 TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
 

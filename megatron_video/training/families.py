@@ -38,6 +38,7 @@ class FamilySpec:
     check: Callable[[Config, int], None]     # family-specific configuration rules (ValueError),
                                              # called by config.validate
     summary: str
+    needs_vae: bool = True                   # latents from the cached causal VAE (the diffusion families)
 
     @property
     def default_objective(self) -> str:
@@ -50,8 +51,21 @@ class FamilySpec:
                              f"{self.name!r}" + (" (teacher forcing trains with flow matching)"
                                                  if self.autoregressive else ""))
 
-    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None):
+    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                    config: Optional[Config] = None):
         return self.model()(tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+    def transformer_config(self, config: Config, has_gpu: bool = False):
+        """The Megatron ``TransformerConfig`` of the model (``model_factory.transformer_config``)."""
+        from .model_factory import transformer_config
+
+        return transformer_config(config, has_gpu)
+
+    def make_batches(self, config: Config, **kw):
+        """This rank's micro-batch maker (``data.BatchMaker``: VAE latents, noise, timesteps)."""
+        from .data import BatchMaker
+
+        return BatchMaker(config, **kw)
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
         from megatron_video.layouts.geometry import VideoGeometry
@@ -157,6 +171,11 @@ FAMILIES: Dict[str, FamilySpec] = {
     "ar_dit": FamilySpec("ar_dit", "full", ("flow",), True, _ar_dit, _check_ar_dit,
                          "causal autoregressive DiT, Balanced SP teacher forcing"),
 }
+
+
+from .vlm import FAMILY_LIST as _MORE  # noqa: E402  (families defined outside this module)
+
+FAMILIES.update({f.name: f for f in _MORE})
 
 
 def family_names() -> Tuple[str, ...]:

@@ -160,9 +160,11 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
     validate(config, nproc)  # again here: launch() is also a library entry
     if nproc % ranks_per_node:
         raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide --nproc ({nproc})")
+    from .families import get_family
     from .vae_stage import ensure_vae
 
-    ensure_vae(config, progress=config.train.progress)  # once, before the ranks start
+    if get_family(config.model.family).needs_vae:
+        ensure_vae(config, progress=config.train.progress)  # once, before the ranks start
     if nproc == 1 and target is None:
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         from .trainer import train

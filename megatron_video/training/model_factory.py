@@ -89,4 +89,5 @@ def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDi
 def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
                 post_process: bool = True, vp_stage=None):
     """The model of ``config.model.family`` for this pipeline stage (``families.FamilySpec``)."""
-    return get_family(config.model.family).build_model(tcfg, pre_process, post_process, vp_stage)
+    return get_family(config.model.family).build_model(tcfg, pre_process, post_process, vp_stage,
+                                                       config=config)

@@ -47,9 +47,9 @@ from megatron_video.parallel.topology import destroy_video_parallel, init_video_
 
 from . import checkpoint as ckpt
 from .config import Config, config_to_dict, validate
-from .data import BatchMaker, MicroBatch, sample_generator
+from .data import MicroBatch, sample_generator
 from .families import get_family
-from .model_factory import build_model, transformer_config
+from .model_factory import build_model
 from .vae_stage import ensure_vae, load_vae
 
 __all__ = ["init_distributed", "Trainer", "train", "NonFiniteError"]
@@ -128,8 +128,28 @@ class Trainer:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
 
+        self.family = get_family(config.model.family)
         # VAE (trained once and cached; under --nproc the launcher did it before spawning). Rank 0
         # trains it if needed; its success travels in an all-reduce so no rank waits for a failure.
+        if self.family.needs_vae:
+            self._load_vae(config)
+        else:
+            self.vae_path, self.vae, self.latent_scale = None, None, 1.0
+
+        # layout, geometry, data, objective
+        sample = self.family.sample_layout(config, self.cp_size)
+        self.layout, self.geometry, self.seq_length = sample.layout, sample.geometry, sample.seq_length
+        self.batches = self.family.make_batches(
+            config, vae=self.vae, latent_scale=self.latent_scale, cp_rank=self.cp_rank,
+            cp_size=self.cp_size, dp_rank=self.dp_rank, dp_size=self.dp_size, layout=self.layout,
+            need_latents=self.first_stage or self.last_stage)
+        self.objective = self.family.make_objective(config, self.groups, sample)
+        self.num_microbatches = self.batches.num_microbatches
+        self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
+        self._build()
+        self._beat(-1)   # start-up done (the watchdog's clock restarts at every beat)
+
+    def _load_vae(self, config: Config) -> None:
         failed, error = torch.zeros(1), None
         if self.rank == 0:
             try:
@@ -144,20 +164,6 @@ class Trainer:
         self.vae_path = ensure_vae(config, progress=False)
         self.vae, self.latent_scale = load_vae(self.vae_path, config)
 
-        # layout, geometry, data, objective
-        self.family = get_family(config.model.family)
-        sample = self.family.sample_layout(config, self.cp_size)
-        self.layout, self.geometry, self.seq_length = sample.layout, sample.geometry, sample.seq_length
-        self.batches = BatchMaker(config, vae=self.vae, latent_scale=self.latent_scale,
-                                  cp_rank=self.cp_rank, cp_size=self.cp_size, dp_rank=self.dp_rank,
-                                  dp_size=self.dp_size, layout=self.layout,
-                                  need_latents=self.first_stage or self.last_stage)
-        self.objective = self.family.make_objective(config, self.groups, sample)
-        self.num_microbatches = self.batches.num_microbatches
-        self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
-        self._build()
-        self._beat(-1)   # start-up done (the watchdog's clock restarts at every beat)
-
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -167,7 +173,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         c, t = self.config, self.config.train
-        self.tcfg = transformer_config(c, self.has_gpu)
+        self.tcfg = self.family.transformer_config(c, self.has_gpu)
         torch.manual_seed(t.seed)  # CPU initialisation: the same full weights on every rank / layout
         model = build_model(c, self.tcfg, self.first_stage, self.last_stage)
         if self.has_gpu:
@@ -205,9 +211,12 @@ class Trainer:
         mb = _to(next(data_iterator), self.device)
         args, kwargs = self.objective.model_call(mb, self.first_stage)
         output = model(*args, **kwargs)
+        extra = ()
+        if isinstance(output, tuple):  # (output, this rank's loss mask), as LLaVAModel returns
+            output, *extra = output
 
         def loss_func(out):
-            share = self.objective.loss(out, mb)
+            share = self.objective.loss(out, mb, *extra)
             value = share.detach().clone().float()
             comm.all_reduce(value, self.groups.cp_group, tag="loss.value")
             return share, {"loss": value}
@@ -482,7 +491,7 @@ class Trainer:
             return sum(values) / len(values) if values else None
 
         metrics = {
-            "family": c.model.family, "world_size": self.world, "vae": str(self.vae_path),
+            "family": c.model.family, "world_size": self.world, "vae": None if self.vae_path is None else str(self.vae_path),
             "parallel": {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
                          "cp": self.cp_size, "ulysses": p.ulysses_size, "ring": p.ring_size,
                          "dp": self.dp_size},
