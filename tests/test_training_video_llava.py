@@ -150,6 +150,21 @@ def _entry_vs_trainer(tmp):
         loss, logs = loss_func(out)
         loss.backward()
         grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
+        # Megatron-LM's --bf16 reaches the vision encoder and projector too: their Megatron linears
+        # take params_dtype as the LLM's do (norms and the patch conv stay fp32 until get_model's
+        # Float16Module, in all three alike)
+        import dataclasses
+
+        def linear_dtypes(m):
+            return {n.split(".")[0]: {p.dtype for k, p in m.named_parameters()
+                                      if k.startswith(n.split(".")[0]) and ".linear_" in k}
+                    for n in ("language_model", "vision_model", "vision_projection")}
+
+        half = mod.model_provider(True, True, config=dataclasses.replace(
+            base, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16))
+        assert half.vision_model.config.bf16 and half.vision_projection.config.bf16
+        assert set(map(frozenset, linear_dtypes(half).values())) == {frozenset({torch.bfloat16})}
+        assert set(map(frozenset, linear_dtypes(model).values())) == {frozenset({torch.float32})}
         return trainer_loss, float(logs["loss"]), grads, len(train), valid
     finally:
         destroy_video_parallel()
@@ -173,6 +188,19 @@ def test_megatron_lm_entry_flag_checks():
     for megatron, message in bad:
         with pytest.raises(ValueError, match=message):
             mod.video_config_from_args(_llava_args(mod, **megatron))
+    # a TransformerConfig passed by get_model directly is checked too, naming its field and flag
+    import dataclasses
+
+    from megatron_video.training.families import get_family
+
+    family = get_family("video_llava")
+    base = _llava_cli_config()
+    assert family.megatron_lm_config(base, cfg) is base
+    with pytest.raises(ValueError, match=r"TransformerConfig.num_query_groups \(4; --num-query-groups\) "
+                                         r"must equal the video config's value \(2\)"):
+        family.megatron_lm_config(dataclasses.replace(base, num_query_groups=4), cfg)
+    with pytest.raises(ValueError, match=r"base \(dict\) must be a megatron.core TransformerConfig"):
+        family.megatron_lm_config({}, cfg)
     args = _llava_args(mod)
     args.video_config = str(ROOT / "examples" / "configs" / "video_dit_cp.yaml")
     with pytest.raises(ValueError, match=r"model.family \('video_dit'\) must be one of \('video_llava',\) "
