@@ -31,245 +31,32 @@ Launch (8 GPUs: TP 2 x CP 4 as Ulysses 2 x ring 2)::
 
 ``--seq-length`` is the model's token sequence per sample (VideoDiT / ST-DiT: frames x height x
 width tokens; AR DiT: twice that, ``[clean ; noisy]``); ``--num-layers`` / ``--hidden-size`` /
-``--num-attention-heads`` must match the YAML (checked). ``megatron.training`` is imported only
-in ``main()``, so the providers can be imported and tested without Megatron-LM.
+``--num-attention-heads`` must match the YAML (checked). The providers are those of
+``megatron_video.training.megatron_lm`` (shared with ``examples/pretrain_video_llava.py``);
+``megatron.training`` is imported only when Megatron-LM runs, so they can be imported and tested
+without it.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from functools import partial
 from pathlib import Path
-from typing import Optional
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from megatron_video.training.config import Config, load_config, validate  # noqa: E402
-from megatron_video.training.families import get_family  # noqa: E402
+from megatron_video.training.megatron_lm import (  # noqa: E402
+    MegatronLMEntry, PositionDataset, add_video_args, megatron_transformer_config, sequence_length,
+    train_valid_test_datasets_provider)
 
 __all__ = ["add_video_args", "video_config_from_args", "megatron_transformer_config",
            "model_provider", "PositionDataset", "train_valid_test_datasets_provider", "forward_step",
            "sequence_length", "run_pretrain", "main"]
 
-
-def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM ``extra_args_provider``: the megatron-video flags."""
-    g = parser.add_argument_group("megatron-video")
-    g.add_argument("--video-config", required=True, help="megatron-video YAML (examples/configs/*.yaml)")
-    g.add_argument("--video-override", nargs="*", default=[], metavar="section.key=value",
-                   help="overrides of the YAML, as for megatron-video train")
-    g.add_argument("--ulysses-size", type=int, default=None,
-                   help="Ulysses degree U (default: the first of --hierarchical-context-parallel-sizes, "
-                        "else the YAML's)")
-    g.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per node for the U x R placement check (default: LOCAL_WORLD_SIZE)")
-    g.add_argument("--cpu", action="store_true",
-                   help="enter megatron_video's CPU mode for Megatron-Core (no CUDA; logged)")
-    return parser
-
-
-def sequence_length(config: Config) -> int:
-    """Tokens per sample that the model processes (Megatron-LM's ``--seq-length``)."""
-    return get_family(config.model.family).seq_length(config)
-
-
-def video_config_from_args(args, world_size: Optional[int] = None) -> Config:
-    """The YAML + overrides, with parallel sizes, batch sizes, seed and LR from Megatron-LM's args.
-
-    Raises ``ValueError`` naming the flag when the YAML and Megatron-LM disagree.
-    """
-    cfg = load_config(args.video_config, list(args.video_override or []))
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    hier = getattr(args, "hierarchical_context_parallel_sizes", None)
-    U = args.ulysses_size or (hier[0] if hier else (cfg.parallel.ulysses_size if
-                                                  cfg.parallel.context_parallel_size == cp else cp))
-    if cp % U:
-        raise ValueError(f"--ulysses-size ({U}) must divide --context-parallel-size ({cp})")
-    p = cfg.parallel
-    p.tensor_model_parallel_size = int(args.tensor_model_parallel_size)
-    p.pipeline_model_parallel_size = int(args.pipeline_model_parallel_size)
-    p.context_parallel_size, p.ulysses_size, p.ring_size = cp, U, cp // U
-    if args.ranks_per_node is not None:
-        p.ranks_per_node = args.ranks_per_node
-    m = cfg.model
-    for flag, ours, theirs in (("--num-layers", m.num_layers, getattr(args, "num_layers", None)),
-                               ("--hidden-size", m.hidden_size, getattr(args, "hidden_size", None)),
-                               ("--num-attention-heads", m.num_attention_heads,
-                                getattr(args, "num_attention_heads", None))):
-        if theirs is not None and theirs != ours:
-            raise ValueError(f"{flag} ({theirs}) must equal the video config's value ({ours})")
-    t = cfg.train
-    t.micro_batch_size = int(args.micro_batch_size)
-    t.global_batch_size = getattr(args, "global_batch_size", None)
-    t.seed = int(getattr(args, "seed", t.seed))
-    t.bf16 = bool(getattr(args, "bf16", False))  # precision is Megatron-LM's (--bf16)
-    t.sample = False  # Megatron-LM runs no sampling at the end
-    seq = getattr(args, "seq_length", None)
-    if seq is not None and seq != sequence_length(cfg):
-        raise ValueError(f"--seq-length ({seq}) must be the model's tokens per sample "
-                         f"({sequence_length(cfg)})")
-    if world_size is not None:
-        validate(cfg, world_size, torch.cuda.is_available())
-    return cfg
-
-
-class _Job:
-    """What the providers share inside one process (built on first use, after Megatron-LM has
-    initialised the parallel state): the config, the U x R groups, the data and the objective."""
-
-    def __init__(self, config: Config):
-        from megatron.core import parallel_state as ps
-
-        from megatron_video.parallel.topology import get_video_parallel_groups, init_video_parallel
-        from megatron_video.training.data import BatchMaker
-        from megatron_video.training.vae_stage import ensure_vae, load_vae
-
-        p = config.parallel
-        self.config = config
-        self.groups = get_video_parallel_groups(check_initialized=False) or init_video_parallel(
-            p.ulysses_size, p.ring_size, ranks_per_node=p.ranks_per_node, placement=p.placement)
-        vae, scale = load_vae(ensure_vae(config, progress=False), config)
-        sample = get_family(config.model.family).sample_layout(config, self.groups.cp_size)
-        self.first_stage = ps.is_pipeline_first_stage()
-        self.batches = BatchMaker(config, vae=vae, latent_scale=scale, cp_rank=self.groups.cp_rank,
-                                  cp_size=self.groups.cp_size, dp_rank=ps.get_data_parallel_rank(),
-                                  dp_size=ps.get_data_parallel_world_size(), layout=sample.layout,
-                                  need_latents=self.first_stage or ps.is_pipeline_last_stage())
-        self.objective = get_family(config.model.family).make_objective(config, self.groups, sample)
-
-
-_JOB: Optional[_Job] = None  # one job per process; Megatron-LM's providers are plain functions
-
-
-def _job(config: Optional[Config] = None) -> _Job:
-    global _JOB
-    if _JOB is None:
-        if config is None:
-            from megatron.training import get_args
-
-            import torch.distributed as dist
-
-            config = video_config_from_args(get_args(), dist.get_world_size())
-        _JOB = _Job(config)
-    return _JOB
-
-
-def megatron_transformer_config(args):
-    """The ``TransformerConfig`` Megatron-LM builds from its command line (feature-detected home:
-    ``megatron.training.arguments`` up to 0.17, ``megatron.training.argument_utils`` from 0.18)."""
-    try:
-        from megatron.training.argument_utils import core_transformer_config_from_args
-    except ImportError:
-        from megatron.training.arguments import core_transformer_config_from_args
-    return core_transformer_config_from_args(args)
-
-
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                   config=None, pg_collection=None, video_config: Optional[Config] = None, **unused):
-    """Megatron-LM ``model_provider``: the model of this pipeline stage.
-
-    ``config``: the ``TransformerConfig`` from Megatron-LM (``get_model`` passes it where it has
-    one); otherwise it is built from Megatron-LM's arguments. Only the video fields are added.
-    ``video_config`` replaces the one read from ``--video-config`` (tests)."""
-    from megatron_video.training.model_factory import build_model, video_transformer_config
-
-    job = _job(video_config)
-    if config is None:
-        from megatron.training import get_args
-
-        config = megatron_transformer_config(get_args())
-    tcfg = video_transformer_config(config, job.config)
-    return build_model(job.config, tcfg, pre_process, post_process, vp_stage)
-
-
-class PositionDataset(torch.utils.data.Dataset):
-    """Sample positions; every rank turns them into its own micro-batch (halo-encoded latents)."""
-
-    def __init__(self, num_samples: int):
-        self.num_samples = int(num_samples)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, i: int) -> dict:
-        return {"position": torch.tensor(i, dtype=torch.int64)}
-
-
-def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Megatron-LM dataset provider: positions into the procedural (or shard) sample stream."""
-    train, valid, test = (int(n) for n in train_val_test_num_samples)
-    return PositionDataset(train), (PositionDataset(valid) if valid else None), \
-        (PositionDataset(test) if test else None)
-
-
-def _loss_func(job: _Job, mb, output_tensor):
-    from megatron_video.parallel import comm
-
-    share = job.objective.loss(output_tensor, mb)
-    value = share.detach().clone().float()
-    comm.all_reduce(value, job.groups.cp_group, tag="loss.value")
-    # Megatron's schedule multiplies by the CP size; DDP averages over DP x CP: the CP shares sum
-    return share, {"loss": value}
-
-
-def forward_step(data_iterator, model, step: Optional[int] = None):
-    """Megatron-LM ``forward_step``: this rank's micro-batch through the model."""
-    job = _job()
-    if step is None:
-        from megatron.training import get_args
-
-        step = int(getattr(get_args(), "curr_iteration", 0))
-    batch = next(data_iterator)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    mb = job.batches.from_positions([int(p) for p in batch["position"]], step)
-    for name, value in vars(mb).items():
-        if isinstance(value, torch.Tensor):
-            setattr(mb, name, value.to(device))
-    args, kwargs = job.objective.model_call(mb, job.first_stage)
-    return model(*args, **kwargs), partial(_loss_func, job, mb)
-
-
-def run_pretrain(pretrain, parse_and_validate_args=None, cfg_container_from_args=None) -> None:
-    """Call ``pretrain`` with the signature it has (feature detection, no version numbers).
-
-    Up to megatron-core 0.17 ``pretrain(provider, model_provider, model_type, forward_step,
-    extra_args_provider=...)`` parses the command line itself; from 0.18 its first parameter is a
-    config container that the caller builds with ``parse_and_validate_args`` and
-    ``pretrain_cfg_container_from_args``, and ``model_provider`` is passed by keyword.
-    """
-    import inspect
-
-    from megatron.core.enums import ModelType
-
-    train_valid_test_datasets_provider.is_distributed = True
-    params = inspect.signature(pretrain).parameters
-    if "cfg_container" not in params:
-        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                 forward_step, extra_args_provider=add_video_args)
-        return
-    args = parse_and_validate_args(extra_args_provider=add_video_args)
-    pretrain(cfg_container_from_args(args), train_valid_test_datasets_provider,
-             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step,
-             model_provider=model_provider)
-
-
-def main() -> None:
-    import inspect
-
-    from megatron.training import pretrain
-
-    if "--cpu" in sys.argv:  # before Megatron-LM initialises anything
-        from megatron_video.compat import ensure_cpu_mode
-
-        ensure_cpu_mode()
-    parse = container = None
-    if "cfg_container" in inspect.signature(pretrain).parameters:
-        from megatron.training.arguments import parse_and_validate_args as parse
-        from megatron.training.argument_utils import pretrain_cfg_container_from_args as container
-    run_pretrain(pretrain, parse, container)
-
+ENTRY = MegatronLMEntry("examples/pretrain_video_dit.py", ("video_dit", "stdit", "ar_dit"))
+video_config_from_args = ENTRY.video_config_from_args
+model_provider = ENTRY.model_provider
+forward_step = ENTRY.forward_step
+run_pretrain = ENTRY.run_pretrain
+main = ENTRY.main
 
 if __name__ == "__main__":
     main()

@@ -138,13 +138,13 @@ def test_short_demo_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the Megatron-LM entry (examples/pretrain_video_dit.py) without Megatron-LM installed
+# the Megatron-LM entries (examples/pretrain_video_*.py) without Megatron-LM installed
 # ---------------------------------------------------------------------------------------------
-def _load_entry():
+def _load_entry(name="pretrain_video_dit"):
     import importlib.util
 
-    path = ROOT / "examples" / "pretrain_video_dit.py"
-    spec = importlib.util.spec_from_file_location("pretrain_video_dit", path)
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -240,9 +240,10 @@ def test_megatron_lm_entry_providers(pool4, vae_dir):
     assert all(r[1] > 0 and r[2] == 8 and r[3] is None and not r[4] for r in results)
 
 
-def test_megatron_lm_entry_calls_both_pretrain_signatures():
+@pytest.mark.parametrize("entry", ["pretrain_video_dit", "pretrain_video_llava"])
+def test_megatron_lm_entry_calls_both_pretrain_signatures(entry):
     """main()'s pretrain call matches the signature it finds (<= 0.17 and >= 0.18 forms)."""
-    mod = _load_entry()
+    mod = _load_entry(entry)
     calls = []
 
     def pretrain_017(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,

@@ -61,6 +61,17 @@ class FamilySpec:
 
         return transformer_config(config, has_gpu)
 
+    def megatron_lm_config(self, base, config: Config):
+        """The model's ``TransformerConfig`` from ``base``, the one Megatron-LM built from its
+        command line: only the video fields are added (``model_factory.video_transformer_config``)."""
+        from .model_factory import video_transformer_config
+
+        return video_transformer_config(base, config)
+
+    def check_megatron_lm_args(self, config: Config, args) -> None:
+        """Family rules on Megatron-LM's arguments (``training.megatron_lm``; ``ValueError`` naming
+        the flag). The shared ones -- sizes, ``--seq-length`` -- are checked there."""
+
     def make_batches(self, config: Config, **kw):
         """This rank's micro-batch maker (``data.BatchMaker``: VAE latents, noise, timesteps)."""
         from .data import BatchMaker

@@ -47,7 +47,12 @@ class VideoQABatches:
 
     def micro_batch(self, step: int, m: int) -> VideoQABatch:
         base = ((step * self.num_microbatches + m) * self.dp_size + self.dp_rank) * self.micro
-        items = [self.dataset[(base + j) % len(self.dataset)] for j in range(self.micro)]
+        return self.from_positions([base + j for j in range(self.micro)])
+
+    def from_positions(self, positions: List[int], step: int = 0) -> VideoQABatch:
+        """The micro-batch of the samples at ``positions`` (the Megatron-LM entry's data path;
+        ``step`` is unused: a sample does not depend on it)."""
+        items = [self.dataset[int(i) % len(self.dataset)] for i in positions]
         ids = torch.stack([x["input_ids"] for x in items])
         return VideoQABatch(
             images=torch.cat([x["frames"] for x in items]), input_ids=ids,
@@ -144,6 +149,8 @@ class VideoLLaVAFamily(FamilySpec):
 
     def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
                     config: Config = None):
+        """``tcfg`` is the LLM's config; the vision encoder and projector take their sizes from
+        ``config`` and their precision from ``tcfg``."""
         from megatron_video.mmsp.factory import video_llava_model
 
         p = config.parallel
@@ -151,7 +158,32 @@ class VideoLLaVAFamily(FamilySpec):
                                  cp=p.context_parallel_size, pp=p.pipeline_model_parallel_size,
                                  cp_comm_type=_cp_comm_type(config), init_std=config.model.init_std,
                                  pre_process=pre_process, post_process=post_process,
-                                 language_config=tcfg)
+                                 language_config=tcfg, **{k: getattr(tcfg, k) for k in _PRECISION})
+
+    def megatron_lm_config(self, base, config: Config):
+        """The LLM's config is Megatron-LM's own (``base``) unchanged, once its sizes and parallel
+        degrees are those of ``config``; the vision fields come from ``config`` (``build_model``)."""
+        from megatron.core.transformer import TransformerConfig
+
+        if not isinstance(base, TransformerConfig):
+            raise ValueError(f"base ({type(base).__name__}) must be a megatron.core TransformerConfig")
+        ours = self.transformer_config(config)
+        for field, flag in _LLM_FIELDS:
+            if getattr(base, field) != getattr(ours, field):
+                raise ValueError(f"TransformerConfig.{field} ({getattr(base, field)}; {flag}) must "
+                                 f"equal the video config's value ({getattr(ours, field)})")
+        return base
+
+    def check_megatron_lm_args(self, config: Config, args) -> None:
+        m = config.model
+        groups = (getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False)
+                  else m.num_attention_heads)
+        if groups is not None and groups != (m.num_query_groups or m.num_attention_heads):
+            raise ValueError(f"--num-query-groups ({groups}; with --group-query-attention) must equal "
+                             f"the video config's model.num_query_groups ({m.num_query_groups})")
+        ffn, ours = getattr(args, "ffn_hidden_size", None), m.ffn_hidden_size or 4 * m.hidden_size
+        if ffn is not None and ffn != ours:
+            raise ValueError(f"--ffn-hidden-size ({ffn}) must equal the video config's value ({ours})")
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
         return SampleLayout(None, None, _sizes(config).max_sequence_length)
@@ -165,6 +197,15 @@ class VideoLLaVAFamily(FamilySpec):
 
     def make_batches(self, config: Config, **kw) -> VideoQABatches:
         return VideoQABatches(config, kw["dp_rank"], kw["dp_size"])
+
+
+# precision of the vision encoder and projector: Megatron-LM's (--bf16 / --fp16) via the LLM config
+_PRECISION = ("bf16", "fp16", "params_dtype")
+_LLM_FIELDS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+               ("num_attention_heads", "--num-attention-heads"),
+               ("num_query_groups", "--num-query-groups"), ("ffn_hidden_size", "--ffn-hidden-size"),
+               ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+               ("context_parallel_size", "--context-parallel-size"))
 
 
 def _llava():
