@@ -25,12 +25,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention.masks import AttentionMask
 from megatron_video.layouts.stdit import VideoGeometry
-from megatron_video.models.dit_blocks import AdaLNLoRAModulation, rope_3d_angles, rope_embedding
+from megatron_video.models.dit_blocks import rope_3d_angles, rope_embedding
 from megatron_video.models.dit_layer import DiTLayerBase, DiTLayerSubmodules, DiTParams
 from megatron_video.models.video_dit import (VideoDiT, VideoDiTConfig, check_layer_backend,
-                                             dit_backend_modules, dit_cross_attention_spec,
-                                             dit_mlp_spec, dit_self_attention_spec,
-                                             full_2d_attention)
+                                             full_attention_layer_spec)
 from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["ARDiTLayer", "get_ar_dit_layer_spec",
@@ -42,19 +40,7 @@ def get_ar_dit_layer_spec(lora_rank: int = 256, context_dim: Optional[int] = Non
     """``ModuleSpec`` of ``ARDiTLayer`` for Megatron's ``TransformerBlock`` (``backend`` as
     ``get_video_dit_layer_spec``); the self-attention core is the 2D attention, which takes the
     teacher-forcing mask per call."""
-    m = dit_backend_modules(backend)
-    return ModuleSpec(
-        module=ARDiTLayer,
-        params=dict(lora_rank=lora_rank),
-        submodules=DiTLayerSubmodules(
-            input_layernorm=m["norm"],
-            self_attention=dit_self_attention_spec(full_2d_attention(), backend),
-            pre_cross_attn_layernorm=m["norm"],
-            cross_attention=dit_cross_attention_spec(context_dim, backend),
-            pre_mlp_layernorm=m["norm"],
-            mlp=dit_mlp_spec(backend),
-            modulation=AdaLNLoRAModulation),
-    )
+    return full_attention_layer_spec(ARDiTLayer, dict(lora_rank=lora_rank), context_dim, backend)
 
 
 def _token_modulate(x, shift, scale):

@@ -50,7 +50,7 @@ from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedde
 from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["LAYER_TYPES", "LAYER_BACKENDS", "VideoDiTConfig", "VideoDiTLayer",
-           "get_video_dit_layer_spec", "layer_spec_for", "dit_backend_modules",
+           "get_video_dit_layer_spec", "full_attention_layer_spec", "layer_spec_for", "dit_backend_modules",
            "dit_self_attention_spec", "dit_cross_attention_spec", "dit_mlp_spec", "full_2d_attention", "VideoDiT", "replicated_embedders",
            "mark_pp_replicas"]
 
@@ -163,10 +163,18 @@ def get_video_dit_layer_spec(lora_rank: int = 256, rope_theta: Optional[float] =
     """``ModuleSpec`` of ``VideoDiTLayer`` for Megatron's ``TransformerBlock``; ``backend``
     ``"local"`` (Megatron-core linears, parameter-free AdaLN norms) or ``"te"`` (TE linears and
     norms; building modules from it needs TransformerEngine)."""
+    return full_attention_layer_spec(VideoDiTLayer, dict(lora_rank=lora_rank, rope_theta=rope_theta),
+                                     context_dim, backend)
+
+
+def full_attention_layer_spec(module, params: dict, context_dim: Optional[int],
+                              backend: str = "local") -> ModuleSpec:
+    """The submodules of a DiT layer whose self-attention is sequence-wide (2D attention core):
+    norms, self-attention, cross-attention, MLP and AdaLN-LoRA modulation of ``backend``."""
     m = dit_backend_modules(backend)
     return ModuleSpec(
-        module=VideoDiTLayer,
-        params=dict(lora_rank=lora_rank, rope_theta=rope_theta),
+        module=module,
+        params=params,
         submodules=DiTLayerSubmodules(
             input_layernorm=m["norm"],
             self_attention=dit_self_attention_spec(full_2d_attention(), backend),
