@@ -202,7 +202,7 @@ def position_sources(layout: SequenceLayout, shards: FrameShards, tokens_per_uni
     ``(kind, source rank, source index)``: kind 0 padding, 1 text (source index into the flattened
     ``input_ids``; source rank -1: every rank has the text), 2 visual (source index into the
     source rank's local visual tokens)."""
-    L, S = layout.local_len, layout.seq_len
+    S = layout.seq_len
     ids = shard_global_ids(rank, layout.cp_size, S, "zigzag")
     flat = (torch.arange(layout.batch)[:, None] * S + ids[None]).flatten()
     kind = torch.zeros(flat.numel(), dtype=torch.long)

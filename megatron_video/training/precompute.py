@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 
