@@ -35,10 +35,13 @@ struct MaskSpec {
   bool same_doc;  // AND the rule with doc_q == doc_k
 };
 
-// Per-tile min/max of each identity row: [side, block, doc, pos] x [min, max].
+// Per-tile min/max of each identity row: [side, block, doc, pos] x [min, max], and the block range
+// of the tile's clean (0) and noisy (1) tokens separately (lo > hi: the tile has none of that side).
 struct TileSummary {
   int64_t lo[4];
   int64_t hi[4];
+  int64_t side_block_lo[2];
+  int64_t side_block_hi[2];
 };
 
 // CPU kernels (at::parallel_for).

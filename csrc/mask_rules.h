@@ -1,6 +1,8 @@
 // Mask predicates shared by the CPU and CUDA kernels (host and device), so both evaluate exactly
 // the rules of megatron_video/ops/masks.py (DESIGN.md §2).
 #pragma once
+#include <cstdint>
+
 #include "kernels.h"
 
 #if defined(__CUDACC__)
@@ -43,57 +45,62 @@ constexpr int kEmptyTile = 0;
 constexpr int kPartialTile = 1;
 constexpr int kFullTile = 2;
 
-// min/max bounds decide a rule for every pair of the tile: kFullTile, kEmptyTile or kUndecided.
-MV_HD int range_rule(bool full_if, bool empty_if) {
-  return full_if ? kFullTile : (empty_if ? kEmptyTile : kUndecided);
-}
-
-// Teacher forcing for one (q side, k side) combination, judged on the whole tiles' block ranges.
-// Sub-populations (tokens of one side) have narrower ranges, so a full/empty verdict stays valid.
-MV_HD int tf_combo(int64_t sq, int64_t sk, const TileSummary& Q, const TileSummary& K) {
-  const int64_t qlo = Q.lo[1], qhi = Q.hi[1], klo = K.lo[1], khi = K.hi[1];
-  if (sq == 0 && sk != 0) return kEmptyTile;
-  if (sk == 0) {
-    return sq == 0 ? range_rule(khi <= qlo, klo > qhi) : range_rule(khi < qlo, klo >= qhi);
+// Exact verdict of a [q tile, k tile] from the tiles' bounds where they prove it: kEmptyTile,
+// kFullTile, kPartialTile (an allowed and a masked pair are both proven to exist), else kUndecided
+// and the caller scans the pairs. The bounds are attained by real tokens (the min / max of a row, of
+// a side's blocks), so "some pair is masked / allowed" follows from the extremes: e.g. causal has a
+// masked pair iff K.max(pos) > Q.min(pos) and an allowed pair iff K.min(pos) <= Q.max(pos). Rule R
+// and same-doc flag D are compile-time; no branch depends on the data.
+template <int R, bool D>
+MV_HD int decide_tile_t(const TileSummary& Q, const TileSummary& K) {
+  bool masked, allowed, empty;  // a masked pair exists / an allowed pair is proven / no pair allowed
+  if constexpr (R == kCausal || R == kBlockCausal) {
+    constexpr int r = R == kCausal ? 3 : 1;
+    masked = K.hi[r] > Q.lo[r];
+    allowed = K.lo[r] <= Q.hi[r];
+    empty = !allowed;
+  } else if constexpr (R == kTeacherForcing) {
+    // clean->clean bk <= bq, noisy->clean bk < bq, noisy->noisy same block, clean->noisy never;
+    // each (q side, k side) combination the tiles hold is judged on its own tokens' block range.
+    const int64_t qlo0 = Q.side_block_lo[0], qhi0 = Q.side_block_hi[0];
+    const int64_t qlo1 = Q.side_block_lo[1], qhi1 = Q.side_block_hi[1];
+    const int64_t klo0 = K.side_block_lo[0], khi0 = K.side_block_hi[0];
+    const int64_t klo1 = K.side_block_lo[1], khi1 = K.side_block_hi[1];
+    const bool qc = qlo0 <= qhi0, qn = qlo1 <= qhi1, kc = klo0 <= khi0, kn = klo1 <= khi1;
+    const bool cc = qc & kc, nc = qn & kc, nn = qn & kn, cn = qc & kn;
+    const bool nn_all_same = (qlo1 == qhi1) & (klo1 == khi1) & (qlo1 == klo1);
+    masked = (cc & (khi0 > qlo0)) | (nc & (khi0 >= qlo1)) | (nn & !nn_all_same) | cn;
+    // noisy->noisy: an allowed pair is proven only by a shared extreme block
+    allowed = (cc & (klo0 <= qhi0)) | (nc & (klo0 < qhi1)) |
+              (nn & ((qlo1 == klo1) | (qlo1 == khi1) | (qhi1 == klo1) | (qhi1 == khi1)));
+    empty = (!cc | (klo0 > qhi0)) & (!nc | (klo0 >= qhi1)) & (!nn | (khi1 < qlo1) | (klo1 > qhi1));
+  } else {
+    masked = false;
+    allowed = true;
+    empty = false;
   }
-  return range_rule(qlo == qhi && klo == khi && qlo == klo, khi < qlo || klo > qhi);
+  if constexpr (D) {
+    // Documents: disjoint ranges mask everything; one shared document leaves the rule as it is;
+    // otherwise only an empty verdict stands and the rest is scanned.
+    const bool one_doc = (Q.lo[2] == Q.hi[2]) & (K.lo[2] == K.hi[2]) & (Q.lo[2] == K.lo[2]);
+    empty = empty | (K.hi[2] < Q.lo[2]) | (Q.hi[2] < K.lo[2]);
+    if (!one_doc) return empty ? kEmptyTile : kUndecided;
+  }
+  return empty ? kEmptyTile : (!masked ? kFullTile : (allowed ? kPartialTile : kUndecided));
 }
 
-MV_HD bool has_side(const TileSummary& t, int64_t noisy) {
-  return noisy ? (t.lo[0] != 0 || t.hi[0] != 0) : (t.lo[0] <= 0 && 0 <= t.hi[0]);
-}
-
-// Cheap exact shortcut for a [q tile, k tile]: full / empty when the bounds prove it, otherwise
-// kUndecided and the caller scans the pairs.
 MV_HD int decide_tile(MaskSpec spec, const TileSummary& Q, const TileSummary& K) {
-  bool doc_all = true;
-  if (spec.same_doc) {
-    if (K.hi[2] < Q.lo[2] || Q.hi[2] < K.lo[2]) return kEmptyTile;
-    doc_all = Q.lo[2] == Q.hi[2] && K.lo[2] == K.hi[2] && Q.lo[2] == K.lo[2];
+  switch (spec.rule) {
+    case kCausal:
+      return spec.same_doc ? decide_tile_t<kCausal, true>(Q, K) : decide_tile_t<kCausal, false>(Q, K);
+    case kBlockCausal:
+      return spec.same_doc ? decide_tile_t<kBlockCausal, true>(Q, K) : decide_tile_t<kBlockCausal, false>(Q, K);
+    case kTeacherForcing:
+      return spec.same_doc ? decide_tile_t<kTeacherForcing, true>(Q, K)
+                           : decide_tile_t<kTeacherForcing, false>(Q, K);
+    default:
+      return spec.same_doc ? decide_tile_t<kFull, true>(Q, K) : decide_tile_t<kFull, false>(Q, K);
   }
-  int r = kFullTile;
-  if (spec.rule == kCausal) {
-    r = range_rule(K.hi[3] <= Q.lo[3], K.lo[3] > Q.hi[3]);
-  } else if (spec.rule == kBlockCausal) {
-    r = range_rule(K.hi[1] <= Q.lo[1], K.lo[1] > Q.hi[1]);
-  } else if (spec.rule == kTeacherForcing) {
-    // Side classes that may occur (clean 0 / noisy non-zero); a class the range admits but the tile
-    // lacks only makes the verdict more cautious.
-    bool all_full = true, all_empty = true;
-    for (int64_t sq = 0; sq < 2; ++sq) {
-      if (!has_side(Q, sq)) continue;
-      for (int64_t sk = 0; sk < 2; ++sk) {
-        if (!has_side(K, sk)) continue;
-        const int c = tf_combo(sq, sk, Q, K);
-        all_full = all_full && c == kFullTile;
-        all_empty = all_empty && c == kEmptyTile;
-      }
-    }
-    r = all_empty ? kEmptyTile : (all_full ? kFullTile : kUndecided);
-  }
-  if (r == kEmptyTile) return kEmptyTile;
-  if (r == kFullTile && doc_all) return kFullTile;
-  return kUndecided;
 }
 
 MV_HD void summarize(const TokenIds& t, int64_t begin, int64_t end, TileSummary* out) {
@@ -107,6 +114,18 @@ MV_HD void summarize(const TokenIds& t, int64_t begin, int64_t end, TileSummary*
     }
     out->lo[r] = lo;
     out->hi[r] = hi;
+  }
+  // Block range per side (0 clean, anything else noisy, as in rule_allows); none: lo > hi.
+  int64_t slo[2] = {INT64_MAX, INT64_MAX}, shi[2] = {INT64_MIN, INT64_MIN};
+  for (int64_t i = begin; i < end; ++i) {
+    const int c = t.side[i] != 0;
+    const int64_t b = t.block[i];
+    slo[c] = b < slo[c] ? b : slo[c];
+    shi[c] = b > shi[c] ? b : shi[c];
+  }
+  for (int c = 0; c < 2; ++c) {
+    out->side_block_lo[c] = slo[c];
+    out->side_block_hi[c] = shi[c];
   }
 }
 

@@ -75,21 +75,31 @@ void block_status_cpu(TokenIds q, TokenIds k, MaskSpec spec, int64_t q_tile, int
     for (int64_t t = b; t < e; ++t) summarize(k, t * k_tile, std::min(k.len, (t + 1) * k_tile), &ks[t]);
   });
   with_spec(spec, [&](auto rule, auto doc) {
-    at::parallel_for(0, nq * nk, 64, [&](int64_t b, int64_t e) {
-      for (int64_t tile = b; tile < e; ++tile) {
-        const int64_t qi = tile / nk, ki = tile % nk;
-        int s = decide_tile(spec, qs[qi], ks[ki]);
-        if (s == kUndecided) {
-          // Exact scan, stopped as soon as both an allowed and a masked pair are seen.
-          const int64_t i1 = std::min(q.len, (qi + 1) * q_tile);
+    constexpr int R = decltype(rule)::value;
+    constexpr bool D = decltype(doc)::value;
+    // One q-tile row at a time: the bounds verdict along the row (branch-free), then an exact scan
+    // of the row's undecided tiles, stopped as soon as both an allowed and a masked pair are seen.
+    at::parallel_for(0, nq, std::max<int64_t>(1, 4096 / nk), [&](int64_t b, int64_t e) {
+      for (int64_t qi = b; qi < e; ++qi) {
+        uint8_t* row = status + qi * nk;
+        const TileSummary& Q = qs[qi];
+        bool undecided = false;
+        for (int64_t ki = 0; ki < nk; ++ki) {
+          const int s = decide_tile_t<R, D>(Q, ks[ki]);
+          row[ki] = static_cast<uint8_t>(s);  // kUndecided is written as 255
+          undecided |= s == kUndecided;
+        }
+        if (!undecided) continue;
+        const int64_t i0 = qi * q_tile, i1 = std::min(q.len, (qi + 1) * q_tile);
+        for (int64_t ki = 0; ki < nk; ++ki) {
+          if (row[ki] != static_cast<uint8_t>(kUndecided)) continue;
           const int64_t j0 = ki * k_tile, j1 = std::min(k.len, (ki + 1) * k_tile);
           bool t = false, f = false;
-          for (int64_t i = qi * q_tile; i < i1 && !(t && f); ++i) {
-            row_pass<decltype(rule)::value, decltype(doc)::value, false>(q, i, k, j0, j1, nullptr, t, f);
+          for (int64_t i = i0; i < i1 && !(t && f); ++i) {
+            row_pass<R, D, false>(q, i, k, j0, j1, nullptr, t, f);
           }
-          s = t ? (f ? kPartialTile : kFullTile) : kEmptyTile;
+          row[ki] = static_cast<uint8_t>(t ? (f ? kPartialTile : kFullTile) : kEmptyTile);
         }
-        status[tile] = static_cast<uint8_t>(s);
       }
     });
   });
