@@ -210,6 +210,58 @@ def test_causal_block_is_one_kernel_call_and_full_rows_merge():
         assert st.kernel_calls == calls, (mask, st)
 
 
+@pytest.mark.parametrize("kind", ["causal", "packed_causal"])
+def test_zigzag_shard_is_one_causal_call_and_exact(kind):
+    """A zigzag shard (chunks c and 2N-1-c: two runs of increasing ids) against itself is ONE call
+    with the kernel's causal flag (the staircase spans both runs), and equals the oracle."""
+    c, S = 40, 320  # 8 chunks of 40; this shard holds chunks 1 and 6
+    ids = torch.cat([torch.arange(c, 2 * c), torch.arange(6 * c, 7 * c)])
+    mask = masks.causal() if kind == "causal" else masks.packed([0, S], inner=masks.causal())
+    q, k, v, dout = inputs(1, ids.numel(), ids.numel(), 2, 2, 8, seed=4)
+    ref = grads(lambda q, k, v: oracle(q, k, v, allowed("causal", ids, ids), 0.5), q, k, v, dout)
+    for tile in (7, 16, 512):
+        plan = engine.plan_for(ids, ids, mask, tile, "sdpa")
+        assert [c_.kind for c_ in plan.calls] == [engine.CAUSAL], (tile, plan.calls)
+        assert (plan.calls[0].q, plan.calls[0].k) == (slice(0, 2 * c), slice(0, 2 * c))
+        qc, kc, vc = (x.float() for x in (q, k, v))
+        out, lse = engine.block_forward(None, None, qc, kc, vc, plan, 0.5, "sdpa", fresh=True)
+        dq = torch.zeros(qc.shape)
+        dk = torch.zeros(kc.shape)
+        dv = torch.zeros_like(dk)
+        engine.block_backward(dq, dk, dv, dout.float().transpose(1, 2), qc, kc, vc, out, lse, plan, 0.5, "sdpa")
+        got = [out.transpose(1, 2).double(), dq.double(), dk.double(), dv.double()]
+        assert max_err(got, ref) < 2e-5, (tile, max_err(got, ref))
+
+
+def test_block_forward_without_calls_keeps_accumulators_and_allocates_none():
+    q = torch.randn(1, 6, 2, 4)
+    plan = engine.plan_for(torch.arange(6), torch.arange(6) + 10, masks.causal(), 4, "sdpa")
+    assert not plan.calls  # every key is later than every query
+    assert engine.block_forward(None, None, q, q, q, plan, 0.5, "sdpa", fresh=True) == (None, None)
+    out = dist_attention(q, q, q, None, mask=masks.predicate(lambda a, b: (a < 0) & (b < 0)), tile=4)
+    assert torch.equal(out, torch.zeros_like(out))  # all rows masked: zeros, never NaN
+
+
+class _LowerLiar(masks.AttentionMask):
+    """Block-causal (blocks of 4) in its dense form, but claims every tile is a lower triangle."""
+
+    def dense(self, q_ids, k_ids):
+        return k_ids[None, :] // 4 <= q_ids[:, None] // 4
+
+    def lower_triangle(self, q_ids, k_ids):
+        return True
+
+    def __repr__(self):
+        return "LowerLiar()"
+
+
+def test_debug_mode_catches_a_lying_lower_triangle(monkeypatch):
+    q = torch.randn(1, 32, 2, 8)
+    monkeypatch.setenv(engine.DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match=r"mask \(LowerLiar\(\)\)\.lower_triangle says the tile"):
+        dist_attention(q, q, q, None, mask=_LowerLiar(), tile=8)
+
+
 class _LyingMask(masks.AttentionMask):
     """Causal in its dense form, but claims every tile is FULL."""
 

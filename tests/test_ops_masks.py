@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from megatron_video.ops import (RULES, TokenIds, block_mask_status, block_mask_status_reference,
-                                dense_mask, dense_mask_reference, flex_block_fields, flex_block_mask)
+                                dense_mask, dense_mask_reference, flex_block_fields, flex_block_mask,
+                                lower_triangle)
 
 from _ops_helpers import extension, rank_major_teacher_forcing_ids  # noqa: F401  (autouse fixture)
 
@@ -125,6 +126,38 @@ def test_extension_equals_reference_and_oracle(case):
     status = block_mask_status(q, k, rule, qb, kb)
     assert torch.equal(status, block_mask_status_reference(q, k, rule, qb, kb))
     assert torch.equal(status, status_oracle(dense, qb, kb))
+
+
+@SETTINGS
+@given(case=mask_case())
+def test_lower_triangle_is_never_wrong(case):
+    """``lower_triangle`` (O(length), no mask) says True only when the oracle's tile is exactly the
+    lower triangle ``j <= i``."""
+    q, k, rule, _, _ = case
+    if lower_triangle(q, k, rule):
+        d = dense_oracle(q, k, rule)
+        assert d.shape[0] == d.shape[1] and torch.equal(d, torch.ones_like(d).tril()), (rule, q, k)
+
+
+def test_lower_triangle_recognises_the_causal_tiles_the_engine_meets():
+    run = torch.arange(10, 20)
+    zigzag = torch.cat([torch.arange(4, 8), torch.arange(28, 32)])  # two runs, increasing
+    for pos in (run, zigzag):
+        assert lower_triangle(TokenIds(pos=pos), TokenIds(pos=pos), "causal")
+        one_doc = TokenIds(pos=pos, doc=torch.zeros_like(pos))
+        assert lower_triangle(one_doc, one_doc, "causal")
+        assert lower_triangle(TokenIds(block=pos), TokenIds(block=pos), "block_causal")
+        clean = TokenIds(side=torch.zeros_like(pos), block=pos)
+        assert lower_triangle(clean, clean, "teacher_forcing")
+    # not lower triangles (or not provably so): different ids, two documents, repeated keys, noisy
+    assert not lower_triangle(TokenIds(pos=run), TokenIds(pos=run + 1), "causal")
+    two_docs = TokenIds(pos=run, doc=(run >= 15).long())
+    assert not lower_triangle(two_docs, two_docs, "causal")
+    frames = TokenIds(block=run // 2)
+    assert not lower_triangle(frames, frames, "block_causal")
+    noisy = TokenIds(side=torch.ones_like(run), block=run)
+    assert not lower_triangle(noisy, noisy, "teacher_forcing")
+    assert not lower_triangle(TokenIds(pos=run), TokenIds(pos=run), "full")
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -43,7 +43,7 @@ from . import kernels
 from .masks import AttentionMask
 
 __all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "choose_tile", "kernel_block_size",
-           "id_runs", "run_tiles", "plan_block", "block_forward", "block_backward", "local_attention"]
+           "id_runs", "increasing_spans", "run_tiles", "plan_block", "block_forward", "block_backward", "local_attention"]
 
 DEFAULT_TILE = 512
 DEBUG_ENV = "MEGATRON_VIDEO_CHECK_MASKS"
@@ -265,10 +265,15 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
     def partial_kind(i: int, j: int) -> int:
         """CAUSAL when the PARTIAL tile's mask is exactly the lower triangle, else PARTIAL."""
         if (i, j) not in kinds:
-            m = mask.dense(q_ids[q_tiles[i][0]:q_tiles[i][1]], k_ids[k_tiles[j][0]:k_tiles[j][1]])
-            if stats is not None:
-                stats._mask(m.numel())
-            kinds[i, j] = CAUSAL if _is_lower_triangle(m) else PARTIAL
+            qi, ki = q_ids[q_tiles[i][0]:q_tiles[i][1]], k_ids[k_tiles[j][0]:k_tiles[j][1]]
+            if stats is not None:  # rule masks decide on identities; others evaluate this one tile
+                stats._mask(qi.numel() * ki.numel())
+            low = bool(mask.lower_triangle(qi, ki))
+            if low and debug and not _is_lower_triangle(mask.dense(qi, ki)):
+                raise ValueError(f"mask ({mask!r}).lower_triangle says the tile q ids [{int(qi[0])}.."
+                                 f"{int(qi[-1])}] x k ids [{int(ki[0])}..{int(ki[-1])}] is the lower "
+                                 f"triangle, but its dense form disagrees")
+            kinds[i, j] = CAUSAL if low else PARTIAL
         return kinds[i, j]
 
     work = status.clone()  # tiles still to be covered by a call
@@ -302,30 +307,42 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
     return plan
 
 
-def _tile_spans(tiles, runs):
-    """For each run ``(start, end)``, the index range of its tiles in ``tiles``."""
+def increasing_spans(ids: torch.Tensor) -> List[Tuple[int, int]]:
+    """``(start, end)`` of maximal spans of strictly increasing ids (unions of ``id_runs``), pure."""
+    n = ids.numel()
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(ids[1:] <= ids[:-1]).flatten() + 1).tolist()
+    edges = [0] + breaks + [n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _tile_spans(tiles, spans):
+    """For each span ``(start, end)`` (a union of runs), the index range of its tiles in ``tiles``."""
     starts = [t[0] for t in tiles]
-    spans, i = [], 0
-    for a, e in runs:
+    out, i = [], 0
+    for a, e in spans:
         i0 = starts.index(a, i)
         i = i0
         while i < len(tiles) and tiles[i][1] <= e:
             i += 1
-        spans.append((i0, i))
-    return spans
+        out.append((i0, i))
+    return out
 
 
 def _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind) -> None:
-    """One causal call for each pair of identical id runs whose tiles form a causal staircase
-    (FULL below the diagonal, lower-triangle tiles on it, EMPTY above): the kernel's own causal
-    flag then skips the upper half inside one call instead of one call per tile row."""
-    q_runs, k_runs = id_runs(q_ids), id_runs(k_ids)
-    q_spans, k_spans = _tile_spans(q_tiles, q_runs), _tile_spans(k_tiles, k_runs)
-    for (qa, qe), (i0, i1) in zip(q_runs, q_spans):
-        for (ka, ke), (j0, j1) in zip(k_runs, k_spans):
+    """One causal call for each pair of identical spans of strictly increasing ids whose tiles form
+    a causal staircase (FULL below the diagonal, lower-triangle tiles on it, EMPTY above): the
+    kernel's causal flag on positions then equals the mask inside the whole span (``j <= i`` iff
+    ``id_j <= id_i``), so one call replaces one call per tile row (and a zigzag shard's two chunks
+    take one call, not three)."""
+    q_sp, k_sp = increasing_spans(q_ids), increasing_spans(k_ids)
+    q_ti, k_ti = _tile_spans(q_tiles, q_sp), _tile_spans(k_tiles, k_sp)
+    for (qa, qe), (i0, i1) in zip(q_sp, q_ti):
+        for (ka, ke), (j0, j1) in zip(k_sp, k_ti):
             n = i1 - i0
-            if qe - qa != ke - ka or int(q_ids[qa]) != int(k_ids[ka]) or n < 2:
-                continue  # not the same ids (runs are consecutive ids), or a single tile
+            if qe - qa != ke - ka or n < 2 or j1 - j0 != n or not torch.equal(q_ids[qa:qe], k_ids[ka:ke]):
+                continue  # not the same ids (identical ids give identical tiles), or a single tile
             sub = work[i0:i1, j0:j1]
             below = torch.ones(n, n, dtype=torch.bool).tril(-1)
             if not (bool((sub[below] == FULL).all()) and bool((sub[below.T] == EMPTY).all())):
@@ -408,7 +425,9 @@ def _merge(out_acc, lse_acc, o, lse):
     """Online-softmax merge of a partial result into the accumulators (in place, [b, h, s, *])."""
     new = torch.logaddexp(lse_acc, lse)
     shift = torch.where(torch.isneginf(new), 0.0, new)  # rows still without keys stay 0 / -inf
-    out_acc.mul_(torch.exp(lse_acc - shift)[..., None]).add_(o.to(out_acc.dtype) * torch.exp(lse - shift)[..., None])
+    # The weights exp(lse_acc - new) and exp(lse - new) sum to 1, so the merge is one fused pass
+    # out += w * (o - out) with no temporary of the output's size (w = 0 / 1 on rows without keys).
+    out_acc.lerp_(o.to(out_acc.dtype), torch.exp(lse - shift)[..., None])
     lse_acc.copy_(new)
 
 
@@ -449,17 +468,23 @@ def _flex_plan(q_ids, k_ids, mask, tile, stats) -> BlockPlan:
     return plan
 
 
-def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, plan: BlockPlan, scale: float, backend: str,
-                  stats: Optional[EngineStats] = None, fresh: bool = False) -> None:
+def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, backend: str,
+                  stats: Optional[EngineStats] = None,
+                  fresh: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Attention of ``q [b, sq, h, d]`` over ``k, v [b, sk, hk, d]`` merged into the accumulators
-    ``out_acc [b, h, sq, d]`` and ``lse_acc [b, h, sq]`` (accumulation dtype, in place).
+    ``out_acc [b, h, sq, d]`` and ``lse_acc [b, h, sq]`` (accumulation dtype, in place); returns
+    the accumulators.
 
     ``fresh``: the accumulators hold nothing yet, so a call whose rows no earlier call touched is
-    written instead of merged.
+    written instead of merged. With ``fresh`` the accumulators may be ``None``: a first call that
+    covers every row in the accumulation dtype then becomes them (no zero fill, no copy); otherwise
+    they are allocated (``accumulators``). Without any call they stay as given.
     """
     if not plan.calls:
-        return
+        return out_acc, lse_acc
+    if out_acc is None and not fresh:
+        raise ValueError("block_forward: out_acc / lse_acc may be None only with fresh=True")
     h = q.shape[2]
     if backend == "flex":
         from .kernels import _compiled_flex
@@ -467,9 +492,12 @@ def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor,
         bm = _flex_block_mask(plan, q.device)
         o, lse = _compiled_flex(q.device.type)(qt, kt, vt, block_mask=bm, scale=scale,
                                                enable_gqa=k.shape[2] != h, return_lse=True)
+        if out_acc is None:
+            out_acc, lse_acc = accumulators(q)
         _merge(out_acc, lse_acc, o, lse.to(lse_acc.dtype))  # flex: -inf on rows without keys
-        return
+        return out_acc, lse_acc
     qt = q.transpose(1, 2)
+    acc_dtype = kernels.accumulation_dtype(q.dtype)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     fwd = _fwd_math if backend == "math" else _fwd_sdpa
     touched = []  # q slices written in this block
@@ -478,18 +506,25 @@ def block_forward(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor,
             stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
         m = plan.tile_mask(c, q.device, stats) if (c.kind == PARTIAL or backend == "math") else None
         o, lse = fwd(qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], c, m, scale)
-        lse = lse.to(lse_acc.dtype)
+        lse = lse.to(acc_dtype)
         if c.kind == PARTIAL:  # fused kernels report lse = 0 (or NaN) for rows without keys
             dead = ~m.any(-1)
             if bool(dead.any()):
                 lse = lse.masked_fill(dead, float("-inf"))
                 o = o.masked_fill(dead[:, None], 0.0)
+        if out_acc is None:
+            if c.q.start == 0 and c.q.stop == q.shape[1] and o.dtype == acc_dtype:
+                out_acc, lse_acc = o, lse  # the kernel's fresh buffers become the accumulators
+                touched.append((c.q.start, c.q.stop))
+                continue
+            out_acc, lse_acc = accumulators(q)
         if fresh and not any(a < c.q.stop and c.q.start < e for a, e in touched):
             out_acc[:, :, c.q] = o
             lse_acc[:, :, c.q] = lse
         else:
             _merge(out_acc[:, :, c.q], lse_acc[:, :, c.q], o, lse)
         touched.append((c.q.start, c.q.stop))
+    return out_acc, lse_acc
 
 
 def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, dout: torch.Tensor,
@@ -598,8 +633,9 @@ class _EngineAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, backend, stats):
-        out, lse = accumulators(q)
-        block_forward(out, lse, q, k, v, plan, scale, backend, stats, fresh=True)
+        out, lse = block_forward(None, None, q, k, v, plan, scale, backend, stats, fresh=True)
+        if out is None:  # no visible pair at all
+            out, lse = accumulators(q)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.backend, ctx.stats = plan, scale, backend, stats

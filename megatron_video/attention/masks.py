@@ -12,10 +12,14 @@ whatever the layout. The attention engine (``attention.engine``) never asks for 
 * ``dense(q_ids, k_ids)`` gives the boolean tile (True = attend); the engine calls it on PARTIAL tiles
   only, so no mask larger than one tile pair is ever built.
 
+* ``lower_triangle(q_ids, k_ids)`` says whether a PARTIAL tile is exactly the lower triangle of its
+  positions, so the fused kernel's causal flag replaces its mask; rule masks decide it on token
+  identities (``ops.lower_triangle``, O(tile)), others from the tile's ``dense`` form.
+
 Subclass :class:`AttentionMask` (override ``dense`` and, if it can be done more cheaply, ``block_status``
-for one tile or ``tile_status`` for a grid), subclass :class:`RuleMask`, or wrap a function with
-:func:`predicate`. ``MEGATRON_VIDEO_CHECK_MASKS=1`` makes the engine check every tile verdict against
-``dense`` (a ``ValueError`` names a mask whose classification lies).
+for one tile, ``tile_status`` for a grid or ``lower_triangle``), subclass :class:`RuleMask`, or wrap a
+function with :func:`predicate`. ``MEGATRON_VIDEO_CHECK_MASKS=1`` makes the engine check every tile
+verdict and every lower-triangle claim against ``dense`` (a ``ValueError`` names a mask that lies).
 """
 from __future__ import annotations
 
@@ -65,6 +69,17 @@ class AttentionMask:
                 out[i, j] = self.block_status(q_ids[a:b], k_ids[c:d])
         return out
 
+    def lower_triangle(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> bool:
+        """True only if the tile ``q_ids x k_ids`` is exactly the lower triangle of its positions
+        (query ``i`` attends key ``j`` iff ``j <= i``): the fused kernels' causal flag then replaces
+        the tile's mask. False may be conservative (the tile's mask is passed instead). Default: the
+        tile's dense form (one tile, as the engine calls it)."""
+        n = q_ids.numel()
+        if n == 0 or k_ids.numel() != n:
+            return False
+        return bool(torch.equal(self.dense(q_ids, k_ids),
+                                torch.ones(n, n, dtype=torch.bool, device=q_ids.device).tril()))
+
     def mask_mod(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Callable:
         """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``."""
         def mod(b, h, qi, ki):
@@ -97,6 +112,12 @@ class RuleMask(AttentionMask):
 
     def tile_status(self, q_ids, k_ids, q_tile, k_tile):
         return _ops.block_mask_status(*self._ids(q_ids, k_ids), self.rule, q_tile, k_tile)
+
+    def lower_triangle(self, q_ids, k_ids):
+        # O(len) on identities, no tile mask (``ops.lower_triangle``)
+        if q_ids.numel() == 0 or q_ids.numel() != k_ids.numel():
+            return False
+        return _ops.lower_triangle(*self._ids(q_ids, k_ids), self.rule)
 
     def mask_mod(self, q_ids, k_ids):
         return _ops.mask_mod(*self._ids(q_ids, k_ids), self.rule)
@@ -197,6 +218,11 @@ class _Packed(RuleMask):
         if self.rule is None:
             return AttentionMask.mask_mod(self, q_ids, k_ids)
         return RuleMask.mask_mod(self, q_ids, k_ids)
+
+    def lower_triangle(self, q_ids, k_ids):
+        if self.rule is None:
+            return AttentionMask.lower_triangle(self, q_ids, k_ids)
+        return RuleMask.lower_triangle(self, q_ids, k_ids)
 
     def dense(self, q_ids, k_ids):
         if self.rule is not None:

@@ -60,7 +60,7 @@ class RingPlan:
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
-    out, lse = engine.accumulators(q)  # [b, h, s, d], [b, h, s]
+    out = lse = None  # accumulators [b, h, s, d], [b, h, s]: the first block's output when it can be
     R, r = plan.ring_size, plan.ring_rank
     cur_k, cur_v = k.contiguous(), v.contiguous()  # P2P buffers must be dense
     for i in range(R):
@@ -70,10 +70,14 @@ def _ring_forward(q, k, v, plan: RingPlan):
         bp = plan.block(j)
         if plan.stats is not None:
             plan.stats._plan("fwd", bp)
-        engine.block_forward(out, lse, q, cur_k, cur_v, bp, plan.softmax_scale, plan.backend, plan.stats,
-                             fresh=i == 0)
+        if i > 0 and out is None:
+            out, lse = engine.accumulators(q)
+        out, lse = engine.block_forward(out, lse, q, cur_k, cur_v, bp, plan.softmax_scale, plan.backend,
+                                        plan.stats, fresh=i == 0)
         if ex is not None:
             cur_k, cur_v = ex.wait()
+    if out is None:  # one ring rank, no visible pair
+        out, lse = engine.accumulators(q)
     return out.to(q.dtype), lse
 
 

@@ -23,6 +23,7 @@ from .masks import (
     dense_mask_reference,
     flex_block_fields,
     flex_block_mask,
+    lower_triangle,
     mask_mod,
 )
 
@@ -30,5 +31,5 @@ __all__ = [
     "ENV_VAR", "LAYOUTS", "RULES", "FlexBlockFields", "PackedWindows", "TokenIds", "active_backend",
     "block_mask_status", "block_mask_status_reference", "dense_mask", "dense_mask_reference",
     "flex_block_fields", "flex_block_mask", "halo_gather", "halo_gather_packed", "halo_gather_reference",
-    "halo_scatter", "halo_scatter_reference", "mask_mod",
+    "halo_scatter", "halo_scatter_reference", "lower_triangle", "mask_mod",
 ]

@@ -115,6 +115,36 @@ def dense_mask_reference(q: TokenIds, k: TokenIds, rule: str) -> torch.Tensor:
     return _dense_rows(rule, same_doc, qi, ki)
 
 
+def lower_triangle(q: TokenIds, k: TokenIds, rule: str) -> bool:
+    """True only if ``dense_mask(q, k, rule)`` is exactly the lower triangle ``j <= i`` (square),
+    decided in O(length) without building the mask; False may be conservative.
+
+    Sufficient condition: the rule orders tokens by one key (``pos`` for ``causal``, ``block`` for
+    ``block_causal`` and for an all-clean ``teacher_forcing`` tile), q and k carry identical keys
+    that strictly increase along the tile, and (with documents) one document on both sides. Then
+    the rule's ``key_k <= key_q`` holds exactly for ``j <= i``.
+    """
+    qi, ki, same_doc = _prepare(q, k, rule)
+    n = qi.shape[1]
+    if n == 0 or ki.shape[1] != n:
+        return False
+    if rule == "causal":
+        row = 3
+    elif rule == "block_causal":
+        row = 1
+    elif rule == "teacher_forcing" and not bool(qi[0].any()) and not bool(ki[0].any()):
+        row = 1  # all clean: clean->clean is block_k <= block_q
+    else:
+        return False
+    key = qi[row]
+    if not torch.equal(key, ki[row]) or (n > 1 and not bool((key[1:] > key[:-1]).all())):
+        return False
+    if same_doc:
+        d = qi[2]
+        return bool(torch.equal(d, ki[2])) and bool((d == d[0]).all())
+    return True
+
+
 def _check_tile(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} ({value!r}) must be a positive int (tokens per block)")
