@@ -243,6 +243,27 @@ def _comm_checks(gradcheck=True):
         return gather_from_group(ring_shift(local, group, 1) * (rank + 1), group, dim=0)
 
     res["gradcheck_ring"] = torch.autograd.gradcheck(f_ring, (xr,)) if gradcheck else None
+
+    # permutations riding on the all-to-all equal index_select before / after the plain one, values
+    # and gradients (the oracle is the unpermuted op composed with torch's index_select)
+    ps, pg = torch.randperm(2 * world, generator=gs), torch.randperm(3 * world, generator=gs)
+    xp = torch.randn(1, 3, 2 * world, 5, dtype=torch.float64, generator=gs)
+    wp = torch.randn(1, 3 * world, 2, 5, dtype=torch.float64, generator=gs)
+    fused = xp.clone().requires_grad_()
+    y1 = all_to_all(fused, group, 2, 1, scatter_index=ps, gather_index=pg)
+    (y1 * wp).sum().backward()
+    plain = xp.clone().requires_grad_()
+    y2 = all_to_all(plain.index_select(2, ps), group, 2, 1).index_select(1, pg)
+    (y2 * wp).sum().backward()
+    res["permuted"] = torch.equal(y1, y2) and torch.equal(fused.grad, plain.grad)
+    if gradcheck:
+        def f_perm(x):
+            local = copy_to_group(x, group)[rank]
+            return gather_from_group(all_to_all(local, group, 1, 0, scatter_index=ps[:world].argsort(),
+                                                gather_index=pg[:world].argsort()) * (rank + 1), group, dim=0)
+
+        xq = torch.randn(world, 1, world, 2, dtype=torch.float64, generator=gs, requires_grad=True)
+        res["gradcheck_perm"] = torch.autograd.gradcheck(f_perm, (xq,))
     # a wrong backward must be caught by the same check (the test can fail)
     if gradcheck:
         def f_wrong(x):
@@ -292,6 +313,7 @@ def test_comm_roundtrip_gradcheck_and_tracer(pool4):
         assert res["roundtrip"] and res["content"]
         assert res["gradcheck_a2a"] and res["gradcheck_ring"] and res["ring_value"]
         assert res["gradcheck_catches_bug"]
+        assert res["permuted"] and res["gradcheck_perm"]
         tr = res["tracer"]
         assert tr["a2a_fwd"] == (1, tr["expect_a2a"])
         assert tr["a2a_bwd"] == (1, tr["expect_a2a"])
@@ -306,5 +328,5 @@ def test_comm_roundtrip_gradcheck_and_tracer(pool4):
 def test_comm_world8(pool8):
     # gradcheck is covered on 4 ranks; here the round trips, content and byte counts at N = 8
     for res in pool8.run(_comm_checks, gradcheck=False):
-        assert res["roundtrip"] and res["content"] and res["ring_value"]
+        assert res["roundtrip"] and res["content"] and res["ring_value"] and res["permuted"]
         assert res["tracer"]["a2a_fwd"] == (1, res["tracer"]["expect_a2a"])

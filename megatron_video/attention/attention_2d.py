@@ -1,8 +1,9 @@
 """2D context-parallel attention: Ulysses all-to-all (inside a node) x P2P ring (across nodes).
 
-``dist_attention`` = all-to-all (scatter heads, gather the U shards of the sequence) -> reorder the
-gathered tokens by global id -> exact ring attention over the R ring ranks -> inverse reorder ->
-inverse all-to-all. N = U*R = 1 (local), U = 1 (pure ring) and R = 1 (pure Ulysses) take the same
+``dist_attention`` = all-to-all (scatter heads, gather the U shards of the sequence, reordered by
+global id on the all-to-all's own unpacking copy) -> exact ring attention over the R ring ranks ->
+inverse all-to-all (undoing the order on its packing copy). Masks that ignore positions skip the
+reordering. N = U*R = 1 (local), U = 1 (pure ring) and R = 1 (pure Ulysses) take the same
 path. Every ring step derives its mask from global token ids, so any layout is exact; sorting the
 gathered ids gives ring rank ``r`` the zigzag chunks ``r`` and ``2R-1-r`` (of ``2R``) for the
 zigzag layout with ``ulysses_inner`` placement, i.e. a balanced causal ring, and keeps each shard
@@ -20,6 +21,7 @@ mask depends on positions and there is more than one CP rank); nothing is rememb
 """
 from __future__ import annotations
 
+import functools
 from numbers import Real
 from typing import List, Optional, Sequence, Tuple
 
@@ -83,6 +85,19 @@ def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_r
     return gathered, ring_ids
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(cp_ranks: tuple, ulysses_ranks: tuple, ring_ranks: tuple, ulysses_size: int, ring_size: int,
+            placement: str, seq_len: int, scheme: str):
+    """``ring_token_ids`` and the sort permutation of the gathered ids (None when sorted) with its
+    inverse: a pure function of integers, memoised (callers never modify the tensors)."""
+    gathered, ring_ids = ring_token_ids(cp_ranks, ulysses_ranks, ring_ranks, ulysses_size, ring_size,
+                                        placement, seq_len, scheme)
+    order = torch.argsort(gathered)
+    if torch.equal(order, torch.arange(order.numel())):
+        return gathered, tuple(ring_ids), None, None
+    return gathered, tuple(ring_ids), order, torch.argsort(order)
+
+
 def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -142,26 +157,31 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if groups is None:
         U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
-        gathered, ring_ids = torch.arange(q.shape[1]), [torch.arange(q.shape[1])]
+        ring_ids, order, inverse = [torch.arange(q.shape[1])], None, None
     else:
         U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
         ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
-        gathered, ring_ids = ring_token_ids(groups.cp_ranks, groups.ulysses_ranks, groups.ring_ranks, U,
-                                            R, groups.placement, q.shape[1] * N, scheme)
+        _, ring_ids, order, inverse = _layout(tuple(groups.cp_ranks), tuple(groups.ulysses_ranks),
+                                              tuple(groups.ring_ranks), U, R, groups.placement,
+                                              q.shape[1] * N, scheme)
         if N > 1:
             # The scheme rides along as the length of an empty tensor: ranks that disagree on the
             # layout would otherwise silently compute garbage.
             check_same_shape({"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
                              groups.cp_group, "dist_attention")
 
+    # Every ring rank's tokens sorted by global id: a permutation riding on the Ulysses all-to-all's
+    # unpacking copy (a local one without Ulysses). A mask that ignores positions gives the same
+    # attention in any token order (q, k and v share it), so it needs none.
+    if mask is None or mask.position_independent:
+        order = inverse = None
+    if order is not None:
+        order, inverse = order.to(q.device), inverse.to(q.device)
     if U > 1:
-        q = seq_to_heads(q, ug, "ulysses.q")
-        k = seq_to_heads(prepare_kv(k, U), ug, "ulysses.k")
-        v = seq_to_heads(prepare_kv(v, U), ug, "ulysses.v")
-    order = torch.argsort(gathered)
-    reorder = not torch.equal(order, torch.arange(order.numel()))
-    if reorder:  # a local permutation: sorted global ids on every ring rank
-        order = order.to(q.device)
+        q = seq_to_heads(q, ug, "ulysses.q", order)
+        k = seq_to_heads(prepare_kv(k, U), ug, "ulysses.k", order)
+        v = seq_to_heads(prepare_kv(v, U), ug, "ulysses.v", order)
+    elif order is not None:
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
 
     kernel = engine.engine_backend(backend, q)
@@ -170,8 +190,8 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
                     tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device))
     out = ring_attention(q, k, v, plan)
 
-    if reorder:
-        out = out.index_select(1, torch.argsort(order))
     if U > 1:
-        out = heads_to_seq(out, ug, "ulysses.out")
+        out = heads_to_seq(out, ug, "ulysses.out", order, inverse)
+    elif order is not None:
+        out = out.index_select(1, inverse)
     return out

@@ -38,11 +38,18 @@ def prepare_kv(x: torch.Tensor, ulysses_size: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=2)
 
 
-def seq_to_heads(x: torch.Tensor, group, tag: str = "ulysses") -> torch.Tensor:
-    """``[b, s_local, h, d] -> [b, U*s_local, h/U, d]`` (concatenated in group-rank order)."""
-    return all_to_all(x, group, scatter_dim=2, gather_dim=1, tag=tag)
+def seq_to_heads(x: torch.Tensor, group, tag: str = "ulysses", order=None) -> torch.Tensor:
+    """``[b, s_local, h, d] -> [b, U*s_local, h/U, d]`` (concatenated in group-rank order).
+
+    ``order`` (optional, 1-D): the gathered sequence is returned as ``gathered[:, order]`` (e.g.
+    sorted by global id), the permutation riding on the all-to-all's unpacking copy."""
+    return all_to_all(x, group, scatter_dim=2, gather_dim=1, tag=tag, gather_index=order)
 
 
-def heads_to_seq(x: torch.Tensor, group, tag: str = "ulysses") -> torch.Tensor:
-    """Inverse of ``seq_to_heads``: ``[b, U*s_local, h/U, d] -> [b, s_local, h, d]``."""
-    return all_to_all(x, group, scatter_dim=1, gather_dim=2, tag=tag)
+def heads_to_seq(x: torch.Tensor, group, tag: str = "ulysses", order=None, inverse=None) -> torch.Tensor:
+    """Inverse of ``seq_to_heads``: ``[b, U*s_local, h/U, d] -> [b, s_local, h, d]``; with the
+    same ``order``, ``x`` is in that order (it is undone on the packing copy; ``inverse`` =
+    ``argsort(order)`` if the caller has it)."""
+    if inverse is None and order is not None:
+        inverse = torch.argsort(order)
+    return all_to_all(x, group, scatter_dim=1, gather_dim=2, tag=tag, scatter_index=inverse)

@@ -200,44 +200,79 @@ def all_to_all_single(x: torch.Tensor, group, tag: str = "", direction: str = "f
     return out
 
 
-def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str, direction: str):
+def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str, direction: str,
+         scatter_index: Optional[torch.Tensor] = None, gather_index: Optional[torch.Tensor] = None):
     n = group_size(group)
     if n == 1:
-        return x
+        x = x if scatter_index is None else x.index_select(scatter_dim, scatter_index)
+        return x if gather_index is None else x.index_select(gather_dim, gather_index)
     if x.shape[scatter_dim] % n:
         raise ValueError(
             f"all_to_all{f' ({tag})' if tag else ''}: scatter dimension {scatter_dim} has size "
             f"{x.shape[scatter_dim]}, which must be divisible by the group size ({n})")
     # chunk i of the scatter dim goes to group rank i; received chunks are concatenated in group
-    # rank order along the gather dim.
-    send = torch.stack(x.tensor_split(n, dim=scatter_dim), dim=0)
+    # rank order along the gather dim. A permutation of the scatter dim (before) or of the gather
+    # dim (after) rides on the packing / unpacking copy where the layout allows (e.g. batch 1).
+    if scatter_index is not None:
+        x = x.index_select(scatter_dim, scatter_index)
+    send = x.unflatten(scatter_dim, (n, -1)).movedim(scatter_dim, 0).contiguous()
     recv = all_to_all_single(send, group, tag, direction)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    out = recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # a view where possible
+    return out if gather_index is None else out.index_select(gather_dim, gather_index)
+
+
+def _inverse(index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if index is None else torch.argsort(index)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim, tag):
+    def forward(ctx, x, group, scatter_dim, gather_dim, tag, scatter_index, gather_index):
         ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.tag = group, scatter_dim, gather_dim, tag
-        return _a2a(x, group, scatter_dim, gather_dim, tag, "fwd")
+        ctx.indices = (scatter_index, gather_index)
+        return _a2a(x, group, scatter_dim, gather_dim, tag, "fwd", scatter_index, gather_index)
 
     @staticmethod
     def backward(ctx, grad):
-        # The inverse all-to-all: scatter what was gathered, gather what was scattered.
-        return _a2a(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.tag, "bwd"), None, None, None, None
+        # The inverse all-to-all: scatter what was gathered, gather what was scattered (and undo
+        # the permutations in reverse order).
+        s_idx, g_idx = ctx.indices
+        return (_a2a(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.tag, "bwd", _inverse(g_idx),
+                     _inverse(s_idx)), None, None, None, None, None, None)
 
 
-def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str = "") -> torch.Tensor:
+def _check_index(name: str, index, size: int, device) -> Optional[torch.Tensor]:
+    if index is None:
+        return None
+    if (not isinstance(index, torch.Tensor) or index.dim() != 1 or index.numel() != size
+            or index.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"{name} ({getattr(index, 'shape', type(index).__name__)}) must be a 1-D integer "
+                         f"permutation of {size} positions")
+    return index.to(device=device, dtype=torch.int64)
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str = "",
+               scatter_index: Optional[torch.Tensor] = None,
+               gather_index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Autograd all-to-all: split ``scatter_dim`` across the group, concatenate along ``gather_dim``.
 
     The backward is the inverse all-to-all. ``x.shape[scatter_dim]`` must be divisible by the
-    group size; shapes must agree across ranks (see ``check_same_shape``).
+    group size; shapes must agree across ranks (see ``check_same_shape``). Optional permutations
+    (1-D, the caller's to get right): ``scatter_index`` reorders ``scatter_dim`` before the split
+    (``x.index_select(scatter_dim, scatter_index)``), ``gather_index`` the concatenated
+    ``gather_dim`` after it (``y.index_select(gather_dim, gather_index)``); each costs no copy beyond
+    the all-to-all's own packing where the layout allows.
     """
     scatter_dim = check_dim("scatter_dim", scatter_dim, x)
     gather_dim = check_dim("gather_dim", gather_dim, x)
-    if group_size(group) == 1:
+    scatter_index = _check_index("scatter_index", scatter_index, x.shape[scatter_dim], x.device)
+    n = group_size(group)
+    gather_index = _check_index("gather_index", gather_index,
+                                x.shape[gather_dim] * n if scatter_dim != gather_dim else x.shape[gather_dim],
+                                x.device)
+    if n == 1 and scatter_index is None and gather_index is None:
         return x
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim, tag)
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim, tag, scatter_index, gather_index)
 
 
 # ----------------------------------------------------------------------------------------------
