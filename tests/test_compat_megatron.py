@@ -613,7 +613,8 @@ _EXPLICIT_CPU_MODE_SCRIPT = r"""
 import logging, os, io
 import torch, torch.distributed as dist
 log = io.StringIO()
-logging.basicConfig(stream=log, level=logging.WARNING)
+logging.basicConfig(stream=log, level=logging.WARNING, format="%(levelname)s %(message)s")
+logging.getLogger("megatron_video.compat").setLevel(logging.DEBUG)  # the list of patches is DEBUG
 from megatron_video.compat import cpu_mode_active, ensure_cpu_mode
 from megatron_video.training.config import load_config
 from megatron_video.training.trainer import Trainer
@@ -634,8 +635,14 @@ ps.initialize_model_parallel()
 model_parallel_cuda_manual_seed(1234)  # must not reseed the user's CPU generator
 assert torch.equal(torch.rand(3), expected)
 text = log.getvalue()
-assert "megatron_video CPU mode" in text and "model_parallel_cuda_manual_seed" in text, text
-assert "CPU RNG state changed within GPU RNG context" in text, text  # the dropped record is named
+from megatron_video.compat.cpu_mode import applied_patches
+warning = [l for l in text.splitlines() if l.startswith("WARNING megatron_video CPU mode")]
+assert len(warning) == 1 and len(warning[0]) < 400, text  # one short line at WARNING
+assert f"{len(applied_patches())} Megatron attributes replaced" in warning[0], text
+assert "CPU RNG state changed within GPU RNG context" in warning[0], text  # the dropped record is named
+listed = [l for l in text.splitlines() if l.startswith("DEBUG megatron_video CPU mode replaced")]
+assert len(listed) == 1 and "model_parallel_cuda_manual_seed" in listed[0], text  # the list, at DEBUG
+assert any(p.attribute == "model_parallel_cuda_manual_seed" for p in applied_patches())
 print("ok")
 """
 

@@ -6,7 +6,8 @@ False, and does nothing on a GPU. It is entered only explicitly: by calling it (
 pool does, and a stock Megatron job on a CPU does), or with ``megatron-video train/demo --cpu``;
 nothing in the package enters it behind the caller's back, and the trainer refuses to run on a
 machine without CUDA unless it is active (docs/architecture.md, "CPU mode"). On activation it logs
-(logger ``megatron_video.compat``, level WARNING) every attribute it changed. The real ``torch``
+(logger ``megatron_video.compat``) one WARNING line with the number of attributes it changed, and
+the list of them at DEBUG (also :func:`applied_patches`). The real ``torch``
 module is never modified, the user's global CPU generator is not reseeded (see 4.) and no Megatron
 warning is silenced (see 3. for the one log record dropped, which is named in the log). Every patch
 is a module attribute of Megatron:
@@ -211,8 +212,9 @@ def _activate(cuda_available: bool) -> bool:
     logging.getLogger(_RNG).addFilter(_DropForkWarning())
     _active = True
     _LOG.warning(
-        "megatron_video CPU mode (no CUDA device): %d Megatron attributes replaced: %s; log records "
-        "%r of logger %s are dropped (on CPU the forked generator is the CPU one)",
-        len(_applied), ", ".join(f"{p.module}.{p.attribute} -> {p.replacement}" for p in _applied),
-        _FORK_WARNING, _RNG)
+        "megatron_video CPU mode (no CUDA device): %d Megatron attributes replaced (listed at DEBUG "
+        "level of this logger and by compat.cpu_mode.applied_patches()); log records %r of logger %s "
+        "are dropped (on CPU the forked generator is the CPU one)", len(_applied), _FORK_WARNING, _RNG)
+    _LOG.debug("megatron_video CPU mode replaced: %s",
+               ", ".join(f"{p.module}.{p.attribute} -> {p.replacement}" for p in _applied))
     return True
