@@ -11,11 +11,14 @@ sequence. yunchang's PyTorch path has no backward, so this is forward only.
 
 Target (README "Measured"): ours <= 1.0x yunchang everywhere. Needs the benchmark extra:
 ``pip install -r requirements/bench.txt -c requirements/constraints.txt``.
-Run: ``python benchmarks/peer_usp.py [--seq 16384 --heads 8 --dim 64 --iters 3]``.
+The two libraries alternate call by call (ours, yunchang, yunchang, ours, ...), so a drift of the
+machine's speed hits both alike; the spread column shows how far one library's own repeats vary.
+Run: ``python benchmarks/peer_usp.py [--seq 16384 --heads 8 --dim 64 --iters 6]``.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -87,22 +90,23 @@ def _rank_bench(seq, heads, dim, iters, check_seq):
                 # time at the benchmark size
                 s_local = seq // N
                 q, k, v = (torch.randn(1, s_local, heads, dim, generator=g) for _ in range(3))
-                times, cpu = {}, {}
-                for who, fn in (("ours", lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag")),
-                                ("yunchang", lambda: usp(q, k, v, causal=causal))):
-                    with torch.no_grad():
+                fns = {"ours": lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag"),
+                       "yunchang": lambda: usp(q, k, v, causal=causal)}
+                wall = {who: [] for who in fns}
+                cpu = {who: [] for who in fns}
+                with torch.no_grad():
+                    for fn in fns.values():
                         fn()  # warm-up
-                        best, best_cpu = float("inf"), float("inf")
-                        for _ in range(iters):
+                    # interleaved (ours, yunchang, ours, ...): drift of the machine hits both alike
+                    for it in range(iters):
+                        for who in (("ours", "yunchang") if it % 2 == 0 else ("yunchang", "ours")):
                             dist.barrier()
                             t0, c0 = time.perf_counter(), time.process_time()
-                            fn()
-                            best_cpu = min(best_cpu, time.process_time() - c0)
+                            fns[who]()
+                            cpu[who].append(time.process_time() - c0)
                             dist.barrier()
-                            best = min(best, time.perf_counter() - t0)
-                    times[who], cpu[who] = best, best_cpu
-                rows.append(dict(layout=name, mask=mask_name, ours=times["ours"], theirs=times["yunchang"],
-                                 ours_cpu=cpu["ours"], theirs_cpu=cpu["yunchang"],
+                            wall[who].append(time.perf_counter() - t0)
+                rows.append(dict(layout=name, mask=mask_name, wall=wall, cpu=cpu,
                                  err_ours=err_ours, err_theirs=err_theirs))
         finally:
             yunchang.globals.PROCESS_GROUP.ULYSSES_PG = None
@@ -119,7 +123,7 @@ def main():
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--check-seq", type=int, default=512)
     a = ap.parse_args()
     try:
@@ -129,23 +133,30 @@ def main():
                          "-c requirements/constraints.txt")
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
         per_rank = pool.run(_rank_bench, a.seq, a.heads, a.dim, a.iters, a.check_seq)
-    print(f"forward, S={a.seq} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), best of {a.iters}: "
-          f"CPU time summed over ranks (robust to other load) and wall time (max over ranks); "
-          f"max-abs error vs float64 oracle at S={a.check_seq}")
-    print(f"{'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'wall ours':>11}{'yunchang':>10}"
-          f"{'ratio':>8}{'err ours':>10}{'err yunchang':>13}")
-    worst = 0.0
+    print(f"forward, S={a.seq} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), {a.iters} interleaved "
+          f"iterations each: best CPU time summed over ranks (robust to other load), its spread (median/best "
+          f"- 1, both libraries), best wall time (max over ranks); max-abs error vs float64 oracle at "
+          f"S={a.check_seq}")
+    print(f"{'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'spread':>12}{'wall ours':>11}"
+          f"{'yunchang':>10}{'ratio':>8}{'err ours':>10}{'err yunchang':>13}")
+    worst, worst_spread = 0.0, 0.0
     for i, row in enumerate(per_rank[0]):
-        oc = sum(r[i]["ours_cpu"] for r in per_rank)
-        tc = sum(r[i]["theirs_cpu"] for r in per_rank)
-        ours = max(r[i]["ours"] for r in per_rank)
-        theirs = max(r[i]["theirs"] for r in per_rank)
+        summed = {who: [sum(r[i]["cpu"][who][t] for r in per_rank) for t in range(a.iters)]
+                  for who in ("ours", "yunchang")}
+        walls = {who: [max(r[i]["wall"][who][t] for r in per_rank) for t in range(a.iters)]
+                 for who in ("ours", "yunchang")}
+        oc, tc = min(summed["ours"]), min(summed["yunchang"])
+        spread = [statistics.median(summed[w]) / min(summed[w]) - 1 for w in ("ours", "yunchang")]
+        ours, theirs = min(walls["ours"]), min(walls["yunchang"])
         eo = max(r[i]["err_ours"] for r in per_rank)
         et = max(r[i]["err_theirs"] for r in per_rank)
         worst = max(worst, oc / tc)
-        print(f"{row['layout']:<8}{row['mask']:<8}{oc:>9.2f}s{tc:>9.2f}s{oc / tc:>7.2f}x{ours:>10.2f}s{theirs:>9.2f}s"
+        worst_spread = max(worst_spread, *spread)
+        print(f"{row['layout']:<8}{row['mask']:<8}{oc:>9.2f}s{tc:>9.2f}s{oc / tc:>7.3f}x"
+              f"{100 * spread[0]:>5.1f}/{100 * spread[1]:.1f}%{ours:>10.2f}s{theirs:>9.2f}s"
               f"{ours / theirs:>7.2f}x{eo:>10.1e}{et:>13.1e}")
-    print(f"worst ours/yunchang CPU time {worst:.2f}x (target <= 1.0x)")
+    print(f"worst ours/yunchang CPU time {worst:.3f}x (target <= 1.0x); largest spread of one library's "
+          f"repeats {100 * worst_spread:.1f}% (differences below it are noise)")
 
 
 if __name__ == "__main__":
