@@ -42,8 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm
+
 __all__ = ["TRACKER_FILE", "read_data_state", "latest_step", "checkpoint_path", "save_checkpoint", "load_checkpoint",
-           "rng_state", "set_rng_state", "safe_read_index", "safe_read_common"]
+           "rng_state", "set_rng_state", "safe_read_index", "safe_read_common", "agree_or_raise"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
@@ -314,11 +316,13 @@ def _verify_share(path: Path, rank: int, world: int) -> Optional[str]:
     return None
 
 
-def _agree(reason: Optional[str], what: str) -> None:
-    """Collective: raise ``ValueError`` on every rank if any rank has a ``reason``."""
+def agree_or_raise(reason: Optional[str], what: str) -> None:
+    """Collective over the world: raise ``ValueError`` on every rank if any rank has a ``reason``
+    (its own reason where it has one), so a refusal seen by one rank never leaves the others
+    waiting in a later collective. One traced ``all_reduce`` (tag ``"agree"``)."""
     nccl = torch.cuda.is_available() and dist.get_backend() == "nccl"
     flag = torch.tensor([0.0 if reason is None else 1.0], device="cuda" if nccl else "cpu")
-    dist.all_reduce(flag)
+    comm.all_reduce(flag, None, tag="agree")
     if flag.item():
         raise ValueError(f"{what}: {reason}" if reason else
                          f"{what}: refused on another rank (see its error)")
@@ -411,17 +415,17 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
     if not path.is_dir():
         raise ValueError(f"checkpoint ({path}) must be an existing folder")
     rank, world = dist.get_rank(), dist.get_world_size()
-    _agree(_verify_share(path, rank, world), f"checkpoint {path} is corrupt")
+    agree_or_raise(_verify_share(path, rank, world), f"checkpoint {path} is corrupt")
     reason, common, index = None, {}, None
     try:
         index = safe_read_index(path)
         common = safe_read_common(path, index)
     except ValueError as e:
         reason = str(e)
-    _agree(reason, f"checkpoint {path} refused")
+    agree_or_raise(reason, f"checkpoint {path} refused")
     same_world = common.get("layout", {}).get("world_size") == world
     request = _sharded(model, optimizer, scheduler, step, True, same_world, meta)
-    _agree(_shape_refusal(path, index, request, common.get("model_meta", {}), meta),
+    agree_or_raise(_shape_refusal(path, index, request, common.get("model_meta", {}), meta),
            "resume refused")
     loaded = dist_checkpointing.load(request, str(path))
     state = loaded["model"]

@@ -298,7 +298,7 @@ class Trainer:
                 self.batches.restore_data_state(ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}"))
             except ValueError as e:
                 reason = str(e)
-            ckpt._agree(reason, "data-loader resume refused")   # every rank raises, none hangs
+            ckpt.agree_or_raise(reason, "data-loader resume refused")   # every rank raises, none hangs
         return step
 
     def maybe_resume(self) -> int:
