@@ -305,6 +305,11 @@ def _comm_checks(gradcheck=True):
         res["indivisible"] = None
     except ValueError as e:
         res["indivisible"] = str(e)
+    try:  # a permutation of the wrong length names the parameter, before any traffic
+        all_to_all(torch.zeros(world, 2), group, 0, 1, gather_index=torch.arange(3))
+        res["bad_index"] = None
+    except ValueError as e:
+        res["bad_index"] = str(e)
     return res
 
 
@@ -323,6 +328,8 @@ def test_comm_roundtrip_gradcheck_and_tracer(pool4):
         assert "all_to_all" in tr["table"]
         assert res["mismatch"] is not None and "differ between ranks" in res["mismatch"]
         assert res["indivisible"] is not None and "divisible" in res["indivisible"]
+        assert res["bad_index"] is not None and res["bad_index"].startswith("gather_index (")
+        assert "permutation of 8 positions" in res["bad_index"], res["bad_index"]  # [4, 2] -> gather 2 * 4
 
 
 def test_comm_world8(pool8):

@@ -260,8 +260,9 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: s
     group size; shapes must agree across ranks (see ``check_same_shape``). Optional permutations
     (1-D, the caller's to get right): ``scatter_index`` reorders ``scatter_dim`` before the split
     (``x.index_select(scatter_dim, scatter_index)``), ``gather_index`` the concatenated
-    ``gather_dim`` after it (``y.index_select(gather_dim, gather_index)``); each costs no copy beyond
-    the all-to-all's own packing where the layout allows.
+    ``gather_dim`` after it (``y.index_select(gather_dim, gather_index)``). Packing (scatter side)
+    and unpacking (gather side) take at most one copy each, permutations included, where the layout
+    allows (e.g. batch 1); the backward undoes the permutations the same way.
     """
     scatter_dim = check_dim("scatter_dim", scatter_dim, x)
     gather_dim = check_dim("gather_dim", gather_dim, x)
