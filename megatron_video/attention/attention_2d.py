@@ -88,14 +88,15 @@ def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_r
 @functools.lru_cache(maxsize=64)
 def _layout(cp_ranks: tuple, ulysses_ranks: tuple, ring_ranks: tuple, ulysses_size: int, ring_size: int,
             placement: str, seq_len: int, scheme: str):
-    """``ring_token_ids`` and the sort permutation of the gathered ids (None when sorted) with its
-    inverse: a pure function of integers, memoised (callers never modify the tensors)."""
+    """``(ring_ids, order, inverse)``: ``ring_token_ids``' ring ids and the sort permutation of the
+    gathered ids (None when sorted) with its inverse; a pure function of integers, memoised
+    (callers never modify the tensors)."""
     gathered, ring_ids = ring_token_ids(cp_ranks, ulysses_ranks, ring_ranks, ulysses_size, ring_size,
                                         placement, seq_len, scheme)
     order = torch.argsort(gathered)
     if torch.equal(order, torch.arange(order.numel())):
-        return gathered, tuple(ring_ids), None, None
-    return gathered, tuple(ring_ids), order, torch.argsort(order)
+        return tuple(ring_ids), None, None
+    return tuple(ring_ids), order, torch.argsort(order)
 
 
 def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
@@ -161,9 +162,9 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     else:
         U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
         ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
-        _, ring_ids, order, inverse = _layout(tuple(groups.cp_ranks), tuple(groups.ulysses_ranks),
-                                              tuple(groups.ring_ranks), U, R, groups.placement,
-                                              q.shape[1] * N, scheme)
+        ring_ids, order, inverse = _layout(tuple(groups.cp_ranks), tuple(groups.ulysses_ranks),
+                                           tuple(groups.ring_ranks), U, R, groups.placement,
+                                           q.shape[1] * N, scheme)
         if N > 1:
             # The scheme rides along as the length of an empty tensor: ranks that disagree on the
             # layout would otherwise silently compute garbage.

@@ -40,7 +40,7 @@ import torch
 
 from ..ops.rules import EMPTY, FULL, PARTIAL
 from . import kernels
-from .masks import AttentionMask
+from .masks import AttentionMask, is_lower_triangle
 
 __all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "choose_tile", "kernel_block_size",
            "id_runs", "increasing_spans", "run_tiles", "plan_block", "block_forward", "block_backward", "local_attention"]
@@ -131,14 +131,20 @@ def choose_tile(mask: Optional[AttentionMask], backend: str, device: torch.devic
     return (DEFAULT_TILE // h) * h
 
 
-def id_runs(ids: torch.Tensor) -> List[Tuple[int, int]]:
-    """``(start, end)`` of maximal runs of consecutive ids (``ids[p+1] == ids[p] + 1``), pure."""
+def _spans(ids: torch.Tensor, breaks_after: torch.Tensor) -> List[Tuple[int, int]]:
+    """``(start, end)`` of the spans of ``ids`` cut after every position ``p`` where
+    ``breaks_after[p]`` (a bool over ``ids[:-1]``)."""
     n = ids.numel()
     if n == 0:
         return []
-    breaks = (torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1).tolist()
+    breaks = (torch.nonzero(breaks_after).flatten() + 1).tolist()
     edges = [0] + breaks + [n]
     return list(zip(edges[:-1], edges[1:]))
+
+
+def id_runs(ids: torch.Tensor) -> List[Tuple[int, int]]:
+    """``(start, end)`` of maximal runs of consecutive ids (``ids[p+1] == ids[p] + 1``), pure."""
+    return _spans(ids, ids[1:] != ids[:-1] + 1)
 
 
 def run_tiles(ids: torch.Tensor, tile: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
@@ -239,11 +245,6 @@ def _status_grid(q_ids, k_ids, mask, tile, stats, debug):
     return q_tiles, k_tiles, status
 
 
-def _is_lower_triangle(m: torch.Tensor) -> bool:
-    n = m.shape[0]
-    return m.shape[1] == n and torch.equal(m, torch.ones(n, n, dtype=torch.bool, device=m.device).tril())
-
-
 def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask], tile: int,
                merge: bool = True, stats: Optional[EngineStats] = None,
                debug: Optional[bool] = None) -> BlockPlan:
@@ -269,7 +270,7 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
             if stats is not None:  # rule masks decide on identities; others evaluate this one tile
                 stats._mask(qi.numel() * ki.numel())
             low = bool(mask.lower_triangle(qi, ki))
-            if low and debug and not _is_lower_triangle(mask.dense(qi, ki)):
+            if low and debug and not is_lower_triangle(mask.dense(qi, ki)):
                 raise ValueError(f"mask ({mask!r}).lower_triangle says the tile q ids [{int(qi[0])}.."
                                  f"{int(qi[-1])}] x k ids [{int(ki[0])}..{int(ki[-1])}] is the lower "
                                  f"triangle, but its dense form disagrees")
@@ -309,12 +310,7 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
 
 def increasing_spans(ids: torch.Tensor) -> List[Tuple[int, int]]:
     """``(start, end)`` of maximal spans of strictly increasing ids (unions of ``id_runs``), pure."""
-    n = ids.numel()
-    if n == 0:
-        return []
-    breaks = (torch.nonzero(ids[1:] <= ids[:-1]).flatten() + 1).tolist()
-    edges = [0] + breaks + [n]
-    return list(zip(edges[:-1], edges[1:]))
+    return _spans(ids, ids[1:] <= ids[:-1])
 
 
 def _tile_spans(tiles, spans):

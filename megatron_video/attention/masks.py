@@ -31,7 +31,13 @@ from ..ops import masks as _ops
 from ..ops.rules import EMPTY, FULL, PARTIAL
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "AttentionMask", "RuleMask", "full", "causal", "block_causal",
-           "packed", "predicate", "from_dense", "VideoRows", "video_rows"]
+           "packed", "predicate", "from_dense", "VideoRows", "video_rows", "is_lower_triangle"]
+
+
+def is_lower_triangle(m: torch.Tensor) -> bool:
+    """True iff the bool tile ``m`` is square and exactly its lower triangle (``j <= i``)."""
+    n = m.shape[0]
+    return m.shape[1] == n and torch.equal(m, torch.ones(n, n, dtype=torch.bool, device=m.device).tril())
 
 
 def _tile_edges(n: int, tile: int):
@@ -74,11 +80,9 @@ class AttentionMask:
         (query ``i`` attends key ``j`` iff ``j <= i``): the fused kernels' causal flag then replaces
         the tile's mask. False may be conservative (the tile's mask is passed instead). Default: the
         tile's dense form (one tile, as the engine calls it)."""
-        n = q_ids.numel()
-        if n == 0 or k_ids.numel() != n:
+        if q_ids.numel() == 0 or k_ids.numel() != q_ids.numel():
             return False
-        return bool(torch.equal(self.dense(q_ids, k_ids),
-                                torch.ones(n, n, dtype=torch.bool, device=q_ids.device).tril()))
+        return is_lower_triangle(self.dense(q_ids, k_ids))
 
     def mask_mod(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Callable:
         """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``."""
