@@ -222,7 +222,12 @@ def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str, di
 
 
 def _inverse(index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if index is None else torch.argsort(index)
+    """The inverse permutation: one O(n) scatter (``inv[index] = arange``), not a sort."""
+    if index is None:
+        return None
+    inv = torch.empty_like(index)
+    inv[index] = torch.arange(index.numel(), device=index.device, dtype=index.dtype)
+    return inv
 
 
 class _AllToAll(torch.autograd.Function):
