@@ -1,37 +1,19 @@
-"""U x R context-parallel topology carved out of Megatron's CP group.
-
-Two ways in (docs/architecture.md, "Groups"):
-
-* ``groups_from_megatron(pg_collection, cp_comm_type)``: the default, used by the Megatron
-  core-attention adapter. It reads what Megatron already has (``pg_collection`` when given, else
-  ``megatron.core.parallel_state`` through its public getters), creates no group and keeps no
-  state. ``cp_comm_type`` picks the scheme like Transformer Engine does: ``"a2a+p2p"`` -> Ulysses
-  over Megatron's hierarchical level 0 x ring over level 1 (``initialize_model_parallel(...,
-  hierarchical_context_parallel_sizes=[U, R])``), ``"p2p"`` (and None, Megatron's default) -> ring
-  over the CP group, ``"a2a"`` -> Ulysses over the CP group.
-* ``init_video_parallel(U)``: explicit control (placement, ranks-per-node checks, groups created
-  here when Megatron's do not match), called after ``initialize_model_parallel``.
-The CP group of size ``N = U*R`` splits into a Ulysses (all-to-all) group of size U and a ring
-(P2P) group of size R. With ``placement="ulysses_inner"`` (default) the CP index is ``c = r*U + u``:
-the Ulysses group ``{r*U + u : u}`` is contiguous in the CP group (inside a node, over NVLink) and
-the ring group ``{r*U + u : r}`` is strided (across nodes). ``placement="ring_inner"`` swaps them
-(``c = u*R + r``). When Megatron was initialised with ``hierarchical_context_parallel_sizes`` that
-match, its groups are reused (level 0 is the contiguous one); otherwise groups are created here.
-
-The result is kept next to Megatron's parallel state (``get_video_parallel_groups``) so that
-modules built from specs (e.g. the Megatron core-attention adapter) can find it.
+"""U x R context-parallel topology carved out of Megatron's CP group: groups from Megatron
+(``groups_from_megatron``) or explicit (``init_video_parallel``), and the node-placement rule
+(``check_ulysses_in_node``). Design: docs/architecture.md, "Groups".
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
 __all__ = [
-    "CP_COMM_TYPES", "groups_from_megatron", "resolve_video_groups", "VideoParallelGroups", "init_video_parallel", "get_video_parallel_groups",
-    "destroy_video_parallel", "PLACEMENTS", "cp_index", "local_groups",
+    "CP_COMM_TYPES", "groups_from_megatron", "resolve_video_groups", "VideoParallelGroups",
+    "init_video_parallel", "get_video_parallel_groups", "destroy_video_parallel", "PLACEMENTS",
+    "cp_index", "local_groups", "check_ranks_per_node", "check_ulysses_in_node", "default_cp_groups",
 ]
 
 PLACEMENTS = ("ulysses_inner", "ring_inner")
@@ -40,7 +22,9 @@ CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "all_gather")
 
 
 def cp_index(u: int, r: int, ulysses_size: int, ring_size: int, placement: str = "ulysses_inner") -> int:
-    """CP index of Ulysses rank ``u`` and ring rank ``r`` (pure)."""
+    """CP index of Ulysses rank ``u`` and ring rank ``r`` (pure): ``c = r*U + u`` with
+    ``placement="ulysses_inner"`` (the Ulysses group is contiguous in the CP group: inside a node),
+    ``c = u*R + r`` with ``"ring_inner"`` (the ring group is contiguous)."""
     return r * ulysses_size + u if placement == "ulysses_inner" else u * ring_size + r
 
 
@@ -112,23 +96,68 @@ def destroy_video_parallel() -> None:
     _GROUPS = None
 
 
-def _resolve_ranks_per_node(ranks_per_node: Optional[int], world_size: int) -> int:
-    if ranks_per_node is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None:
-            return world_size
-        try:
-            ranks_per_node = int(env)
-        except ValueError:
-            raise ValueError(f"LOCAL_WORLD_SIZE ({env!r}) must be an integer number of ranks per node")
-        source = "LOCAL_WORLD_SIZE"
-    else:
-        source = "ranks_per_node"
+def check_ranks_per_node(ranks_per_node, world_size: int, name: str = "ranks_per_node") -> int:
+    """``ranks_per_node`` checked: a positive integer that divides ``world_size`` (pure)."""
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"{source} ({ranks_per_node!r}) must be a positive integer")
+        raise ValueError(f"{name} ({ranks_per_node!r}) must be a positive integer")
     if world_size % ranks_per_node:
-        raise ValueError(f"{source} ({ranks_per_node}) must divide the world size ({world_size})")
+        raise ValueError(f"{name} ({ranks_per_node}) must divide the world size ({world_size})")
     return ranks_per_node
+
+
+def _resolve_ranks_per_node(ranks_per_node: Optional[int], world_size: int) -> int:
+    if ranks_per_node is not None:
+        return check_ranks_per_node(ranks_per_node, world_size)
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is None:
+        return world_size
+    try:
+        value = int(env)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE ({env!r}) must be an integer number of ranks per node")
+    return check_ranks_per_node(value, world_size, "LOCAL_WORLD_SIZE")
+
+
+def default_cp_groups(world_size: int, tp_size: int, cp_size: int) -> List[List[int]]:
+    """Global ranks of every CP group, in CP-index order, under Megatron's default rank order
+    (``"tp-cp-ep-dp-pp"``: TP fastest, then CP), as ``initialize_model_parallel`` builds them (pure)."""
+    block = tp_size * cp_size
+    return [[base + t + tp_size * c for c in range(cp_size)]
+            for base in range(0, world_size, block) for t in range(tp_size)]
+
+
+def check_ulysses_in_node(cp_groups: Sequence[Sequence[int]], ulysses_size: int, ring_size: int,
+                          ranks_per_node: int, placement: str = "ulysses_inner", tp_size: int = 1,
+                          prefix: str = "", setting: Optional[str] = None,
+                          hint: Optional[str] = None) -> None:
+    """The node-placement rule, in one place: every Ulysses (all-to-all) group of every CP group
+    must lie inside one node (rank ``g`` is on node ``g // ranks_per_node``). Pure: no collectives,
+    so callers that see the same ``cp_groups`` reach the same verdict on every rank.
+
+    ``cp_groups``: global ranks of each CP group in CP-index order (``default_cp_groups`` for a
+    configuration not yet running). ``prefix`` names the parameters as the caller's user knows them
+    (``"parallel."`` in a training config); ``setting`` replaces the leading "which setting" part of
+    the message (e.g. ``"cp_comm_type ('a2a')"``) and ``hint`` is appended to it.
+    Raises ``ValueError`` naming the parameters, their values and the rule.
+    """
+    U, R, rpn, p = ulysses_size, ring_size, ranks_per_node, prefix
+    for cp in cp_groups:
+        for group in local_groups(list(cp), U, R, placement)[0]:
+            nodes = sorted({g // rpn for g in group})
+            if len(nodes) < 2:
+                continue
+            if placement == "ring_inner":
+                rule = (f"{p}context_parallel_size ({U * R}) x tensor_model_parallel_size ({tp_size}) "
+                        f"must be <= {p}ranks_per_node ({rpn}) and divide it for {p}placement "
+                        f"'ring_inner' with {p}ulysses_size ({U}) > 1: the all-to-all group strides "
+                        f"over the ring, so the whole CP group must lie inside one node")
+            else:
+                rule = (f"{p}ulysses_size ({U}) x tensor_model_parallel_size ({tp_size}) must be <= "
+                        f"{p}ranks_per_node ({rpn}) and divide it")
+            head = setting or f"{p}ulysses_size ({U}) with {p}placement {placement!r}"
+            raise ValueError(f"{head}: the all-to-all group {list(group)} spans nodes {nodes} at "
+                             f"{p}ranks_per_node ({rpn}); the Ulysses group must lie inside one node "
+                             f"({rule})" + (f"; {hint}" if hint else ""))
 
 
 def _check_positive_int(name, value):
@@ -141,6 +170,8 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
                         placement: str = "ulysses_inner") -> VideoParallelGroups:
     """Derive Ulysses and ring groups from Megatron's CP group and validate their placement.
 
+    Three steps: placement (sizes, ranks per node, every CP group's Ulysses groups inside a node),
+    reuse (Megatron's hierarchical CP groups when they are exactly ours), creation (otherwise).
     Collective over the world (group creation). Raises ``ValueError`` for invalid configurations
     before creating any group.
     """
@@ -153,10 +184,40 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
     if cp_group is None:
         raise RuntimeError("Megatron parallel state is not initialised: call "
                            "parallel_state.initialize_model_parallel(...) first")
-    cp_size = ps.get_context_parallel_world_size()
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    world = dist.get_world_size()
+    ring_size, rpn, cp_groups = _placement(ps, cp_group, ulysses_size, ring_size, ranks_per_node,
+                                           placement)
+    cp_ranks = list(dist.get_process_group_ranks(cp_group))  # this rank's CP group, CP-index order
+    pair, owned = _reuse_megatron_groups(ps, cp_ranks, ulysses_size, ring_size, placement), []
+    reused = pair is not None
+    if not reused:
+        pair, owned = _create_groups(cp_groups, ulysses_size, ring_size, placement)
+    ulysses_group, ring_group = pair
+    ulysses_ranks = list(dist.get_process_group_ranks(ulysses_group))
+    ring_ranks = list(dist.get_process_group_ranks(ring_group))
+    me = dist.get_rank()
+    _GROUPS = VideoParallelGroups(
+        cp_group=cp_group, ulysses_group=ulysses_group, ring_group=ring_group,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(with_context_parallel=False),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        cp_ranks=cp_ranks, ulysses_ranks=ulysses_ranks, ring_ranks=ring_ranks,
+        ulysses_size=ulysses_size, ring_size=ring_size, cp_rank=cp_ranks.index(me),
+        ulysses_rank=ulysses_ranks.index(me), ring_rank=ring_ranks.index(me),
+        placement=placement, ranks_per_node=rpn, reused_megatron_groups=reused,
+        extra={"owned_groups": owned},
+    )
+    return _GROUPS
 
+
+def _placement(ps, cp_group, ulysses_size, ring_size, ranks_per_node, placement):
+    """Placement step of ``init_video_parallel``: ``(ring_size, ranks_per_node, cp_groups)``.
+
+    Every rank learns every CP group (one ``all_gather_object``) so that group creation is called
+    identically everywhere and the node check gives the same verdict on every rank (no rank may
+    raise while the others go on into a collective).
+    """
+    cp_size = ps.get_context_parallel_world_size()
+    world = dist.get_world_size()
     if placement not in PLACEMENTS:
         raise ValueError(f"placement ({placement!r}) must be one of {PLACEMENTS}")
     _check_positive_int("ulysses_size", ulysses_size)
@@ -171,79 +232,49 @@ def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
                          f"{ulysses_size * ring_size}) must equal Megatron's context_parallel_size "
                          f"({cp_size})")
     rpn = _resolve_ranks_per_node(ranks_per_node, world)
+    all_cp = [None] * world
+    dist.all_gather_object(all_cp, list(dist.get_process_group_ranks(cp_group)))
+    cp_groups = sorted({tuple(g) for g in all_cp})
+    check_ulysses_in_node(cp_groups, ulysses_size, ring_size, rpn, placement,
+                          tp_size=ps.get_tensor_model_parallel_world_size())
+    return ring_size, rpn, cp_groups
 
-    cp_ranks = list(dist.get_process_group_ranks(cp_group))  # this rank's CP group, CP-index order
+
+def _reuse_megatron_groups(ps, cp_ranks, ulysses_size, ring_size, placement):
+    """Reuse step: Megatron's hierarchical CP groups as ``(ulysses_group, ring_group)`` when they
+    are exactly ours; ``None`` when there are none to reuse; ``ValueError`` when they disagree."""
+    hier = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if hier is None or len(hier) != 2 or ulysses_size == 1 or ring_size == 1:
+        return None
     ug, rg = local_groups(cp_ranks, ulysses_size, ring_size, placement)
     me = dist.get_rank()
-    my_ug = next(g for g in ug if me in g)
+    my_ug, my_rg = (sorted(next(g for g in gs if me in g)) for gs in (ug, rg))
+    lvl0, lvl1 = (sorted(dist.get_process_group_ranks(g)) for g in hier)
+    if placement == "ulysses_inner" and (lvl0, lvl1) == (my_ug, my_rg):
+        return hier[0], hier[1]
+    if placement == "ring_inner" and (lvl0, lvl1) == (my_rg, my_ug):
+        return hier[1], hier[0]
+    sizes = [dist.get_world_size(g) for g in hier]
+    raise ValueError(
+        f"hierarchical_context_parallel_sizes ({sizes}) given to Megatron do not match "
+        f"ulysses_size ({ulysses_size}) x ring_size ({ring_size}) with placement "
+        f"{placement!r}; use [{ulysses_size}, {ring_size}] for 'ulysses_inner' or "
+        f"[{ring_size}, {ulysses_size}] for 'ring_inner'")
 
-    # Every rank learns every CP group so that group creation is called identically everywhere,
-    # and so that the placement check below gives the same verdict on every rank (no rank may
-    # raise while the others go on into a collective).
-    all_cp = [None] * world
-    dist.all_gather_object(all_cp, cp_ranks)
-    cp_groups = sorted({tuple(g) for g in all_cp})
+
+def _create_groups(cp_groups, ulysses_size, ring_size, placement):
+    """Creation step: new Ulysses and ring groups for every CP group (``dist.new_group`` is called
+    identically on every rank). Returns ``((ulysses_group, ring_group), owned_groups)``."""
+    me = dist.get_rank()
+    mine, owned = [None, None], []
     for g in cp_groups:
-        for a2a_group in local_groups(list(g), ulysses_size, ring_size, placement)[0]:
-            nodes = sorted({r // rpn for r in a2a_group})
-            if len(nodes) > 1:
-                raise ValueError(
-                    f"ulysses_size ({ulysses_size}) with placement {placement!r}: the all-to-all "
-                    f"group {a2a_group} spans nodes {nodes} at ranks_per_node ({rpn}); the Ulysses "
-                    f"group must lie inside one node (tensor_model_parallel_size * ulysses_size = "
-                    f"{tp_size * ulysses_size} <= ranks_per_node for 'ulysses_inner'; the whole CP "
-                    f"group for 'ring_inner')")
-
-    # Reuse Megatron's hierarchical groups when they are exactly ours.
-    hier = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
-    reused = False
-    ulysses_group = ring_group = None
-    if hier is not None and len(hier) == 2 and ulysses_size > 1 and ring_size > 1:
-        sizes = [dist.get_world_size(g) for g in hier]
-        lvl0 = dist.get_process_group_ranks(hier[0])
-        lvl1 = dist.get_process_group_ranks(hier[1])
-        my_rg = next(g for g in rg if me in g)
-        if placement == "ulysses_inner" and sorted(lvl0) == sorted(my_ug) and sorted(lvl1) == sorted(my_rg):
-            ulysses_group, ring_group, reused = hier[0], hier[1], True
-        elif placement == "ring_inner" and sorted(lvl0) == sorted(my_rg) and sorted(lvl1) == sorted(my_ug):
-            ring_group, ulysses_group, reused = hier[0], hier[1], True
-        else:
-            raise ValueError(
-                f"hierarchical_context_parallel_sizes ({sizes}) given to Megatron do not match "
-                f"ulysses_size ({ulysses_size}) x ring_size ({ring_size}) with placement "
-                f"{placement!r}; use [{ulysses_size}, {ring_size}] for 'ulysses_inner' or "
-                f"[{ring_size}, {ulysses_size}] for 'ring_inner'")
-    owned = []
-    if not reused:
-        for g in cp_groups:
-            gu, gr = local_groups(list(g), ulysses_size, ring_size, placement)
-            for ranks in gu:
+        for kind, groups in enumerate(local_groups(list(g), ulysses_size, ring_size, placement)):
+            for ranks in groups:
                 grp = dist.new_group(ranks)
                 if me in ranks:
-                    ulysses_group = grp
+                    mine[kind] = grp
                     owned.append(grp)
-            for ranks in gr:
-                grp = dist.new_group(ranks)
-                if me in ranks:
-                    ring_group = grp
-                    owned.append(grp)
-
-    ulysses_ranks = dist.get_process_group_ranks(ulysses_group)
-    ring_ranks = dist.get_process_group_ranks(ring_group)
-    cp_rank = cp_ranks.index(me)
-    groups = VideoParallelGroups(
-        cp_group=cp_group, ulysses_group=ulysses_group, ring_group=ring_group,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(with_context_parallel=False),
-        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
-        cp_ranks=cp_ranks, ulysses_ranks=list(ulysses_ranks), ring_ranks=list(ring_ranks),
-        ulysses_size=ulysses_size, ring_size=ring_size, cp_rank=cp_rank,
-        ulysses_rank=list(ulysses_ranks).index(me), ring_rank=list(ring_ranks).index(me),
-        placement=placement, ranks_per_node=rpn, reused_megatron_groups=reused,
-        extra={"owned_groups": owned},
-    )
-    _GROUPS = groups
-    return groups
+    return tuple(mine), owned
 
 
 def check_cp_comm_type(cp_comm_type) -> str:
@@ -313,16 +344,13 @@ def groups_from_megatron(pg_collection=None, cp_comm_type=None,
             f"must be the contiguous and the strided split of the CP group {cp_ranks} "
             f"(level 0 = {want_u}, level 1 = {want_r}), as initialize_model_parallel builds them")
     rpn = _resolve_ranks_per_node(ranks_per_node, dist.get_world_size())
-    nodes = sorted({g // rpn for g in ulysses_ranks})
-    if len(nodes) > 1:
-        raise ValueError(
-            f"cp_comm_type ({comm!r}): the all-to-all group {ulysses_ranks} spans nodes {nodes} at "
-            f"ranks_per_node ({rpn}); the Ulysses group must lie inside one node (use 'a2a+p2p' "
-            f"with hierarchical_context_parallel_sizes [U, R] and tensor_model_parallel_size * U <= "
-            f"ranks_per_node, or 'p2p')")
+    tp_group = _pg(pg_collection, "tp") or ps.get_tensor_model_parallel_group(check_initialized=False)
+    check_ulysses_in_node([cp_ranks], U, R, rpn,
+                          tp_size=dist.get_world_size(tp_group) if tp_group is not None else 1,
+                          setting=f"cp_comm_type ({comm!r})",
+                          hint="use 'a2a+p2p' with hierarchical_context_parallel_sizes [U, R], or 'p2p'")
     return VideoParallelGroups(
-        cp_group=cp_group, ulysses_group=ug, ring_group=rg,
-        tp_group=_pg(pg_collection, "tp") or ps.get_tensor_model_parallel_group(check_initialized=False),
+        cp_group=cp_group, ulysses_group=ug, ring_group=rg, tp_group=tp_group,
         dp_group=_pg(pg_collection, "dp"), dp_cp_group=_pg(pg_collection, "dp_cp"),
         cp_ranks=cp_ranks, ulysses_ranks=ulysses_ranks, ring_ranks=ring_ranks,
         ulysses_size=U, ring_size=R, cp_rank=cp_rank, ulysses_rank=u, ring_rank=r,

@@ -17,6 +17,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import yaml
 
+from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
+
 __all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "DiffusionSection",
            "TrainSection", "Config", "load_config", "apply_overrides", "config_from_dict",
            "config_to_dict", "validate", "latent_shape", "token_grid_of", "data_parallel_size"]
@@ -308,21 +310,10 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     if m.num_layers % PP:
         raise ValueError(f"model.num_layers ({m.num_layers}) must be divisible by "
                          f"parallel.pipeline_model_parallel_size ({PP})")
-    if p.ranks_per_node is not None:
-        _pos_int("parallel.ranks_per_node", p.ranks_per_node)
-        if world_size % p.ranks_per_node:
-            raise ValueError(f"parallel.ranks_per_node ({p.ranks_per_node}) must divide the world size "
-                             f"({world_size})")
-        if U > 1 and p.placement == "ulysses_inner" and TP * U > p.ranks_per_node:
-            raise ValueError(f"parallel.ulysses_size ({U}) x tensor_model_parallel_size ({TP}) must be <= "
-                             f"parallel.ranks_per_node ({p.ranks_per_node}): the all-to-all group "
-                             f"must lie inside one node")
-        if U > 1 and p.placement == "ring_inner" and TP * CP > p.ranks_per_node:
-            raise ValueError(f"parallel.context_parallel_size ({CP}) x tensor_model_parallel_size ({TP}) "
-                             f"must be <= parallel.ranks_per_node ({p.ranks_per_node}) for "
-                             f"parallel.placement 'ring_inner' with ulysses_size ({U}) > 1: the "
-                             f"all-to-all group strides over the ring, so the whole CP group must lie "
-                             f"inside one node")
+    if p.ranks_per_node is not None:   # the node-placement rule lives in parallel.topology
+        check_ranks_per_node(p.ranks_per_node, world_size, "parallel.ranks_per_node")
+        check_ulysses_in_node(default_cp_groups(world_size, TP, CP), U, R, p.ranks_per_node,
+                              p.placement, tp_size=TP, prefix="parallel.")
     if p.recompute and not isinstance(p.recompute, bool):
         raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
 
