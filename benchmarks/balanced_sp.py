@@ -28,14 +28,17 @@ import torch  # noqa: E402
 from megatron_video.layouts.balanced_sp import (BalancedSPLayout, max_over_mean,  # noqa: E402
                                                 naive_identity_units, naive_slice_global_ids,
                                                 ring_attention_work)
-from megatron_video.layouts.vae_halo import halo_window, num_raw_frames, temporal_receptive_field  # noqa: E402
-from megatron_video.models.vae import CausalVideoEncoder  # noqa: E402
+from megatron_video.layouts.vae_halo import (num_raw_frames, temporal_receptive_field,  # noqa: E402
+                                             windows_for_bounds)
+from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
+
+STRIDE = CausalVideoVAE.temporal_stride   # the project's VAE
 
 
 def per_rank_rows(a):
     F, S, nb, U, R = a.frames, a.tokens_per_frame, a.frames_per_block, a.ulysses, a.ring
     P = U * R
-    T = num_raw_frames(F)
+    T = num_raw_frames(F, STRIDE)
     frame_bytes = a.channels * a.height * a.width * a.bytes_per_elt
     rows = {}
 
@@ -49,7 +52,8 @@ def per_rank_rows(a):
 
     for name, bal in (("balanced", False), ("balanced+ring", True)):
         lay = BalancedSPLayout(F, S, nb, P, ring_size=R, ring_balance=bal)
-        vae = [sum(halo_window(s, e, a.halo).num_raw for s, e in lay.rank_segments(c)) for c in range(P)]
+        vae = [sum(w.num_raw for w in windows_for_bounds(lay.rank_segments(c), a.halo, STRIDE))
+               for c in range(P)]
         rows[name] = dict(loss=lay.loss_tokens_per_rank(), work=lay.attention_work_per_rank(),
                           vae=vae, raw_bytes=[v * frame_bytes for v in vae])
     return rows
@@ -74,7 +78,7 @@ def print_table(rows, a):
     metrics = [("loss", "loss tokens"), ("work", "unmasked attn pairs"), ("vae", "VAE raw frames"),
                ("raw_bytes", "raw video bytes in")]
     print(f"F={a.frames} latent frames, S={a.tokens_per_frame} tokens/frame, nb={a.frames_per_block}, "
-          f"P={P} (U={a.ulysses} x R={a.ring}), VAE halo={a.halo} latents, raw frames T={num_raw_frames(a.frames)}")
+          f"P={P} (U={a.ulysses} x R={a.ring}), VAE halo={a.halo} latents, raw frames T={num_raw_frames(a.frames, STRIDE)}")
     head = f"{'metric':<22} {'layout':<14} " + " ".join(f"{'r' + str(c):>12}" for c in range(P)) + \
         f" {'total':>14} {'max/mean':>9}"
     print(head)

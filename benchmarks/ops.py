@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from megatron_video.ops import (ENV_VAR, TokenIds, block_mask_status, block_mask_status_reference,  # noqa: E402
                                 dense_mask, dense_mask_reference, halo_gather, halo_gather_reference,
                                 halo_scatter, halo_scatter_reference)
-from megatron_video.ops.halo import _halo_windows  # noqa: E402
+from megatron_video.layouts.vae_halo import window_tensors, windows_for_bounds  # noqa: E402
+from megatron_video.models.vae import CausalVideoVAE  # noqa: E402
 
 
 def timed(fn, device: torch.device, repeat: int) -> float:
@@ -64,8 +65,10 @@ def row(name: str, t_ext: float, t_ref: float, moved: int | None = None, t_copy:
 
 def bench_halo(args, device: torch.device) -> None:
     dtype = getattr(torch, args.dtype)
-    F = (args.raw_frames - 1) // 4 + 1
-    windows, drop = _halo_windows(even_bounds(F, args.ranks), args.halo)
+    st, ss = CausalVideoVAE.temporal_stride, CausalVideoVAE.spatial_stride   # the project's VAE
+    F = (args.raw_frames - 1) // st + 1
+    metas = windows_for_bounds(even_bounds(F, args.ranks), args.halo, temporal_stride=st)
+    windows, drop = window_tensors(metas)
     video = torch.randn(1, 3, args.raw_frames, args.height, args.width, device=device, dtype=dtype)
     print(f"halo: video [1, 3, {args.raw_frames}, {args.height}, {args.width}] {args.dtype} "
           f"({video.numel() * video.element_size() / 2**30:.2f} GiB), {args.ranks} ranks, halo {args.halo} latents, "
@@ -78,9 +81,9 @@ def bench_halo(args, device: torch.device) -> None:
     t_ref = timed(lambda: halo_scatter_reference(video, windows), device, args.repeat)
     row("halo_scatter", t_ext, t_ref, moved, t_copy)
     del packed, video
-    # Inverse: 16-channel latents of an 8x spatial VAE, one tensor per rank.
-    counts = [int(e - s - 1) // 4 + 1 for s, e in windows.tolist()]
-    latents = [torch.randn(1, 16, c, args.height // 8, args.width // 8, device=device, dtype=dtype) for c in counts]
+    # Inverse: 16-channel latents at the VAE's spatial stride, one tensor per rank.
+    latents = [torch.randn(1, 16, m.num_window_latents, args.height // ss, args.width // ss,
+                           device=device, dtype=dtype) for m in metas]
     out = halo_gather(latents, drop)
     moved = 2 * out.numel() * out.element_size()
     t_ext = timed(lambda: halo_gather(latents, drop), device, args.repeat)

@@ -42,26 +42,28 @@ def main() -> None:
     t0 = time.time()
     p = probe_halo(encode, spatial=(args.hw, args.hw))
     dt = time.time() - t0
-    print(f"derived: look-back {p.lookback} raw frames -> halo {p.halo} latents = {4 * p.halo} raw frames "
+    st = p.temporal_stride   # the stride the probe checked the encoder's latent count against
+    longlive = LONGLIVE_RAW_FRAMES // st
+    print(f"derived: look-back {p.lookback} raw frames -> halo {p.halo} latents = {st * p.halo} raw frames "
           f"(+1 first-frame pseudo frame) [probe clip {p.probe_latents} latents, {dt:.1f} s]")
-    print(f"LongLive hard-codes {LONGLIVE_RAW_FRAMES} raw frames = {LONGLIVE_RAW_FRAMES // 4} latents: "
-          f"{'enough' if LONGLIVE_RAW_FRAMES // 4 >= p.halo else 'NOT exact'} for this architecture "
-          f"(ratio derived/LongLive = {4 * p.halo / LONGLIVE_RAW_FRAMES:.2f})")
+    print(f"LongLive hard-codes {LONGLIVE_RAW_FRAMES} raw frames = {longlive} latents: "
+          f"{'enough' if longlive >= p.halo else 'NOT exact'} for this architecture "
+          f"(ratio derived/LongLive = {st * p.halo / LONGLIVE_RAW_FRAMES:.2f})")
     vae.double()
     N = p.probe_latents
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 3, num_raw_frames(N), args.hw, args.hw, generator=g, dtype=torch.float64)
+    x = torch.randn(1, 3, num_raw_frames(N, st), args.hw, args.hw, generator=g, dtype=torch.float64)
     with torch.no_grad():
         full = encode(x)[:, :, -1:]
         scale = float(full.abs().max())
         print("halo (latents) | raw frames | max |windowed - full| of the last latent (relative)")
-        for h in [p.halo - k for k in range(args.shorter + 1)] + [LONGLIVE_RAW_FRAMES // 4]:
+        for h in [p.halo - k for k in range(args.shorter + 1)] + [longlive]:
             if h < 0:
                 continue
-            w = halo_window(N - 1, N, h)
+            w = halo_window(N - 1, N, h, st)
             err = float((encode(w.slice_raw(x))[:, :, -1:] - full).abs().max()) / scale
-            tag = " (LongLive)" if h == LONGLIVE_RAW_FRAMES // 4 else (" (derived)" if h == p.halo else "")
-            print(f"{h:14d} | {4 * h:10d} | {err:.3e}{tag}")
+            tag = " (LongLive)" if h == longlive else (" (derived)" if h == p.halo else "")
+            print(f"{h:14d} | {st * h:10d} | {err:.3e}{tag}")
 
 
 if __name__ == "__main__":

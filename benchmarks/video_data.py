@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_video.data.energon_video import (prepare_dataset, video_window_loader,  # noqa: E402
                                                write_procedural_videos)
 from megatron_video.layouts.vae_halo import encoder_halo, halo_windows, num_raw_frames  # noqa: E402
-from megatron_video.models.vae import CausalVideoEncoder  # noqa: E402
+from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,8 @@ def main() -> None:
     args = ap.parse_args()
     from megatron.energon.av import AVDecoder
 
-    F, T = args.latents, num_raw_frames(args.latents)
+    st = CausalVideoVAE.temporal_stride   # the project's VAE
+    F, T = args.latents, num_raw_frames(args.latents, st)
     h = encoder_halo(CausalVideoEncoder())
     root = Path(tempfile.mkdtemp(prefix="video_data_"))
     try:
@@ -56,7 +57,7 @@ def main() -> None:
         print(" P | frames/rank windowed (max) | F/P+halo raw | frames/rank full | time/rank windowed | "
               "time/rank full+slice | ratio")
         for P in (1, 2, 4, 8):
-            ws = halo_windows(F, P, h)
+            ws = halo_windows(F, P, h, temporal_stride=st)
             per_rank_w, per_rank_f, frames_w = [], [], []
             for w in ws:
                 tw = tf = 0.0
@@ -68,11 +69,11 @@ def main() -> None:
                     tf += a
                 per_rank_w.append(tw / len(blobs))
                 per_rank_f.append(tf / len(blobs))
-            target = min(T, 4 * (F // P) + 4 * h + 1)
+            target = min(T, st * (F // P) + st * h + 1)
             print(f"{P:2d} | {max(frames_w):26d} | {target:12d} | {T:16d} | {1e3 * max(per_rank_w):15.1f} ms | "
                   f"{1e3 * max(per_rank_f):17.1f} ms | {max(per_rank_f) / max(per_rank_w):5.2f}x")
         for P in (1, 4):
-            w = halo_windows(F, P, h)[P - 1]
+            w = halo_windows(F, P, h, temporal_stride=st)[P - 1]
             loader, te = video_window_loader(root / "ds", [w], num_frames=T, height=args.hw, width=args.hw,
                                              batch_size=1, dp_rank=0, dp_size=1)
             it = iter(loader)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from megatron_video.ops import (halo_gather, halo_gather_packed, halo_gather_reference, halo_scatter,
                                 halo_scatter_reference)
-from megatron_video.ops.halo import _halo_windows
+from megatron_video.layouts.vae_halo import window_tensors, windows_for_bounds
 
 from _ops_helpers import extension  # noqa: F401  (module-scoped autouse fixture)
 
@@ -19,6 +19,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """Same-width integer view, so equality is bitwise (distinguishes -0.0, NaN payloads)."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.contiguous().view(ints[t.element_size()])
+
+
+def _halo_windows(latent_bounds, halo):
+    """``[P, 2]`` raw windows and ``[P]`` drops of the one window rule (layouts.vae_halo), stride 4."""
+    return window_tensors(windows_for_bounds(latent_bounds, halo))
 
 
 def random_bounds(draw, num_ranks: int):

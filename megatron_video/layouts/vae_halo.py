@@ -1,36 +1,6 @@
-"""SP-folded VAE encoding: per-rank raw-frame windows with a left halo (pure index maps).
-
-A causal video VAE with temporal stride ``4`` maps raw frame 0 to latent 0 and raw frames
-``4k-3..4k`` to latent ``k`` (``causal_first_frame=True``; ``T`` raw frames give ``1 + (T-1)/4``
-latents). Rank ``r`` keeps latents ``[ls, le)``; it encodes a window that starts ``h`` latents earlier
-so that the causal receptive field of latent ``ls`` lies inside the window, then drops the leading
-latents:
-
-* ``halo_start = max(0, ls - h)``;
-* ``halo_start == 0``: window ``[0, 1 + 4(le-1))`` (the video's own start: exact, no pseudo latent);
-* otherwise window ``[4(halo_start-1), 1 + 4(le-1))``: its first frame is the last frame of latent
-  ``halo_start-1`` and becomes a throw-away first-frame latent (``pseudo = 1``);
-* ``drop = pseudo + (ls - halo_start)`` leading latents of the window's encoding are discarded.
-
-With ``causal_first_frame=False`` (latent ``k`` <- frames ``4k..4k+3``): window
-``[4*halo_start, 4*le)`` and ``drop = ls - halo_start``.
-
-The halo an encoder needs comes from its causal temporal stack (``temporal_receptive_field``): a
-module that performs causal temporal convolution exposes ``causal_time_op = (kernel, stride, pad)``
-(``pad == kernel - 1``: output ``j`` reads inputs ``j*stride - pad .. j*stride``). Composing them,
-final output ``j`` reads raw frames ``[j*Σ - L, j*Σ]`` with ``Σ = Π stride_i`` and
-``L = Σ_i (kernel_i - 1) * Π_{j<i} stride_j``. In a window the kept latent sits at raw window index
-``Σ*drop`` (first-frame case), so it is exact iff ``Σ*drop >= L``, i.e. ``h >= ceil(L/Σ) - 1``
-(``h >= ceil((L - Σ + 1)/Σ)`` without the first-frame rule, whose latent ends at ``Σk + Σ-1``).
-
-An encoder that declares nothing (e.g. diffusers' ``AutoencoderKLWan``, or a callable such as
-``lambda x: vae.encode(x).latent_dist.mean``) gets its halo from its behaviour (``probe_halo``): in
-float64, at a small spatial size, the gradient of the LAST latent of a short random clip with
-respect to the raw frames is non-zero exactly on the frames it reads, which gives ``L``; frames after
-an earlier latent must get no gradient (causality). The halo from ``L`` is then checked by encoding
-the window of the last latent and comparing with the full clip's encoding (raised until exact, in
-case the encoder treats a window's first frame differently from a frame with history). The result
-is cached per encoder configuration (``encoder_halo``); declared ops stay the fast path.
+"""SP-folded VAE encoding: per-rank raw-frame windows with a left halo (pure index maps), and the
+halo an encoder needs (declared causal ops, or probed from its behaviour). Design:
+docs/architecture.md, "Capabilities" 2 (VAE halo); the window rule is ``halo_window``'s docstring.
 """
 from __future__ import annotations
 
@@ -43,9 +13,9 @@ import torch
 from torch import nn
 
 __all__ = [
-    "HaloWindow", "halo_window", "halo_windows", "resolve_halo", "num_raw_frames", "encoder_temporal_ops",
-    "temporal_lookback", "halo_for_lookback", "temporal_receptive_field", "HaloProbe", "probe_halo",
-    "encoder_halo",
+    "HaloWindow", "halo_window", "halo_windows", "windows_for_bounds", "window_tensors", "resolve_halo",
+    "num_raw_frames", "encoder_temporal_ops", "temporal_lookback", "halo_for_lookback",
+    "temporal_receptive_field", "HaloProbe", "probe_halo", "encoder_halo",
 ]
 
 Encoder = Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]
@@ -116,7 +86,24 @@ class HaloWindow:
 
 def halo_window(latent_start: int, latent_end: int, halo_latents: int, temporal_stride: int = 4,
                 causal_first_frame: bool = True, rank: int = 0) -> HaloWindow:
-    """The window that encodes latents ``[latent_start, latent_end)`` with ``halo_latents`` of halo."""
+    """The window that encodes latents ``[latent_start, latent_end)`` with ``halo_latents`` of halo
+    (the one home of the rule; any latent range, e.g. one of a packed clip, counted from its clip's
+    start).
+
+    A causal video VAE with temporal stride ``st`` maps raw frame 0 to latent 0 and raw frames
+    ``st*k-st+1 .. st*k`` to latent ``k`` (``causal_first_frame=True``). The window starts ``h``
+    latents early so that the causal receptive field of latent ``ls`` lies inside it:
+
+    * ``halo_start = max(0, ls - h)``;
+    * ``halo_start == 0``: window ``[0, 1 + st(le-1))`` (the video's own start: exact, no pseudo
+      latent);
+    * otherwise ``[st(halo_start-1), 1 + st(le-1))``: its first frame is the last frame of latent
+      ``halo_start-1`` and becomes a throw-away first-frame latent (``pseudo = 1``);
+    * ``drop = pseudo + (ls - halo_start)`` leading latents of the window's encoding are discarded.
+
+    With ``causal_first_frame=False`` (latent ``k`` <- frames ``st*k .. st*k+st-1``): window
+    ``[st*halo_start, st*le)`` and ``drop = ls - halo_start``.
+    """
     ls, le, h, st = latent_start, latent_end, halo_latents, temporal_stride
     _nonneg_int("latent_start", ls)
     _nonneg_int("halo_latents", h)
@@ -137,6 +124,30 @@ def halo_window(latent_start: int, latent_end: int, halo_latents: int, temporal_
                       temporal_stride=st, causal_first_frame=causal_first_frame)
 
 
+def windows_for_bounds(latent_bounds: Sequence[Sequence[int]], halo_latents: Optional[int] = None,
+                       temporal_stride: int = 4, causal_first_frame: bool = True,
+                       encoder: Optional[Encoder] = None) -> List[HaloWindow]:
+    """One window per rank ``p`` keeping latents ``latent_bounds[p] = (ls, le)``: any ranges (ragged
+    splits, Balanced-SP segments, ranges of packed clips, each counted from its own clip's start).
+    ``halo_latents`` / ``encoder`` as in ``resolve_halo``."""
+    h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
+    out = []
+    for p, bounds in enumerate(latent_bounds):
+        ls, le = bounds
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (ls, le)) or not 0 <= ls < le:
+            raise ValueError(f"latent_bounds[{p}] ({bounds!r}) must be integers [ls, le) with "
+                             f"0 <= ls < le")
+        out.append(halo_window(ls, le, h, temporal_stride, causal_first_frame, rank=p))
+    return out
+
+
+def window_tensors(windows: Sequence[HaloWindow]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(raw windows [P, 2], drop [P])`` (int64) of ``windows``: the arguments of
+    ``ops.halo_scatter`` and ``ops.halo_gather``."""
+    raw = torch.tensor([w.window for w in windows], dtype=torch.int64).view(-1, 2)
+    return raw, torch.tensor([w.drop for w in windows], dtype=torch.int64)
+
+
 def halo_windows(num_latent_frames: int, sp_size: int, halo_latents: Optional[int] = None,
                  temporal_stride: int = 4, causal_first_frame: bool = True,
                  encoder: Optional[Encoder] = None) -> List[HaloWindow]:
@@ -152,8 +163,8 @@ def halo_windows(num_latent_frames: int, sp_size: int, halo_latents: Optional[in
     if F % P:
         raise ValueError(f"num_latent_frames ({F}) must be divisible by sp_size ({P})")
     n = F // P
-    return [halo_window(r * n, (r + 1) * n, h, temporal_stride, causal_first_frame, rank=r)
-            for r in range(P)]
+    return windows_for_bounds([(r * n, (r + 1) * n) for r in range(P)], h, temporal_stride,
+                              causal_first_frame)
 
 
 def resolve_halo(halo_latents: Optional[int], encoder: Optional[Encoder], temporal_stride: int = 4,
@@ -205,7 +216,11 @@ def encoder_temporal_ops(encoder: nn.Module) -> List[Tuple[int, int, int]]:
 
 
 def temporal_lookback(ops: Sequence[Tuple[int, int, int]]) -> Tuple[int, int]:
-    """``(L, Σ)``: final output ``j`` reads raw frames ``[j*Σ - L, j*Σ]``."""
+    """``(L, Σ)``: final output ``j`` reads raw frames ``[j*Σ - L, j*Σ]``.
+
+    Each causal op ``(kernel, stride, pad)`` (``pad == kernel - 1``: output ``j`` reads inputs
+    ``j*stride - pad .. j*stride``) composes to ``Σ = Π stride_i`` and
+    ``L = Σ_i (kernel_i - 1) * Π_{j<i} stride_j``."""
     L, stride = 0, 1
     for k, s, _ in ops:
         L += (k - 1) * stride
@@ -214,7 +229,11 @@ def temporal_lookback(ops: Sequence[Tuple[int, int, int]]) -> Tuple[int, int]:
 
 
 def halo_for_lookback(lookback: int, temporal_stride: int, causal_first_frame: bool = True) -> int:
-    """Smallest halo (latents) for which the kept latents' raw receptive field lies in the window."""
+    """Smallest halo (latents) for which the kept latents' raw receptive field lies in the window.
+
+    In a window the kept latent sits at raw window index ``Σ*drop`` (first-frame case), so it is
+    exact iff ``Σ*drop >= L``, i.e. ``h >= ceil(L/Σ) - 1`` (``h >= ceil((L - Σ + 1)/Σ)`` without
+    the first-frame rule, whose latent ends at ``Σk + Σ-1``)."""
     L, st = lookback, temporal_stride
     if causal_first_frame:
         return max(0, -(-L // st) - 1)
@@ -349,9 +368,16 @@ def probe_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: b
                in_channels: Optional[int] = None, spatial: Tuple[int, int] = (16, 16),
                num_latents: int = 8, max_latents: int = 64, seed: int = 0,
                atol: float = 1e-10) -> HaloProbe:
-    """Derive the smallest exact halo of a causal ``encoder`` (module or callable) from its behaviour
-    (module docstring). Raises ``ValueError`` when the encoder is not causal, produces the wrong
-    number of latents for ``temporal_stride``, or looks back further than ``max_latents`` latents."""
+    """Derive the smallest exact halo of a causal ``encoder`` (module or callable, e.g. diffusers'
+    ``AutoencoderKLWan`` or ``lambda x: vae.encode(x).latent_dist.mean``) from its behaviour.
+
+    In float64, at a small spatial size, the gradient of the LAST latent of a short random clip with
+    respect to the raw frames is non-zero exactly on the frames it reads, which gives ``L``; frames
+    after an earlier latent must get no gradient (causality). The halo from ``L`` is then checked by
+    encoding the window of the last latent and comparing with the full clip's encoding (raised until
+    exact, in case the encoder treats a window's first frame differently from a frame with history).
+    Raises ``ValueError`` when the encoder is not causal, produces the wrong number of latents for
+    ``temporal_stride``, or looks back further than ``max_latents`` latents."""
     _positive_int("temporal_stride", temporal_stride)
     _positive_int("num_latents", num_latents)
     if num_latents < 3:

@@ -1,14 +1,6 @@
-"""Fused halo scatter and its inverse (docs/architecture.md, "Capabilities" 2: VAE halo).
-
-``halo_scatter`` cuts every SP rank's raw-frame window ``[start_p, end_p)`` (windows overlap by the
-left halo) out of a video batch into one packed send buffer, in one pass. ``halo_gather`` is the
-inverse trim: it drops each rank's leading ``drop_p`` latents and places the kept latents of all
-ranks, in rank order, into one contiguous tensor. Both are pure data movement, so every dtype is
-supported and the kernels equal the references bit for bit.
-
-Layouts: ``"bcthw"`` (``[B, C, T, H, W]``) and ``"btchw"`` (``[B, T, C, H, W]``); each rank's
-window keeps the layout of its input. No autograd (data loading and inference): inputs that
-require grad are rejected on both paths, so the two behave alike.
+"""Fused halo scatter and its inverse: pure data movement of every SP rank's raw-frame window in
+one pass (C++ when built; pure-PyTorch references, equal bit for bit, any dtype). The windows come
+from ``layouts.vae_halo`` (``window_tensors``). Design: docs/architecture.md, "Capabilities" 2.
 """
 from __future__ import annotations
 
@@ -73,7 +65,12 @@ def _window_shape(video: torch.Tensor, tdim: int, frames: int) -> tuple[int, ...
 
 
 def halo_scatter(video: torch.Tensor, windows, layout: str = "bcthw") -> PackedWindows:
-    """Pack rank ``p``'s frames ``[windows[p, 0], windows[p, 1])`` of ``video`` for all ranks.
+    """Pack rank ``p``'s frames ``[windows[p, 0], windows[p, 1])`` of ``video`` for all ranks (the
+    windows overlap by the left halo) into one flat send buffer.
+
+    Layouts: ``"bcthw"`` (``[B, C, T, H, W]``) and ``"btchw"`` (``[B, T, C, H, W]``); each window
+    keeps the layout of its input. No autograd (data loading and inference): inputs that require
+    grad are rejected here and in ``halo_gather``, so the two paths behave alike.
 
     ``windows``: ``[P, 2]`` integers (a CUDA tensor is copied to the host: sizes are needed there).
     A non-contiguous ``video`` is made contiguous first.
@@ -161,23 +158,3 @@ def halo_gather_packed(buffer: torch.Tensor, shapes: Sequence[Sequence[int]], dr
                          f"({sum(sizes)} elements)")
     views = [part.view(tuple(s)) for part, s in zip(buffer.split(sizes), shapes)]
     return halo_gather(views, drop, layout)
-
-
-def _halo_windows(latent_bounds: Sequence[Sequence[int]], halo: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw-frame windows and leading latents to drop for ranks keeping latents ``[ls, le)``.
-
-    docs/architecture.md (Capabilities 2) rule, kept private (layouts.vae_halo owns the public one) for tests and benchmarks:
-    ``hs = max(0, ls - halo)``; window ``[0, 1 + 4(le-1))`` if ``hs == 0`` else
-    ``[4(hs-1), 1 + 4(le-1))``; drop ``= (hs > 0) + ls - hs``.
-    """
-    if halo < 0:
-        raise ValueError(f"halo ({halo}) must be >= 0")
-    windows, drops = [], []
-    for p, (ls, le) in enumerate(latent_bounds):
-        if not 0 <= ls < le:
-            raise ValueError(f"latent_bounds[{p}] ([{ls}, {le})) must satisfy 0 <= ls < le")
-        hs = max(0, ls - halo)
-        start = 0 if hs == 0 else 4 * (hs - 1)
-        windows.append((start, 1 + 4 * (le - 1)))
-        drops.append(int(hs > 0) + ls - hs)
-    return torch.tensor(windows, dtype=torch.int64), torch.tensor(drops, dtype=torch.int64)
