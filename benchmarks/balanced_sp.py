@@ -78,7 +78,8 @@ def print_table(rows, a):
     metrics = [("loss", "loss tokens"), ("work", "unmasked attn pairs"), ("vae", "VAE raw frames"),
                ("raw_bytes", "raw video bytes in")]
     print(f"F={a.frames} latent frames, S={a.tokens_per_frame} tokens/frame, nb={a.frames_per_block}, "
-          f"P={P} (U={a.ulysses} x R={a.ring}), VAE halo={a.halo} latents, raw frames T={num_raw_frames(a.frames, STRIDE)}")
+          f"P={P} (U={a.ulysses} x R={a.ring}), VAE halo={a.halo} latents, "
+          f"raw frames T={num_raw_frames(a.frames, STRIDE)}")
     head = f"{'metric':<22} {'layout':<14} " + " ".join(f"{'r' + str(c):>12}" for c in range(P)) + \
         f" {'total':>14} {'max/mean':>9}"
     print(head)

@@ -44,7 +44,8 @@ def main() -> None:
     dt = time.time() - t0
     st = p.temporal_stride   # the stride the probe checked the encoder's latent count against
     longlive = LONGLIVE_RAW_FRAMES // st
-    print(f"derived: look-back {p.lookback} raw frames -> halo {p.halo} latents = {st * p.halo} raw frames "
+    print(f"derived: look-back {p.lookback} raw frames -> halo {p.halo} latents = "
+          f"{st * p.halo} raw frames "
           f"(+1 first-frame pseudo frame) [probe clip {p.probe_latents} latents, {dt:.1f} s]")
     print(f"LongLive hard-codes {LONGLIVE_RAW_FRAMES} raw frames = {longlive} latents: "
           f"{'enough' if longlive >= p.halo else 'NOT exact'} for this architecture "

@@ -52,10 +52,12 @@ def test_messages_name_parameter_value_and_rule():
     assert "the all-to-all group [0, 1] spans nodes [0, 1]" in msg
     with pytest.raises(ValueError) as e:
         check_ulysses_in_node([[0, 1, 2, 3]], 2, 2, 2, "ring_inner")
-    assert "context_parallel_size (4) x tensor_model_parallel_size (1) must be <= ranks_per_node (2)" \
-           in str(e.value) and "ulysses_size (2) with placement 'ring_inner'" in str(e.value)
+    msg = str(e.value)
+    assert "context_parallel_size (4) x tensor_model_parallel_size (1) must be <= " \
+        "ranks_per_node (2)" in msg and "ulysses_size (2) with placement 'ring_inner'" in msg
     with pytest.raises(ValueError) as e:
-        check_ulysses_in_node([[0, 1, 2, 3]], 4, 1, 2, setting="cp_comm_type ('a2a')", hint="use 'p2p'")
+        check_ulysses_in_node([[0, 1, 2, 3]], 4, 1, 2, setting="cp_comm_type ('a2a')",
+                              hint="use 'p2p'")
     assert str(e.value).startswith("cp_comm_type ('a2a'): the all-to-all group [0, 1, 2, 3] spans")
     assert str(e.value).endswith("; use 'p2p'")
 
@@ -69,7 +71,8 @@ def test_tp_times_u_below_ranks_per_node_is_not_enough():
 
 def test_check_ranks_per_node():
     assert check_ranks_per_node(2, 8) == 2
-    with pytest.raises(ValueError, match=r"parallel.ranks_per_node \(3\) must divide the world size \(8\)"):
+    with pytest.raises(ValueError,
+                       match=r"parallel.ranks_per_node \(3\) must divide the world size \(8\)"):
         check_ranks_per_node(3, 8, "parallel.ranks_per_node")
     for bad in (0, True, 2.0, "2"):
         with pytest.raises(ValueError, match=r"ranks_per_node \(.*\) must be a positive integer"):

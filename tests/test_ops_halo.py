@@ -22,7 +22,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _halo_windows(latent_bounds, halo):
-    """``[P, 2]`` raw windows and ``[P]`` drops of the one window rule (layouts.vae_halo), stride 4."""
+    """``[P, 2]`` raw windows and ``[P]`` drops of the one window rule (layouts.vae_halo), stride
+    4."""
     return window_tensors(windows_for_bounds(latent_bounds, halo))
 
 

@@ -1,29 +1,6 @@
-"""Real video through megatron-energon: dataset preparation and per-rank frame-range loading.
-
-**Preparation** (``prepare_dataset``, ``megatron-video prepare SRC DST``): a folder of videos
-(``.mp4`` / ``.webm`` / ``.mkv``) with captions -- a sidecar ``<name>.txt`` (the caption) or
-``<name>.json`` (``{"caption": ...}``), or a JSONL manifest of ``{"video": <relative path>,
-"caption": ...}`` lines -- becomes an energon dataset: WebDataset tars of crude samples
-``<key>.<ext>`` (the encoded video bytes, untouched) + ``<key>.json`` (caption, ``num_frames``,
-``fps``, ``width``, ``height``, ``source``), indexed by energon's own
-``BaseWebdatasetFactory.prepare_dataset`` (``.nv-meta``: split, index) with a ``CrudeWebdataset``
-``dataset.yaml``. Unreadable videos are reported by name and left out. ``write_procedural_videos``
-renders the embedded procedural clips as real mp4 files (PyAV) for the same command.
-
-**Loading** (``VideoWindowTaskEncoder``, ``video_window_loader``): energon's cooker for these crude
-samples decodes ONLY the raw frames this context-parallel rank needs -- its halo windows from
-``layouts.vae_halo`` (its share of latent frames plus the left halo) -- with energon's
-``AVDecoder.get_video_clips`` (frame-range clips, seek to the nearest key frame), resizes the short
-side and centre-crops to the training size, and yields ``VideoWindowSample`` (windows in
-``[-1, 1]``, ``[3, T_w, H, W]``; ``decoded_frames`` counts what was decoded). Samples shard over the
-pure data-parallel group (``WorkerConfig(rank=dp_rank, world_size=dp_size)``), so every CP rank of
-a replica sees the same sample. A file that fails to decode (corrupt or truncated, or too short) is
-skipped with a log line naming the file and counted (``VideoWindowTaskEncoder.skipped``).
-
-The loader's savable state (``save_state_rank``) is turned into JSON by ``state_to_json`` (only
-plain values, tensors / arrays as lists, and energon's own state dataclasses, rebuilt from an
-allowlist by ``state_from_json``; nothing is unpickled) and travels in every checkpoint
-(``training.checkpoint``, ``dataloader/``).
+"""Real video through megatron-energon: dataset preparation (``prepare_dataset``, ``megatron-video
+prepare``), per-rank frame-range loading of this CP rank's halo windows (``VideoWindowTaskEncoder``,
+``video_window_loader``), and the loader state as JSON (``state_to_json`` / ``state_from_json``).
 """
 from __future__ import annotations
 
@@ -105,8 +82,17 @@ def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
 
 def prepare_dataset(src: Union[str, Path], dst: Union[str, Path], *, manifest: Optional[Union[str, Path]] = None,
                     samples_per_shard: int = 64, progress: bool = False) -> Dict:
-    """Turn the videos + captions under ``src`` into an energon dataset at ``dst`` (module docstring).
-    Returns a summary: ``{"samples", "shards", "skipped": [(file, reason)], "videos": [meta...]}``."""
+    """Turn the videos + captions under ``src`` into an energon dataset at ``dst``.
+    Returns a summary: ``{"samples", "shards", "skipped": [(file, reason)], "videos": [meta...]}``.
+
+    ``src``: a folder of videos (``.mp4`` / ``.webm`` / ``.mkv``) with captions -- a sidecar
+    ``<name>.txt`` (the caption) or ``<name>.json`` (``{"caption": ...}``), or a JSONL ``manifest``
+    of ``{"video": <relative path>, "caption": ...}`` lines. The result: WebDataset tars of crude
+    samples ``<key>.<ext>`` (the encoded video bytes, untouched) + ``<key>.json`` (caption,
+    ``num_frames``, ``fps``, ``width``, ``height``, ``source``), indexed by energon's own
+    ``BaseWebdatasetFactory.prepare_dataset`` (``.nv-meta``: split, index) with a
+    ``CrudeWebdataset`` ``dataset.yaml``. Unreadable videos are reported by name and left out.
+    """
     import webdataset as wds
     from megatron.energon import BaseWebdatasetFactory
 
@@ -243,7 +229,7 @@ def _make_task_encoder_class():
     VideoWindowSample = __getattr__("VideoWindowSample")
 
     class VideoWindowTaskEncoder(DefaultTaskEncoder):
-        """Cooks crude video samples into this rank's raw windows (module docstring).
+        """Cooks crude video samples into this rank's raw windows.
 
         ``windows``: this CP rank's ``HaloWindow`` s (``data.video_windows.rank_windows``);
         ``num_frames``: raw frames per training clip (the first ``num_frames`` of each video are used;
@@ -309,7 +295,15 @@ class _Lazy:
 
 
 def VideoWindowTaskEncoder(*args, **kwargs):   # noqa: N802 (a class, built on first use)
-    """See ``_make_task_encoder_class`` (energon is imported on first use)."""
+    """See ``_make_task_encoder_class`` (energon is imported on first use).
+
+    It decodes ONLY the raw frames of this rank's halo windows (``layouts.vae_halo``: its share of
+    latent frames plus the left halo) with energon's ``AVDecoder.get_video_clips`` (frame-range
+    clips, seek to the nearest key frame), resizes the short side and centre-crops to the training
+    size, and yields ``VideoWindowSample`` (windows in ``[-1, 1]``, ``[3, T_w, H, W]``;
+    ``decoded_frames`` counts what was decoded). A file that fails to decode (corrupt or truncated,
+    or too short) is skipped with a log line naming the file and counted (``skipped``).
+    """
     if _Lazy.cls is None:
         _Lazy.cls = _make_task_encoder_class()
     return _Lazy.cls(*args, **kwargs)
@@ -319,7 +313,11 @@ def video_window_loader(path: Union[str, Path], windows: Sequence[HaloWindow], *
                         height: int, width: int, batch_size: int, dp_rank: int, dp_size: int,
                         seed: int = 0, shuffle_buffer_size: Optional[int] = None):
     """``(loader, task_encoder)``: energon's savable loader of this rank's windows, sharded over the
-    pure DP group (``dp_rank`` of ``dp_size``; CP ranks of a replica pass the same ``dp_rank``)."""
+    pure DP group (``dp_rank`` of ``dp_size``; CP ranks of a replica pass the same ``dp_rank``).
+
+    Samples shard over the pure data-parallel group (``WorkerConfig(rank=dp_rank,
+    world_size=dp_size)``), so every CP rank of a replica sees the same sample.
+    """
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
     path = Path(path)
@@ -367,7 +365,12 @@ def _enc(x):
 
 
 def state_to_json(state) -> str:
-    """energon loader state (``save_state_rank``) -> JSON text."""
+    """energon loader state (``save_state_rank``) -> JSON text.
+
+    Only plain values, tensors / arrays as lists, and energon's own state dataclasses (rebuilt from
+    an allowlist by ``state_from_json``; nothing is unpickled). The state travels in every
+    checkpoint (``training.checkpoint``, ``dataloader/``).
+    """
     return json.dumps({"format": "megatron_video.energon_state/1", "state": _enc(state)})
 
 

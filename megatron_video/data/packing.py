@@ -1,11 +1,6 @@
-"""Sequence packing of mixed images and videos into sequences of at most ``capacity`` tokens.
-
-Samples are given by their token counts after patchify (and tokens per frame, so each token knows its
-frame). A packed sequence is the concatenation of its samples in packed order, then one pad document
-to reach a multiple of ``pad_multiple`` (e.g. ``2 * CP`` for the zigzag split). ``cu_seqlens`` lists
-the document boundaries, pad document included, so "same document" masks (``masks.packed``) keep
-samples and padding apart. ``pack_tokens`` / ``unpack_tokens`` move per-sample tensors in and out and
-are exact inverses.
+"""Sequence packing of mixed images and videos into sequences of at most ``capacity`` tokens
+(``plan_packing``, ``pack_sequence``), and ``pack_tokens`` / ``unpack_tokens``, exact inverses that
+move per-sample tensors in and out. The packed layout is described on ``PackedSequence``.
 """
 from __future__ import annotations
 
@@ -40,6 +35,12 @@ class PackedSequence:
     Per-token tensors (``[total_length]``, int64): ``sample_id`` (original index; -1 on padding),
     ``position_in_sample``, ``frame_index`` and ``spatial_index`` (position within its frame); on
     padding they count within the pad document / are 0. ``cu_seqlens`` is int32 ``[num_docs + 1]``.
+
+    Samples are given by their token counts after patchify (and tokens per frame, so each token
+    knows its frame). A packed sequence is the concatenation of its samples in packed order, then
+    one pad document to reach a multiple of ``pad_multiple`` (e.g. ``2 * CP`` for the zigzag split).
+    ``cu_seqlens`` lists the document boundaries, pad document included, so "same document" masks
+    (``masks.packed``) keep samples and padding apart.
     """
 
     samples: tuple

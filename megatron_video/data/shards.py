@@ -1,16 +1,5 @@
-"""WebDataset shards of clips or latents: a writer and a data-parallel-sharded reader.
-
-A shard is a tar of samples, each ``<key>.video.npy`` (raw clip, by convention ``[C, T, H, W]`` in
-``[-1, 1]``) or ``<key>.latent.npy`` (VAE latents), plus ``<key>.caption.txt`` and ``<key>.meta.json``.
-``megatron-video precompute`` writes ``<key>.latent.pth`` instead (a dict of tensors: ``latent`` and
-optionally ``text_emb`` / ``text_mask``; read with ``torch.load(weights_only=True)``, never unpickled).
-Users turn their own clips into shards with ``write_shards`` and point training at the folder.
-
-Data-parallel split is deterministic: with ``split="shards"`` rank ``r`` reads shards ``r::dp_size`` of
-the sorted shard list (each rank opens only its own files); with ``split="samples"`` every rank reads
-all shards and keeps global samples ``r::dp_size`` (even with fewer shards than ranks). Either way the
-ranks' subsets are disjoint and their union is every sample. Inside a rank, DataLoader workers split
-the rank's share the same way.
+"""WebDataset shards of clips or latents: a writer (``write_shards``) and a data-parallel-sharded
+reader (``ShardReader``); the sample format is described on ``write_shards``.
 """
 from __future__ import annotations
 
@@ -42,6 +31,12 @@ def write_shards(samples: Iterable[Mapping], out_dir: Union[str, Path], *, sampl
     Each sample is a mapping with exactly one of ``video`` / ``latent`` (array or tensor), a
     ``caption`` string, and optionally ``meta`` (a JSON-serialisable dict) and ``key`` (no dots;
     default: the running sample number, zero-padded).
+
+    A shard is a tar of samples, each ``<key>.video.npy`` (raw clip, by convention ``[C, T, H, W]``
+    in ``[-1, 1]``) or ``<key>.latent.npy`` (VAE latents), plus ``<key>.caption.txt`` and
+    ``<key>.meta.json``. ``megatron-video precompute`` writes ``<key>.latent.pth`` instead (a dict
+    of tensors: ``latent`` and optionally ``text_emb`` / ``text_mask``; read with
+    ``torch.load(weights_only=True)``, never unpickled).
     """
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard ({samples_per_shard}) must be >= 1")
@@ -102,7 +97,15 @@ def _identity(src):
 
 
 class ShardReader(torch.utils.data.IterableDataset):
-    """Yield ``{"key", "video" | "latent" (tensor), "caption", "meta"}`` from shards, split by DP rank."""
+    """Yield ``{"key", "video" | "latent" (tensor), "caption", "meta"}`` from shards, split by DP
+    rank.
+
+    The data-parallel split is deterministic: with ``split="shards"`` rank ``r`` reads shards
+    ``r::dp_size`` of the sorted shard list (each rank opens only its own files); with
+    ``split="samples"`` every rank reads all shards and keeps global samples ``r::dp_size`` (even
+    with fewer shards than ranks). Either way the ranks' subsets are disjoint and their union is
+    every sample. Inside a rank, DataLoader workers split the rank's share the same way.
+    """
 
     def __init__(self, shards: Union[str, Path, Sequence[Union[str, Path]]], *, dp_rank: int = 0,
                  dp_size: int = 1, split: str = "shards"):

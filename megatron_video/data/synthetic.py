@@ -1,11 +1,6 @@
-"""The embedded default data: procedural videos of a moving, bouncing, colour-changing shape.
-
-Each sample is fully determined by ``(seed, index)``: a shape (circle, square, triangle, diamond) of a
-size, starting colour, optional end colour and direction bounces off the walls on a black background.
-Videos are ``[3, T, H, W]`` float32 in ``[-1, 1]``; ``T = 1`` samples are images (for mixed packing).
-The caption is built from the same attributes ("a small red circle bouncing left to right, turning
-blue") over a small fixed vocabulary, tokenised to fixed-length ids plus a mask, and embedded by a
-small learned ``CaptionEmbedder`` (no model hub).
+"""The embedded default data: procedural videos of a moving, bouncing, colour-changing shape, each
+fully determined by ``(seed, index)``, with captions over a small fixed vocabulary
+(``CaptionTokenizer``, ``CaptionEmbedder``; no model hub).
 """
 from __future__ import annotations
 
@@ -223,6 +218,11 @@ class ProceduralVideoDataset(torch.utils.data.Dataset):
 
     ``image_fraction`` of the samples (chosen deterministically from ``(seed, index)``) are images
     (``T = 1``) for mixed image/video packing; such batches need a packing collate, not the default one.
+
+    Each sample: a shape (circle, square, triangle, diamond) of a size, starting colour, optional
+    end colour and direction bounces off the walls on a black background; videos are float32 in
+    ``[-1, 1]``. The caption is built from the same attributes ("a small red circle bouncing left to
+    right, turning blue"), tokenised to fixed-length ids plus a mask.
     """
 
     def __init__(self, num_samples: int, *, num_frames: int = 17, height: int = 32, width: int = 32,

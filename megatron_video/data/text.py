@@ -1,11 +1,5 @@
-"""Text conditioning from a Hugging Face tokenizer + encoder (e.g. T5 / UMT5), local files only.
-
-The embedded default stays ``data.synthetic.CaptionTokenizer`` (ids the DiT embeds itself).
-``HFTextEncoder`` turns captions into ``(embeddings [b, L, d] float32, mask [b, L] bool)`` with a
-``transformers`` tokenizer and encoder (``last_hidden_state``; padded positions zeroed), padded /
-truncated to ``max_len``. ``from_pretrained`` reads a LOCAL folder (``local_files_only``: nothing is
-downloaded). ``megatron-video precompute --text-encoder DIR`` stores the embeddings next to the
-latents (``text_emb`` / ``text_mask`` in ``latent.pth``).
+"""Text conditioning from a Hugging Face tokenizer + encoder (e.g. T5 / UMT5), local files only
+(``HFTextEncoder``); the embedded default stays ``data.synthetic.CaptionTokenizer``.
 """
 from __future__ import annotations
 
@@ -17,7 +11,13 @@ __all__ = ["HFTextEncoder"]
 
 
 class HFTextEncoder:
-    """``encoder(captions) -> (emb, mask)`` from a HF tokenizer and encoder module."""
+    """``encoder(captions) -> (emb, mask)`` from a HF tokenizer and encoder module.
+
+    Embeddings ``[b, L, d]`` float32 (``last_hidden_state``; padded positions zeroed) and mask
+    ``[b, L]`` bool, padded / truncated to ``max_len``. ``from_pretrained`` reads a LOCAL folder
+    (``local_files_only``: nothing is downloaded). ``megatron-video precompute --text-encoder DIR``
+    stores the embeddings next to the latents (``text_emb`` / ``text_mask`` in ``latent.pth``).
+    """
 
     def __init__(self, tokenizer, encoder: torch.nn.Module, max_len: int = 64):
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:

@@ -1,10 +1,5 @@
-"""Video question answering on the procedural videos (``data.synthetic``), for video-language models.
-
-Sample ``i`` is the procedural video ``i`` and one of three questions about it, answered by one word
-from its attributes: "what colour is the shape at the end ?" (the end colour), "what colour is the
-shape at the start ?" (the start colour), "what shape is it ?" (the shape). The text is Megatron's
-``LLaVAModel`` convention: one image token (``IMAGE_TOKEN_INDEX``) where the video's visual tokens
-go, ``labels[i]`` the token after position ``i``, ``loss_mask`` 1 only where the label is the answer.
+"""Video question answering on the procedural videos (``data.synthetic``), for video-language
+models, in Megatron's ``LLaVAModel`` text convention (``VideoQADataset``).
 """
 from __future__ import annotations
 
@@ -26,7 +21,14 @@ TEXT_LEN = 1 + max(len(q.split()) for q, _ in QUESTIONS)  # image token + questi
 class VideoQADataset(torch.utils.data.Dataset):
     """``num_samples`` (video, question, answer) triples; item ``i`` is a dict with ``frames
     [T, 3, H, W]`` (LLaVA's tiles), ``input_ids``, ``labels``, ``loss_mask`` ``[TEXT_LEN]``,
-    ``question`` and ``answer``."""
+    ``question`` and ``answer``.
+
+    Sample ``i`` is the procedural video ``i`` and one of three questions about it, answered by one
+    word from its attributes: "what colour is the shape at the end ?" (the end colour), "what colour
+    is the shape at the start ?" (the start colour), "what shape is it ?" (the shape). The text has
+    one image token (``IMAGE_TOKEN_INDEX``) where the video's visual tokens go, ``labels[i]`` the
+    token after position ``i``, ``loss_mask`` 1 only where the label is the answer.
+    """
 
     def __init__(self, num_samples: int, *, num_frames: int, height: int, width: int, seed: int = 0):
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:

@@ -1,18 +1,7 @@
-"""Raw-frame windows to SP ranks, and halo encoding of a window to exactly the rank's latents.
-
-Each SP rank needs only the raw frames of its halo window(s) (``layouts.vae_halo``). Two ways to
-get them there:
-
-* preferred: every rank reads only its window from the dataset (``read_window`` on a
-  ``FrameSource``: anything with ``num_frames`` and ``read(start, end)``);
-* otherwise the loading rank distributes them in ONE collective (``scatter_windows``): a small
-  header broadcast tells every rank the video's shape and dtype (shapes are exchanged explicitly,
-  never assumed), ``ops.halo_scatter`` (C++ when built) cuts every rank's windows out in one pass,
-  and one scatter delivers each rank its packed windows, padded to a common length.
-
-``encode_with_halo(encoder, window, meta)`` checks the halo against the encoder's receptive field,
-encodes, and drops the leading latents. ``encode_rank_latents`` does it for every segment a
-``BalancedSPLayout`` rank owns (two segments under ring balancing).
+"""Raw-frame windows to SP ranks (``read_window`` per rank, or ``scatter_windows`` from a loading
+rank in one collective), and halo encoding of a window to exactly the rank's latents
+(``encode_with_halo``, ``encode_rank_latents``). Windows: ``layouts.vae_halo``; design:
+docs/architecture.md, "Capabilities" 2.
 """
 from __future__ import annotations
 
@@ -50,7 +39,11 @@ class TensorFrameSource:
 
 
 def read_window(source, meta: HaloWindow) -> torch.Tensor:
-    """This rank's raw window read directly from ``source`` (no other frames are touched)."""
+    """This rank's raw window read directly from ``source`` (no other frames are touched).
+
+    The preferred path: every rank reads only its window from the dataset (a ``FrameSource``:
+    anything with ``num_frames`` and ``read(start, end)``).
+    """
     if meta.raw_end > source.num_frames:
         raise ValueError(f"window raw_end ({meta.raw_end}) exceeds the source's num_frames "
                          f"({source.num_frames})")
@@ -79,6 +72,10 @@ def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloW
     ``windows[i]`` is group rank ``i``'s window (or list of windows), known on every rank. Returns
     this rank's windows. A bad video on ``src`` raises ``ValueError`` on every rank (the status
     travels in the header, so nobody waits on a collective that will not come).
+
+    A small header broadcast tells every rank the video's shape and dtype (shapes are exchanged
+    explicitly, never assumed), ``ops.halo_scatter`` (C++ when built) cuts every rank's windows out
+    in one pass, and one scatter delivers each rank its packed windows, padded to a common length.
     """
     n, me = comm.group_size(group), comm.group_rank(group)
     if len(windows) != n:

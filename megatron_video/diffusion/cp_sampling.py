@@ -1,21 +1,7 @@
-"""Context-parallel sampling: partition the noise with the model's layout, denoise in parallel, gather.
-
-Each CP rank holds the tokens ``local_ids`` (global ids in the sample's frame-major token sequence)
-of the model's layout: a contiguous slice for VideoDiT / ST-DiT, the Balanced SP frames for the AR
-DiT. The noise is drawn for the whole sequence (same seed everywhere) and partitioned, the
-samplers run elementwise on the local shard with a model that works on local shards (its
-attention communicates), and ``gather_tokens`` reassembles the sequence for VAE decoding. The
-result equals single-process sampling with the same noise.
-
-Model calls are collective, so every rank makes the same calls in the same order (deterministic
-schedules; no per-rank early exit).
-
-* ``sample_edm`` / ``sample_flow``: full-sequence models (Heun / Euler, classifier-free guidance).
-* ``sample_autoregressive``: the teacher-forcing AR DiT, block by block on the Balanced SP layout:
-  while block ``j`` is denoised, its noisy tokens see only clean blocks ``< j`` (the teacher-forcing
-  mask), so the clean half is filled block by block with the finished frames; other noisy blocks
-  are ignored by the mask and stay pure noise.
-* ``decode_tokens``: gathered tokens -> latents -> video with the VAE.
+"""Context-parallel sampling: partition the noise with the model's layout, denoise in parallel,
+gather (``sample_edm`` / ``sample_flow`` for full-sequence models, ``sample_autoregressive`` for the
+teacher-forcing AR DiT, ``decode_tokens``). The result equals single-process sampling with the same
+noise. Design: docs/architecture.md, "Capabilities" 4.
 """
 from __future__ import annotations
 
@@ -35,7 +21,16 @@ __all__ = ["partition_tokens", "gather_tokens", "edm_denoiser", "sample_edm", "s
 
 
 def partition_tokens(x: Tensor, local_ids: Tensor) -> Tensor:
-    """This rank's tokens ``x[:, local_ids]`` of a global ``[b, N, ...]`` tensor."""
+    """This rank's tokens ``x[:, local_ids]`` of a global ``[b, N, ...]`` tensor.
+
+    Each CP rank holds the tokens ``local_ids`` (global ids in the sample's frame-major token
+    sequence) of the model's layout: a contiguous slice for VideoDiT / ST-DiT, the Balanced SP
+    frames for the AR DiT. The noise is drawn for the whole sequence (same seed everywhere) and
+    partitioned; the samplers run elementwise on the local shard with a model that works on local
+    shards (its attention communicates), and ``gather_tokens`` reassembles the sequence for VAE
+    decoding. Model calls are collective, so every rank makes the same calls in the same order
+    (deterministic schedules; no per-rank early exit).
+    """
     return x.index_select(1, local_ids.to(x.device))
 
 
@@ -105,6 +100,10 @@ def sample_autoregressive(velocity: Callable[[Tensor, Tensor, Any], Tensor], lay
     ``velocity(x [b, L, C], t [b, L], cond)`` runs the model on the local sequence
     ``[clean_r ; noisy_r]`` (``L = layout.local_len``); ``noise_local [b, L/2, C]`` is the rank's
     share of the global noise. Returns the rank's generated clean tokens ``[b, L/2, C]``.
+
+    Block by block on the Balanced SP layout: while block ``j`` is denoised, its noisy tokens see
+    only clean blocks ``< j`` (the teacher-forcing mask), so the clean half is filled block by block
+    with the finished frames; other noisy blocks are ignored by the mask and stay pure noise.
     """
     half = layout.local_len // 2
     if noise_local.dim() != 3 or noise_local.shape[1] != half:

@@ -1,16 +1,6 @@
-"""EDM (Karras et al. 2022): preconditioning, log-normal sigma sampling, loss weighting and loss.
-
-Shapes are token-major: ``x`` is ``[b, s, ...]`` (or any ``[b, ...]``). A per-sample or per-token
-quantity (sigma, loss mask) has a shape that is a *prefix* of ``x.shape`` (``[b]``, ``[b, s]``) and is
-broadcast over the trailing dims. This keeps everything elementwise, so the same code runs on a
-sequence-parallel shard ``[b, s/N, ...]`` unchanged.
-
-The loss is a sum over this rank's loss tokens divided by an explicit ``num_loss_tokens``: under
-sequence/context parallelism the caller passes the GLOBAL count, so the per-rank losses add up (via
-the gradient all-reduce) to exactly the single-GPU loss. A rank-local mean would weight ranks with few
-loss tokens too heavily.
-
-``expand_like`` and ``reduce_token_loss`` are shared with ``flow_matching``.
+"""EDM (Karras et al. 2022): preconditioning, log-normal sigma sampling, loss weighting and loss,
+all elementwise on token-major tensors so that a sequence-parallel shard runs the same code; the
+loss takes the GLOBAL loss-token count (``reduce_token_loss``, shared with ``flow_matching``).
 """
 from __future__ import annotations
 
@@ -53,7 +43,14 @@ class EDMConfig:
 
 
 def expand_like(value: Tensor, x: Tensor, name: str) -> Tensor:
-    """View ``value`` (shape a prefix of ``x.shape``, size-1 entries allowed) with trailing unit dims."""
+    """View ``value`` (shape a prefix of ``x.shape``, size-1 entries allowed) with trailing unit
+    dims.
+
+    Shapes are token-major: ``x`` is ``[b, s, ...]`` (or any ``[b, ...]``). A per-sample or
+    per-token quantity (sigma, loss mask) has a shape that is a *prefix* of ``x.shape`` (``[b]``,
+    ``[b, s]``) and is broadcast over the trailing dims, so the same code runs on a shard ``[b, s/N,
+    ...]``.
+    """
     if value.dim() > x.dim():
         raise ValueError(f"{name} has {value.dim()} dims ({tuple(value.shape)}); must have at most "
                          f"x.dim() ({x.dim()}) dims")
@@ -132,6 +129,11 @@ def reduce_token_loss(per_element: Tensor, loss_mask: Optional[Tensor],
 
     ``loss_mask`` (bool/0-1, shape a prefix of ``per_element.shape``) marks loss tokens; ``None`` means
     every ``[b, s]`` position (``[b]`` for 1-D input) is one. Under SP pass the GLOBAL token count.
+
+    The loss is a sum over this rank's loss tokens divided by an explicit ``num_loss_tokens``: under
+    sequence/context parallelism the caller passes the GLOBAL count, so the per-rank losses add up
+    (via the gradient all-reduce) to exactly the single-GPU loss. A rank-local mean would weight
+    ranks with few loss tokens too heavily.
     """
     if loss_mask is None:
         token_dims = min(2, per_element.dim())

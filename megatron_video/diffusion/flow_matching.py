@@ -1,10 +1,7 @@
-"""Flow matching (rectified flow) for the autoregressive model.
-
-``x_t = (1 - t) x0 + t eps`` with ``t = 0`` data and ``t = 1`` noise; the network predicts the
-velocity ``dx_t/dt = eps - x0``. Timesteps ``t`` have a prefix shape of ``x`` (``[b]`` per sample,
-``[b, s]`` per token); per-block timesteps (one per group of tokens, e.g. per AR frame block) are
-broadcast to tokens with ``expand_block_timesteps``. Noise and timesteps are injectable so a
-sequence-parallel run reproduces the single-GPU draws; the loss takes an explicit (global) normaliser.
+"""Flow matching (rectified flow) for the autoregressive model: ``x_t = (1 - t) x0 + t eps``
+(``t = 0`` data, ``t = 1`` noise), the network predicts the velocity ``eps - x0``. Noise and
+timesteps are injectable so a sequence-parallel run reproduces the single-GPU draws; the loss takes
+an explicit (global) normaliser.
 """
 from __future__ import annotations
 
@@ -54,6 +51,10 @@ def expand_block_timesteps(block_t: Tensor, block_index: Tensor) -> Tensor:
 
     ``block_index`` (``[s]`` shared by the batch, or ``[b, s]``) gives each token's block; on an SP shard
     pass the local tokens' global block ids.
+
+    Timesteps ``t`` have a prefix shape of ``x`` (``[b]`` per sample, ``[b, s]`` per token);
+    per-block timesteps (one per group of tokens, e.g. per AR frame block) are broadcast to tokens
+    here.
     """
     if block_t.dim() != 2:
         raise ValueError(f"block_t shape {tuple(block_t.shape)} must be [b, n_blocks]")

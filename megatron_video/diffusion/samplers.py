@@ -1,10 +1,8 @@
-"""Samplers: EDM Heun (2nd order) and Euler, flow-matching Euler.
-
-Generic over ``denoise(x, sigma_or_t, cond)``, called with ``sigma_or_t`` as a ``[b]`` tensor. Between
-model calls everything is elementwise, so with context parallelism each rank runs the sampler on its
-shard of the noise with a model that works on local shards, and the gathered result equals the
-single-GPU one. Per-step randomness (EDM churn) comes only from ``generator`` or ``noise_fn``; with
-``churn = 0`` the samplers are deterministic given the initial noise.
+"""Samplers: EDM Heun (2nd order) and Euler, flow-matching Euler, generic over
+``denoise(x, sigma_or_t, cond)`` (``sigma_or_t`` a ``[b]`` tensor). Between model calls everything
+is elementwise, so under context parallelism each rank samples its shard and the gathered result
+equals the single-GPU one. Randomness comes only from ``generator`` / ``noise_fn`` (none with
+``churn = 0``).
 """
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""Teacher-forcing objective for autoregressive video diffusion under Balanced SP.
-
-Each SP rank builds its local sequence ``[clean_r ; noisy_r]`` over the latent frames its
-``BalancedSPLayout`` assigns it: the clean half carries timestep 0, the noisy half is the flow-matching
-interpolation ``(1-t) x0 + t eps`` with one ``t`` per AR block (global blocks, so every rank and the
-single-GPU run use the same draw). The model sees the local tokens, their temporal RoPE positions,
-their single-GPU ids and the teacher-forcing mask (an ``AttentionMask`` on attention-order positions,
-built from token identities), and runs its attention context-parallel (``dist_attention`` with
-``scheme="contiguous"``: the rank-major order is the attention order).
-
-The loss is ``sum over this rank's loss tokens of mean_d (v - (eps - x0))^2`` divided by the GLOBAL
-number of loss tokens (all-reduced over the SP group), so the per-rank losses SUM to the single-GPU
-loss and the parameter gradients must be SUM-reduced over the SP group (not averaged). A rank-local
-mean would be ``P`` times too large per rank and its masked variant ``1/P`` too small.
-
-The model contract (model-agnostic; a Megatron AR DiT adapts to it):
-``model(x [B, L, D], t [B, L], *, frame_positions [L], token_ids [L], mask) -> [B, L, D]``.
-Tokens are frame-major (``S`` tokens per latent frame); ``L = 2 * F/P * S``.
+"""Teacher-forcing objective for autoregressive video diffusion under Balanced SP
+(``TeacherForcingObjective``; its local sequence, loss normalisation and model contract are
+described there). Design: docs/architecture.md, "Capabilities" 2.
 """
 from __future__ import annotations
 
@@ -84,6 +69,25 @@ class TeacherForcingObjective:
         layout: the ``BalancedSPLayout`` (its ``sp_size`` must equal the SP group size).
         groups: ``VideoParallelGroups`` from ``init_video_parallel`` (SP group = CP group, rank =
             ``cp_rank``); ``None`` for a single process with ``sp_size == 1``.
+
+    Each SP rank builds its local sequence ``[clean_r ; noisy_r]`` over the latent frames its
+    ``BalancedSPLayout`` assigns it: the clean half carries timestep 0, the noisy half is the
+    flow-matching interpolation ``(1-t) x0 + t eps`` with one ``t`` per AR block (global blocks, so
+    every rank and the single-GPU run use the same draw). The model sees the local tokens, their
+    temporal RoPE positions, their single-GPU ids and the teacher-forcing mask (an ``AttentionMask``
+    on attention-order positions, built from token identities), and runs its attention
+    context-parallel (``dist_attention`` with ``scheme="contiguous"``: the rank-major order is the
+    attention order).
+
+    The loss is ``sum over this rank's loss tokens of mean_d (v - (eps - x0))^2`` divided by the
+    GLOBAL number of loss tokens (all-reduced over the SP group), so the per-rank losses SUM to the
+    single-GPU loss and the parameter gradients must be SUM-reduced over the SP group (not
+    averaged). A rank-local mean would be ``P`` times too large per rank and its masked variant
+    ``1/P`` too small.
+
+    Model contract (model-agnostic; a Megatron AR DiT adapts to it):
+    ``model(x [B, L, D], t [B, L], *, frame_positions [L], token_ids [L], mask) -> [B, L, D]``.
+    Tokens are frame-major (``S`` tokens per latent frame); ``L = 2 * F/P * S``.
     """
 
     def __init__(self, layout: BalancedSPLayout, groups=None):

@@ -11,6 +11,7 @@ from .balanced_sp import (BalancedSPLayout, max_over_mean, naive_identity_units,
                           teacher_forcing_rule)
 from .vae_halo import (HaloProbe, HaloWindow, encoder_halo, encoder_temporal_ops,  # noqa: F401
                        halo_for_lookback, halo_window, halo_windows, num_raw_frames, probe_halo,
-                       resolve_halo, temporal_lookback, temporal_receptive_field)
+                       resolve_halo, temporal_lookback, temporal_receptive_field, window_tensors,
+                       windows_for_bounds)
 from .mmsp import (FrameShards, ReshardPlan, SequenceLayout, causal_work, frame_shards,  # noqa: F401
                    position_sources, reshard_plan, sequence_layout, visual_targets)

@@ -1,26 +1,6 @@
-"""Balanced SP for autoregressive teacher forcing (LongLive-2.0): pure index maps and masks.
-
-The single-GPU sequence over ``F`` latent frames of ``S`` tokens is ``[clean 0..F-1 ; noisy 0..F-1]``;
-its global token id is ``g = side*F*S + f*S + s`` (side 0 = clean, 1 = noisy). Rank ``r`` of the SP
-group (size ``P``) owns a set of latent frames as *both* its clean and its noisy copy, local order
-``[clean_r ; noisy_r]`` (frame-major inside each half). Because the local sequences concatenate in
-rank order after the Ulysses gather, the attention order is rank-major ``[c_0 n_0 c_1 n_1 ...]``: no
-permutation is ever applied at run time; the teacher-forcing mask is built directly in that order
-from each token's identity (side, global frame -> block of ``nb`` frames):
-
-    clean -> clean  iff blk_k <= blk_q      noisy -> clean  iff blk_k <  blk_q
-    noisy -> noisy  iff blk_k == blk_q      clean -> noisy  never
-
-Frame assignment. ``ring_size == 1`` (or ``ring_balance=False``): rank ``r`` owns the contiguous
-frames ``[r*F/P, (r+1)*F/P)``. With a ring of ``R > 1`` the ring slice ``rho`` (CP ranks
-``rho*U .. rho*U+U-1``, CP index ``c = rho*U + u``) would otherwise hold frames
-``[rho*F/R, (rho+1)*F/R)`` and later slices would do more unmasked work (the mask is block-causal).
-Ring balancing cuts the frames into ``2R`` chunks and gives ring slice ``rho`` the zigzag pair
-``rho`` and ``2R-1-rho`` (mirrored blocks, so every slice has the same unmasked work); inside the
-slice its ``F/R`` frames are split contiguously over the ``U`` Ulysses ranks. The mask is still
-built from identities, so the assignment changes only which frames a rank loads.
-
-Everything here is pure, rank-explicit and free of communication.
+"""Balanced SP for autoregressive teacher forcing (LongLive-2.0): pure, rank-explicit index maps
+and masks, free of communication. Design: docs/architecture.md, "Capabilities" 2; the layout and
+its ring balancing are described on ``BalancedSPLayout``.
 """
 from __future__ import annotations
 
@@ -97,7 +77,29 @@ def naive_identity_units(num_latent_frames: int, frames_per_block: int) -> Tuple
 
 
 class BalancedSPLayout:
-    """Balanced SP layout of ``[clean ; noisy]`` latents over ``sp_size`` ranks (see module doc).
+    """Balanced SP layout of ``[clean ; noisy]`` latents over ``sp_size`` ranks.
+
+    The single-GPU sequence over ``F`` latent frames of ``S`` tokens is
+    ``[clean 0..F-1 ; noisy 0..F-1]``; its global token id is ``g = side*F*S + f*S + s`` (side 0 =
+    clean, 1 = noisy). Rank ``r`` of the SP group (size ``P``) owns a set of latent frames as *both*
+    its clean and its noisy copy, local order ``[clean_r ; noisy_r]`` (frame-major inside each
+    half). The local sequences concatenate in rank order after the Ulysses gather, so the attention
+    order is rank-major ``[c_0 n_0 c_1 n_1 ...]``: no permutation is applied at run time; the
+    teacher-forcing mask is built in that order from each token's identity (side, global frame ->
+    block of ``nb`` frames):
+
+        clean -> clean  iff blk_k <= blk_q      noisy -> clean  iff blk_k <  blk_q
+        noisy -> noisy  iff blk_k == blk_q      clean -> noisy  never
+
+    Frame assignment. ``ring_size == 1`` (or ``ring_balance=False``): rank ``r`` owns the contiguous
+    frames ``[r*F/P, (r+1)*F/P)``. With a ring of ``R > 1`` the ring slice ``rho`` (CP ranks
+    ``rho*U .. rho*U+U-1``, CP index ``c = rho*U + u``) would otherwise hold frames
+    ``[rho*F/R, (rho+1)*F/R)`` and later slices would do more unmasked work (the mask is
+    block-causal). Ring balancing cuts the frames into ``2R`` chunks and gives ring slice ``rho``
+    the zigzag pair ``rho`` and ``2R-1-rho`` (mirrored blocks: every slice has the same unmasked
+    work); inside the slice its ``F/R`` frames are split contiguously over the ``U`` Ulysses ranks.
+    The mask is still built from identities, so the assignment changes only which frames a rank
+    loads.
 
     Args:
         num_latent_frames: ``F``, latent frames of the sample.

@@ -1,24 +1,7 @@
-"""Index maps of multi-modal sequence parallelism (MM-SP, LongVILA's two-stage sharding).
-
-Stage 1 (vision encoder + projector): every CP rank encodes a share of every video's *units*
-(tubelets of ``tubelet_size`` frames; a unit is the encoder's independent input, a frame for a
-per-frame ViT). Video ``j`` with ``n_j = num_frames[j] / tubelet_size`` units is cut into ``cp_size``
-contiguous runs of ``n_j // cp_size`` or ``n_j // cp_size + 1`` units; the ``n_j % cp_size`` longer
-runs go to the ranks after the ones that got the previous video's longer runs (a rotating offset),
-so over a micro-batch the ranks' unit counts differ by at most one. A rank's local units are in
-global order (video-major), and unit ``u`` yields ``tokens_per_unit`` consecutive visual tokens.
-
-Stage 2 (LLM): the combined sequence of a sample is its text with each image token replaced by its
-video's visual tokens (Megatron-Core's ``LLaVAModel`` convention: the visual tokens of the ``i``-th
-image token of the row-major ``input_ids`` are those of the ``i``-th video). The batch's combined
-sequences are padded to ``seq_len`` (a multiple of ``2 * cp_size``) and laid out by the zigzag
-scheme (``layouts.zigzag``: CP rank ``c`` holds chunks ``c`` and ``2N-1-c`` of every sample; what
-Megatron's RoPE and ``DistAttention2D(scheme="zigzag")`` assume). ``reshard_plan`` says, for one
-rank, which of its visual tokens go to which rank (send order: destination rank, then destination
-position) and where the received ones and its text tokens land; ``visual_targets`` /
-``position_sources`` are the forward map and its inverse for all ranks at once.
-
-Everything here is pure and rank-explicit (``rank`` / ``cp_size`` are arguments); no communication.
+"""Index maps of multi-modal sequence parallelism (MM-SP, LongVILA's two-stage sharding): stage 1
+(``frame_shards``: frames -> CP ranks for the encoder) and stage 2 (``sequence_layout``,
+``reshard_plan``: visual tokens -> the LLM's zigzag shard, and inverses). Pure and rank-explicit; no
+communication. Design: docs/architecture.md, "Capabilities" 5.
 """
 from __future__ import annotations
 
@@ -82,6 +65,15 @@ def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1)
 
     ``num_frames[j]`` must be divisible by ``tubelet_size`` and give at least ``cp_size`` units:
     every CP rank encodes at least one tubelet of every video.
+
+    Stage 1 (vision encoder + projector): every CP rank encodes a share of every video's *units*
+    (tubelets of ``tubelet_size`` frames; a unit is the encoder's independent input, a frame for a
+    per-frame ViT). Video ``j`` with ``n_j = num_frames[j] / tubelet_size`` units is cut into
+    ``cp_size`` contiguous runs of ``n_j // cp_size`` or ``n_j // cp_size + 1`` units; the
+    ``n_j % cp_size`` longer runs go to the ranks after the ones that got the previous video's
+    longer runs (a rotating offset), so over a micro-batch the ranks' unit counts differ by at most
+    one. A rank's local units are in global order (video-major), and unit ``u`` yields
+    ``tokens_per_unit`` consecutive visual tokens.
     """
     _pos_int("cp_size", cp_size)
     _pos_int("tubelet_size", tubelet_size)
@@ -145,6 +137,17 @@ def sequence_layout(input_ids: torch.Tensor, image_token_index: int, tokens_per_
     ``tokens_per_video[i]``: visual tokens of the ``i``-th image token (row-major). ``seq_len``:
     a minimum padded length (e.g. a pipeline's fixed length); the result is the smallest multiple of
     ``2 * cp_size`` that holds every sample and is at least ``seq_len``.
+
+    Stage 2 (LLM): the combined sequence of a sample is its text with each image token replaced by
+    its video's visual tokens (Megatron-Core's ``LLaVAModel`` convention: the visual tokens of the
+    ``i``-th image token of the row-major ``input_ids`` are those of the ``i``-th video). The
+    batch's combined sequences are padded to ``seq_len`` (a multiple of ``2 * cp_size``) and laid
+    out by the zigzag scheme (``layouts.zigzag``: CP rank ``c`` holds chunks ``c`` and ``2N-1-c`` of
+    every sample; what Megatron's RoPE and ``DistAttention2D(scheme="zigzag")`` assume).
+    ``reshard_plan`` says, for one rank, which of its visual tokens go to which rank (send order:
+    destination rank, then destination position) and where the received ones and its text tokens
+    land; ``visual_targets`` / ``position_sources`` are the forward map and its inverse for all
+    ranks.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"input_ids ({getattr(input_ids, 'dtype', type(input_ids).__name__)} "

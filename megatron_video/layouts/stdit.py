@@ -1,21 +1,7 @@
-"""ST-DiT layouts A (frames per rank) and B (spatial positions per rank): pure index maps.
-
-A video sample is a grid of ``t`` frames x ``n = h*w`` spatial positions; its global token index is
-``g = f*n + p`` (frame-major, the order of the full-attention sequence). Over a context-parallel
-group of size ``P``:
-
-* **Layout A** (full and spatial attention): rank ``r`` holds frames ``[r*t/P, (r+1)*t/P)`` x all
-  ``n`` positions, locally in the order ``(f_local, p)``. That is a contiguous chunk of the global
-  sequence (``[b, t*n/P, d]``) and, by a free reshape, ``[(b*t/P), n, d]`` for spatial attention.
-* **Layout B** (temporal attention): rank ``r`` holds positions ``[r*m, (r+1)*m)`` x all ``t``
-  frames, locally in the order ``(p_local, f)``, i.e. ``[(b*m), t, d]`` for temporal attention.
-  ``m = ceil(n/P)``: when ``n % P != 0`` positions are padded to ``P*m`` (padding sits at the end of
-  the last ranks and is stripped on the way back to A); padded slots map to global index ``-1``.
-* **Images** (``t == 1``): the frame axis cannot be split, and the CP group runs them data-parallel
-  instead: rank ``r`` holds whole samples ``[r*b/P, (r+1)*b/P)``; A and B coincide (no transition).
-
-Everything here is pure and rank-explicit; the communicating transitions live in
-``megatron_video.attention.stdit_transitions`` (docs/architecture.md, "Layers of the code").
+"""ST-DiT layouts A (frames per rank) and B (spatial positions per rank): pure, rank-explicit index
+maps; the communicating transitions live in ``attention.stdit_transitions``. Design:
+docs/architecture.md, "Capabilities" 3; the layouts are described on ``layout_a_indices`` and
+``layout_b_indices``.
 """
 from __future__ import annotations
 
@@ -72,7 +58,17 @@ def _check_rank(rank: int, cp_size: int) -> None:
 
 
 def layout_a_indices(rank: int, num_frames: int, num_positions: int, cp_size: int) -> torch.Tensor:
-    """Global token index of every local token of ``rank`` in layout A, in local order."""
+    """Global token index of every local token of ``rank`` in layout A, in local order.
+
+    A video sample is a grid of ``t`` frames x ``n = h*w`` spatial positions; its global token index
+    is ``g = f*n + p`` (frame-major, the order of the full-attention sequence). Layout A (full and
+    spatial attention): rank ``r`` of ``P`` holds frames ``[r*t/P, (r+1)*t/P)`` x all ``n``
+    positions, locally in the order ``(f_local, p)``: a contiguous chunk of the global sequence
+    (``[b, t*n/P, d]``) and, by a free reshape, ``[(b*t/P), n, d]`` for spatial attention. Images
+    (``t == 1``): the frame axis cannot be split, so the CP group runs them data-parallel instead
+    (``image_batch_range``: rank ``r`` holds whole samples ``[r*b/P, (r+1)*b/P)``; A and B
+    coincide).
+    """
     _check_rank(rank, cp_size)
     tl = frames_per_rank(num_frames, cp_size)
     if num_frames == 1:
@@ -82,7 +78,13 @@ def layout_a_indices(rank: int, num_frames: int, num_positions: int, cp_size: in
 
 
 def layout_b_indices(rank: int, num_frames: int, num_positions: int, cp_size: int) -> torch.Tensor:
-    """Global token index of every local token of ``rank`` in layout B (``-1`` for padding)."""
+    """Global token index of every local token of ``rank`` in layout B (``-1`` for padding).
+
+    Layout B (temporal attention): rank ``r`` holds positions ``[r*m, (r+1)*m)`` x all ``t`` frames,
+    locally in the order ``(p_local, f)``, i.e. ``[(b*m), t, d]``. ``m = ceil(n/P)``: when
+    ``n % P != 0`` positions are padded to ``P*m`` (padding sits at the end of the last ranks and is
+    stripped on the way back to A); padded slots map to global index ``-1``.
+    """
     _check_rank(rank, cp_size)
     check_stdit_divisibility(num_frames, cp_size)
     if num_frames == 1:

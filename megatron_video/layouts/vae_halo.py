@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 __all__ = [
-    "HaloWindow", "halo_window", "halo_windows", "windows_for_bounds", "window_tensors", "resolve_halo",
-    "num_raw_frames", "encoder_temporal_ops", "temporal_lookback", "halo_for_lookback",
-    "temporal_receptive_field", "HaloProbe", "probe_halo", "encoder_halo",
+    "HaloWindow", "halo_window", "halo_windows", "windows_for_bounds", "window_tensors",
+    "resolve_halo", "num_raw_frames", "encoder_temporal_ops", "temporal_lookback",
+    "halo_for_lookback", "temporal_receptive_field", "HaloProbe", "probe_halo", "encoder_halo",
 ]
 
 Encoder = Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]

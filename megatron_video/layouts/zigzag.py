@@ -1,19 +1,7 @@
-"""Sequence layouts for context parallelism: zigzag (causal balance) and contiguous.
-
-A sequence of ``seq_len`` tokens is split over ``cp_size`` CP ranks (CP index ``c`` as in
-``megatron_video.parallel.topology``):
-
-* ``"contiguous"``: rank ``c`` holds tokens ``[c*S/N, (c+1)*S/N)``.
-* ``"zigzag"``: the sequence is cut into ``2N`` chunks; rank ``c`` holds chunk ``c`` followed by
-  chunk ``2N-1-c`` (the layout Megatron's ``get_batch_on_this_cp_rank`` produces), so every rank
-  gets the same amount of causal work.
-
-All functions are pure and rank-explicit: ``*_global_ids`` map (rank, local index) -> global index,
-``shard_owner`` is the inverse (global index -> (rank, local index)). ``shard_sequence`` /
-``unshard_sequence`` apply the maps to tensors and are inverse to each other.
-
-The returned values never depend on anything but the arguments, and nothing is recorded: the
-consumer of a layout (``attention.dist_attention(..., scheme=...)``) is told the scheme explicitly.
+"""Sequence layouts for context parallelism: zigzag (causal balance) and contiguous, as pure,
+rank-explicit index maps (``*_global_ids``, their inverse ``shard_owner``) and the tensor ops that
+apply them (``shard_sequence`` / ``unshard_sequence``). Design: docs/architecture.md,
+"Capabilities" 1.
 """
 from __future__ import annotations
 
@@ -81,7 +69,15 @@ def contiguous_global_ids(cp_rank: int, cp_size: int, seq_len: int) -> torch.Ten
 
 
 def shard_global_ids(cp_rank: int, cp_size: int, seq_len: int, scheme: str = "zigzag") -> torch.Tensor:
-    """Local index -> global index map of CP rank ``cp_rank`` (a LongTensor of length S/N)."""
+    """Local index -> global index map of CP rank ``cp_rank`` (a LongTensor of length S/N).
+
+    A sequence of ``seq_len`` tokens is split over ``cp_size`` CP ranks (CP index ``c`` as in
+    ``parallel.topology``). ``"contiguous"``: rank ``c`` holds tokens ``[c*S/N, (c+1)*S/N)``.
+    ``"zigzag"``: the sequence is cut into ``2N`` chunks; rank ``c`` holds chunk ``c`` followed by
+    chunk ``2N-1-c`` (the layout Megatron's ``get_batch_on_this_cp_rank`` produces), so every rank
+    gets the same causal work. Nothing is recorded: the consumer of a layout
+    (``attention.dist_attention(..., scheme=...)``) is told the scheme explicitly.
+    """
     check_seq_len(seq_len, cp_size, scheme)
     fn = zigzag_global_ids if scheme == "zigzag" else contiguous_global_ids
     return fn(cp_rank, cp_size, seq_len)

@@ -1,10 +1,5 @@
-"""Chooses, per call, between the compiled kernels (``megatron_video._C``) and the references.
-
-``MEGATRON_VIDEO_OPS`` (read on every call, so tests can switch it):
-  ``auto`` (default)  the extension when it is importable and supports the tensor's device, else
-                      the reference (one warning per process says why);
-  ``reference``       always the pure-PyTorch reference;
-  ``extension``       always the extension; raises ``RuntimeError`` when it cannot run.
+"""Chooses, per call, between the compiled kernels (``megatron_video._C``) and the references, by
+``MEGATRON_VIDEO_OPS`` (``mode``: ``auto`` / ``reference`` / ``extension``, read on every call).
 """
 from __future__ import annotations
 
@@ -20,6 +15,13 @@ MODES = ("auto", "reference", "extension")
 
 
 def mode() -> str:
+    """``MEGATRON_VIDEO_OPS`` (read on every call, so tests can switch it):
+
+    ``auto`` (default)  the extension when it is importable and supports the tensor's device, else
+                        the reference (one warning per process says why);
+    ``reference``       always the pure-PyTorch reference;
+    ``extension``       always the extension; raises ``RuntimeError`` when it cannot run.
+    """
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"{ENV_VAR} ({value!r}) must be one of {MODES}")

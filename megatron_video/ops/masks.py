@@ -1,13 +1,7 @@
-"""Attention masks from per-token identities, dense and at block granularity.
-
-Each token carries ``side`` (0 clean, 1 noisy), ``block`` (global latent frame // frames per
-block), ``doc`` (document id, for packing) and ``pos`` (position); the rules themselves are defined
-once in :mod:`megatron_video.ops.rules` (and in ``csrc/mask_rules.h`` for the kernels).
-When both sides carry ``doc`` the rule is ANDed with ``doc_q == doc_k`` (packed documents, e.g.
-``causal`` within each document). Tokens may come in any order: the ids define it.
-
-``block_mask_status`` gives, per ``[q tile, k tile]`` (last tiles may be partial), 0 empty /
-1 partial / 2 full: the ring skip-list, and via ``flex_block_mask`` a FlexAttention ``BlockMask``.
+"""Attention masks from per-token identities (``TokenIds``), dense and at block granularity
+(``block_mask_status``: the ring skip-list, and a FlexAttention ``BlockMask``). The rules are
+defined once in ``ops.rules`` (and ``csrc/mask_rules.h`` for the kernels). Design:
+docs/architecture.md, "Capabilities" 1.
 """
 from __future__ import annotations
 
@@ -24,7 +18,13 @@ _ROWS = ("side", "block", "doc", "pos")
 
 @dataclass(frozen=True)
 class TokenIds:
-    """Per-token identity vectors (1-D integer tensors of one length); unused fields may be None."""
+    """Per-token identity vectors (1-D integer tensors of one length); unused fields may be None.
+
+    Each token carries ``side`` (0 clean, 1 noisy), ``block`` (global latent frame // frames per
+    block), ``doc`` (document id, for packing) and ``pos`` (position). When both sides carry ``doc``
+    the rule is ANDed with ``doc_q == doc_k`` (packed documents, e.g. ``causal`` within each
+    document). Tokens may come in any order: the ids define it.
+    """
 
     side: torch.Tensor | None = None
     block: torch.Tensor | None = None

@@ -1,17 +1,6 @@
-"""All communication of megatron_video lives here: autograd all-to-all, ring P2P, and a tracer.
-
-Every collective / P2P call made by this package goes through these functions, so ``CommTracer``
-sees all of them and tests and benchmarks can assert exact call and byte counts.
-
-Byte convention (what the tracer records as ``bytes_sent`` by this rank):
-  * all-to-all: the bytes leaving this rank, i.e. ``nbytes * (N-1)/N`` (the self chunk stays);
-  * ring send: the bytes of every tensor sent to the next rank;
-  * all-reduce: ``nbytes * (N-1)/N`` (the ring-algorithm volume per rank);
-  * all-gather: ``nbytes * (N-1)`` (this rank's input reaches every other rank);
-  * all-to-all-v: the bytes of the rows sent to the other ranks (exact, from the split sizes); the
-    split-size exchange before it is recorded as ``op="a2a_counts"``;
-  * shape / value checks (``check_same_shape``, ``check_same_values``) are recorded with
-    ``op="shape_check"`` so they never mix with data traffic.
+"""All communication of megatron_video: autograd all-to-all(-v), ring P2P, collectives, and
+``CommTracer``, which sees every call (tests and benchmarks assert exact call and byte counts; the
+byte convention is on ``CommTracer``). Design: docs/architecture.md, "Capabilities" 1.
 """
 from __future__ import annotations
 
@@ -55,6 +44,17 @@ class CommTracer(contextlib.ContextDecorator):
     >>> with CommTracer() as t:
     ...     y = all_to_all(x, group, scatter_dim=2, gather_dim=1)
     >>> t.count("all_to_all"), t.bytes("all_to_all")
+
+    Byte convention (what the tracer records as ``bytes_sent`` by this rank):
+
+    * all-to-all: the bytes leaving this rank, i.e. ``nbytes * (N-1)/N`` (the self chunk stays);
+    * ring send: the bytes of every tensor sent to the next rank;
+    * all-reduce: ``nbytes * (N-1)/N`` (the ring-algorithm volume per rank);
+    * all-gather: ``nbytes * (N-1)`` (this rank's input reaches every other rank);
+    * all-to-all-v: the bytes of the rows sent to the other ranks (exact, from the split sizes); the
+      split-size exchange before it is recorded as ``op="a2a_counts"``;
+    * shape / value checks (``check_same_shape``, ``check_same_values``) are recorded with
+      ``op="shape_check"`` so they never mix with data traffic.
     """
 
     def __init__(self):

@@ -13,7 +13,8 @@ import torch.distributed as dist
 __all__ = [
     "CP_COMM_TYPES", "groups_from_megatron", "resolve_video_groups", "VideoParallelGroups",
     "init_video_parallel", "get_video_parallel_groups", "destroy_video_parallel", "PLACEMENTS",
-    "cp_index", "local_groups", "check_ranks_per_node", "check_ulysses_in_node", "default_cp_groups",
+    "cp_index", "local_groups", "check_ranks_per_node", "check_ulysses_in_node",
+    "default_cp_groups",
 ]
 
 PLACEMENTS = ("ulysses_inner", "ring_inner")
@@ -120,7 +121,8 @@ def _resolve_ranks_per_node(ranks_per_node: Optional[int], world_size: int) -> i
 
 def default_cp_groups(world_size: int, tp_size: int, cp_size: int) -> List[List[int]]:
     """Global ranks of every CP group, in CP-index order, under Megatron's default rank order
-    (``"tp-cp-ep-dp-pp"``: TP fastest, then CP), as ``initialize_model_parallel`` builds them (pure)."""
+    (``"tp-cp-ep-dp-pp"``: TP fastest, then CP), as ``initialize_model_parallel`` builds them
+    (pure)."""
     block = tp_size * cp_size
     return [[base + t + tp_size * c for c in range(cp_size)]
             for base in range(0, world_size, block) for t in range(tp_size)]
@@ -146,18 +148,19 @@ def check_ulysses_in_node(cp_groups: Sequence[Sequence[int]], ulysses_size: int,
             nodes = sorted({g // rpn for g in group})
             if len(nodes) < 2:
                 continue
+            tp = f"tensor_model_parallel_size ({tp_size})"
             if placement == "ring_inner":
-                rule = (f"{p}context_parallel_size ({U * R}) x tensor_model_parallel_size ({tp_size}) "
-                        f"must be <= {p}ranks_per_node ({rpn}) and divide it for {p}placement "
-                        f"'ring_inner' with {p}ulysses_size ({U}) > 1: the all-to-all group strides "
-                        f"over the ring, so the whole CP group must lie inside one node")
+                rule = (f"{p}context_parallel_size ({U * R}) x {tp} must be <= "
+                        f"{p}ranks_per_node ({rpn}) and divide it for {p}placement 'ring_inner' "
+                        f"with {p}ulysses_size ({U}) > 1: the all-to-all group strides over the "
+                        f"ring, so the whole CP group must lie inside one node")
             else:
-                rule = (f"{p}ulysses_size ({U}) x tensor_model_parallel_size ({tp_size}) must be <= "
-                        f"{p}ranks_per_node ({rpn}) and divide it")
+                rule = (f"{p}ulysses_size ({U}) x {tp} must be <= {p}ranks_per_node ({rpn}) and "
+                        f"divide it")
             head = setting or f"{p}ulysses_size ({U}) with {p}placement {placement!r}"
             raise ValueError(f"{head}: the all-to-all group {list(group)} spans nodes {nodes} at "
-                             f"{p}ranks_per_node ({rpn}); the Ulysses group must lie inside one node "
-                             f"({rule})" + (f"; {hint}" if hint else ""))
+                             f"{p}ranks_per_node ({rpn}); the Ulysses group must lie inside one "
+                             f"node ({rule})" + (f"; {hint}" if hint else ""))
 
 
 def _check_positive_int(name, value):
@@ -344,11 +347,13 @@ def groups_from_megatron(pg_collection=None, cp_comm_type=None,
             f"must be the contiguous and the strided split of the CP group {cp_ranks} "
             f"(level 0 = {want_u}, level 1 = {want_r}), as initialize_model_parallel builds them")
     rpn = _resolve_ranks_per_node(ranks_per_node, dist.get_world_size())
-    tp_group = _pg(pg_collection, "tp") or ps.get_tensor_model_parallel_group(check_initialized=False)
+    tp_group = (_pg(pg_collection, "tp")
+                or ps.get_tensor_model_parallel_group(check_initialized=False))
     check_ulysses_in_node([cp_ranks], U, R, rpn,
                           tp_size=dist.get_world_size(tp_group) if tp_group is not None else 1,
                           setting=f"cp_comm_type ({comm!r})",
-                          hint="use 'a2a+p2p' with hierarchical_context_parallel_sizes [U, R], or 'p2p'")
+                          hint="use 'a2a+p2p' with hierarchical_context_parallel_sizes [U, R], "
+                               "or 'p2p'")
     return VideoParallelGroups(
         cp_group=cp_group, ulysses_group=ug, ring_group=rg, tp_group=tp_group,
         dp_group=_pg(pg_collection, "dp"), dp_cp_group=_pg(pg_collection, "dp_cp"),
