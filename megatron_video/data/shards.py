@@ -14,6 +14,8 @@ import torch
 import webdataset as wds
 from tqdm.auto import tqdm
 
+from .synthetic import check_dp_rank
+
 __all__ = ["write_shards", "list_shards", "ShardReader"]
 
 _DATA_KEYS = ("video", "latent")
@@ -110,10 +112,7 @@ class ShardReader(torch.utils.data.IterableDataset):
     def __init__(self, shards: Union[str, Path, Sequence[Union[str, Path]]], *, dp_rank: int = 0,
                  dp_size: int = 1, split: str = "shards"):
         super().__init__()
-        if dp_size < 1:
-            raise ValueError(f"dp_size ({dp_size}) must be >= 1")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
+        check_dp_rank(dp_rank, dp_size)
         if split not in _SPLITS:
             raise ValueError(f"split ({split!r}) must be one of {_SPLITS}")
         self.shards = list_shards(shards)

@@ -261,6 +261,14 @@ class ProceduralVideoDataset(torch.utils.data.Dataset):
             raise IndexError(f"index ({index}) must be in [0, {self.num_samples})")
 
 
+def check_dp_rank(dp_rank: int, dp_size: int) -> None:
+    """``ValueError`` unless ``0 <= dp_rank < dp_size`` (the data-parallel split of every reader)."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size ({dp_size}) must be >= 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
+
+
 def shard_indices(num_samples: int, dp_rank: int, dp_size: int, *, seed: Optional[int] = None,
                   epoch: int = 0) -> list[int]:
     """Indices for data-parallel rank ``dp_rank``: a (seeded, per-epoch) permutation, strided by rank.
@@ -270,10 +278,7 @@ def shard_indices(num_samples: int, dp_rank: int, dp_size: int, *, seed: Optiona
     """
     if num_samples < 0:
         raise ValueError(f"num_samples ({num_samples}) must be >= 0")
-    if dp_size < 1:
-        raise ValueError(f"dp_size ({dp_size}) must be >= 1")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
+    check_dp_rank(dp_rank, dp_size)
     if seed is None:
         order = torch.arange(num_samples)
     else:

@@ -5,10 +5,11 @@ apply them (``shard_sequence`` / ``unshard_sequence``). Design: docs/architectur
 """
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+from ..parallel.comm import check_dim
 
 __all__ = [
     "SCHEMES", "check_seq_len", "zigzag_global_ids", "contiguous_global_ids", "shard_global_ids",
@@ -33,14 +34,6 @@ def check_seq_len(seq_len: int, cp_size: int, scheme: str) -> None:
     if seq_len % parts:
         rule = f"2 * cp_size ({2 * cp_size})" if scheme == "zigzag" else f"cp_size ({cp_size})"
         raise ValueError(f"seq_len ({seq_len}) must be divisible by {rule} for scheme {scheme!r}")
-
-
-def _check_dim(dim: int, x: torch.Tensor) -> int:
-    nd = x.dim()
-    if isinstance(dim, bool) or not isinstance(dim, Integral) or not -nd <= dim < nd:
-        raise ValueError(f"dim ({dim!r}) must be an integer in [-{nd}, {nd}) for a {nd}-D tensor "
-                         f"{tuple(x.shape)}")
-    return int(dim) % nd
 
 
 def _check_rank(cp_rank: int, cp_size: int) -> None:
@@ -127,7 +120,7 @@ def shard_sequence(x: torch.Tensor, groups=None, dim: int = 1, scheme: str = "zi
     ``attention.dist_attention``.
     """
     rank, size = _rank_and_size(groups, cp_rank, cp_size)
-    dim = _check_dim(dim, x)
+    dim = check_dim("dim", dim, x)
     ids = shard_global_ids(rank, size, x.shape[dim], scheme).to(x.device)
     return x.index_select(dim, ids)
 
@@ -137,7 +130,7 @@ def unshard_sequence(shards: Sequence[torch.Tensor], dim: int = 1, scheme: str =
     if len(shards) == 0:
         raise ValueError("shards must hold one tensor per CP rank (got 0)")
     n = len(shards)
-    dim = _check_dim(dim, shards[0])
+    dim = check_dim("dim", dim, shards[0])
     if len({tuple(s.shape) for s in shards}) != 1:
         raise ValueError(f"shards must all have the same shape (got {[tuple(s.shape) for s in shards]})")
     seq_len = shards[0].shape[dim] * n

@@ -97,10 +97,14 @@ def destroy_video_parallel() -> None:
     _GROUPS = None
 
 
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+
 def check_ranks_per_node(ranks_per_node, world_size: int, name: str = "ranks_per_node") -> int:
     """``ranks_per_node`` checked: a positive integer that divides ``world_size`` (pure)."""
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"{name} ({ranks_per_node!r}) must be a positive integer")
+    _check_positive_int(name, ranks_per_node)
     if world_size % ranks_per_node:
         raise ValueError(f"{name} ({ranks_per_node}) must divide the world size ({world_size})")
     return ranks_per_node
@@ -161,11 +165,6 @@ def check_ulysses_in_node(cp_groups: Sequence[Sequence[int]], ulysses_size: int,
             raise ValueError(f"{head}: the all-to-all group {list(group)} spans nodes {nodes} at "
                              f"{p}ranks_per_node ({rpn}); the Ulysses group must lie inside one "
                              f"node ({rule})" + (f"; {hint}" if hint else ""))
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
 def init_video_parallel(ulysses_size: int, ring_size: Optional[int] = None,
