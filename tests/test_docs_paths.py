@@ -106,7 +106,11 @@ def test_qualified_names_resolve(doc):
 
 
 @pytest.mark.parametrize("doc", [_ids(d) for d in DOCS])
-def test_python_examples_parse(doc):
-    blocks = re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.M | re.S)
-    for code in blocks:
-        ast.parse(code.replace("...", "None"))
+def test_python_examples_parse_and_import_what_exists(doc):
+    bad = []
+    for code in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.M | re.S):
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "megatron_video":
+                module = importlib.import_module(node.module)
+                bad += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+    assert not bad, f"{doc.name} examples import what does not exist: {bad}"
