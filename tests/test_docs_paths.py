@@ -15,13 +15,14 @@ PAGES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README] + PAGES
 MAX_README_LINES = 150
 
-# a path under one of these roots, optionally followed by ::test_name (and a [param] id)
+# a path under one of these roots, optionally followed by ::test_name
 PATH_RE = re.compile(r"(?<![\w./-])((?:docs|tests|benchmarks|examples|megatron_video|csrc|docker"
                      r"|requirements|\.ci)"
                      r"(?:/[\w.*-]+)*/?)(?:::(\w+))?")
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
 NAME_RE = re.compile(r"(?<![\w./])megatron_video(?:\.\w+)+")
 CODE_RE = re.compile(r"^```.*?^```", re.M | re.S)
+SECTION_RE = re.compile(r"\b(README|(?:docs/)?\w+\.md)(?:'s)?,? \"([^\"]+)\"")  # README "Section"
 
 
 def _ids(doc):
@@ -34,9 +35,13 @@ def _slug(heading):
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def _anchors(page):
+def _headings(page):
     text = CODE_RE.sub("", page.read_text())
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} +(.+?) *#*$", text, re.M)}
+    return [m.group(1) for m in re.finditer(r"^#{1,6} +(.+?) *#*$", text, re.M)]
+
+
+def _anchors(page):
+    return {_slug(h) for h in _headings(page)}
 
 
 def _test_names(path):
@@ -83,6 +88,12 @@ def test_links_and_their_sections_exist(doc):
             bad.append(f"{link}: no such file")
         elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
             bad.append(f"{link}: no section '#{anchor}' in {target.name}")
+    for m in SECTION_RE.finditer(doc.read_text()):  # a section cited by name: README "Section"
+        name = "README.md" if m.group(1) == "README" else m.group(1)
+        page = ROOT / name if name.startswith(("README", "docs/")) else doc.parent / name
+        if not page.exists() or not any(h.replace("`", "").startswith(m.group(2))
+                                        for h in _headings(page)):
+            bad.append(f"{m.group(0)}: no such section")
     assert not bad, f"{doc.name} links to what does not exist: {bad}"
 
 
@@ -110,7 +121,9 @@ def test_python_examples_parse_and_import_what_exists(doc):
     bad = []
     for code in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.M | re.S):
         for node in ast.walk(ast.parse(code)):
-            if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "megatron_video":
+            ours = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_video")
+            if ours:
                 module = importlib.import_module(node.module)
-                bad += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+                bad += [f"{node.module}.{a.name}" for a in node.names
+                        if not hasattr(module, a.name)]
     assert not bad, f"{doc.name} examples import what does not exist: {bad}"
