@@ -121,7 +121,8 @@ def test_python_examples_parse_and_import_what_exists(doc):
     bad = []
     for code in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.M | re.S):
         for node in ast.walk(ast.parse(code)):
-            ours = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_video")
+            ours = isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "megatron_video")
             if ours:
                 module = importlib.import_module(node.module)
                 bad += [f"{node.module}.{a.name}" for a in node.names
