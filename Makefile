@@ -22,7 +22,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/megatron-video demo --cpu
 
-# Attention benchmarks of README "Measured" (tens of minutes on 2 cores); yunchang only for peer_usp.
+# Attention benchmarks of docs/benchmarks.md (tens of minutes on 2 cores); yunchang: peer_usp only.
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/bench.txt -c requirements/constraints.txt
 	$(PY) benchmarks/attention_memory.py

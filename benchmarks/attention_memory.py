@@ -7,7 +7,7 @@ during one forward + backward (``/proc/self/status`` VmHWM after resetting it th
 (``b * S/N * H * D * 4`` bytes). The baseline is torch's fused CPU flash attention on ONE process
 over the whole sequence (``is_causal=True``, its own q = the whole sequence), measured the same way.
 
-Targets (README "Measured"): <= 20x one q shard, and flat: the largest S within 1.5x of the
+Targets (docs/benchmarks.md): <= 20x one q shard, and flat: the largest S within 1.5x of the
 smallest. Run: ``python benchmarks/attention_memory.py [--seqs 4096,8192,16384,32768,65536]``.
 """
 from __future__ import annotations

@@ -8,10 +8,14 @@ per rank:
   tensors autograd keeps for the backward, ``saved_tensors_hooks``) of stage 1 vs every rank
   encoding every frame (Megatron-Core 0.16's ``LLaVAModel`` under CP, LongVILA without MM-SP);
 * re-shard bytes per rank (tracer): the one all-to-all-v (forward + backward) vs an all-gather of
-  every rank's visual tokens and vs LongVILA's public code (each rank writes its tokens into a
-  zero-filled buffer of the whole visual sequence, ``all_reduce``); the last is not tracked by
-  autograd, so a token used on another rank sends no gradient back: the encoder-gradient error
-  of that scheme is printed next to MM-SP's (exact: 0);
+  every rank's visual tokens and vs the scheme of LongVILA's public code (VILA's
+  ``llava/model/llava_arch.py``, ``repack_multimodal_data``: a zero-filled buffer and an in-place
+  ``dist.all_reduce``, which has no autograd formula, so a token used on another rank sends no
+  gradient back to the encoder that produced it). Here that scheme re-shards the visual tokens
+  only, into our layout: VILA all-reduces the whole text + visual embedding (plus three
+  ``all_gather``s), so the printed bytes understate its traffic; its encoder-gradient error is
+  printed next to MM-SP's (exact: 0) and holds for our layout (with LongVILA's own sharding of a
+  packed sample it is about 0.2-0.9);
 * LLM tokens (non-padding) and causal attention work per rank, max/mean (target 1.00 / <= 1.05),
   for the unpacked batch and for a packed one;
 * comm calls and bytes of one MM-SP forward + backward (tracer table, rank 0).
@@ -127,7 +131,8 @@ def _rank(frames, text):
         (shard.reshape(-1, h) * w).sum().backward()
         return x.grad
 
-    def allreduce_grad():  # LongVILA's public scheme: zero buffer + all_reduce (not autograd)
+    def allreduce_grad():  # LongVILA's scheme on our layout, visual tokens only: zero buffer +
+        # in-place all_reduce, not seen by autograd (VILA also all-reduces the text rows)
         x = visual_all[rows].clone().requires_grad_(True)
         buf = torch.zeros(n_vis, h)
         buf = buf.index_put((rows,), x)
@@ -195,14 +200,17 @@ def main():
               f"{o['act_mmsp'] / 2**20:>14.3f}{o['act_repl'] / 2**20:>14.3f}"
               f"{o['act_mmsp'] / o['act_repl']:>8.3f}")
     print("\nre-shard bytes per rank (tracer): MM-SP all-to-all-v fwd + bwd | all-gather of visual "
-          "tokens | LongVILA zero buffer + all_reduce (repo convention: all-reduce nbytes*(N-1)/N)")
+          "tokens | zero buffer + all_reduce of the visual tokens only, forward (LongVILA's scheme; "
+          "repo convention: all-reduce nbytes*(N-1)/N). VILA's code all-reduces the whole text + "
+          "visual embedding and adds three all_gathers, so it moves more than this column")
     print(f"{'rank':<6}{'a2av fwd':>10}{'a2av bwd':>10}{'all-gather':>12}{'all_reduce':>12}")
     for r, o in enumerate(res):
         print(f"{r:<6}{o['a2av'][0]:>10,}{o['a2av'][1]:>10,}{o['allgather_bytes']:>12,}"
               f"{o['allreduce_bytes']:>12,}")
     print(f"encoder-gradient error ||g - g_exact|| / ||g_exact||: MM-SP all-to-all-v 0 (exact, "
-          f"tests/test_mmsp.py), zero buffer + all_reduce {r0['grad_err']:.3f} (tokens used on "
-          f"another rank send no gradient back)")
+          f"tests/test_mmsp.py), zero buffer + all_reduce {r0['grad_err']:.3f} in our layout "
+          f"(dist.all_reduce has no autograd formula: tokens used on another rank send no "
+          f"gradient back; with LongVILA's own sharding of a packed sample about 0.2-0.9)")
     print("\nLLM balance per rank (zigzag): max/mean")
     L = res[0]['seq_len'] // 4
     print(f"tokens (with padding: what the LLM computes) {[L] * 4} -> 1.000")

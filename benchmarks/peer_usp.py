@@ -9,7 +9,7 @@ its own balanced input layout (yunchang: ``zigzag_extract_local``; ours: Megatro
 cut from the same full tensors; both outputs are compared with a float64 oracle of the full
 sequence. yunchang's PyTorch path has no backward, so this is forward only.
 
-Target (README "Measured"): ours <= 1.0x yunchang everywhere. Needs the benchmark extra:
+Target (docs/benchmarks.md): ours <= 1.0x yunchang everywhere. Needs the benchmark extra:
 ``pip install -r requirements/bench.txt -c requirements/constraints.txt``.
 The two libraries alternate call by call (ours, yunchang, yunchang, ours, ...), so a drift of the
 machine's speed hits both alike; the spread column shows how far one library's own repeats vary.

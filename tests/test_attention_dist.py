@@ -304,7 +304,7 @@ def test_skipped_steps_match_masked_tiles(pool8):
 
 
 # ------------------------------------------------------------------------------------------
-# Communication volume (tracer) against the formulas of DESIGN.md
+# Communication volume (tracer) against the formulas of docs/architecture.md, "Capabilities" 1
 # ------------------------------------------------------------------------------------------
 def _tracer_cases():
     from megatron_video.parallel import CommTracer

@@ -4,7 +4,7 @@ Categories: config (``validate`` and the CLI), layouts, masks, tensors (``dist_a
 gloo ranks, explicit ``scheme=``), MM-SP (``MMSPLLaVAModel`` on 4 ranks), checkpoints, data. Each
 row asserts ``ValueError`` (exit status 2 for the CLI) and that the message names the parameter;
 the rule's wording is free. ``test_bad_input_count`` keeps the table at >= 25 rows across all seven
-categories (README "Failure behaviour" lists them).
+categories (docs/reliability.md, "Bad input", lists them).
 """
 import io
 import os

@@ -16,7 +16,7 @@ SETTINGS = settings(max_examples=40, deadline=None, database=None)
 
 
 # ---------------------------------------------------------------------------------------------
-# oracles: the rules of DESIGN.md §2 written out for one pair, and tiles by enumeration
+# oracles: the rules of ops/rules.py written out for one pair, and tiles by enumeration
 # ---------------------------------------------------------------------------------------------
 def rule_oracle(rule, same_doc, q, k):
     if same_doc and q["doc"] != k["doc"]:

@@ -1,5 +1,5 @@
 """Reliability on gloo ranks: resume under another parallel layout, corrupt / unsafe checkpoints,
-atomic saves, non-finite steps, bitwise reruns, dead and hung ranks (README "Failure behaviour").
+atomic saves, non-finite steps, bitwise reruns, dead and hung ranks (docs/reliability.md).
 
 Oracle for resharding: the same-layout continuation of the run that wrote the checkpoint (its
 next two losses; the second one depends on the restored Adam moments and LR schedule).
