@@ -23,6 +23,7 @@ from typing import Callable, Optional, Tuple
 import torch.multiprocessing as mp
 
 from .config import Config, validate
+from .families import get_family
 
 __all__ = ["under_torchrun", "launch"]
 
@@ -160,7 +161,6 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
     validate(config, nproc)  # again here: launch() is also a library entry
     if nproc % ranks_per_node:
         raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide --nproc ({nproc})")
-    from .families import get_family
     from .vae_stage import ensure_vae
 
     if get_family(config.model.family).needs_vae:

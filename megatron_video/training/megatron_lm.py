@@ -21,6 +21,7 @@ import torch
 
 from .config import Config, load_config, validate
 from .families import get_family
+from .model_factory import build_model
 
 __all__ = ["add_video_args", "sequence_length", "megatron_transformer_config", "PositionDataset",
            "train_valid_test_datasets_provider", "run_pretrain", "MegatronLMEntry"]
@@ -216,8 +217,6 @@ class MegatronLMEntry:
         has one); otherwise it is built from Megatron-LM's arguments. The family adds only its own
         fields (``FamilySpec.megatron_lm_config``). ``video_config`` replaces the one read from
         ``--video-config`` (tests)."""
-        from .model_factory import build_model
-
         job = self.job(video_config)
         if config is None:
             from megatron.training import get_args
