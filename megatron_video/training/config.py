@@ -103,7 +103,7 @@ class ParallelSection:
                              f"parallel.tensor_model_parallel_size "
                              f"* pipeline_model_parallel_size * context_parallel_size "
                              f"({TP} * {PP} * {CP})")
-        # -- the Ulysses group inside one node (one contiguous block: s18-rules replaces it) --
+        # -- node placement: the Ulysses group inside one node (one block, kept whole) --
         if p.ranks_per_node is not None:
             _pos_int("parallel.ranks_per_node", p.ranks_per_node)
             if world_size % p.ranks_per_node:
