@@ -1,8 +1,8 @@
 """What a model family is (:class:`FamilySpec`) and the registry of families by ``model.family``.
 
-The families themselves live in ``training/families/`` and register here; this module imports
-nothing of ``training``, so the config, the model factory and the trainer can look a family up
-without importing the family modules (docs/architecture.md, "Model families").
+The families live in ``training/families/`` and register here (importing ``megatron_video.training``
+registers the built-in ones); this module imports nothing of ``training``, so the config and the
+model factory look a family up by name without importing the family modules.
 """
 from __future__ import annotations
 
