@@ -1,28 +1,8 @@
 """Save / resume with ``megatron.core.dist_checkpointing``: model, optimizer, LR scheduler, RNG, step.
 
-Layout (Megatron-LM's): ``<dir>/iter_0000100/`` holds one distributed checkpoint per save and
-``<dir>/latest_checkpointed_iteration.txt`` the step of the newest complete one.
-
-* **Atomic.** A save writes ``iter_XXXXXXX.partial/``, then rank 0 writes a manifest (size and
-  SHA-256 of every file), renames the folder to ``iter_XXXXXXX/`` and only then replaces the tracker
-  file (temp file + ``os.replace``). A crash at any point leaves the tracker on the previous
-  complete checkpoint; a leftover ``.partial`` folder is never read and is cleared by the next save.
-* **Resharding.** Model and optimizer state are Megatron sharded tensors (global shapes with this
-  rank's slice), so a checkpoint resumes under any other data / context (U x R) / tensor / pipeline
-  parallel layout the model supports: each rank reads the slices its new layout needs. The LR
-  scheduler counts samples, so with the global batch kept the schedule continues exactly. The RNG
-  states are per global rank; they are restored when the world size is unchanged and otherwise
-  left as seeded from ``train.seed`` (the trainer's injected noise is keyed by step and sample, not
-  by these states: see ``training/data.py``). Only a different model shape is refused, before
-  anything is read, naming the differing fields and tensors.
-* **Nothing from the file runs code.** Every file is checked against the manifest; the common part
-  is read with ``torch.load(weights_only=True)``; the tensor index (``.metadata``, a pickle written
-  by ``torch.distributed.checkpoint``) is read with an unpickler that can only build the index's
-  own dataclasses; an index declaring pickled objects (which PyTorch would unpickle unrestricted)
-  is refused. We write no such objects: RNG states are stored as tensors.
-
-Every check raises ``ValueError`` on every rank (the outcomes travel in one all-reduce) before any
-tensor is loaded. See README "Failure behaviour".
+Megatron-LM's layout (``<dir>/iter_0000100/``, ``<dir>/latest_checkpointed_iteration.txt``); atomic
+saves (``save_checkpoint``), resume under any parallel layout that runs no code from the file
+(``load_checkpoint``). Failure behaviour: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -336,7 +316,13 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Opt
     """Collective: save everything for ``step`` atomically; returns the checkpoint folder.
     ``meta`` (the model's shape-defining configuration) is stored to explain a refused resume.
     ``data_state``: ``(name, json_text)`` this rank's data-loader state, written to
-    ``dataloader/<name>.json`` (plain JSON, covered by the manifest; ``read_data_state``)."""
+    ``dataloader/<name>.json`` (plain JSON, covered by the manifest; ``read_data_state``).
+
+    Atomic: the save writes ``iter_XXXXXXX.partial/``, then rank 0 writes a manifest (size and
+    SHA-256 of every file), renames the folder to ``iter_XXXXXXX/`` and only then replaces the
+    tracker file (temp file + ``os.replace``). A crash at any point leaves the tracker on the
+    previous complete checkpoint; a leftover ``.partial`` folder is never read and is cleared by
+    the next save."""
     from megatron.core import dist_checkpointing
 
     final = checkpoint_path(directory, step)
@@ -404,7 +390,20 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
                     meta: Optional[dict] = None) -> int:
     """Collective: restore the newest (or the given) checkpoint under any parallel layout; returns
     its step. Raises ``ValueError`` on every rank for a missing, corrupt, unsafe or
-    different-model checkpoint before anything is loaded."""
+    different-model checkpoint before anything is loaded (the outcomes travel in one all-reduce).
+
+    Resharding: model and optimizer state are Megatron sharded tensors (global shapes with this
+    rank's slice), so each rank reads the slices its new data / context (U x R) / tensor / pipeline
+    layout needs. The LR scheduler counts samples, so with the global batch kept the schedule
+    continues exactly. RNG states are per global rank: restored when the world size is unchanged,
+    otherwise left as seeded from ``train.seed`` (the injected noise is keyed by step and sample,
+    ``training/data.py``). Only a different model shape is refused, naming the fields and tensors.
+
+    Nothing from the file runs code: every file is checked against the manifest; the common part
+    is read with ``torch.load(weights_only=True)``; the tensor index (``.metadata``, a pickle of
+    ``torch.distributed.checkpoint``) with an unpickler that can only build the index's own
+    dataclasses; an index declaring pickled objects is refused (RNG states are stored as
+    tensors)."""
     from megatron.core import dist_checkpointing
 
     step = latest_step(directory) if step is None else step

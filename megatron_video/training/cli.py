@@ -1,30 +1,8 @@
 """``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
 
-Subcommands::
-
-    megatron-video train --config FILE [--nproc N] [--ranks-per-node K] [--output DIR] [--cpu] [section.key=value ...]
-    megatron-video demo [--output DIR] [--cpu] [section.key=value ...]
-    megatron-video train-vae [--config FILE] [--output PATH] [section.key=value ...]
-    megatron-video validate --config FILE [--nproc N] [--ranks-per-node K] [section.key=value ...]
-    megatron-video prepare SRC DST [--manifest FILE.jsonl] [--samples-per-shard N]
-    megatron-video prepare --procedural N DST [--config FILE] [section.key=value ...]
-    megatron-video precompute --config FILE --out DST [--sp-size P] [--text-encoder DIR] [section.key=value ...]
-
-``train`` runs ``--nproc`` local ranks (gloo on CPU, simulated nodes of ``--ranks-per-node``) or,
-under ``torchrun``, this process as one rank. ``demo`` is ``train --config
-examples/configs/demo.yaml --nproc 4 --ranks-per-node 2 --output runs/demo``, reading real mp4 files
-through energon (prepared once under ``runs/demo-data`` by the same code as ``prepare --procedural``). A bad configuration
-exits with status 2 and names the field, before any process or process group is started.
-
-``prepare`` turns a folder of videos + captions into an energon dataset for ``data.source=energon``
-(``data.energon_video``); ``--procedural N`` first writes N of the embedded procedural clips as mp4
-files (at the config's frame count and size) into ``DST/videos`` and prepares those.
-
-``precompute`` encodes the energon dataset ``data.path`` with the config's VAE (each clip as the
-``--sp-size`` halo windows SP ranks would encode) into latent shards for ``data.source=shards``.
-
-``--cpu`` enters megatron_video's CPU mode for Megatron-Core (``megatron_video.compat``; it logs what
-it changes and does nothing where CUDA is available); without a GPU the job needs it.
+Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``
+(``megatron-video SUBCOMMAND --help``). A bad configuration exits with status 2 naming the field,
+before any process or process group is started.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Training configuration: dataclasses, YAML loading, ``section.key=value`` overrides, validation.
-
-``load_config(path, overrides)`` reads a YAML file whose top-level sections are the fields of
-:class:`Config` (``model``, ``parallel``, ``data``, ``vae``, ``diffusion``, ``train``, ``output``),
-applies overrides such as ``train.steps=20`` or ``parallel.ulysses_size=2`` (values parsed as
-YAML), and returns a ``Config``. ``validate(config, world_size)`` checks everything that can be
-checked without processes and raises ``ValueError`` naming the field, its value and the rule; the
-CLI calls it before any process or process group is started.
+"""Training configuration: one dataclass per YAML section, loading with ``section.key=value``
+overrides, and ``validate``: each section checks its own fields (``Section.validate``), the
+top-level ``validate`` the rules between sections and the family's own (``training.family_spec``).
 """
 from __future__ import annotations
 
@@ -18,6 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import yaml
 
 from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
+from .family_spec import get_family
 
 __all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "DiffusionSection",
            "TrainSection", "Config", "load_config", "apply_overrides", "config_from_dict",
@@ -26,6 +22,16 @@ __all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "Diff
 OBJECTIVES = ("edm", "flow", "lm")  # lm: next-token cross-entropy (model.family video_llava)
 NONFINITE_POLICIES = ("skip", "stop")
 TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
+
+
+def _pos_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} ({value!r}) must be a positive number")
 
 
 @dataclass
@@ -44,6 +50,29 @@ class ModelSection:
     stdit_variant: str = "hybrid"          # stdit: hybrid | cp_everywhere | ulysses_everywhere
     stdit_full_attention_layers: List[int] = field(default_factory=list)
 
+    def validate(self) -> None:
+        m = self
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "lora_rank",
+                     "frames_per_block"):
+            _pos_int(f"model.{name}", getattr(m, name))
+        if not isinstance(m.patch_size, (list, tuple)) or len(m.patch_size) != 3:
+            raise ValueError(f"model.patch_size ({m.patch_size!r}) must be a list of 3 integers "
+                             f"(pt, ph, pw)")
+        for i, ps in enumerate(m.patch_size):
+            _pos_int(f"model.patch_size[{i}]", ps)
+        H = m.num_attention_heads
+        G = m.num_query_groups or H
+        if H % G:
+            raise ValueError(f"model.num_attention_heads ({H}) must be divisible by "
+                             f"model.num_query_groups ({G})")
+        if m.hidden_size % H:
+            raise ValueError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
+                             f"model.num_attention_heads ({H})")
+        head_dim = m.hidden_size // H
+        if m.rope_theta is not None and (head_dim % 2 or head_dim < 6):
+            raise ValueError(f"model.hidden_size / model.num_attention_heads ({head_dim}) must be "
+                             f"even and >= 6 for 3D RoPE (or set model.rope_theta: null)")
+
 
 @dataclass
 class ParallelSection:
@@ -56,6 +85,31 @@ class ParallelSection:
     ranks_per_node: Optional[int] = None   # default: LOCAL_WORLD_SIZE / --ranks-per-node / world
     ring_balance: Optional[bool] = None    # ar_dit: zigzag frame pairing over the ring (default R > 1)
     recompute: bool = False                # activation checkpointing of every layer (composes with SP)
+
+    def validate(self, world_size: int) -> None:
+        p = self
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "ulysses_size", "ring_size"):
+            _pos_int(f"parallel.{name}", getattr(p, name))
+        TP, PP, CP, U, R = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                            p.context_parallel_size, p.ulysses_size, p.ring_size)
+        if U * R != CP:
+            raise ValueError(f"parallel.ulysses_size * parallel.ring_size ({U} * {R} = {U * R}) "
+                             f"must equal parallel.context_parallel_size ({CP})")
+        if p.placement not in ("ulysses_inner", "ring_inner"):
+            raise ValueError(f"parallel.placement ({p.placement!r}) must be 'ulysses_inner' or "
+                             f"'ring_inner'")
+        if world_size % (TP * PP * CP):
+            raise ValueError(f"world size ({world_size}) must be divisible by "
+                             f"parallel.tensor_model_parallel_size "
+                             f"* pipeline_model_parallel_size * context_parallel_size "
+                             f"({TP} * {PP} * {CP})")
+        if p.ranks_per_node is not None:   # the node-placement rule lives in parallel.topology
+            check_ranks_per_node(p.ranks_per_node, world_size, "parallel.ranks_per_node")
+            check_ulysses_in_node(default_cp_groups(world_size, TP, CP), U, R, p.ranks_per_node,
+                                  p.placement, tp_size=TP, prefix="parallel.")
+        if p.recompute and not isinstance(p.recompute, bool):
+            raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
 
 
 @dataclass
@@ -72,6 +126,37 @@ class DataSection:
     caption_len: int = 16
     seed: int = 0
 
+    def validate(self) -> None:
+        d = self
+        if d.source not in ("synthetic", "shards", "energon"):
+            raise ValueError(f"data.source ({d.source!r}) must be 'synthetic', 'shards' or "
+                             f"'energon'")
+        if d.text_embed_dim is not None:
+            _pos_int("data.text_embed_dim", d.text_embed_dim)
+            if d.source != "shards":
+                raise ValueError(f"data.text_embed_dim ({d.text_embed_dim}) needs data.source "
+                                 f"'shards' (latent shards with caption embeddings from "
+                                 f"`megatron-video precompute --text-encoder`); got {d.source!r}")
+        if d.source == "energon" and not d.path:
+            raise ValueError("data.path (None) must name an energon dataset (`megatron-video "
+                             "prepare SRC DST`) when data.source is 'energon'")
+        if d.source == "shards" and not d.shards:
+            raise ValueError("data.shards (None) must name a folder or glob of .tar shards when "
+                             "data.source is 'shards'")
+        _pos_int("data.num_frames", d.num_frames)
+        if (d.num_frames - 1) % TEMPORAL_STRIDE:
+            raise ValueError(f"data.num_frames ({d.num_frames}) must be 1 + {TEMPORAL_STRIDE}k "
+                             f"(the causal VAE maps frame 0 to latent 0 and frames 4k-3..4k to "
+                             f"latent k)")
+        for name in ("height", "width"):
+            val = getattr(d, name)
+            _pos_int(f"data.{name}", val)
+            if val % SPATIAL_STRIDE:
+                raise ValueError(f"data.{name} ({val}) must be divisible by {SPATIAL_STRIDE} (VAE "
+                                 f"downsampling)")
+        _pos_int("data.num_samples", d.num_samples)
+        _pos_int("data.caption_len", d.caption_len)
+
 
 @dataclass
 class VAESection:
@@ -87,6 +172,17 @@ class VAESection:
     foreground_weight: float = 4.0         # extra loss weight on the shapes' pixels
     halo_latents: Optional[int] = None     # default: the encoder's temporal receptive field
 
+    def validate(self) -> None:
+        v = self
+        for name in ("latent_channels", "base_channels", "train_steps", "batch_size"):
+            _pos_int(f"vae.{name}", getattr(v, name), 0 if name == "train_steps" else 1)
+        _positive("vae.lr", v.lr)
+        if v.halo_latents is not None:
+            _pos_int("vae.halo_latents", v.halo_latents, 0)
+        if v.weights is not None and not Path(v.weights).is_file():
+            raise ValueError(f"vae.weights ({v.weights!r}) must be an existing file (or null to "
+                             f"train and cache the VAE)")
+
 
 @dataclass
 class DiffusionSection:
@@ -99,6 +195,17 @@ class DiffusionSection:
     guidance_scale: float = 3.0
     sampler: str = "heun"                  # heun | euler (EDM); flow always uses Euler
     sample_steps: int = 16
+
+    def validate(self) -> None:
+        """The numeric fields; ``objective`` against the family in the top-level ``validate``."""
+        df = self
+        for name in ("sigma_data", "p_std", "flow_shift"):
+            _positive(f"diffusion.{name}", getattr(df, name))
+        if not 0.0 <= df.cfg_dropout <= 1.0:
+            raise ValueError(f"diffusion.cfg_dropout ({df.cfg_dropout}) must be in [0, 1]")
+        if df.sampler not in ("heun", "euler"):
+            raise ValueError(f"diffusion.sampler ({df.sampler!r}) must be 'heun' or 'euler'")
+        _pos_int("diffusion.sample_steps", df.sample_steps)
 
 
 @dataclass
@@ -128,6 +235,31 @@ class TrainSection:
     max_skipped_steps: int = 10            # policy skip: stop after this many skipped steps in a row
     rank_timeout_s: float = 300.0          # a rank that makes no progress this long ends the job
 
+    def validate(self, has_gpu: bool = False) -> None:
+        """Every field but the global batch (against the data-parallel size: top-level)."""
+        t = self
+        _pos_int("train.steps", t.steps, 0)
+        _pos_int("train.micro_batch_size", t.micro_batch_size)
+        _pos_int("train.log_interval", t.log_interval)
+        _pos_int("train.save_interval", t.save_interval, 0)
+        _pos_int("train.warmup_steps", t.warmup_steps, 0)
+        _pos_int("train.sample_batch", t.sample_batch)
+        _positive("train.lr", t.lr)
+        if not 0 <= t.min_lr <= t.lr:
+            raise ValueError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
+        if t.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(f"train.lr_decay_style ({t.lr_decay_style!r}) must be constant, "
+                             f"linear, cosine or inverse-square-root")
+        if t.clip_grad < 0:
+            raise ValueError(f"train.clip_grad ({t.clip_grad}) must be >= 0 (0 disables clipping)")
+        if t.nonfinite_policy not in NONFINITE_POLICIES:
+            raise ValueError(f"train.nonfinite_policy ({t.nonfinite_policy!r}) must be one of "
+                             f"{NONFINITE_POLICIES}")
+        _pos_int("train.max_skipped_steps", t.max_skipped_steps)
+        _positive("train.rank_timeout_s", t.rank_timeout_s)
+        if t.bf16 and not has_gpu:
+            raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
+
 
 @dataclass
 class Config:
@@ -141,9 +273,9 @@ class Config:
 
     @property
     def objective(self) -> str:
+        """``diffusion.objective``, or the family's default where it is null."""
         if self.diffusion.objective is not None:
             return self.diffusion.objective
-        from .families import get_family
         return get_family(self.model.family).default_objective
 
 
@@ -250,155 +382,68 @@ def data_parallel_size(config: Config, world_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation
+# Validation: each section's own fields, then the rules between sections and the family's
 # ----------------------------------------------------------------------------------------------
-def _pos_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-
-
-def _positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} ({value!r}) must be a positive number")
-
-
 def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     """Raise ``ValueError`` (naming the field) for any configuration that cannot run."""
-    m, p, d, v, df, t = (config.model, config.parallel, config.data, config.vae, config.diffusion,
-                         config.train)
     _pos_int("world_size", world_size)
-    from .families import get_family
-    family = get_family(m.family)   # ValueError naming model.family
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "lora_rank", "frames_per_block"):
-        _pos_int(f"model.{name}", getattr(m, name))
-    if not isinstance(m.patch_size, (list, tuple)) or len(m.patch_size) != 3:
-        raise ValueError(f"model.patch_size ({m.patch_size!r}) must be a list of 3 integers (pt, ph, pw)")
-    for i, ps in enumerate(m.patch_size):
-        _pos_int(f"model.patch_size[{i}]", ps)
-    H = m.num_attention_heads
-    G = m.num_query_groups or H
-    if H % G:
-        raise ValueError(f"model.num_attention_heads ({H}) must be divisible by model.num_query_groups ({G})")
-    if m.hidden_size % H:
-        raise ValueError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
-                         f"model.num_attention_heads ({H})")
-    head_dim = m.hidden_size // H
-    if m.rope_theta is not None and (head_dim % 2 or head_dim < 6):
-        raise ValueError(f"model.hidden_size / model.num_attention_heads ({head_dim}) must be even and "
-                         f">= 6 for 3D RoPE (or set model.rope_theta: null)")
-
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size", "ulysses_size", "ring_size"):
-        _pos_int(f"parallel.{name}", getattr(p, name))
-    TP, PP, CP, U, R = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                        p.context_parallel_size, p.ulysses_size, p.ring_size)
-    if U * R != CP:
-        raise ValueError(f"parallel.ulysses_size * parallel.ring_size ({U} * {R} = {U * R}) must equal "
-                         f"parallel.context_parallel_size ({CP})")
-    if p.placement not in ("ulysses_inner", "ring_inner"):
-        raise ValueError(f"parallel.placement ({p.placement!r}) must be 'ulysses_inner' or 'ring_inner'")
-    if world_size % (TP * PP * CP):
-        raise ValueError(f"world size ({world_size}) must be divisible by "
-                         f"parallel.tensor_model_parallel_size "
-                         f"* pipeline_model_parallel_size * context_parallel_size ({TP} * {PP} * {CP})")
-    if G % TP:
-        raise ValueError(f"model.num_query_groups ({G}) must be divisible by "
-                         f"parallel.tensor_model_parallel_size ({TP})")
-    if (H // TP) % U:
-        raise ValueError(f"model.num_attention_heads ({H}) / parallel.tensor_model_parallel_size ({TP}) "
-                         f"must be divisible by parallel.ulysses_size ({U}) (Ulysses scatters heads)")
-    if m.num_layers % PP:
-        raise ValueError(f"model.num_layers ({m.num_layers}) must be divisible by "
-                         f"parallel.pipeline_model_parallel_size ({PP})")
-    if p.ranks_per_node is not None:   # the node-placement rule lives in parallel.topology
-        check_ranks_per_node(p.ranks_per_node, world_size, "parallel.ranks_per_node")
-        check_ulysses_in_node(default_cp_groups(world_size, TP, CP), U, R, p.ranks_per_node,
-                              p.placement, tp_size=TP, prefix="parallel.")
-    if p.recompute and not isinstance(p.recompute, bool):
-        raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
-
-    if d.source not in ("synthetic", "shards", "energon"):
-        raise ValueError(f"data.source ({d.source!r}) must be 'synthetic', 'shards' or 'energon'")
-    if d.text_embed_dim is not None:
-        _pos_int("data.text_embed_dim", d.text_embed_dim)
-        if d.source != "shards":
-            raise ValueError(f"data.text_embed_dim ({d.text_embed_dim}) needs data.source 'shards' (latent "
-                             f"shards with caption embeddings from `megatron-video precompute --text-encoder`); "
-                             f"got {d.source!r}")
-    if d.source == "energon" and not d.path:
-        raise ValueError("data.path (None) must name an energon dataset (`megatron-video prepare SRC DST`) "
-                         "when data.source is 'energon'")
-    if d.source == "shards" and not d.shards:
-        raise ValueError("data.shards (None) must name a folder or glob of .tar shards when "
-                         "data.source is 'shards'")
-    _pos_int("data.num_frames", d.num_frames)
-    if (d.num_frames - 1) % TEMPORAL_STRIDE:
-        raise ValueError(f"data.num_frames ({d.num_frames}) must be 1 + {TEMPORAL_STRIDE}k (the causal "
-                         f"VAE maps frame 0 to latent 0 and frames 4k-3..4k to latent k)")
-    for name in ("height", "width"):
-        val = getattr(d, name)
-        _pos_int(f"data.{name}", val)
-        if val % SPATIAL_STRIDE:
-            raise ValueError(f"data.{name} ({val}) must be divisible by {SPATIAL_STRIDE} (VAE downsampling)")
-    _pos_int("data.num_samples", d.num_samples)
-    _pos_int("data.caption_len", d.caption_len)
-    F, h, w = latent_shape(config)
-    pt, ph, pw = m.patch_size
-    for axis, n, ps in (("frames", F, pt), ("height", h, ph), ("width", w, pw)):
-        if n % ps:
-            raise ValueError(f"model.patch_size ({list(m.patch_size)}) must divide the latent {axis} "
-                             f"({n}, from data.num_frames={d.num_frames}, height={d.height}, "
-                             f"width={d.width})")
-    family.check(config, world_size)   # the family's own rules (training/families.py)
-
-    for name in ("latent_channels", "base_channels", "train_steps", "batch_size"):
-        _pos_int(f"vae.{name}", getattr(v, name), 0 if name == "train_steps" else 1)
-    _positive("vae.lr", v.lr)
-    if v.halo_latents is not None:
-        _pos_int("vae.halo_latents", v.halo_latents, 0)
-    if v.weights is not None and not Path(v.weights).is_file():
-        raise ValueError(f"vae.weights ({v.weights!r}) must be an existing file (or null to train and "
-                         f"cache the VAE)")
-
+    family = get_family(config.model.family)   # ValueError naming model.family
+    config.model.validate()
+    config.parallel.validate(world_size)
+    _model_fits_parallel(config)
+    config.data.validate()
+    _patch_fits_latents(config)
+    family.check(config, world_size)   # the family's own rules (training/families/)
+    config.vae.validate()
     objective = config.objective
     if objective not in OBJECTIVES:
         raise ValueError(f"diffusion.objective ({objective!r}) must be one of {OBJECTIVES}")
     family.check_objective(objective)
-    for name in ("sigma_data", "p_std", "flow_shift"):
-        _positive(f"diffusion.{name}", getattr(df, name))
-    if not 0.0 <= df.cfg_dropout <= 1.0:
-        raise ValueError(f"diffusion.cfg_dropout ({df.cfg_dropout}) must be in [0, 1]")
-    if df.sampler not in ("heun", "euler"):
-        raise ValueError(f"diffusion.sampler ({df.sampler!r}) must be 'heun' or 'euler'")
-    _pos_int("diffusion.sample_steps", df.sample_steps)
+    config.diffusion.validate()
+    config.train.validate(has_gpu)
+    _global_batch_fits(config, world_size)
+    PP = config.parallel.pipeline_model_parallel_size
+    if config.train.sample and PP > 1:
+        raise ValueError(f"train.sample (True) is not supported with "
+                         f"parallel.pipeline_model_parallel_size ({PP}) > 1; set "
+                         f"train.sample=false")
 
-    _pos_int("train.steps", t.steps, 0)
-    _pos_int("train.micro_batch_size", t.micro_batch_size)
-    _pos_int("train.log_interval", t.log_interval)
-    _pos_int("train.save_interval", t.save_interval, 0)
-    _pos_int("train.warmup_steps", t.warmup_steps, 0)
-    _pos_int("train.sample_batch", t.sample_batch)
-    _positive("train.lr", t.lr)
-    if not 0 <= t.min_lr <= t.lr:
-        raise ValueError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
-    if t.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
-        raise ValueError(f"train.lr_decay_style ({t.lr_decay_style!r}) must be constant, linear, cosine "
-                         f"or inverse-square-root")
-    if t.clip_grad < 0:
-        raise ValueError(f"train.clip_grad ({t.clip_grad}) must be >= 0 (0 disables clipping)")
+
+def _model_fits_parallel(config: Config) -> None:
+    """Heads, query groups and layers against the TP / Ulysses / PP degrees."""
+    m, p = config.model, config.parallel
+    TP, PP, U = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.ulysses_size
+    H = m.num_attention_heads
+    G = m.num_query_groups or H
+    if G % TP:
+        raise ValueError(f"model.num_query_groups ({G}) must be divisible by "
+                         f"parallel.tensor_model_parallel_size ({TP})")
+    if (H // TP) % U:
+        raise ValueError(f"model.num_attention_heads ({H}) / parallel.tensor_model_parallel_size "
+                         f"({TP}) must be divisible by parallel.ulysses_size ({U}) (Ulysses "
+                         f"scatters heads)")
+    if m.num_layers % PP:
+        raise ValueError(f"model.num_layers ({m.num_layers}) must be divisible by "
+                         f"parallel.pipeline_model_parallel_size ({PP})")
+
+
+def _patch_fits_latents(config: Config) -> None:
+    m, d = config.model, config.data
+    F, h, w = latent_shape(config)
+    pt, ph, pw = m.patch_size
+    for axis, n, ps in (("frames", F, pt), ("height", h, ph), ("width", w, pw)):
+        if n % ps:
+            raise ValueError(f"model.patch_size ({list(m.patch_size)}) must divide the latent "
+                             f"{axis} ({n}, from data.num_frames={d.num_frames}, "
+                             f"height={d.height}, width={d.width})")
+
+
+def _global_batch_fits(config: Config, world_size: int) -> None:
+    t = config.train
     dp = data_parallel_size(config, world_size)
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     _pos_int("train.global_batch_size", gbs)
     if gbs % (t.micro_batch_size * dp):
-        raise ValueError(f"train.global_batch_size ({gbs}) must be divisible by train.micro_batch_size "
-                         f"({t.micro_batch_size}) * data-parallel size ({dp})")
-    if t.nonfinite_policy not in NONFINITE_POLICIES:
-        raise ValueError(f"train.nonfinite_policy ({t.nonfinite_policy!r}) must be one of "
-                         f"{NONFINITE_POLICIES}")
-    _pos_int("train.max_skipped_steps", t.max_skipped_steps)
-    _positive("train.rank_timeout_s", t.rank_timeout_s)
-    if t.bf16 and not has_gpu:
-        raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
-    if t.sample and PP > 1:
-        raise ValueError(f"train.sample (True) is not supported with parallel.pipeline_model_parallel_size "
-                         f"({PP}) > 1; set train.sample=false")
+        raise ValueError(f"train.global_batch_size ({gbs}) must be divisible by "
+                         f"train.micro_batch_size ({t.micro_batch_size}) * data-parallel size "
+                         f"({dp})")

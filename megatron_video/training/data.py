@@ -1,17 +1,8 @@
 """Per-rank micro-batches: raw clips -> this CP rank's halo window(s) -> VAE latents -> patch tokens.
 
-Every rank builds its own micro-batches; nothing is broadcast. A micro-batch is a pure function
-of ``(seed, step, micro-batch index, data-parallel rank)``, so runs are reproducible and a resumed
-run sees exactly the batches an uninterrupted one would.
-
-* Samples: data-parallel rank ``d`` takes global samples ``((step*M + m)*DP + d)*b + j`` (mod the
-  dataset size) of the procedural dataset, or the next ones of its share of WebDataset shards.
-* Encoding starts inside the SP partition: the rank reads only its raw window(s) from the clip
-  (the procedural source renders the clip first and cuts the windows with ``ops.halo_scatter``) and encodes
-  them with the left halo (``encode_rank_latents``), keeping exactly its latent frames.
-* Injected noise: drawn per sample over the WHOLE token sequence from a generator seeded by
-  ``(seed, step, sample)``, then sliced to the rank's tokens, so any parallel layout sees the same
-  noise as one process; timesteps / sigmas and the CFG drop decision are drawn the same way.
+Every rank builds its own micro-batches, nothing is broadcast; a micro-batch is a pure function of
+``(seed, step, micro-batch index, data-parallel rank)`` (``BatchMaker``), so a resumed run sees
+exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -137,10 +128,22 @@ class _EnergonClips:
 
 
 class BatchMaker:
-    """Builds this rank's micro-batches (see the module docstring).
+    """Builds this rank's micro-batches.
 
     ``segments``: the latent frame ranges this CP rank holds (local order). ``vae`` / ``latent_scale``
     from ``vae_stage.load_vae``; ``need_latents=False`` (middle pipeline stages) skips the clips.
+
+    * Samples: data-parallel rank ``d`` takes global samples ``((step*M + m)*DP + d)*b + j`` (mod
+      the dataset size) of the procedural dataset, or the next ones of its share of WebDataset
+      shards.
+    * Encoding starts inside the SP partition: the rank reads only its raw window(s) from the clip
+      (the procedural source renders the clip first and cuts the windows with
+      ``ops.halo_scatter``) and encodes them with the left halo (``encode_rank_latents``), keeping
+      exactly its latent frames.
+    * Injected noise: drawn per sample over the WHOLE token sequence from a generator seeded by
+      ``(seed, step, sample)``, then sliced to the rank's tokens, so any parallel layout sees the
+      same noise as one process; timesteps / sigmas and the CFG drop decision are drawn the same
+      way.
     """
 
     def __init__(self, config: Config, *, vae, latent_scale: float, cp_rank: int, cp_size: int,

@@ -1,15 +1,9 @@
 """Start a training job: N local CPU ranks with gloo (``--nproc``), or this process under torchrun.
 
-``--nproc N`` spawns N worker processes on this machine (gloo, one rendezvous port) with simulated
-nodes: ``ranks_per_node`` sets ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK`` as torchrun
-would on a real cluster, which is what the U x R placement rules read. Workers fork from a server
-that preloaded torch and Megatron, and are not daemonic (Megatron's checkpoint writer forks
-helpers). Each rank runs in its own process group and reports the step it starts in a shared
-array; a watchdog in the launcher ends the job when a rank dies or no rank progresses for
-``train.rank_timeout_s``, naming the rank and the step (README "Failure behaviour").
-
-Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` in the environment) the current process is one rank:
-NCCL on GPUs, gloo on CPU.
+``--nproc N`` simulates nodes of ``ranks_per_node`` (``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` /
+``GROUP_RANK`` as torchrun sets them, which the U x R placement rules read); workers fork from a
+server that preloaded torch and Megatron; a watchdog ends the job when a rank dies or stalls
+(``launch``; docs/reliability.md). Under ``torchrun`` this process is one rank.
 """
 from __future__ import annotations
 
@@ -23,6 +17,7 @@ from typing import Callable, Optional, Tuple
 import torch.multiprocessing as mp
 
 from .config import Config, validate
+from .families import get_family
 
 __all__ = ["under_torchrun", "launch"]
 
@@ -154,13 +149,16 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
     ``target(config, heartbeat=...)`` runs on every rank (default: ``trainer.train``). If a rank
     dies, or no rank makes progress for ``config.train.rank_timeout_s`` seconds, every rank (and
     anything it forked) is killed, the rank and the step are named on stderr and the exit code is
-    non-zero (see README "Failure behaviour")."""
+    non-zero (docs/reliability.md).
+
+    Workers are not daemonic (Megatron's checkpoint writer forks helpers); each rank runs in its
+    own process group and reports the step it starts in a shared array, which the watchdog
+    reads."""
     if ranks_per_node is None:
         ranks_per_node = config.parallel.ranks_per_node or nproc
     validate(config, nproc)  # again here: launch() is also a library entry
     if nproc % ranks_per_node:
         raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide --nproc ({nproc})")
-    from .families import get_family
     from .vae_stage import ensure_vae
 
     if get_family(config.model.family).needs_vae:

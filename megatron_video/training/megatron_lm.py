@@ -1,13 +1,8 @@
 """What the Megatron-LM entries share: flags, config checks, providers and the ``pretrain()`` call.
 
-``examples/pretrain_video_dit.py`` (the diffusion families) and ``examples/pretrain_video_llava.py``
-(``video_llava``, MM-SP) are one :class:`MegatronLMEntry` each, restricted to their families. The
-model, sequence layout, data and objective are those of ``megatron-video train`` (every choice is
-the family's, ``training.families.FamilySpec``); the parallel sizes, batch sizes, seed, precision
-and sequence length come from Megatron-LM's flags and must agree with the YAML (``ValueError``
-naming the flag). ``megatron.training`` is imported only when Megatron-LM is running (``get_args``,
-``main``), so the providers can be imported and tested without it (docs/architecture.md,
-"Megatron-LM entry").
+``examples/pretrain_video_dit.py`` and ``examples/pretrain_video_llava.py`` are one
+:class:`MegatronLMEntry` each; ``megatron.training`` is imported only when Megatron-LM runs, so
+the providers import and test without it (docs/architecture.md, "Megatron integration").
 """
 from __future__ import annotations
 
@@ -21,6 +16,7 @@ import torch
 
 from .config import Config, load_config, validate
 from .families import get_family
+from .model_factory import build_model
 
 __all__ = ["add_video_args", "sequence_length", "megatron_transformer_config", "PositionDataset",
            "train_valid_test_datasets_provider", "run_pretrain", "MegatronLMEntry"]
@@ -145,6 +141,11 @@ def _loss_func(job: _Job, mb, extra, output_tensor):
 class MegatronLMEntry:
     """The providers of one Megatron-LM entry script, for the families in ``families``.
 
+    The model, sequence layout, data and objective are those of ``megatron-video train`` (every
+    choice is the family's, ``training.families``); the parallel sizes, batch sizes, seed,
+    precision and sequence length come from Megatron-LM's flags and must agree with the YAML
+    (``ValueError`` naming the flag).
+
     The script exposes the bound methods as its module-level providers; the job (config, groups,
     batches, objective) is per entry object, built on first use."""
 
@@ -216,8 +217,6 @@ class MegatronLMEntry:
         has one); otherwise it is built from Megatron-LM's arguments. The family adds only its own
         fields (``FamilySpec.megatron_lm_config``). ``video_config`` replaces the one read from
         ``--video-config`` (tests)."""
-        from .model_factory import build_model
-
         job = self.job(video_config)
         if config is None:
             from megatron.training import get_args

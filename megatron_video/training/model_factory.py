@@ -13,7 +13,7 @@ from megatron_video.compat import device_transformer_config_kwargs
 from megatron_video.models.video_dit import VideoDiTConfig
 
 from .config import Config
-from .families import get_family
+from .family_spec import get_family
 
 __all__ = ["transformer_config", "video_fields", "video_transformer_config", "build_model"]
 
@@ -88,6 +88,6 @@ def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDi
 
 def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
                 post_process: bool = True, vp_stage=None):
-    """The model of ``config.model.family`` for this pipeline stage (``families.FamilySpec``)."""
+    """The model of ``config.model.family`` for this pipeline stage (``family_spec.FamilySpec``)."""
     return get_family(config.model.family).build_model(tcfg, pre_process, post_process, vp_stage,
                                                        config=config)

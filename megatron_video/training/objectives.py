@@ -1,15 +1,9 @@
-"""Training objectives as glue between a ``MicroBatch`` and the models (per CP rank, per stage).
+"""Training objectives: glue between a micro-batch and the models (per CP rank, per stage).
 
-The family's spec (``families.FamilySpec.make_objective``) picks one. Each objective turns a micro-batch into the model call of this rank and the model output into this
-rank's loss SHARE: a sum over its loss tokens divided by the GLOBAL number of loss tokens of the
-micro-batch, so the shares of a CP group sum to the single-process loss (Megatron's schedule then
-multiplies by the CP size and DDP averages over data x context parallel ranks, giving the sum).
-
-* ``EDMObjective`` (VideoDiT / ST-DiT): preconditioned denoiser, log-normal sigma, weight
-  ``1/c_out^2``.
-* ``FlowObjective`` (VideoDiT / ST-DiT with flow matching): velocity ``eps - x0``.
-* ``TeacherForcing`` (AR DiT): ``[clean_r ; noisy_r]`` on the Balanced SP layout, per-block flow
-  timesteps, the teacher-forcing mask; loss on the noisy half.
+The family picks one (``FamilySpec.make_objective``). Each turns a micro-batch into this rank's
+model call and the output into this rank's loss SHARE: a sum over its loss tokens divided by the
+GLOBAL number of loss tokens of the micro-batch, so the shares of a CP group sum to the
+single-process loss (Megatron's schedule multiplies by the CP size, DDP averages over DP x CP).
 """
 from __future__ import annotations
 
@@ -33,6 +27,9 @@ def _acc(x: Tensor) -> torch.dtype:
 
 
 class EDMObjective:
+    """VideoDiT / ST-DiT with EDM: preconditioned denoiser, log-normal sigma, weight
+    ``1/c_out^2``."""
+
     def __init__(self, sigma_data: float, geometry: VideoGeometry):
         self.sigma_data, self.geometry = sigma_data, geometry
         self.tokens_per_sample = geometry.tokens
@@ -59,6 +56,8 @@ class EDMObjective:
 
 
 class FlowObjective:
+    """VideoDiT / ST-DiT with flow matching: velocity ``eps - x0``."""
+
     def __init__(self, geometry: VideoGeometry):
         self.geometry = geometry
         self.tokens_per_sample = geometry.tokens
@@ -74,7 +73,9 @@ class FlowObjective:
 
 
 class TeacherForcing:
-    """Teacher forcing on ``diffusion.teacher_forcing.TeacherForcingObjective``'s layout pieces."""
+    """AR DiT: teacher forcing on ``diffusion.teacher_forcing.TeacherForcingObjective``'s layout
+    pieces -- ``[clean_r ; noisy_r]`` on the Balanced SP layout, per-block flow timesteps, the
+    teacher-forcing mask; loss on the noisy half."""
 
     def __init__(self, layout, groups, geometry: VideoGeometry):
         self.tf = TeacherForcingObjective(layout, groups if layout.sp_size > 1 else None)

@@ -1,12 +1,7 @@
 """``megatron-video precompute``: encode a prepared energon dataset into latent shards once.
 
-Every clip is decoded as the ``P`` halo windows SP ranks would decode (``data.energon_video``), each
-window encoded with its left halo (``data.video_windows.encode_rank_latents``: SP-folded encoding,
-exact) and concatenated; the latent means ``[z, F, h, w]`` (unscaled, as the VAE gives them) and,
-with a text encoder (``data.text.HFTextEncoder``), the caption embeddings go into
-``<key>.latent.pth`` (a dict of tensors, read back with ``torch.load(weights_only=True)``) next to
-``<key>.caption.txt`` / ``<key>.meta.json`` in WebDataset tars. Training reads them with
-``data.source=shards data.shards=DST`` (``data.shards``); the VAE then stays out of the step.
+Training reads them with ``data.source=shards data.shards=DST``; the VAE then stays out of the
+step (``precompute_latents``).
 """
 from __future__ import annotations
 
@@ -24,7 +19,15 @@ __all__ = ["precompute_latents"]
 def precompute_latents(config: Config, out_dir, *, sp_size: int = 1, text_encoder=None,
                        samples_per_shard: int = 64, progress: bool = False) -> dict:
     """Encode ``config.data.path`` (an energon dataset) into latent shards under ``out_dir``.
-    Returns ``{"samples", "shards", "skipped"}``."""
+    Returns ``{"samples", "shards", "skipped"}``.
+
+    Every clip is decoded as the ``sp_size`` halo windows SP ranks would decode
+    (``data.energon_video``), each window encoded with its left halo
+    (``data.video_windows.encode_rank_latents``: SP-folded encoding, exact) and concatenated; the
+    latent means ``[z, F, h, w]`` (unscaled) and, with a text encoder (``data.text.HFTextEncoder``),
+    the caption embeddings go into ``<key>.latent.pth`` (a dict of tensors, read back with
+    ``torch.load(weights_only=True)``) next to ``<key>.caption.txt`` / ``<key>.meta.json`` in
+    WebDataset tars."""
     import webdataset as wds
 
     from megatron_video.data.energon_video import video_window_loader

@@ -1,28 +1,8 @@
 """The trainer on Megatron-Core alone: parallel state, DDP, optimizer, schedule, checkpoints, outputs.
 
-``Trainer(config)`` expects ``torch.distributed`` to be initialised (``init_distributed`` does it
-from the environment: torchrun, the ``--nproc`` launcher, or a single process) and then:
-
-1. initialises Megatron's parallel state (TP, PP, CP = U*R with hierarchical groups [U, R], DP) and
-   the U x R groups (``init_video_parallel``), seeds Megatron's RNG tracker;
-2. loads the cached VAE, builds the model of this pipeline stage, wraps it in Megatron's DDP
-   (distributed optimizer on GPU only), Megatron's optimizer with gradient clipping and
-   ``OptimizerParamScheduler``; ``finalize_model_grads`` reduces gradients over data x context
-   parallel ranks, sums QK-norm gradients over TP and the conditioning embedders over stages;
-3. runs Megatron's forward-backward schedule (pipelined when PP > 1) per step; the objective's
-   per-rank loss share is multiplied by the CP size by the schedule and averaged over DP x CP by
-   DDP, i.e. summed over CP and averaged over DP.
-
-``run()`` adds resume (under any parallel layout, ``checkpoint.py``), the tqdm bar (loss, tokens/s,
-step time), TensorBoard, periodic and final checkpoints, CP sampling, and ``metrics.json`` /
-``loss.png`` / ``sample.gif`` in ``config.output``. Outputs are written by the logging rank, the
-last global rank (a last-stage rank, where the loss is).
-
-Numerics guard: after each step's backward, one all-reduce tells every rank whether any rank saw a
-non-finite loss or gradient; then the update is not applied and ``train.nonfinite_policy`` decides:
-``skip`` counts the step (``skipped_total`` in the metrics) and continues, up to
-``train.max_skipped_steps`` in a row; ``stop`` saves the state from before the step and raises
-``NonFiniteError`` naming the step (README "Failure behaviour").
+``Trainer(config)`` builds one job on an initialised process group (``init_distributed``) and
+``run()`` trains it; design in docs/architecture.md ("Megatron integration"), the numerics guard
+and failure behaviour in docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -88,7 +68,32 @@ def _to(mb: MicroBatch, device) -> MicroBatch:
 
 
 class Trainer:
-    """One training job on an initialised process group (see the module docstring)."""
+    """One training job on an initialised process group.
+
+    ``torch.distributed`` must be initialised (``init_distributed`` does it from the environment:
+    torchrun, the ``--nproc`` launcher, or a single process). ``Trainer(config)`` then
+
+    1. initialises Megatron's parallel state (TP, PP, CP = U*R with hierarchical groups [U, R],
+       DP) and the U x R groups (``init_video_parallel``), seeds Megatron's RNG tracker;
+    2. loads the cached VAE, builds the model of this pipeline stage, wraps it in Megatron's DDP
+       (distributed optimizer on GPU only), Megatron's optimizer with gradient clipping and
+       ``OptimizerParamScheduler``; ``finalize_model_grads`` reduces gradients over data x
+       context parallel ranks, sums QK-norm gradients over TP and the conditioning embedders over
+       stages;
+    3. runs Megatron's forward-backward schedule (pipelined when PP > 1) per step; the schedule
+       multiplies the objective's per-rank loss share by the CP size and DDP averages over
+       DP x CP, i.e. the loss is summed over CP and averaged over DP.
+
+    ``run()`` adds resume (under any parallel layout, ``checkpoint.py``), the tqdm bar (loss,
+    tokens/s, step time), TensorBoard, periodic and final checkpoints, CP sampling, and
+    ``metrics.json`` / ``loss.png`` / ``sample.gif`` in ``config.output``, written by the logging
+    rank (the last global rank: a last-stage rank, where the loss is).
+
+    Numerics guard: after each step's backward one all-reduce tells every rank whether any rank
+    saw a non-finite loss or gradient; then the update is not applied and
+    ``train.nonfinite_policy`` decides: ``skip`` counts the step (``skipped_total`` in the
+    metrics) and continues, up to ``train.max_skipped_steps`` in a row; ``stop`` saves the state
+    from before the step and raises ``NonFiniteError`` naming the step."""
 
     def __init__(self, config: Config, progress: Optional[bool] = None,
                  heartbeat: Optional[Callable[[int], None]] = None, cpu: bool = False):

@@ -1,10 +1,9 @@
 """The short VAE stage: train the project's small causal video VAE once and cache its weights.
 
-The DiTs train on latents of ``models.vae.CausalVideoVAE``. Its weights come from this stage
-(``megatron-video train-vae``, or automatically before the first training run): a few hundred Adam
-steps on procedural videos, single process, deterministic. The result is cached under
-``vae.cache_dir`` keyed by a hash of everything that affects it, together with ``latent_scale``
-(1 / std of the latent means), which maps latents to unit variance for the diffusion model.
+A few hundred Adam steps on procedural videos (``megatron-video train-vae``, or automatically
+before the first run), single process, deterministic; cached under ``vae.cache_dir`` keyed by a
+hash of everything that affects it, with ``latent_scale`` (1 / std of the latent means), which maps
+latents to unit variance for the diffusion model.
 """
 from __future__ import annotations
 

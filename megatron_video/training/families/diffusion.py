@@ -1,0 +1,145 @@
+"""The video-generation families: ``video_dit``, ``stdit`` and ``ar_dit`` (VAE latents, diffusion).
+
+:class:`DiffusionFamily` holds what these share (the VAE latents of ``training.data.BatchMaker``,
+the ``VideoDiTConfig`` of ``training.model_factory``, the objectives of ``training.objectives``);
+each family adds its layer type, model class, admitted objectives and configuration rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_video.layouts.balanced_sp import BalancedSPLayout
+from megatron_video.layouts.geometry import VideoGeometry
+from megatron_video.models.ar_dit import ARVideoDiT
+from megatron_video.models.stdit import VARIANTS
+from megatron_video.models.video_dit import VideoDiT
+
+from ..config import Config, latent_shape, token_grid_of
+from ..data import BatchMaker
+from ..family_spec import FamilySpec, SampleLayout, register_family
+from ..model_factory import transformer_config, video_transformer_config
+from ..objectives import EDMObjective, FlowObjective, TeacherForcing
+
+__all__ = ["DiffusionFamily", "VIDEO_DIT", "STDIT", "AR_DIT"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionFamily(FamilySpec):
+    """A DiT on VAE latents trained with EDM or flow matching (``autoregressive``: Balanced SP
+    teacher forcing, ``[clean ; noisy]`` per rank, per-block flow timesteps)."""
+    layer_type: str          # VideoDiTConfig.layer_type: "full" | "stdit"
+    autoregressive: bool
+    model: type              # built as model(tcfg, pre_process=, post_process=, vp_stage=)
+    needs_vae: bool = True
+
+    @property
+    def objective_note(self) -> str:
+        return " (teacher forcing trains with flow matching)" if self.autoregressive else ""
+
+    def transformer_config(self, config: Config, has_gpu: bool = False):
+        """``model_factory.transformer_config``."""
+        return transformer_config(config, has_gpu)
+
+    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                    config: Config = None):
+        return self.model(tcfg, pre_process=pre_process, post_process=post_process,
+                          vp_stage=vp_stage)
+
+    def megatron_lm_config(self, base, config: Config):
+        """``base`` plus only the video fields (``model_factory.video_transformer_config``)."""
+        return video_transformer_config(base, config)
+
+    def check_megatron_lm_args(self, config: Config, args) -> None:
+        """No rules beyond the shared ones."""
+
+    def make_batches(self, config: Config, **kw) -> BatchMaker:
+        """``data.BatchMaker``: VAE latents, noise, timesteps."""
+        return BatchMaker(config, **kw)
+
+    def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
+        F, _, _ = latent_shape(config)
+        T, Hp, Wp = token_grid_of(config)
+        if self.autoregressive:
+            p = config.parallel
+            layout = BalancedSPLayout(F, Hp * Wp, config.model.frames_per_block, cp_size,
+                                      ring_size=p.ring_size, ring_balance=p.ring_balance)
+            return SampleLayout(layout, VideoGeometry(F, Hp, Wp), 2 * F * Hp * Wp)
+        return SampleLayout(None, VideoGeometry(T, Hp, Wp), T * Hp * Wp)
+
+    def seq_length(self, config: Config) -> int:
+        T, Hp, Wp = token_grid_of(config)
+        return (2 if self.autoregressive else 1) * T * Hp * Wp
+
+    def make_objective(self, config: Config, groups, sample: SampleLayout):
+        if self.autoregressive:
+            return TeacherForcing(sample.layout, groups, sample.geometry)
+        if config.objective == "edm":
+            return EDMObjective(config.diffusion.sigma_data, sample.geometry)
+        return FlowObjective(sample.geometry)
+
+
+# ----------------------------------------------------------------------------------------------
+# Family-specific rules
+# ----------------------------------------------------------------------------------------------
+def _whole_frames_per_cp_rank(config: Config, world_size: int) -> None:
+    d, p = config.data, config.parallel
+    F, _, _ = latent_shape(config)
+    pt = config.model.patch_size[0]
+    T_tok = F // pt
+    if T_tok % p.context_parallel_size:
+        raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token "
+                         f"frames with patch {pt}) must give token frames divisible by "
+                         f"parallel.context_parallel_size ({p.context_parallel_size}): each CP "
+                         f"rank holds whole frames")
+
+
+def _check_stdit(config: Config, world_size: int) -> None:
+    _whole_frames_per_cp_rank(config, world_size)
+    m, p = config.model, config.parallel
+    H, TP, CP = m.num_attention_heads, p.tensor_model_parallel_size, p.context_parallel_size
+    if m.stdit_variant not in VARIANTS:
+        raise ValueError(f"model.stdit_variant ({m.stdit_variant!r}) must be one of {VARIANTS}")
+    bad = [x for x in m.stdit_full_attention_layers if not 1 <= x <= m.num_layers]
+    if bad:
+        raise ValueError(f"model.stdit_full_attention_layers ({bad}) must lie in [1, "
+                         f"model.num_layers ({m.num_layers})]")
+    if m.stdit_variant == "ulysses_everywhere" and (H // TP) % CP:
+        raise ValueError(f"model.num_attention_heads ({H}) / tensor_model_parallel_size ({TP}) "
+                         f"must be divisible by parallel.context_parallel_size ({CP}) for "
+                         f"stdit_variant 'ulysses_everywhere'")
+
+
+def _check_ar_dit(config: Config, world_size: int) -> None:
+    m, p, d = config.model, config.parallel, config.data
+    F, h, w = latent_shape(config)
+    pt, ph, pw = m.patch_size
+    if pt != 1:
+        raise ValueError(f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a "
+                         f"latent frame is the autoregressive unit)")
+    balance = p.ring_balance if p.ring_balance is not None else p.ring_size > 1
+    if balance and p.placement == "ring_inner":
+        raise ValueError("parallel.ring_balance (True; the default when ring_size > 1) needs "
+                         "parallel.placement 'ulysses_inner' for model.family 'ar_dit'; set "
+                         "parallel.ring_balance: false to use 'ring_inner'")
+    try:
+        BalancedSPLayout(F, (h // ph) * (w // pw), m.frames_per_block, p.context_parallel_size,
+                         ring_size=p.ring_size, ring_balance=p.ring_balance, world_size=world_size,
+                         num_heads=m.num_attention_heads // p.tensor_model_parallel_size,
+                         ulysses_size=p.ulysses_size)
+    except ValueError as e:
+        raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
+                         f"model.frames_per_block ({m.frames_per_block}) / parallel: {e}") from None
+
+
+VIDEO_DIT = register_family(DiffusionFamily(
+    name="video_dit", summary="full 3D attention over all frames (2D attention under CP)",
+    objectives=("edm", "flow"), layer_type="full", autoregressive=False, model=VideoDiT,
+    check=_whole_frames_per_cp_rank))
+STDIT = register_family(DiffusionFamily(
+    name="stdit", summary="spatial / temporal attention with the ST-DiT hybrid CP<->DP transitions",
+    objectives=("edm", "flow"), layer_type="stdit", autoregressive=False, model=VideoDiT,
+    check=_check_stdit))
+AR_DIT = register_family(DiffusionFamily(
+    name="ar_dit", summary="causal autoregressive DiT, Balanced SP teacher forcing",
+    objectives=("flow",), layer_type="full", autoregressive=True, model=ARVideoDiT,
+    check=_check_ar_dit))

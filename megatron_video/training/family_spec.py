@@ -1,0 +1,122 @@
+"""What a model family is (:class:`FamilySpec`) and the registry of families by ``model.family``.
+
+The families live in ``training/families/`` and register here (importing ``megatron_video.training``
+registers the built-in ones); this module imports nothing of ``training``, so the config and the
+model factory look a family up by name without importing the family modules.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+__all__ = ["FamilySpec", "SampleLayout", "register_family", "get_family", "family_names"]
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """How one sample is laid out for the model: the Balanced SP layout (None for plain frame
+    order), the token geometry and the number of tokens the model processes per sample."""
+    layout: Optional[object]
+    geometry: Optional[object]
+    seq_length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec(abc.ABC):
+    """One family of ``model.family``: its name, the objectives it admits, its configuration rules
+    and the hooks the trainer and the Megatron-LM entry call. Built by keyword; a family kind (a
+    subclass) supplies the hooks and its own defaults."""
+    name: str
+    summary: str
+    objectives: Tuple[str, ...]             # admitted diffusion.objective values; first: default
+    needs_vae: bool                         # latents from the cached causal VAE
+    check: Callable[["Config", int], None]  # family rules (ValueError), called by config.validate
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"FamilySpec.name ({self.name!r}) must be a non-empty string")
+        if (not isinstance(self.objectives, tuple) or not self.objectives
+                or not all(isinstance(o, str) for o in self.objectives)):
+            raise ValueError(f"FamilySpec.objectives ({self.objectives!r}) of family {self.name!r} "
+                             f"must be a non-empty tuple of strings (the first is the default)")
+        if not callable(self.check):
+            raise ValueError(f"FamilySpec.check ({self.check!r}) of family {self.name!r} must be "
+                             f"callable (config, world_size)")
+
+    @property
+    def default_objective(self) -> str:
+        return self.objectives[0]
+
+    @property
+    def objective_note(self) -> str:
+        """Appended to the message of a refused objective (why the family admits only its own)."""
+        return ""
+
+    def check_objective(self, objective: str) -> None:
+        if objective not in self.objectives:
+            allowed = " or ".join(repr(o) for o in self.objectives)
+            raise ValueError(f"diffusion.objective ({objective!r}) must be {allowed} for "
+                             f"model.family {self.name!r}" + self.objective_note)
+
+    @abc.abstractmethod
+    def transformer_config(self, config, has_gpu: bool = False):
+        """The Megatron ``TransformerConfig`` of the model."""
+
+    @abc.abstractmethod
+    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                    config=None):
+        """The model of this pipeline stage."""
+
+    @abc.abstractmethod
+    def megatron_lm_config(self, base, config):
+        """The model's ``TransformerConfig`` from ``base``, the one Megatron-LM built from its
+        command line."""
+
+    @abc.abstractmethod
+    def check_megatron_lm_args(self, config, args) -> None:
+        """Family rules on Megatron-LM's arguments (``ValueError`` naming the flag); the shared ones
+        -- sizes, ``--seq-length`` -- are checked in ``training.megatron_lm``."""
+
+    @abc.abstractmethod
+    def make_batches(self, config, **kw):
+        """This rank's micro-batch maker (``micro_batch``, ``from_positions``, ``step_batches``,
+        ``num_microbatches``)."""
+
+    @abc.abstractmethod
+    def sample_layout(self, config, cp_size: int) -> SampleLayout:
+        """The layout of one sample on ``cp_size`` context-parallel ranks."""
+
+    @abc.abstractmethod
+    def seq_length(self, config) -> int:
+        """Tokens per sample that the model processes (no process groups needed)."""
+
+    @abc.abstractmethod
+    def make_objective(self, config, groups, sample: SampleLayout):
+        """The objective the trainer calls (``model_call``, ``loss``; ``training.objectives``)."""
+
+
+_FAMILIES: Dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Make ``spec`` the family of ``model.family: spec.name``; returns ``spec``."""
+    if not isinstance(spec, FamilySpec):
+        raise ValueError(f"spec ({type(spec).__name__}) must be a FamilySpec")
+    if spec.name in _FAMILIES:
+        raise ValueError(f"model.family {spec.name!r} is already registered "
+                         f"({type(_FAMILIES[spec.name]).__name__}); family names are unique")
+    _FAMILIES[spec.name] = spec
+    return spec
+
+
+def family_names() -> Tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def get_family(name: str) -> FamilySpec:
+    """The spec of ``model.family`` ``name``; ``ValueError`` naming it and the registered ones."""
+    try:
+        return _FAMILIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"model.family ({name!r}) must be one of {family_names()}") from None
