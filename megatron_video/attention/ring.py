@@ -1,25 +1,14 @@
 """Exact ring attention over a P2P ring (the inter-node level of 2D attention).
 
-Each of the ``R`` ring ranks holds a shard of Q and of K/V together with the GLOBAL token ids of
-every ring rank's shard (a pure function of the layout, so no ids travel). At step ``i`` rank ``r``
-attends its queries to the K/V block of ring rank ``j = (r - i) mod R`` while the next block is
-already in flight (posted before the compute). Each step is one block for the tiled engine
-(``attention.engine``): the mask is compiled to EMPTY / PARTIAL / FULL tiles from the global ids of
-the step's Q and KV shards, EMPTY tiles (and whole empty steps) are skipped, and the partial results
-merge in float32 (float64 for float64 inputs) by their log-sum-exp. Work is counted in
-:class:`RingStats` (an ``engine.EngineStats``).
-
-Backward (custom autograd): K/V travel the ring again; each rank computes its block's dK/dV tile by
-tile from the saved global ``out`` and ``lse`` and the partial sums ride along with the K/V
-messages, one step behind, until the last hop brings them home to their owners (``R-1`` hops of
-K/V and ``R-1`` of dK/dV accumulators, float32 for low precision inputs). Only one exchange is in
-flight at a time, so P2P tags never interleave. The plans of the forward are kept for the
-backward (call lists only; tile masks are re-evaluated when needed), so memory stays linear.
+At step ``i`` rank ``r`` attends its queries to ring rank ``(r - i) mod R``'s K/V (the next block in
+flight meanwhile), one engine block per step, merged by log-sum-exp. The backward sends K/V round
+again with the dK/dV partial sums one step behind them, home after the last hop. The block plans
+come from the plan cache (``attention.plans``), shared by every layer and the backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -36,7 +25,10 @@ __all__ = ["RingStats", "RingPlan", "id_runs", "ring_attention"]
 class RingPlan:
     """Everything rank-specific that ring attention needs; ``ids[j]`` = global ids of ring rank j.
 
-    ``backend`` is the engine's kernel family (``engine.engine_backend``), ``tile`` its tile size.
+    ``backend`` is the engine's kernel family (``engine.engine_backend``), ``tile`` its tile size;
+    ``blocks[j]`` the engine plan of this rank's queries against ring rank ``j``'s keys (``None``:
+    built here, uncached, e.g. for a hand-made plan) and ``ids_key`` what determines ``ids``
+    (hashable; ``None``: the plans are not kept in the cache).
     """
 
     group: object
@@ -49,14 +41,29 @@ class RingPlan:
     stats: Optional[RingStats] = None
     tag: str = "ring"
     tile: int = engine.DEFAULT_TILE
-    _blocks: Dict[int, engine.BlockPlan] = field(default_factory=dict, repr=False)
+    blocks: Optional[Sequence[engine.BlockPlan]] = None
+    ids_key: Optional[tuple] = None
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.blocks is None:
+            self.blocks = ring_block_plans(self.ids_key, self.ids, self.ring_rank, self.mask,
+                                           self.tile, self.backend, self.device, self.stats)
 
     def block(self, j: int) -> engine.BlockPlan:
-        """The engine plan of this rank's queries against ring rank ``j``'s keys (cached)."""
-        if j not in self._blocks:
-            self._blocks[j] = engine.plan_for(self.ids[self.ring_rank], self.ids[j], self.mask, self.tile,
-                                              self.backend, self.stats)
-        return self._blocks[j]
+        """The engine plan of this rank's queries against ring rank ``j``'s keys."""
+        return self.blocks[j]
+
+
+def ring_block_plans(ids_key, ids: Sequence[torch.Tensor], ring_rank: int, mask, tile: int,
+                     backend: str, device="cpu", stats=None) -> tuple:
+    """The engine plans of ring rank ``ring_rank``'s queries against every ring rank's keys, one
+    cache entry for the whole ring (``ids_key`` None: built, not kept)."""
+    debug = engine._debug()
+    key = (None if ids_key is None else
+           ("ring", ids_key, ring_rank, mask, tile, backend, str(device), debug))
+    return engine.PLANS.get(key, lambda: tuple(
+        engine.plan_for(ids[ring_rank], k_ids, mask, tile, backend, stats) for k_ids in ids))
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
