@@ -213,7 +213,7 @@ class _Packed(RuleMask):
         if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
             raise ValueError(f"cu_seqlens ({cu_seqlens!r}) must be a 1-D integer sequence of at "
                              f"least 2 offsets")
-        cu = cu.long().cpu()
+        cu = cu.long().cpu().clone()  # its own copy: the caller may change theirs
         if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens ({cu.tolist()}) must start at 0 and be non-decreasing")
         if inner is not None and not isinstance(inner, AttentionMask):
