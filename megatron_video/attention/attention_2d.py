@@ -199,7 +199,7 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=ring_ids, mask=mask,
                     softmax_scale=scale, backend=kernel, stats=stats,
                     tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device),
-                    ids_key=layout_key, device=str(q.device))
+                    ids_key=layout_key, device=str(q.device), release_kv=U > 1 or order is not None)
     out = ring_attention(q, k, v, plan)
 
     if U > 1:

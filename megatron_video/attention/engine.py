@@ -544,19 +544,46 @@ def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tenso
     return out_acc, lse_acc
 
 
-def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, dout: torch.Tensor,
-                   q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   plan: BlockPlan, scale: float, backend: str,
-                   stats: Optional[EngineStats] = None) -> None:
+def _grad_zeros(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, s, _, d = x.shape
+    return torch.zeros(b, s, heads, d, dtype=kernels.accumulation_dtype(x.dtype), device=x.device)
+
+
+def _accumulate(acc: Optional[torch.Tensor], rows: slice, g: torch.Tensor, like: torch.Tensor,
+                heads: int) -> torch.Tensor:
+    """``acc[:, rows] += g`` (``g [b, h, n, d]``); a missing ``acc`` becomes ``g`` itself when ``g``
+    covers every row in the accumulation dtype (no zero fill, no copy), else zeros first."""
+    g = g.transpose(1, 2)
+    if acc is None:
+        if rows.start == 0 and rows.stop == like.shape[1] and g.dtype == kernels.accumulation_dtype(
+                like.dtype):
+            return g
+        acc = _grad_zeros(like, heads)
+    acc[:, rows] += g
+    return acc
+
+
+def block_backward(dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor],
+                   dv_acc: Optional[torch.Tensor], dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, plan: BlockPlan, scale: float,
+                   backend: str, stats: Optional[EngineStats] = None, fresh: bool = False):
     """Accumulate this block's ``dq [b, sq, h, d]`` and ``dk, dv [b, sk, h, d]`` (expanded heads,
     accumulation dtype) given the GLOBAL ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` of the rows
-    (``lse = +inf`` on rows without any visible key, so their gradients are zero)."""
+    (``lse = +inf`` on rows without any visible key, so their gradients are zero); returns the
+    accumulators. With ``fresh`` an accumulator may be None: the first call's gradient becomes it
+    where it covers every position, else it is allocated; it stays None without any call."""
     if not plan.calls:
-        return
+        return dq_acc, dk_acc, dv_acc
+    if dq_acc is None or dk_acc is None or dv_acc is None:
+        if not fresh:
+            raise ValueError("block_backward: accumulators may be None only with fresh=True")
     h = q.shape[2]
     if backend == "flex":
+        dq_acc = _grad_zeros(q, h) if dq_acc is None else dq_acc
+        dk_acc = _grad_zeros(k, h) if dk_acc is None else dk_acc
+        dv_acc = _grad_zeros(v, h) if dv_acc is None else dv_acc
         _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
-        return
+        return dq_acc, dk_acc, dv_acc
     # torch's CPU kernels take strided [b, h, s, d] views: no copies of q, k, v, out or dout per step
     qt = q.transpose(1, 2)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
@@ -564,11 +591,13 @@ def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Ten
     for index, c in enumerate(plan.calls):
         m = (plan.tile_mask(c, q.device, stats, index) if (c.kind == PARTIAL or backend == "math")
              else None)
-        g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q], lse[:, :, c.q],
-                c, m, scale)
-        dq_acc[:, c.q] += g[0].transpose(1, 2)
-        dk_acc[:, c.k] += g[1].transpose(1, 2)
-        dv_acc[:, c.k] += g[2].transpose(1, 2)
+        g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q],
+                lse[:, :, c.q], c, m, scale)
+        dq_acc = _accumulate(dq_acc, c.q, g[0], q, h)
+        dk_acc = _accumulate(dk_acc, c.k, g[1], k, h)
+        dv_acc = _accumulate(dv_acc, c.k, g[2], v, h)
+        del g
+    return dq_acc, dk_acc, dv_acc
 
 
 def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale):
@@ -673,14 +702,13 @@ class _EngineAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        acc = kernels.accumulation_dtype(q.dtype)
-        b, sk, hk, d = k.shape
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(b, sk, q.shape[2], d, dtype=acc, device=q.device)
-        dv = torch.zeros_like(dk)
-        block_backward(dq, dk, dv, dout.transpose(1, 2).to(q.dtype), q, k, v, out,
-                       lse.masked_fill(torch.isneginf(lse), float("inf")), ctx.plan, ctx.scale, ctx.backend,
-                       ctx.stats)
+        hk, h = k.shape[2], q.shape[2]
+        dq, dk, dv = block_backward(None, None, None, dout.transpose(1, 2).to(q.dtype), q, k, v, out,
+                                    lse.masked_fill(torch.isneginf(lse), float("inf")), ctx.plan,
+                                    ctx.scale, ctx.backend, ctx.stats, fresh=True)
+        dq = _grad_zeros(q, h) if dq is None else dq
+        dk = _grad_zeros(k, h) if dk is None else dk
+        dv = _grad_zeros(v, h) if dv is None else dv
         return (dq.to(q.dtype), kernels._reduce_kv(dk, hk).to(k.dtype), kernels._reduce_kv(dv, hk).to(v.dtype),
                 None, None, None, None)
 
