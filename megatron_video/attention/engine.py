@@ -3,7 +3,7 @@
 ``plan_block`` cuts a block's (q ids x k ids) into tiles, classifies them EMPTY / PARTIAL / FULL and
 groups them into kernel calls; ``block_forward`` / ``block_backward`` run the calls with fused kernels
 merged through the log-sum-exp. Plans are host data, built once and reused (``attention.plans``).
-Design and measured memory: ``docs/attention.md``.
+Package map: ``docs/architecture.md``.
 """
 from __future__ import annotations
 
