@@ -2,7 +2,8 @@
 
 Per call, forward and backward separately, first call (empty plan cache) and steady state (median
 of ``--reps``): host time = wall time minus the self time of aten compute ops (torch.profiler) minus
-the time spent in communication (gloo sends, receives and all-to-alls, timed around ``parallel.comm``);
+the time spent in communication (gloo sends, receives and all-to-alls, timed around
+``parallel.comm``);
 beside it the estimated H200 time of this rank's share of the kernels (its visible (q, k) pairs x
 ``4 H D`` FLOPs forward, 2.5x that backward, at 60 % of 790 TFLOP/s, for ``--gpu-heads``
 x ``--gpu-dim`` bf16); plan builds; engine kernel calls and aten compute ops (~ GPU launches) per
@@ -93,7 +94,8 @@ def _visible_pairs(blocks) -> int:
 
 def _compute_self_seconds(prof) -> tuple:
     evs = [e for e in prof.events() if e.name.startswith("aten::") and e.name not in _META]
-    return sum(e.self_cpu_time_total for e in evs) * 1e-6, sum(1 for e in evs if e.self_cpu_time_total > 0)
+    busy = [e for e in evs if e.self_cpu_time_total > 0]
+    return sum(e.self_cpu_time_total for e in busy) * 1e-6, len(busy)
 
 
 def _one(fn, timer, profile: bool):
@@ -105,11 +107,13 @@ def _one(fn, timer, profile: bool):
     if not profile:
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0, None, None, timer.seconds - c0
+        return time.perf_counter() - t0, None, None, timer.seconds - c0, None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.thread_time()
         fn()
+        cpu = time.thread_time() - t0  # this thread's CPU time: no waits, no gloo threads
     comp, ops = _compute_self_seconds(prof)
-    return None, comp, ops, timer.seconds - c0
+    return None, comp, ops, timer.seconds - c0, cpu
 
 
 def _phase(run_fwd, run_bwd, timer, reps, first):
@@ -132,7 +136,9 @@ def _phase(run_fwd, run_bwd, timer, reps, first):
         comp = statistics.median(r[1] for r in rows if r[1] is not None)
         ops = statistics.median(r[2] for r in rows if r[2] is not None)
         comm = statistics.median(r[3] for r in rows if r[0] is not None)
-        out[d] = dict(wall=wall, compute=comp, ops=ops, comm=comm, host=max(0.0, wall - comp - comm))
+        host_cpu = statistics.median(max(0.0, r[4] - r[1]) for r in rows if r[1] is not None)
+        out[d] = dict(wall=wall, compute=comp, ops=ops, comm=comm, host_cpu=host_cpu,
+                      host=max(0.0, wall - comp - comm))
     return out
 
 
@@ -168,15 +174,15 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
                 def run_bwd(out):
                     out.backward(torch.ones_like(out))
 
-                b0 = PLANS.builds
                 first = _phase(run_fwd, run_bwd, timer, reps, True)
-                builds_first = PLANS.builds - b0
+                builds_first = PLANS.builds  # the last first call started from an empty cache
                 calls0 = (st.kernel_calls, st.bwd_kernel_calls, st.steps)
                 b1 = PLANS.builds
                 steady = _phase(run_fwd, run_bwd, timer, reps, False)
                 n_calls = (st.steps - calls0[2]) // R  # dist_attention calls in the steady phase
                 kcalls = ((st.kernel_calls - calls0[0]) / n_calls,
                           (st.bwd_kernel_calls - calls0[1]) / n_calls)
+                builds_steady = PLANS.builds - b1
                 from megatron_video.attention import engine
                 kernel = engine.engine_backend("auto", torch.empty(1))
                 tile = engine.choose_tile(mask, kernel, torch.device("cpu"))
@@ -185,7 +191,7 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
                 pairs = _visible_pairs(blocks) // U  # this rank's heads: H / U of them
                 fwd_flops = 4 * pairs * gpu_dim * gpu_heads
                 rows.append(dict(S=S, mask=name, first=first, steady=steady,
-                                 builds_first=builds_first, builds_steady=PLANS.builds - b1,
+                                 builds_first=builds_first, builds_steady=builds_steady,
                                  kcalls=kcalls, gpu_fwd=fwd_flops / H200_FLOPS,
                                  gpu_bwd=2.5 * fwd_flops / H200_FLOPS))
     finally:
@@ -222,28 +228,32 @@ def main():
     masks_ = tuple(a.masks.split(","))
     with WorkerPool(4, ranks_per_node=2, timeout=7200) as pool:
         pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.gpu_heads, a.gpu_dim, 1, masks_[:1])
-        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.gpu_heads, a.gpu_dim, a.reps, masks_)
+        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.gpu_heads, a.gpu_dim, a.reps,
+                            masks_)
     print(f"2D attention U2 x R2 (4 gloo ranks, CPU b=1 H={a.heads} D={a.dim} fp32); host = wall - "
           f"aten compute self time - comm; H200 est. = this rank's share at H={a.gpu_heads} "
           f"D={a.gpu_dim} bf16, 60% of 790 TFLOP/s; max over ranks; times in ms (shared machine: "
           f"noisy)")
-    print(f"{'S':>7} {'mask':>16} {'dir':>4} {'host 1st':>9} {'host ss':>9} {'wall ss':>9} "
-          f"{'comm ss':>9} {'H200 est':>9} {'host/H200':>9} {'aten ops':>8} {'eng calls':>9} "
-          f"{'builds 1st/ss':>13}")
+    print("host 1st / ss: wall-based (wall - compute - comm; first call / steady state); host cpu: "
+          "main-thread CPU time - compute, steady state; host/H200 uses host cpu")
+    print(f"{'S':>7} {'mask':>16} {'dir':>4} {'host 1st':>9} {'host ss':>9} {'host cpu':>9} "
+          f"{'wall ss':>9} {'comm ss':>9} {'H200 est':>9} {'host/H200':>10} {'aten ops':>8} "
+          f"{'eng calls':>9} {'builds 1st/ss':>13}")
     for S in seqs:
         for m in masks_:
             rs = [next(r for r in rank if r["S"] == S and r["mask"] == m) for rank in per_rank]
             for d in ("fwd", "bwd"):
                 h1 = max(r["first"][d]["host"] for r in rs)
                 hs = max(r["steady"][d]["host"] for r in rs)
+                hc = max(r["steady"][d]["host_cpu"] for r in rs)
                 ws = max(r["steady"][d]["wall"] for r in rs)
                 cs = max(r["steady"][d]["comm"] for r in rs)
                 gpu = max(r["gpu_" + d] for r in rs)
                 ops = max(r["steady"][d]["ops"] for r in rs)
                 kc = max(r["kcalls"][0 if d == "fwd" else 1] for r in rs)
                 b = f"{max(r['builds_first'] for r in rs)}/{max(r['builds_steady'] for r in rs)}"
-                print(f"{S:>7} {m:>16} {d:>4} {_ms(h1):>9} {_ms(hs):>9} {_ms(ws):>9} {_ms(cs):>9} "
-                      f"{_ms(gpu):>9} {hs / gpu:>8.1%} {ops:>8.0f} {kc:>9.1f} {b:>13}")
+                print(f"{S:>7} {m:>16} {d:>4} {_ms(h1):>9} {_ms(hs):>9} {_ms(hc):>9} {_ms(ws):>9} "
+                      f"{_ms(cs):>9} {_ms(gpu):>9} {hc / gpu:>9.0%} {ops:>8.0f} {kc:>9.1f} {b:>13}")
 
 
 if __name__ == "__main__":

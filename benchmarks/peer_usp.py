@@ -13,7 +13,7 @@ Target (README "Measured"): ours <= 1.0x yunchang everywhere. Needs the benchmar
 ``pip install -r requirements/bench.txt -c requirements/constraints.txt``.
 The two libraries alternate call by call (ours, yunchang, yunchang, ours, ...), so a drift of the
 machine's speed hits both alike; the spread column shows how far one library's own repeats vary.
-Rows for every ``--seqs`` size (default 2048, 4096 and 16384: the small sizes show fixed per-call cost).
+Rows for every ``--seqs`` size (default 2048, 4096 and 16384: small sizes show fixed per-call cost).
 Run: ``python benchmarks/peer_usp.py [--seqs 2048,4096,16384 --heads 8 --dim 64 --iters 6]``.
 """
 from __future__ import annotations

@@ -16,8 +16,8 @@ F64 = torch.float64
 
 def _layers(n, b, s, h, d, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
-            for _ in range(n)]
+    return [tuple(torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_()
+                  for _ in range(3)) for _ in range(n)]
 
 
 def _fwd_bwd(qkv, **kw):

@@ -2,7 +2,7 @@
 
 ``dist_attention`` = all-to-all (scatter heads, gather the sequence sorted by global id) -> exact
 ring attention (``attention.ring``) -> inverse all-to-all. The layout is explicit (``scheme=``); the
-plans it implies are built once and kept (``attention.plans``). Package map: ``docs/architecture.md``.
+plans it implies are built once and kept (``attention.plans``). Map: ``docs/architecture.md``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The tiled local attention engine: linear memory, masks compiled to tiles on global token ids.
 
 ``plan_block`` cuts a block's (q ids x k ids) into tiles, classifies them EMPTY / PARTIAL / FULL and
-groups them into kernel calls; ``block_forward`` / ``block_backward`` run the calls with fused kernels
+groups them into kernel calls; ``block_forward`` / ``block_backward`` run them with fused kernels
 merged through the log-sum-exp. Plans are host data, built once and reused (``attention.plans``).
 Package map: ``docs/architecture.md``.
 """
@@ -19,8 +19,9 @@ from . import kernels
 from .masks import AttentionMask, is_lower_triangle
 from .plans import PLANS
 
-__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "choose_tile",
-           "kernel_block_size", "id_runs", "increasing_spans", "run_tiles", "plan_block", "plan_for",
+__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile",
+           "choose_tile", "kernel_block_size", "id_runs", "increasing_spans", "run_tiles",
+           "plan_block", "plan_for",
            "cached_plan", "block_forward", "block_backward", "local_attention"]
 
 DEFAULT_TILE = 512
@@ -564,9 +565,10 @@ def _accumulate(acc: Optional[torch.Tensor], rows: slice, g: torch.Tensor, like:
 
 
 def block_backward(dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor],
-                   dv_acc: Optional[torch.Tensor], dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, plan: BlockPlan, scale: float,
-                   backend: str, stats: Optional[EngineStats] = None, fresh: bool = False):
+                   dv_acc: Optional[torch.Tensor], dout: torch.Tensor, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   plan: BlockPlan, scale: float, backend: str,
+                   stats: Optional[EngineStats] = None, fresh: bool = False):
     """Accumulate this block's ``dq [b, sq, h, d]`` and ``dk, dv [b, sk, h, d]`` (expanded heads,
     accumulation dtype) given the GLOBAL ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` of the rows
     (``lse = +inf`` on rows without any visible key, so their gradients are zero); returns the
@@ -703,9 +705,10 @@ class _EngineAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         hk, h = k.shape[2], q.shape[2]
-        dq, dk, dv = block_backward(None, None, None, dout.transpose(1, 2).to(q.dtype), q, k, v, out,
-                                    lse.masked_fill(torch.isneginf(lse), float("inf")), ctx.plan,
-                                    ctx.scale, ctx.backend, ctx.stats, fresh=True)
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        dq, dk, dv = block_backward(None, None, None, dout.transpose(1, 2).to(q.dtype), q, k, v,
+                                    out, lse, ctx.plan, ctx.scale, ctx.backend, ctx.stats,
+                                    fresh=True)
         dq = _grad_zeros(q, h) if dq is None else dq
         dk = _grad_zeros(k, h) if dk is None else dk
         dv = _grad_zeros(v, h) if dv is None else dv

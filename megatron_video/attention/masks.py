@@ -1,7 +1,7 @@
 """Attention masks as immutable functions of GLOBAL token indices (the engine plans on them).
 
-A mask answers "may query ``q`` attend key ``k``?" for global ids, per tile: ``tile_status`` (EMPTY /
-PARTIAL / FULL grid; C++ kernels for :class:`RuleMask`), ``dense`` (one tile), ``lower_triangle``.
+A mask answers "may query ``q`` attend key ``k``?" for global ids, per tile: ``tile_status``
+(EMPTY / PARTIAL / FULL grid; C++ kernels for :class:`RuleMask`), ``dense``, ``lower_triangle``.
 Masks are values: frozen after construction, equal and hashed by their content (identity for
 subclasses that do not define ``_value``), so a mask keys the plan cache (``attention.plans``).
 """

@@ -14,7 +14,7 @@ DEFAULT_MAXSIZE = 128
 
 
 class PlanCache:
-    """LRU map ``key -> plan`` of at most ``maxsize`` entries; ``builds`` / ``hits`` count lookups."""
+    """LRU map ``key -> plan`` of at most ``maxsize`` entries; ``builds`` / ``hits`` count them."""
 
     def __init__(self, maxsize: int = DEFAULT_MAXSIZE):
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
@@ -31,7 +31,7 @@ class PlanCache:
         return key in self._plans
 
     def get(self, key: Optional[Hashable], build: Callable[[], object]):
-        """The plan under ``key``, built by ``build()`` on a miss (``key`` None: built, not kept)."""
+        """The plan under ``key``, built by ``build()`` on a miss (key None: built, not kept)."""
         if key is not None and key in self._plans:
             self._plans.move_to_end(key)
             self.hits += 1
