@@ -13,7 +13,8 @@ Target (docs/benchmarks.md): ours <= 1.0x yunchang everywhere. Needs the benchma
 ``pip install -r requirements/bench.txt -c requirements/constraints.txt``.
 The two libraries alternate call by call (ours, yunchang, yunchang, ours, ...), so a drift of the
 machine's speed hits both alike; the spread column shows how far one library's own repeats vary.
-Run: ``python benchmarks/peer_usp.py [--seq 16384 --heads 8 --dim 64 --iters 6]``.
+Rows for every ``--seqs`` size (default 2048, 4096 and 16384: small sizes show fixed per-call cost).
+Run: ``python benchmarks/peer_usp.py [--seqs 2048,4096,16384 --heads 8 --dim 64 --iters 6]``.
 """
 from __future__ import annotations
 
@@ -45,7 +46,32 @@ def _oracle(q, k, v, causal, scale):
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.double())
 
 
-def _rank_bench(seq, heads, dim, iters, check_seq):
+def _time_pair(s_local, heads, dim, iters, g, groups, mask, usp, causal):
+    """Interleaved (ours, yunchang, ours, ...) wall and CPU times: drift hits both alike."""
+    import torch.distributed as dist
+
+    from megatron_video.attention import dist_attention
+
+    q, k, v = (torch.randn(1, s_local, heads, dim, generator=g) for _ in range(3))
+    fns = {"ours": lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag"),
+           "yunchang": lambda: usp(q, k, v, causal=causal)}
+    wall = {who: [] for who in fns}
+    cpu = {who: [] for who in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()  # warm-up
+        for it in range(iters):
+            for who in (("ours", "yunchang") if it % 2 == 0 else ("yunchang", "ours")):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fns[who]()
+                cpu[who].append(time.process_time() - c0)
+                dist.barrier()
+                wall[who].append(time.perf_counter() - t0)
+    return wall, cpu
+
+
+def _rank_bench(seqs, heads, dim, iters, check_seq):
     import torch.distributed as dist
     import yunchang
     from yunchang import LongContextAttention
@@ -87,27 +113,11 @@ def _rank_bench(seq, heads, dim, iters, check_seq):
                     o2 = usp(*(their_local(x) for x in full), causal=causal)
                 err_ours = float((o1.double() - ours_local(ref)).abs().max())
                 err_theirs = float((o2.double() - their_local(ref)).abs().max())
-                # time at the benchmark size
-                s_local = seq // N
-                q, k, v = (torch.randn(1, s_local, heads, dim, generator=g) for _ in range(3))
-                fns = {"ours": lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag"),
-                       "yunchang": lambda: usp(q, k, v, causal=causal)}
-                wall = {who: [] for who in fns}
-                cpu = {who: [] for who in fns}
-                with torch.no_grad():
-                    for fn in fns.values():
-                        fn()  # warm-up
-                    # interleaved (ours, yunchang, ours, ...): drift of the machine hits both alike
-                    for it in range(iters):
-                        for who in (("ours", "yunchang") if it % 2 == 0 else ("yunchang", "ours")):
-                            dist.barrier()
-                            t0, c0 = time.perf_counter(), time.process_time()
-                            fns[who]()
-                            cpu[who].append(time.process_time() - c0)
-                            dist.barrier()
-                            wall[who].append(time.perf_counter() - t0)
-                rows.append(dict(layout=name, mask=mask_name, wall=wall, cpu=cpu,
-                                 err_ours=err_ours, err_theirs=err_theirs))
+                for seq in seqs:  # time at the benchmark sizes
+                    wall, cpu = _time_pair(seq // N, heads, dim, iters, g, groups, mask, usp,
+                                           causal)
+                    rows.append(dict(seq=seq, layout=name, mask=mask_name, wall=wall, cpu=cpu,
+                                     err_ours=err_ours, err_theirs=err_theirs))
         finally:
             yunchang.globals.PROCESS_GROUP.ULYSSES_PG = None
             yunchang.globals.PROCESS_GROUP.RING_PG = None
@@ -120,7 +130,7 @@ def main():
     from megatron_video.testing import WorkerPool
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--seqs", default="2048,4096,16384")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--iters", type=int, default=6)
@@ -131,13 +141,14 @@ def main():
     except ImportError:
         raise SystemExit("peer_usp: yunchang is not installed; pip install -r requirements/bench.txt "
                          "-c requirements/constraints.txt")
+    seqs = [int(x) for x in a.seqs.split(",")]
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
-        per_rank = pool.run(_rank_bench, a.seq, a.heads, a.dim, a.iters, a.check_seq)
-    print(f"forward, S={a.seq} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), {a.iters} interleaved "
+        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.iters, a.check_seq)
+    print(f"forward, S={a.seqs} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), {a.iters} interleaved "
           f"iterations each: best CPU time summed over ranks (robust to other load), its spread (median/best "
           f"- 1, both libraries), best wall time (max over ranks); max-abs error vs float64 oracle at "
           f"S={a.check_seq}")
-    print(f"{'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'spread':>12}{'wall ours':>11}"
+    print(f"{'S':>6} {'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'spread':>12}{'wall ours':>11}"
           f"{'yunchang':>10}{'ratio':>8}{'err ours':>10}{'err yunchang':>13}")
     worst, worst_spread = 0.0, 0.0
     for i, row in enumerate(per_rank[0]):
@@ -152,7 +163,7 @@ def main():
         et = max(r[i]["err_theirs"] for r in per_rank)
         worst = max(worst, oc / tc)
         worst_spread = max(worst_spread, *spread)
-        print(f"{row['layout']:<8}{row['mask']:<8}{oc:>9.2f}s{tc:>9.2f}s{oc / tc:>7.3f}x"
+        print(f"{row['seq']:>6} {row['layout']:<8}{row['mask']:<8}{oc:>9.2f}s{tc:>9.2f}s{oc / tc:>7.3f}x"
               f"{100 * spread[0]:>5.1f}/{100 * spread[1]:.1f}%{ours:>10.2f}s{theirs:>9.2f}s"
               f"{ours / theirs:>7.2f}x{eo:>10.1e}{et:>13.1e}")
     print(f"worst ours/yunchang CPU time {worst:.3f}x (target <= 1.0x); largest spread of one library's "

@@ -1,23 +1,8 @@
 """2D context-parallel attention: Ulysses all-to-all (inside a node) x P2P ring (across nodes).
 
-``dist_attention`` = all-to-all (scatter heads, gather the U shards of the sequence, reordered by
-global id on the all-to-all's own unpacking copy) -> exact ring attention over the R ring ranks ->
-inverse all-to-all (undoing the order on its packing copy). Masks that ignore positions skip the
-reordering. N = U*R = 1 (local), U = 1 (pure ring) and R = 1 (pure Ulysses) take the same
-path. Every ring step derives its mask from global token ids, so any layout is exact; sorting the
-gathered ids gives ring rank ``r`` the zigzag chunks ``r`` and ``2R-1-r`` (of ``2R``) for the
-zigzag layout with ``ulysses_inner`` placement, i.e. a balanced causal ring, and keeps each shard
-in a few runs of consecutive ids (the granularity at which fully masked sub-blocks are skipped).
-
-Every ring step runs on the tiled engine (``attention.engine``): per-rank memory is linear in the
-sequence (no ``s x s`` mask or score tensor), fully masked tiles cost nothing.
-
-Comm per rank per call (forward, ``G = b * s_local * d * bytes``): all-to-all
-``G * (2H + 2H_kv') * (U-1)/U`` in the Ulysses group, ring ``(R-1) * 2 * H_kv' * G`` with
-``H_kv' = lcm(H_kv, U)`` (``H_kv`` when ``U`` divides it; replicated kv heads otherwise).
-
-The layout is explicit: the caller says how q, k, v were cut (``scheme=``, required whenever the
-mask depends on positions and there is more than one CP rank); nothing is remembered between calls.
+``dist_attention`` = all-to-all (scatter heads, gather the sequence sorted by global id) -> exact
+ring attention (``attention.ring``) -> inverse all-to-all. The layout is explicit (``scheme=``); the
+plans it implies are built once and kept (``attention.plans``). Map: ``docs/architecture.md``.
 """
 from __future__ import annotations
 
@@ -32,6 +17,7 @@ from ..parallel.comm import check_same_shape
 from ..parallel.topology import local_groups
 from . import engine, kernels
 from .masks import AttentionMask
+from .plans import PlanCache
 from .ring import RingPlan, RingStats, ring_attention
 from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 
@@ -99,6 +85,36 @@ def _layout(cp_ranks: tuple, ulysses_ranks: tuple, ring_ranks: tuple, ulysses_si
     return tuple(ring_ids), order, torch.argsort(order)
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_on(layout_key: tuple, device: str):
+    """``_layout`` with ``order`` / ``inverse`` on ``device`` (copied once, not per call)."""
+    ring_ids, order, inverse = _layout(*layout_key)
+    if order is None or device == "cpu":
+        return ring_ids, order, inverse
+    return ring_ids, order.to(device), inverse.to(device)
+
+
+_PROBED = PlanCache(256)  # masks whose ``dense`` passed the probe below (by value)
+
+
+def _probe_mask(mask: AttentionMask) -> None:
+    """A bad predicate must fail here, not inside the ring with P2P in flight (once per mask)."""
+    def probe():
+        one = torch.zeros(1, dtype=torch.long)
+        m = mask.dense(one, one)
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (1, 1):
+            raise ValueError(f"mask ({mask!r}).dense(q_ids, k_ids) must return a bool tensor "
+                             f"[len(q_ids), len(k_ids)] (got {type(m).__name__} "
+                             f"{getattr(m, 'dtype', '')} {tuple(getattr(m, 'shape', ()))})")
+        return True
+    _PROBED.get(mask, probe)
+
+
+@functools.lru_cache(maxsize=64)
+def _local_ids(s: int) -> tuple:
+    return (torch.arange(s),)
+
+
 def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -124,13 +140,8 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
         raise ValueError(f"s_local ({q.shape[1]}) must be even for scheme 'zigzag' (each CP rank "
                          f"holds two of 2*cp_size = {2 * N} chunks)")
     check_seq_len(q.shape[1] * N, N, scheme)
-    if mask is not None:  # a bad predicate must fail here, not inside the ring with P2P in flight
-        one = torch.zeros(1, dtype=torch.long)
-        m = mask.dense(one, one)
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (1, 1):
-            raise ValueError(f"mask ({mask!r}).dense(q_ids, k_ids) must return a bool tensor "
-                             f"[len(q_ids), len(k_ids)] (got {type(m).__name__} "
-                             f"{getattr(m, 'dtype', '')} {tuple(getattr(m, 'shape', ()))})")
+    if mask is not None:
+        _probe_mask(mask)
 
 
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=None,
@@ -158,13 +169,14 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if groups is None:
         U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
-        ring_ids, order, inverse = [torch.arange(q.shape[1])], None, None
+        layout_key = ("local", q.shape[1])
+        ring_ids, order, inverse = _local_ids(q.shape[1]), None, None
     else:
         U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
         ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
-        ring_ids, order, inverse = _layout(tuple(groups.cp_ranks), tuple(groups.ulysses_ranks),
-                                           tuple(groups.ring_ranks), U, R, groups.placement,
-                                           q.shape[1] * N, scheme)
+        layout_key = (tuple(groups.cp_ranks), tuple(groups.ulysses_ranks), tuple(groups.ring_ranks),
+                      U, R, groups.placement, q.shape[1] * N, scheme)
+        ring_ids, order, inverse = _layout_on(layout_key, str(q.device))
         if N > 1:
             # The scheme rides along as the length of an empty tensor: ranks that disagree on the
             # layout would otherwise silently compute garbage.
@@ -176,8 +188,6 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     # attention in any token order (q, k and v share it), so it needs none.
     if mask is None or mask.position_independent:
         order = inverse = None
-    if order is not None:
-        order, inverse = order.to(q.device), inverse.to(q.device)
     if U > 1:
         q = seq_to_heads(q, ug, "ulysses.q", order)
         k = seq_to_heads(prepare_kv(k, U), ug, "ulysses.k", order)
@@ -186,9 +196,10 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
 
     kernel = engine.engine_backend(backend, q)
-    plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=list(ring_ids), mask=mask,
+    plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=ring_ids, mask=mask,
                     softmax_scale=scale, backend=kernel, stats=stats,
-                    tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device))
+                    tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device),
+                    ids_key=layout_key, device=str(q.device), release_kv=U > 1 or order is not None)
     out = ring_attention(q, k, v, plan)
 
     if U > 1:

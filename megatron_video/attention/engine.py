@@ -1,33 +1,9 @@
 """The tiled local attention engine: linear memory, masks compiled to tiles on global token ids.
 
-Every ring step of ``dist_attention`` (and local use through it) computes the attention of a block of
-queries with GLOBAL ids ``q_ids`` against a block of keys with ids ``k_ids``. The engine
-
-1. **plans** the block: both id lists are cut into runs of consecutive ids and every run into tiles of
-   ``tile`` tokens (the last tile of a run may be shorter); the mask classifies every
-   ``[q tile, k tile]`` pair as EMPTY / PARTIAL / FULL (``AttentionMask.tile_status``: the C++ kernels
-   of ``megatron_video.ops`` for rule masks, one tile at a time for predicates). EMPTY tiles cost
-   nothing. FULL tiles are grouped into kernel calls without a mask (runs of FULL tiles along a row,
-   rows with the same runs merged); a PARTIAL tile gets a tile-sized mask, or no mask at all with the
-   kernel's causal flag when its mask is exactly the lower triangle (aligned diagonal tiles).
-2. **runs** the calls with a fused kernel that returns the log-sum-exp and merges the partial results
-   through the LSE (online softmax), exactly as the ring merges its steps;
-3. **differentiates** tile by tile from the GLOBAL ``out`` and ``lse`` of the rows
-   (``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``), with the same plan and the same
-   kernels' backward, so no step keeps anything but its inputs.
-
-No tensor of ``s_q x s_k`` elements is ever made: masks exist per tile, the fused kernels keep their
-scores on chip (the ``"math"`` backend, which does materialise scores, never gets more than one tile
-pair per call). :class:`EngineStats` records what was done, including the largest mask and score
-buffer, so tests can assert the bound instead of timing it.
-
-Kernels (``backend``): ``"sdpa"`` = torch's fused kernels with LSE and an explicit backward that
-accepts a given out/LSE (CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: the
-memory-efficient kernel, and the flash kernel for unmasked fp16/bf16 calls); ``"flex"`` =
-FlexAttention with a ``BlockMask`` built from the same tile status (``ops.flex_block_fields``; CUDA,
-compiled), its backward recomputing each block under autograd with the gradient of the merged
-output; ``"math"`` = explicit float32/float64 softmax (any device, the float64 default). The README
-section "Attention engine" lists the choices and the measured memory.
+``plan_block`` cuts a block's (q ids x k ids) into tiles, classifies them EMPTY / PARTIAL / FULL and
+groups them into kernel calls; ``block_forward`` / ``block_backward`` run them with fused kernels
+merged through the log-sum-exp. Plans are host data, built once and reused (``attention.plans``).
+Package map: ``docs/architecture.md``.
 """
 from __future__ import annotations
 
@@ -41,11 +17,17 @@ import torch
 from ..ops.rules import EMPTY, FULL, PARTIAL
 from . import kernels
 from .masks import AttentionMask, is_lower_triangle
+from .plans import PLANS
 
-__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile", "choose_tile", "kernel_block_size",
-           "id_runs", "increasing_spans", "run_tiles", "plan_block", "block_forward", "block_backward", "local_attention"]
+__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile",
+           "choose_tile", "kernel_block_size", "id_runs", "increasing_spans", "run_tiles",
+           "plan_block", "plan_for",
+           "cached_plan", "block_forward", "block_backward", "local_attention"]
 
 DEFAULT_TILE = 512
+# PARTIAL tile masks a plan keeps (host, and one copy per device on first use); past it they are
+# evaluated per call. Elements (bools) per plan.
+MASK_CACHE_ELEMENTS = 1 << 24
 DEBUG_ENV = "MEGATRON_VIDEO_CHECK_MASKS"
 CAUSAL = 3  # a call kind: PARTIAL tile whose mask is exactly the lower triangle (kernel's causal flag)
 
@@ -179,26 +161,47 @@ class BlockPlan:
     counts: dict = field(default_factory=lambda: {EMPTY: 0, PARTIAL: 0, FULL: 0})
     status: Optional[torch.Tensor] = None  # uint8 [q tiles, k tiles]
     flex: Optional[object] = None          # a FlexAttention BlockMask, built on first use
+    # PARTIAL calls, by index in ``calls``: host masks (within MASK_CACHE_ELEMENTS) and rows without
+    # any key (only where there are such rows), both found at planning time; device copies by
+    # (kind, index, device) on first use, so running a plan never reads device data on the host
+    masks: dict = field(default_factory=dict, repr=False)
+    dead: dict = field(default_factory=dict, repr=False)
+    _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tiles(self) -> int:
         return sum(self.counts.values())
 
-    def tile_mask(self, call: Call, device, stats: Optional["EngineStats"] = None) -> Optional[torch.Tensor]:
-        """Bool mask of a PARTIAL call (lower triangle for CAUSAL, None for FULL)."""
+    def _device_copy(self, kind: str, index: int, host: torch.Tensor, device) -> torch.Tensor:
+        key = (kind, index, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = host.to(device)
+        return self._on_device[key]
+
+    def tile_mask(self, call: Call, device, stats: Optional["EngineStats"] = None,
+                  index: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Bool mask of a PARTIAL call (lower triangle for CAUSAL, None for FULL); ``index`` (its
+        position in ``calls``) reads the plan's kept mask."""
         if call.kind == FULL:
             return None
-        t0 = time.perf_counter()
         n_q, n_k = call.q.stop - call.q.start, call.k.stop - call.k.start
         if stats is not None:
             stats._mask(n_q * n_k)
         if call.kind == CAUSAL:
-            m = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
-        else:
-            m = self.mask.dense(self.q_ids[call.q], self.k_ids[call.k]).to(device)
+            return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+        if index is not None and index in self.masks:
+            return self._device_copy("mask", index, self.masks[index], device)
+        t0 = time.perf_counter()
+        m = self.mask.dense(self.q_ids[call.q], self.k_ids[call.k]).to(device)
         if stats is not None:
             stats.mask_seconds += time.perf_counter() - t0
         return m
+
+    def dead_rows(self, index: int, device) -> Optional[torch.Tensor]:
+        """Bool rows of PARTIAL call ``index`` that see no key (None when every row sees one)."""
+        if index not in self.dead:
+            return None
+        return self._device_copy("dead", index, self.dead[index], device)
 
 
 def _debug() -> bool:
@@ -305,7 +308,26 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
             if st == PARTIAL:
                 plan.calls.append(Call(slice(qa, qe), slice(*k_tiles[j]), partial_kind(i, j)))
     close()
+    _keep_partials(plan, stats)
     return plan
+
+
+def _keep_partials(plan: BlockPlan, stats: Optional[EngineStats]) -> None:
+    """Evaluate every PARTIAL call's mask once, at planning time: its rows without keys, and the
+    mask itself while the plan's budget (``MASK_CACHE_ELEMENTS``) lasts."""
+    budget = MASK_CACHE_ELEMENTS
+    for index, c in enumerate(plan.calls):
+        if c.kind != PARTIAL:
+            continue
+        m = plan.mask.dense(plan.q_ids[c.q], plan.k_ids[c.k]).cpu()
+        if stats is not None:
+            stats._mask(m.numel())
+        dead = ~m.any(-1)
+        if bool(dead.any()):
+            plan.dead[index] = dead
+        if m.numel() <= budget:
+            plan.masks[index] = m
+            budget -= m.numel()
 
 
 def increasing_spans(ids: torch.Tensor) -> List[Tuple[int, int]]:
@@ -497,17 +519,17 @@ def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tenso
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     fwd = _fwd_math if backend == "math" else _fwd_sdpa
     touched = []  # q slices written in this block
-    for c in plan.calls:
+    for index, c in enumerate(plan.calls):
         if backend == "math" and stats is not None:
             stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
-        m = plan.tile_mask(c, q.device, stats) if (c.kind == PARTIAL or backend == "math") else None
+        m = (plan.tile_mask(c, q.device, stats, index) if (c.kind == PARTIAL or backend == "math")
+             else None)
         o, lse = fwd(qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], c, m, scale)
         lse = lse.to(acc_dtype)
-        if c.kind == PARTIAL:  # fused kernels report lse = 0 (or NaN) for rows without keys
-            dead = ~m.any(-1)
-            if bool(dead.any()):
-                lse = lse.masked_fill(dead, float("-inf"))
-                o = o.masked_fill(dead[:, None], 0.0)
+        dead = plan.dead_rows(index, q.device) if c.kind == PARTIAL else None
+        if dead is not None:  # fused kernels report lse = 0 (or NaN) for rows without keys
+            lse = lse.masked_fill(dead, float("-inf"))
+            o = o.masked_fill(dead[:, None], 0.0)
         if out_acc is None:
             if c.q.start == 0 and c.q.stop == q.shape[1] and o.dtype == acc_dtype:
                 out_acc, lse_acc = o, lse  # the kernel's fresh buffers become the accumulators
@@ -523,30 +545,61 @@ def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tenso
     return out_acc, lse_acc
 
 
-def block_backward(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, dout: torch.Tensor,
-                   q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def _grad_zeros(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, s, _, d = x.shape
+    return torch.zeros(b, s, heads, d, dtype=kernels.accumulation_dtype(x.dtype), device=x.device)
+
+
+def _accumulate(acc: Optional[torch.Tensor], rows: slice, g: torch.Tensor, like: torch.Tensor,
+                heads: int) -> torch.Tensor:
+    """``acc[:, rows] += g`` (``g [b, h, n, d]``); a missing ``acc`` becomes ``g`` itself when ``g``
+    covers every row in the accumulation dtype (no zero fill, no copy), else zeros first."""
+    g = g.transpose(1, 2)
+    if acc is None:
+        if rows.start == 0 and rows.stop == like.shape[1] and g.dtype == kernels.accumulation_dtype(
+                like.dtype):
+            return g
+        acc = _grad_zeros(like, heads)
+    acc[:, rows] += g
+    return acc
+
+
+def block_backward(dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor],
+                   dv_acc: Optional[torch.Tensor], dout: torch.Tensor, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    plan: BlockPlan, scale: float, backend: str,
-                   stats: Optional[EngineStats] = None) -> None:
+                   stats: Optional[EngineStats] = None, fresh: bool = False):
     """Accumulate this block's ``dq [b, sq, h, d]`` and ``dk, dv [b, sk, h, d]`` (expanded heads,
     accumulation dtype) given the GLOBAL ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` of the rows
-    (``lse = +inf`` on rows without any visible key, so their gradients are zero)."""
+    (``lse = +inf`` on rows without any visible key, so their gradients are zero); returns the
+    accumulators. With ``fresh`` an accumulator may be None: the first call's gradient becomes it
+    where it covers every position, else it is allocated; it stays None without any call."""
     if not plan.calls:
-        return
+        return dq_acc, dk_acc, dv_acc
+    if dq_acc is None or dk_acc is None or dv_acc is None:
+        if not fresh:
+            raise ValueError("block_backward: accumulators may be None only with fresh=True")
     h = q.shape[2]
     if backend == "flex":
+        dq_acc = _grad_zeros(q, h) if dq_acc is None else dq_acc
+        dk_acc = _grad_zeros(k, h) if dk_acc is None else dk_acc
+        dv_acc = _grad_zeros(v, h) if dv_acc is None else dv_acc
         _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
-        return
+        return dq_acc, dk_acc, dv_acc
     # torch's CPU kernels take strided [b, h, s, d] views: no copies of q, k, v, out or dout per step
     qt = q.transpose(1, 2)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     bwd = _bwd_math if backend == "math" else _bwd_sdpa
-    for c in plan.calls:
-        m = plan.tile_mask(c, q.device, stats) if (c.kind == PARTIAL or backend == "math") else None
-        g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q], lse[:, :, c.q],
-                c, m, scale)
-        dq_acc[:, c.q] += g[0].transpose(1, 2)
-        dk_acc[:, c.k] += g[1].transpose(1, 2)
-        dv_acc[:, c.k] += g[2].transpose(1, 2)
+    for index, c in enumerate(plan.calls):
+        m = (plan.tile_mask(c, q.device, stats, index) if (c.kind == PARTIAL or backend == "math")
+             else None)
+        g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q],
+                lse[:, :, c.q], c, m, scale)
+        dq_acc = _accumulate(dq_acc, c.q, g[0], q, h)
+        dk_acc = _accumulate(dk_acc, c.k, g[1], k, h)
+        dv_acc = _accumulate(dv_acc, c.k, g[2], v, h)
+        del g
+    return dq_acc, dk_acc, dv_acc
 
 
 def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale):
@@ -595,6 +648,16 @@ def plan_for(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionM
     return plan
 
 
+def cached_plan(ids_key, q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask],
+                tile: int, backend: str, device, stats: Optional[EngineStats] = None,
+                cache: bool = True) -> BlockPlan:
+    """``plan_for`` through the plan cache: ``ids_key`` (hashable) must determine ``q_ids`` and
+    ``k_ids``; ``cache=False`` builds without keeping (a mask that lives for one call)."""
+    debug = _debug()
+    key = ("block", ids_key, mask, tile, backend, str(device), debug) if cache else None
+    return PLANS.get(key, lambda: plan_for(q_ids, k_ids, mask, tile, backend, stats))
+
+
 def engine_backend(backend: str, q: torch.Tensor) -> str:
     """The engine's kernel family for ``backend`` and ``q``: ``"math"``, ``"sdpa"`` or ``"flex"``."""
     if backend == "auto":
@@ -641,14 +704,14 @@ class _EngineAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        acc = kernels.accumulation_dtype(q.dtype)
-        b, sk, hk, d = k.shape
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(b, sk, q.shape[2], d, dtype=acc, device=q.device)
-        dv = torch.zeros_like(dk)
-        block_backward(dq, dk, dv, dout.transpose(1, 2).to(q.dtype), q, k, v, out,
-                       lse.masked_fill(torch.isneginf(lse), float("inf")), ctx.plan, ctx.scale, ctx.backend,
-                       ctx.stats)
+        hk, h = k.shape[2], q.shape[2]
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        dq, dk, dv = block_backward(None, None, None, dout.transpose(1, 2).to(q.dtype), q, k, v,
+                                    out, lse, ctx.plan, ctx.scale, ctx.backend, ctx.stats,
+                                    fresh=True)
+        dq = _grad_zeros(q, h) if dq is None else dq
+        dk = _grad_zeros(k, h) if dk is None else dk
+        dv = _grad_zeros(v, h) if dv is None else dv
         return (dq.to(q.dtype), kernels._reduce_kv(dk, hk).to(k.dtype), kernels._reduce_kv(dv, hk).to(v.dtype),
                 None, None, None, None)
 
@@ -668,14 +731,17 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         return kernels.dense_local_attention(q, k, v, mask, softmax_scale, backend)
     kernels._check(q, k, v, mask if isinstance(mask, torch.Tensor) else None)
-    if isinstance(mask, torch.Tensor):
-        mask = from_dense(mask)
+    one_call = isinstance(mask, torch.Tensor)
+    if one_call:
+        mask = from_dense(mask, copy=False)  # lives for this call only: its plan is not kept
     elif mask is not None and not isinstance(mask, AttentionMask):
         raise ValueError(f"mask ({type(mask).__name__}) must be None, an AttentionMask or a bool tensor")
     kernel = engine_backend(backend, q)
     tile = choose_tile(mask, kernel, q.device) if tile is None else check_tile(tile, kernel, q.device)
     scale = kernels._scale(softmax_scale, q.shape[-1])
-    plan = plan_for(torch.arange(q.shape[1]), torch.arange(k.shape[1]), mask, tile, kernel, stats)
+    sq, sk = q.shape[1], k.shape[1]
+    plan = cached_plan(("local", sq, sk), torch.arange(sq), torch.arange(sk), mask, tile, kernel,
+                       q.device, stats, cache=not one_call)
     if stats is not None:
         stats._plan("fwd", plan)
     return _EngineAttention.apply(q, k, v, plan, scale, kernel, stats)

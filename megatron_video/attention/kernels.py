@@ -1,29 +1,8 @@
-"""Local (single-process) attention kernels that return the log-sum-exp.
-
-``attention_forward(q, k, v, mask, scale, backend) -> (out, lse)`` and
-``attention_backward(dout, q, k, v, out, lse, mask, scale, backend) -> (dq, dk, dv)`` are the two
-primitives the ring needs: the forward's LSE merges partial results (online softmax), and the
-backward takes the *global* ``out`` and ``lse`` so each KV block's gradient is exact on its own
-(``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dout * out))``, as in FlashAttention).
-``dense_local_attention`` is their autograd-aware wrapper for a dense ``[b, h, sq, sk]`` mask; plain
-local use goes through the tiled engine (``attention.engine.local_attention``).
-
-Layouts: ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]`` (GQA: kv heads are repeated to ``h`` inside
-the kernel, their gradients summed back), ``out [b, sq, h, d]`` in q's dtype, ``lse [b, h, sq]`` in
-float32 (float64 for float64 inputs). ``mask`` is None or bool, ``[sq, sk]`` or ``[b|1, h|1, sq, sk]``,
-True = attend. Rows with no visible key give ``out = 0`` and ``lse = -inf`` (never NaN).
-
-Backends (forward):
-  * ``"math"``: explicit softmax, accumulated in float32 / float64; any device.
-  * ``"sdpa"``: torch's fused kernels that return the LSE: the CPU flash kernel
-    (``_scaled_dot_product_flash_attention_for_cpu``, with its explicit backward) and, on CUDA, the
-    memory-efficient kernel (backward through ``"math"``).
-  * ``"flex"``: FlexAttention (``torch.nn.attention.flex_attention``) with a block mask built from
-    the bool mask; compiled on CUDA. Backward through ``"sdpa"`` on CPU, ``"math"`` on CUDA.
-  * ``"flash_attn"``: the flash-attn package, for unmasked blocks on CUDA in fp16/bf16 (masked
-    blocks fall back to the ``"auto"`` choice); backward through ``"math"``.
-  ``"auto"``: float64 -> math; CPU -> sdpa; CUDA -> flash_attn (unmasked fp16/bf16 blocks), else flex,
-  else sdpa. The GPU paths are not exercised on the CPU test machine. The choice is logged once.
+"""Dense local attention kernels that return the log-sum-exp (``attention_forward`` /
+``attention_backward``, with the global ``out`` and ``lse`` so each KV block's gradient is exact on
+its own) and ``dense_local_attention``, their autograd wrapper for a dense ``[b, h, sq, sk]`` mask.
+Layouts ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]``; backends: ``BACKENDS``, ``"auto"`` chosen by
+``resolve_backend``. Rows with no visible key give ``out = 0`` and ``lse = -inf`` (never NaN).
 """
 from __future__ import annotations
 

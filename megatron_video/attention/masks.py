@@ -1,29 +1,13 @@
-"""Attention masks as functions of GLOBAL token indices.
+"""Attention masks as immutable functions of GLOBAL token indices (the engine plans on them).
 
-A mask answers "may query token ``q`` attend to key token ``k``?" for global indices in the attention
-sequence, so every ring step can derive its block's mask from the global ids of its Q and KV shards,
-whatever the layout. The attention engine (``attention.engine``) never asks for a whole block:
-
-* ``tile_status(q_ids, k_ids, q_tile, k_tile)`` classifies every ``[q tile, k tile]`` of a block as
-  ``EMPTY`` (skipped), ``PARTIAL`` or ``FULL`` (no mask needed). Rule masks (:class:`RuleMask`:
-  ``full``, ``causal``, ``block_causal``, ``packed`` with those inside, teacher forcing) map ids to
-  token identities (``ops.TokenIds``) and get the whole grid from the C++ kernels
-  (``ops.block_mask_status``); other masks are evaluated one tile at a time.
-* ``dense(q_ids, k_ids)`` gives the boolean tile (True = attend); the engine calls it on PARTIAL tiles
-  only, so no mask larger than one tile pair is ever built.
-
-* ``lower_triangle(q_ids, k_ids)`` says whether a PARTIAL tile is exactly the lower triangle of its
-  positions, so the fused kernel's causal flag replaces its mask; rule masks decide it on token
-  identities (``ops.lower_triangle``, O(tile)), others from the tile's ``dense`` form.
-
-Subclass :class:`AttentionMask` (override ``dense`` and, if it can be done more cheaply, ``block_status``
-for one tile, ``tile_status`` for a grid or ``lower_triangle``), subclass :class:`RuleMask`, or wrap a
-function with :func:`predicate`. ``MEGATRON_VIDEO_CHECK_MASKS=1`` makes the engine check every tile
-verdict and every lower-triangle claim against ``dense`` (a ``ValueError`` names a mask that lies).
+A mask answers "may query ``q`` attend key ``k``?" for global ids, per tile: ``tile_status``
+(EMPTY / PARTIAL / FULL grid; C++ kernels for :class:`RuleMask`), ``dense``, ``lower_triangle``.
+Masks are values: frozen after construction, equal and hashed by their content (identity for
+subclasses that do not define ``_value``), so a mask keys the plan cache (``attention.plans``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -44,14 +28,55 @@ def _tile_edges(n: int, tile: int):
     return [(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
-class AttentionMask:
+class _Frozen(type):
+    """Metaclass: an instance is frozen once its constructor returns (masks are values)."""
+
+    def __call__(cls, *args, **kwargs):
+        obj = super().__call__(*args, **kwargs)
+        object.__setattr__(obj, "_frozen", True)
+        return obj
+
+
+class AttentionMask(metaclass=_Frozen):
     """Base class. ``default_scheme`` is the sequence layout that balances this mask's work;
     ``position_independent`` is True only when the mask ignores token positions (``full()``), so
-    that any sequence layout gives the same attention."""
+    that any sequence layout gives the same attention.
+
+    Instances are immutable once constructed (setting an attribute raises ``AttributeError``): a
+    plan built for a mask stays right. ``_value()`` (None: identity) is the content that equality
+    and hashing use; a subclass whose verdicts depend on state must keep that state unchanged.
+    """
 
     default_scheme = "contiguous"
     position_independent = False
     tile_hint = None  # ids per block on which the verdict is constant (aligns the engine's tiles)
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"{self!r}.{name}: masks are immutable values (they key the plan "
+                                 f"cache); build a new mask instead")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"{self!r}.{name}: masks are immutable values")
+        object.__delattr__(self, name)
+
+    def _value(self) -> Optional[Tuple]:
+        """Hashable content that determines every verdict, or None (compare by identity)."""
+        return None
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        mine = self._value()
+        if mine is None or type(other) is not type(self):
+            return False
+        return mine == other._value()
+
+    def __hash__(self):
+        mine = self._value()
+        return object.__hash__(self) if mine is None else hash((type(self).__qualname__, mine))
 
     def dense(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
         """Bool ``[len(q_ids), len(k_ids)]``; True where query ``q_ids[i]`` may attend ``k_ids[j]``."""
@@ -140,6 +165,9 @@ class _Full(RuleMask):
     def tile_status(self, q_ids, k_ids, q_tile, k_tile):
         return torch.full((-(-q_ids.numel() // q_tile), -(-k_ids.numel() // k_tile)), FULL, dtype=torch.uint8)
 
+    def _value(self):
+        return ()
+
     def __repr__(self):
         return "full()"
 
@@ -150,6 +178,9 @@ class _Causal(RuleMask):
 
     def identities(self, ids, role):
         return _ops.TokenIds(pos=ids)
+
+    def _value(self):
+        return ()
 
     def __repr__(self):
         return "causal()"
@@ -169,6 +200,9 @@ class _BlockCausal(RuleMask):
     def identities(self, ids, role):
         return _ops.TokenIds(block=torch.div(ids, self.block_tokens, rounding_mode="floor"))
 
+    def _value(self):
+        return (self.block_tokens,)
+
     def __repr__(self):
         return f"block_causal({self.block_tokens})"
 
@@ -179,12 +213,13 @@ class _Packed(RuleMask):
         if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
             raise ValueError(f"cu_seqlens ({cu_seqlens!r}) must be a 1-D integer sequence of at "
                              f"least 2 offsets")
-        cu = cu.long().cpu()
+        cu = cu.long().cpu().clone()  # its own copy: the caller may change theirs
         if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens ({cu.tolist()}) must start at 0 and be non-decreasing")
         if inner is not None and not isinstance(inner, AttentionMask):
             raise ValueError(f"inner ({inner!r}) must be an AttentionMask or None")
-        self.cu_seqlens = cu
+        self._cu = tuple(cu.tolist())   # the content (hashable); the tensor below is private
+        self._cu_t = cu
         self.inner = inner
         # Causal-like inner masks inherit the zigzag balance.
         self.default_scheme = inner.default_scheme if inner is not None else "contiguous"
@@ -193,9 +228,17 @@ class _Packed(RuleMask):
         self.rule = ("full" if inner is None else "causal" if isinstance(inner, _Causal)
                      else "block_causal" if isinstance(inner, _BlockCausal) else None)
 
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The document offsets (a copy: the mask's own cannot be changed)."""
+        return self._cu_t.clone()
+
+    def _value(self):
+        return (self._cu, self.inner)
+
     def _doc(self, ids):
         """Document of each id; ``-1`` for padding past ``cu_seqlens[-1]`` (never attends/attended)."""
-        cu = self.cu_seqlens.to(ids.device)
+        cu = self._cu_t.to(ids.device)
         doc = torch.searchsorted(cu, ids, right=True) - 1
         return torch.where(ids < cu[-1], doc, torch.full_like(doc, -1)), cu
 
@@ -242,7 +285,7 @@ class _Packed(RuleMask):
         return m
 
     def __repr__(self):
-        return f"packed({self.cu_seqlens.tolist()}, inner={self.inner!r})"
+        return f"packed({list(self._cu)}, inner={self.inner!r})"
 
 
 class _Predicate(AttentionMask):
@@ -261,6 +304,9 @@ class _Predicate(AttentionMask):
             raise ValueError(f"predicate fn must return a bool tensor (got "
                              f"{type(m).__name__} {getattr(m, 'dtype', '')})")
         return m.expand(shape)
+
+    def _value(self):
+        return (self.fn, self.default_scheme)  # fn by identity: it must be a pure function
 
     def __repr__(self):
         return f"predicate({getattr(self.fn, '__name__', self.fn)!r})"
@@ -312,6 +358,9 @@ class VideoRows(AttentionMask):
         q, k = q_ids.reshape(-1, 1), k_ids.reshape(1, -1)
         return (q // n == k // n) if self.pattern == "spatial" else (q % n == k % n)
 
+    def _value(self):
+        return (self.positions, self.pattern)
+
     def __repr__(self):
         return f"video_rows({self.positions}, {self.pattern!r})"
 
@@ -322,20 +371,23 @@ def video_rows(positions: int, pattern: str) -> VideoRows:
 
 
 class _Dense(AttentionMask):
-    def __init__(self, table: torch.Tensor):
+    def __init__(self, table: torch.Tensor, copy: bool = True):
         if not isinstance(table, torch.Tensor) or table.dtype != torch.bool or table.dim() != 2:
             raise ValueError(f"table ({getattr(table, 'dtype', type(table).__name__)} "
                              f"{tuple(getattr(table, 'shape', ()))}) must be a 2-D bool tensor [sq, sk]")
-        self.table = table
+        # a private copy (the caller's table may change, this one not); ``copy=False`` only for a
+        # mask that lives for one call (``engine.local_attention``)
+        self._table = table.clone() if copy else table
 
     def dense(self, q_ids, k_ids):
-        t = self.table
+        t = self._table
         return t[q_ids.to(t.device)][:, k_ids.to(t.device)].to(q_ids.device)
 
     def __repr__(self):
-        return f"from_dense({tuple(self.table.shape)})"
+        return f"from_dense({tuple(self._table.shape)})"
 
 
-def from_dense(table: torch.Tensor) -> AttentionMask:
-    """A mask read from a bool ``[sq, sk]`` table (True = attend) one tile at a time."""
-    return _Dense(table)
+def from_dense(table: torch.Tensor, copy: bool = True) -> AttentionMask:
+    """A mask read from a bool ``[sq, sk]`` table (True = attend) one tile at a time; it keeps a
+    copy of ``table`` (``copy=False``: the caller's own, which must then not change)."""
+    return _Dense(table, copy)

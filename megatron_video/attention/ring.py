@@ -1,25 +1,14 @@
 """Exact ring attention over a P2P ring (the inter-node level of 2D attention).
 
-Each of the ``R`` ring ranks holds a shard of Q and of K/V together with the GLOBAL token ids of
-every ring rank's shard (a pure function of the layout, so no ids travel). At step ``i`` rank ``r``
-attends its queries to the K/V block of ring rank ``j = (r - i) mod R`` while the next block is
-already in flight (posted before the compute). Each step is one block for the tiled engine
-(``attention.engine``): the mask is compiled to EMPTY / PARTIAL / FULL tiles from the global ids of
-the step's Q and KV shards, EMPTY tiles (and whole empty steps) are skipped, and the partial results
-merge in float32 (float64 for float64 inputs) by their log-sum-exp. Work is counted in
-:class:`RingStats` (an ``engine.EngineStats``).
-
-Backward (custom autograd): K/V travel the ring again; each rank computes its block's dK/dV tile by
-tile from the saved global ``out`` and ``lse`` and the partial sums ride along with the K/V
-messages, one step behind, until the last hop brings them home to their owners (``R-1`` hops of
-K/V and ``R-1`` of dK/dV accumulators, float32 for low precision inputs). Only one exchange is in
-flight at a time, so P2P tags never interleave. The plans of the forward are kept for the
-backward (call lists only; tile masks are re-evaluated when needed), so memory stays linear.
+At step ``i`` rank ``r`` attends its queries to ring rank ``(r - i) mod R``'s K/V (the next block in
+flight meanwhile), one engine block per step, merged by log-sum-exp. The backward sends K/V round
+again with the dK/dV partial sums one step behind them, home after the last hop. The block plans
+come from the plan cache (``attention.plans``), shared by every layer and the backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -36,7 +25,10 @@ __all__ = ["RingStats", "RingPlan", "id_runs", "ring_attention"]
 class RingPlan:
     """Everything rank-specific that ring attention needs; ``ids[j]`` = global ids of ring rank j.
 
-    ``backend`` is the engine's kernel family (``engine.engine_backend``), ``tile`` its tile size.
+    ``backend`` is the engine's kernel family (``engine.engine_backend``), ``tile`` its tile size;
+    ``blocks[j]`` the engine plan of this rank's queries against ring rank ``j``'s keys (``None``:
+    built here, uncached, e.g. for a hand-made plan) and ``ids_key`` what determines ``ids``
+    (hashable; ``None``: the plans are not kept in the cache).
     """
 
     group: object
@@ -49,14 +41,32 @@ class RingPlan:
     stats: Optional[RingStats] = None
     tag: str = "ring"
     tile: int = engine.DEFAULT_TILE
-    _blocks: Dict[int, engine.BlockPlan] = field(default_factory=dict, repr=False)
+    blocks: Optional[Sequence[engine.BlockPlan]] = None
+    ids_key: Optional[tuple] = None
+    device: str = "cpu"
+    # K/V are this call's own copies (gathered by the all-to-all / reordered): the backward may
+    # drop them once they are on the ring, instead of autograd keeping them to its end
+    release_kv: bool = False
+
+    def __post_init__(self):
+        if self.blocks is None:
+            self.blocks = ring_block_plans(self.ids_key, self.ids, self.ring_rank, self.mask,
+                                           self.tile, self.backend, self.device, self.stats)
 
     def block(self, j: int) -> engine.BlockPlan:
-        """The engine plan of this rank's queries against ring rank ``j``'s keys (cached)."""
-        if j not in self._blocks:
-            self._blocks[j] = engine.plan_for(self.ids[self.ring_rank], self.ids[j], self.mask, self.tile,
-                                              self.backend, self.stats)
-        return self._blocks[j]
+        """The engine plan of this rank's queries against ring rank ``j``'s keys."""
+        return self.blocks[j]
+
+
+def ring_block_plans(ids_key, ids: Sequence[torch.Tensor], ring_rank: int, mask, tile: int,
+                     backend: str, device="cpu", stats=None) -> tuple:
+    """The engine plans of ring rank ``ring_rank``'s queries against every ring rank's keys, one
+    cache entry for the whole ring (``ids_key`` None: built, not kept)."""
+    debug = engine._debug()
+    key = (None if ids_key is None else
+           ("ring", ids_key, ring_rank, mask, tile, backend, str(device), debug))
+    return engine.PLANS.get(key, lambda: tuple(
+        engine.plan_for(ids[ring_rank], k_ids, mask, tile, backend, stats) for k_ids in ids))
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
@@ -81,56 +91,78 @@ def _ring_forward(q, k, v, plan: RingPlan):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
-    acc = kernels.accumulation_dtype(q.dtype)
+def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
+    """``kv = [k, v]``, emptied here: the only references left are the ring's own."""
     R, r = plan.ring_size, plan.ring_rank
-    b, s_k, hk, d = k.shape
-    h = q.shape[2]
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    k_like = torch.empty((*kv[0].shape[:2], 0, kv[0].shape[3]), dtype=kv[0].dtype,
+                         device=kv[0].device)  # shape / dtype / device of k, no storage
+    hk, h, k_dtype = kv[0].shape[2], q.shape[2], kv[0].dtype
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # exp(s - inf) = 0 for dead rows
     dout = dout.transpose(1, 2).to(q.dtype)                  # [b, h, s, d] view, like out
-    cur_k, cur_v = k.contiguous(), v.contiguous()
+    cur_k, cur_v = (x.contiguous() for x in kv)
+    kv.clear()
+    dq = None       # the first kernel gradient that covers all rows becomes it (no zero fill)
     own = None      # (dk, dv) this rank's queries contributed to its own block (step 0)
     travel = None   # partial (dk, dv) of the block computed at the previous step, to pass on
     for i in range(R):
         j = (r - i) % R
         send = ([cur_k, cur_v] if i < R - 1 else []) + (list(travel) if travel is not None else [])
+        travel = None
         ex = RingExchange(send, plan.group, 1, tag=f"{plan.tag}.bwd", direction="bwd") if send else None
-        dk = torch.zeros(b, s_k, h, d, dtype=acc, device=k.device)  # q's heads; reduced to kv heads below
-        dv = torch.zeros(b, s_k, h, d, dtype=acc, device=v.device)
+        del send
         bp = plan.block(j)
         if plan.stats is not None:
             plan.stats._plan("bwd", bp)
-        engine.block_backward(dq, dk, dv, dout, q, cur_k, cur_v, out, lse, bp, plan.softmax_scale,
-                              plan.backend, plan.stats)
+        dq, dk, dv = engine.block_backward(dq, None, None, dout, q, cur_k, cur_v, out, lse, bp,
+                                           plan.softmax_scale, plan.backend, plan.stats, fresh=True)
+        dk = engine._grad_zeros(k_like, h) if dk is None else dk  # q's heads; reduced below
+        dv = engine._grad_zeros(k_like, h) if dv is None else dv
         dk, dv = kernels._reduce_kv(dk, hk), kernels._reduce_kv(dv, hk)
         recv = ex.wait() if ex is not None else []
+        ex = None
         if i < R - 1:
             cur_k, cur_v = recv[:2]
             recv = recv[2:]
+        else:
+            cur_k = cur_v = None  # the last block's K/V are done with: free before the home hop
         if i == 0:
             own = (dk, dv)
         else:
             # The partial sums received now belong to block j (rank r-1 computed it last step).
             travel = (dk.add_(recv[0]), dv.add_(recv[1])) if recv else (dk, dv)
+        del dk, dv, recv
     if travel is not None:  # last hop: the finished partial sums go home to their owner
-        home = RingExchange(list(travel), plan.group, 1, tag=f"{plan.tag}.bwd", direction="bwd").wait()
+        ex = RingExchange(list(travel), plan.group, 1, tag=f"{plan.tag}.bwd", direction="bwd")
+        travel = None
+        home = ex.wait()
+        ex = None
         own = (own[0].add_(home[0]), own[1].add_(home[1]))
-    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+        del home
+    dq = engine._grad_zeros(q, h) if dq is None else dq
+    return dq.to(q.dtype), own[0].to(k_dtype), own[1].to(k_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):
         out, lse = _ring_forward(q, k, v, plan)  # out [b, h, s, d] in q's dtype
-        ctx.save_for_backward(q, k, v, out, lse)
+        if plan.release_kv:  # private K/V: held here, and dropped by the backward after step 0
+            ctx.save_for_backward(q, out, lse)
+            ctx.kv = [k.detach(), v.detach()]
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out.transpose(1, 2)  # a view: [b, s, h, d] strides of the saved [b, h, s, d]
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.plan)
+        if ctx.plan.release_kv:
+            (q, out, lse), kv = ctx.saved_tensors, ctx.kv
+            ctx.kv = None
+        else:
+            q, k, v, out, lse = ctx.saved_tensors
+            kv = [k, v]
+        dq, dk, dv = _ring_backward(dout, q, kv, out, lse, ctx.plan)
         return dq, dk, dv, None
 
 

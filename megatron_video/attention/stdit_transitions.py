@@ -1,13 +1,6 @@
-"""Autograd transitions between ST-DiT layouts A (frames per rank) and B (positions per rank).
-
-``frames_to_positions``: ``[b, t/P, n, ...]`` (layout A) -> ``[b, m, t, ...]`` (layout B, ``m =
-ceil(n/P)``, zero padded) with ONE all-to-all that scatters positions and gathers frames.
-``positions_to_frames`` is its exact inverse (one all-to-all, padding stripped). The backward of
-each is the other's communication pattern (``comm.all_to_all``'s inverse all-to-all), so a block
-that goes A -> B -> A costs 2 all-to-alls forward and 2 backward. Images (``num_frames == 1``) are
-sharded by sample, A and B hold the same tokens, and the transition is a local transpose.
-See ``megatron_video.layouts.stdit`` for the index maps. They live here, beside the other
-communicating attention-layout code, so that ``layouts`` stays pure (docs/architecture.md).
+"""Autograd transitions between ST-DiT layouts A (frames per rank) and B (positions per rank): one
+all-to-all each way, each the other's backward. Index maps: ``megatron_video.layouts.stdit``; kept
+here, beside the other communicating layout code, so that ``layouts`` stays pure.
 """
 from __future__ import annotations
 

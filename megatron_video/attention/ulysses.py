@@ -1,11 +1,7 @@
 """Ulysses (head-parallel) all-to-all: scatter heads / gather sequence, and back.
 
-GQA, any head counts: the ``H`` query heads must divide by the group size ``U`` and by ``H_kv``.
-K/V heads enter the all-to-all as ``H_kv' = lcm(H_kv, U)`` heads: split when ``U`` divides ``H_kv``
-(``H_kv' = H_kv``: rank ``u`` gets kv heads ``[u*H_kv/U, (u+1)*H_kv/U)``), otherwise each kv head is
-first repeated ``H_kv'/H_kv`` times (e.g. ``U % H_kv == 0`` gives ``U`` heads; ``H=6, H_kv=3, U=2``
-gives 6). Query head ``i`` uses kv head ``i // (H/H_kv)`` = replica ``i // (H/H_kv')``, so rank ``u``
-receives exactly the replicas its query heads use; autograd sums the replicas' gradients.
+GQA with any head counts: kv heads enter the all-to-all as ``lcm(H_kv, U)`` heads (each repeated
+``lcm / H_kv`` times when ``U`` does not divide ``H_kv``); autograd sums the replicas' gradients.
 """
 from __future__ import annotations
 

@@ -32,12 +32,14 @@ class TeacherForcingMask(RuleMask):
         self.layout = layout
         self.tile_hint = layout.unit_tokens  # one (side, AR block) unit: the mask is constant on it
         side, _, block = layout.identity_tables()
-        self._side, self._block = side, block
+        self._tables = {side.device: (side, block)}  # per device (masks are frozen values)
 
     def identities(self, ids: Tensor, role: str) -> TokenIds:
-        if self._side.device != ids.device:
-            self._side, self._block = self._side.to(ids.device), self._block.to(ids.device)
-        return TokenIds(side=self._side[ids], block=self._block[ids])
+        if ids.device not in self._tables:
+            side, block = next(iter(self._tables.values()))
+            self._tables[ids.device] = (side.to(ids.device), block.to(ids.device))
+        side, block = self._tables[ids.device]
+        return TokenIds(side=side[ids], block=block[ids])
 
     def __repr__(self) -> str:
         return f"TeacherForcingMask({self.layout!r})"

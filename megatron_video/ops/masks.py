@@ -11,8 +11,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._backend import extension_for
-from .rules import EMPTY, FULL, PARTIAL, RULES, allowed as _allowed
-_NEEDS = {"full": (), "causal": ("pos",), "block_causal": ("block",), "teacher_forcing": ("side", "block")}
+from .rules import EMPTY, FIELDS, FULL, ORDER_KEY, PARTIAL, RULES, allowed as _allowed
 _ROWS = ("side", "block", "doc", "pos")
 
 
@@ -86,8 +85,8 @@ def _packed(ids: TokenIds, length: int, device: torch.device) -> torch.Tensor:
 def _prepare(q: TokenIds, k: TokenIds, rule: str):
     if rule not in RULES:
         raise ValueError(f"rule ({rule!r}) must be one of {tuple(RULES)}")
-    lq, dq = _check_ids("q", q, _NEEDS[rule])
-    lk, dk = _check_ids("k", k, _NEEDS[rule])
+    lq, dq = _check_ids("q", q, FIELDS[rule])
+    lk, dk = _check_ids("k", k, FIELDS[rule])
     if dq != dk:
         raise ValueError(f"q ({dq}) and k ({dk}) must be on one device")
     if (q.doc is None) != (k.doc is None):
@@ -128,14 +127,11 @@ def lower_triangle(q: TokenIds, k: TokenIds, rule: str) -> bool:
     n = qi.shape[1]
     if n == 0 or ki.shape[1] != n:
         return False
-    if rule == "causal":
-        row = 3
-    elif rule == "block_causal":
-        row = 1
-    elif rule == "teacher_forcing" and not bool(qi[0].any()) and not bool(ki[0].any()):
-        row = 1  # all clean: clean->clean is block_k <= block_q
-    else:
+    if rule not in ORDER_KEY:
         return False
+    if rule == "teacher_forcing" and (bool(qi[0].any()) or bool(ki[0].any())):
+        return False  # teacher forcing orders by block only when all clean (clean->clean)
+    row = _ROWS.index(ORDER_KEY[rule])
     key = qi[row]
     if not torch.equal(key, ki[row]) or (n > 1 and not bool((key[1:] > key[:-1]).all())):
         return False

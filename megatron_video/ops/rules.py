@@ -17,10 +17,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "RULES", "CLEAN", "NOISY", "allowed", "teacher_forcing"]
+__all__ = ["EMPTY", "PARTIAL", "FULL", "RULES", "FIELDS", "ORDER_KEY", "CLEAN", "NOISY", "allowed",
+           "teacher_forcing"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 RULES = {"full": 0, "causal": 1, "block_causal": 2, "teacher_forcing": 3}  # codes of csrc/kernels.h
+# The identity fields each rule reads (``doc`` is read by every rule when both sides carry it).
+FIELDS = {"full": (), "causal": ("pos",), "block_causal": ("block",),
+          "teacher_forcing": ("side", "block")}
+# The one field a rule orders tokens by (``key_k <= key_q``), where it has one: a tile whose keys
+# strictly increase and agree on both sides is then exactly the lower triangle. Teacher forcing
+# orders by ``block`` only on an all-clean tile.
+ORDER_KEY = {"causal": "pos", "block_causal": "block", "teacher_forcing": "block"}
 CLEAN, NOISY = 0, 1
 
 

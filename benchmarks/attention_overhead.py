@@ -1,0 +1,260 @@
+"""Host overhead per 2D-attention call (U2 x R2, 4 gloo ranks) beside the H200 kernel time it hides.
+
+Per call, forward and backward separately, first call (empty plan cache) and steady state (median
+of ``--reps``): host time = wall time minus the self time of aten compute ops (torch.profiler) minus
+the time spent in communication (gloo sends, receives and all-to-alls, timed around
+``parallel.comm``);
+beside it the estimated H200 time of this rank's share of the kernels (its visible (q, k) pairs x
+``4 H D`` FLOPs forward, 2.5x that backward, at 60 % of 790 TFLOP/s, for ``--gpu-heads``
+x ``--gpu-dim`` bf16); plan builds; engine kernel calls and aten compute ops (~ GPU launches) per
+call. CPU runs at ``--heads`` x ``--dim`` fp32. The machine may be shared: wall times are noisy.
+Run: ``python benchmarks/attention_overhead.py [--seqs 2048,8192,32768]``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+MASKS = ("causal", "teacher_forcing")
+H200_FLOPS = 0.6 * 790e12
+# aten ops that move no data and compute nothing (metadata only); every other aten op with self
+# time is counted as compute (a kernel on a GPU)
+_META = {"aten::view", "aten::transpose", "aten::slice", "aten::as_strided", "aten::empty",
+         "aten::select", "aten::unflatten", "aten::movedim", "aten::expand", "aten::resize_",
+         "aten::detach", "aten::alias", "aten::t", "aten::permute", "aten::empty_like",
+         "aten::empty_strided", "aten::lift_fresh", "aten::unsqueeze", "aten::squeeze",
+         "aten::reshape", "aten::flatten", "aten::_reshape_alias", "aten::to", "aten::_to_copy",
+         "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::set_", "aten::split",
+         "aten::chunk", "aten::narrow", "aten::_unsafe_view", "aten::contiguous"}
+
+
+def _mask(name, S, N, R):
+    from megatron_video.attention import masks
+    from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
+    from megatron_video.layouts import BalancedSPLayout
+
+    if name == "causal":
+        return masks.causal(), "zigzag"
+    F = 32
+    lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=S // (2 * F), frames_per_block=2,
+                           sp_size=N, ring_size=R)
+    return TeacherForcingMask(lay), "contiguous"
+
+
+class _CommTimer:
+    """Seconds spent inside the ``parallel.comm`` primitives the attention uses (patched)."""
+
+    def __init__(self):
+        from megatron_video.attention import attention_2d
+        from megatron_video.parallel import comm
+
+        self.seconds = 0.0
+        self._saved = []
+        for owner, name in ((comm, "all_to_all_single"), (attention_2d, "check_same_shape"),
+                            (comm.RingExchange, "__init__"), (comm.RingExchange, "wait")):
+            orig = getattr(owner, name)
+            self._saved.append((owner, name, orig))
+            setattr(owner, name, self._timed(orig))
+
+    def _timed(self, fn):
+        def f(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return f
+
+    def close(self):
+        for owner, name, orig in self._saved:
+            setattr(owner, name, orig)
+
+
+def _visible_pairs(blocks) -> int:
+    """(q, k) pairs the kernels of these block plans compute (FULL, causal and masked calls)."""
+    from megatron_video.attention.engine import CAUSAL
+    from megatron_video.ops.rules import FULL
+
+    n = 0
+    for bp in blocks:
+        for i, c in enumerate(bp.calls):
+            nq, nk = c.q.stop - c.q.start, c.k.stop - c.k.start
+            if c.kind == FULL:
+                n += nq * nk
+            elif c.kind == CAUSAL:
+                n += nq * (nq + 1) // 2
+            else:
+                m = bp.masks.get(i)
+                n += int(m.sum()) if m is not None else nq * nk
+    return n
+
+
+def _compute_self_seconds(prof) -> tuple:
+    evs = [e for e in prof.events() if e.name.startswith("aten::") and e.name not in _META]
+    busy = [e for e in evs if e.self_cpu_time_total > 0]
+    return sum(e.self_cpu_time_total for e in busy) * 1e-6, len(busy)
+
+
+def _one(fn, timer, profile: bool):
+    """``(wall, compute self seconds, compute ops, comm seconds)`` of ``fn()``."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    c0 = timer.seconds
+    if not profile:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, None, None, timer.seconds - c0, None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.thread_time()
+        fn()
+        cpu = time.thread_time() - t0  # this thread's CPU time: no waits, no gloo threads
+    comp, ops = _compute_self_seconds(prof)
+    return None, comp, ops, timer.seconds - c0, cpu
+
+
+def _phase(run_fwd, run_bwd, timer, reps, first):
+    """Median per direction of wall / compute / ops / comm, each call on fresh inputs."""
+    from megatron_video.attention.plans import PLANS
+
+    res = {"fwd": [], "bwd": []}
+    for profile in (False, True):
+        for _ in range(1 if first else reps):
+            if first:
+                PLANS.clear()
+            holder = {}
+            f = _one(lambda: holder.update(out=run_fwd()), timer, profile)
+            b = _one(lambda: run_bwd(holder["out"]), timer, profile)
+            res["fwd"].append(f)
+            res["bwd"].append(b)
+    out = {}
+    for d, rows in res.items():
+        wall = statistics.median(r[0] for r in rows if r[0] is not None)
+        comp = statistics.median(r[1] for r in rows if r[1] is not None)
+        ops = statistics.median(r[2] for r in rows if r[2] is not None)
+        comm = statistics.median(r[3] for r in rows if r[0] is not None)
+        host_cpu = statistics.median(max(0.0, r[4] - r[1]) for r in rows if r[1] is not None)
+        out[d] = dict(wall=wall, compute=comp, ops=ops, comm=comm, host_cpu=host_cpu,
+                      host=max(0.0, wall - comp - comm))
+    return out
+
+
+def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
+    import torch.distributed as dist
+
+    from megatron_video.attention import RingStats, dist_attention
+    from megatron_video.attention.plans import PLANS
+    from megatron_video.attention.ring import ring_block_plans
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
+
+    torch.set_num_threads(1)
+    U, R = 2, 2
+    N = U * R
+    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=N,
+                              hierarchical_context_parallel_sizes=[U, R])
+    groups = init_video_parallel(U, R, ranks_per_node=2)
+    timer = _CommTimer()
+    rows = []
+    try:
+        for S in seqs:
+            for name in masks_:
+                mask, scheme = _mask(name, S, N, R)
+                g = torch.Generator().manual_seed(dist.get_rank())
+                st = RingStats()
+
+                def run_fwd():
+                    q, k, v = (torch.randn(1, S // N, heads, dim, generator=g).requires_grad_()
+                               for _ in range(3))
+                    return dist_attention(q, k, v, groups, mask=mask, scheme=scheme, stats=st)
+
+                def run_bwd(out):
+                    out.backward(torch.ones_like(out))
+
+                first = _phase(run_fwd, run_bwd, timer, reps, True)
+                builds_first = PLANS.builds  # the last first call started from an empty cache
+                calls0 = (st.kernel_calls, st.bwd_kernel_calls, st.steps)
+                b1 = PLANS.builds
+                steady = _phase(run_fwd, run_bwd, timer, reps, False)
+                n_calls = (st.steps - calls0[2]) // R  # dist_attention calls in the steady phase
+                kcalls = ((st.kernel_calls - calls0[0]) / n_calls,
+                          (st.bwd_kernel_calls - calls0[1]) / n_calls)
+                builds_steady = PLANS.builds - b1
+                from megatron_video.attention import engine
+                kernel = engine.engine_backend("auto", torch.empty(1))
+                tile = engine.choose_tile(mask, kernel, torch.device("cpu"))
+                blocks = ring_block_plans(None, _ring_ids(groups, S, scheme), groups.ring_rank,
+                                          mask, tile, kernel)
+                pairs = _visible_pairs(blocks) // U  # this rank's heads: H / U of them
+                fwd_flops = 4 * pairs * gpu_dim * gpu_heads
+                rows.append(dict(S=S, mask=name, first=first, steady=steady,
+                                 builds_first=builds_first, builds_steady=builds_steady,
+                                 kcalls=kcalls, gpu_fwd=fwd_flops / H200_FLOPS,
+                                 gpu_bwd=2.5 * fwd_flops / H200_FLOPS))
+    finally:
+        timer.close()
+        destroy_video_parallel()
+        destroy_model_parallel()
+    return rows
+
+
+def _ring_ids(groups, S, scheme):
+    from megatron_video.attention.attention_2d import _layout
+
+    return _layout(tuple(groups.cp_ranks), tuple(groups.ulysses_ranks), tuple(groups.ring_ranks),
+                   groups.ulysses_size, groups.ring_size, groups.placement, S, scheme)[0]
+
+
+def _ms(x):
+    return f"{x * 1e3:8.2f}"
+
+
+def main():
+    from megatron_video.testing import WorkerPool
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="2048,8192,32768")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--gpu-heads", type=int, default=12)
+    ap.add_argument("--gpu-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--masks", default=",".join(MASKS))
+    a = ap.parse_args()
+    seqs = [int(s) for s in a.seqs.split(",")]
+    masks_ = tuple(a.masks.split(","))
+    with WorkerPool(4, ranks_per_node=2, timeout=7200) as pool:
+        pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.gpu_heads, a.gpu_dim, 1, masks_[:1])
+        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.gpu_heads, a.gpu_dim, a.reps,
+                            masks_)
+    print(f"2D attention U2 x R2 (4 gloo ranks, CPU b=1 H={a.heads} D={a.dim} fp32); host = wall - "
+          f"aten compute self time - comm; H200 est. = this rank's share at H={a.gpu_heads} "
+          f"D={a.gpu_dim} bf16, 60% of 790 TFLOP/s; max over ranks; times in ms (shared machine: "
+          f"noisy)")
+    print("host 1st / ss: wall-based (wall - compute - comm; first call / steady state); host cpu: "
+          "main-thread CPU time - compute, steady state; host/H200 uses host cpu")
+    print(f"{'S':>7} {'mask':>16} {'dir':>4} {'host 1st':>9} {'host ss':>9} {'host cpu':>9} "
+          f"{'wall ss':>9} {'comm ss':>9} {'H200 est':>9} {'host/H200':>10} {'aten ops':>8} "
+          f"{'eng calls':>9} {'builds 1st/ss':>13}")
+    for S in seqs:
+        for m in masks_:
+            rs = [next(r for r in rank if r["S"] == S and r["mask"] == m) for rank in per_rank]
+            for d in ("fwd", "bwd"):
+                h1 = max(r["first"][d]["host"] for r in rs)
+                hs = max(r["steady"][d]["host"] for r in rs)
+                hc = max(r["steady"][d]["host_cpu"] for r in rs)
+                ws = max(r["steady"][d]["wall"] for r in rs)
+                cs = max(r["steady"][d]["comm"] for r in rs)
+                gpu = max(r["gpu_" + d] for r in rs)
+                ops = max(r["steady"][d]["ops"] for r in rs)
+                kc = max(r["kcalls"][0 if d == "fwd" else 1] for r in rs)
+                b = f"{max(r['builds_first'] for r in rs)}/{max(r['builds_steady'] for r in rs)}"
+                print(f"{S:>7} {m:>16} {d:>4} {_ms(h1):>9} {_ms(hs):>9} {_ms(hc):>9} {_ms(ws):>9} "
+                      f"{_ms(cs):>9} {_ms(gpu):>9} {hc / gpu:>9.0%} {ops:>8.0f} {kc:>9.1f} {b:>13}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Plan reuse and the hot path: plans built once per layout / mask / tile and shared by every layer,
+ring step and the backward; masks are immutable values (no stale plan); no host read of device data
+(``.cpu()``, ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` / ``float()`` of a tensor) inside an
+attention call once its plan exists."""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_video.attention import dist_attention, local_attention, masks
+from megatron_video.attention.plans import PLANS, PlanCache
+
+F64 = torch.float64
+
+
+def _layers(n, b, s, h, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_()
+                  for _ in range(3)) for _ in range(n)]
+
+
+def _fwd_bwd(qkv, **kw):
+    q, k, v = qkv
+    out = dist_attention(q, k, v, **kw)
+    out.square().sum().backward()
+    return out
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Counts calls of the ``torch.Tensor`` methods that read device data on the host."""
+    names = ("cpu", "item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    counts = {n: 0 for n in names}
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def wrap(n):
+        orig = saved[n]
+
+        def f(self, *a, **k):
+            counts[n] += 1
+            return orig(self, *a, **k)
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, wrap(n))
+    try:
+        yield counts
+    finally:
+        for n in names:
+            setattr(torch.Tensor, n, saved[n])
+
+
+# ------------------------------------------------------------------------------------------
+# Masks are values
+# ------------------------------------------------------------------------------------------
+def test_masks_are_hashable_values():
+    assert masks.causal() == masks.causal() and hash(masks.causal()) == hash(masks.causal())
+    assert masks.block_causal(4) == masks.block_causal(4) != masks.block_causal(8)
+    assert masks.packed([0, 3, 8]) == masks.packed(torch.tensor([0, 3, 8]))
+    assert masks.packed([0, 3, 8]) != masks.packed([0, 4, 8])
+    assert masks.packed([0, 3, 8], masks.causal()) != masks.packed([0, 3, 8])
+    assert masks.video_rows(4, "spatial") != masks.video_rows(4, "temporal")
+    assert masks.causal() != masks.full() and masks.causal() != masks.block_causal(1)
+
+    def fn(a, b):
+        return b <= a
+    assert masks.predicate(fn) == masks.predicate(fn)
+    assert masks.predicate(fn) != masks.predicate(lambda a, b: b <= a)  # another function
+    t = torch.ones(4, 4, dtype=torch.bool)
+    assert masks.from_dense(t) != masks.from_dense(t)  # tables compare by identity
+
+
+@pytest.mark.parametrize("make", [masks.causal, lambda: masks.block_causal(4),
+                                  lambda: masks.packed([0, 3, 8]),
+                                  lambda: masks.predicate(lambda a, b: b <= a)])
+def test_masks_cannot_be_mutated(make):
+    m = make()
+    with pytest.raises(AttributeError, match="immutable"):
+        m.block_tokens = 8
+    with pytest.raises(AttributeError, match="immutable"):
+        m.default_scheme = "zigzag"
+    with pytest.raises(AttributeError, match="immutable"):
+        del m.tile_hint
+
+
+def test_mask_content_cannot_change_under_a_plan():
+    cu = torch.tensor([0, 3, 8])
+    m = masks.packed(cu)
+    cu[1] = 5                     # the caller's tensor
+    m.cu_seqlens[1] = 6           # a copy
+    assert m == masks.packed([0, 3, 8]) and m.cu_seqlens.tolist() == [0, 3, 8]
+    t = torch.eye(8, dtype=torch.bool)
+    d = masks.from_dense(t)
+    t.fill_(True)                 # the mask kept its own copy
+    assert torch.equal(d.dense(torch.arange(8), torch.arange(8)), torch.eye(8, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------
+# Plan cache
+# ------------------------------------------------------------------------------------------
+def test_plan_cache_is_bounded_and_counts():
+    c = PlanCache(maxsize=2)
+    built = []
+    for key in ("a", "b", "a", "c", "b"):
+        c.get(key, lambda: built.append(key) or key)
+    assert built == ["a", "b", "c", "b"] and len(c) == 2 and c.builds == 4 and c.hits == 1
+    assert c.get(None, lambda: 7) == 7 and len(c) == 2  # key None: built, not kept
+    with pytest.raises(ValueError, match=r"maxsize \(0\)"):
+        PlanCache(0)
+
+
+@pytest.mark.parametrize("mask", [masks.causal(), masks.block_causal(8),
+                                  masks.packed([0, 20, 50, 64], masks.causal())])
+def test_zero_builds_after_the_first_layer(mask):
+    PLANS.clear()
+    layers = _layers(6, 1, 64, 2, 8)
+    _fwd_bwd(layers[0], mask=mask, tile=16)
+    first = PLANS.builds
+    assert first == 1  # one ring (of one rank): one plan entry
+    for qkv in layers[1:]:
+        _fwd_bwd(qkv, mask=mask, tile=16)
+    assert PLANS.builds == first and PLANS.hits == 5  # every later layer, fwd and bwd: no build
+
+
+def test_a_different_mask_value_tile_or_length_gets_a_fresh_plan():
+    PLANS.clear()
+    qkv = _layers(1, 1, 64, 2, 8)[0]
+    _fwd_bwd(qkv, mask=masks.block_causal(8), tile=16)
+    _fwd_bwd(qkv, mask=masks.block_causal(8), tile=16)   # an equal value: the same plan
+    assert PLANS.builds == 1
+    _fwd_bwd(qkv, mask=masks.block_causal(4), tile=16)   # another value
+    assert PLANS.builds == 2
+    _fwd_bwd(qkv, mask=masks.block_causal(4), tile=32)   # another tile
+    assert PLANS.builds == 3
+    _fwd_bwd(_layers(1, 1, 32, 2, 8)[0], mask=masks.block_causal(4), tile=32)  # another length
+    assert PLANS.builds == 4
+
+
+def test_cached_plans_stay_exact_for_each_mask():
+    """Alternating masks through one cache: every output equals an uncached float64 reference."""
+    q, k, v = (x.detach() for x in _layers(1, 1, 48, 2, 8, dtype=F64, seed=3)[0])
+    cases = [masks.causal(), masks.block_causal(6), masks.packed([0, 10, 40], masks.causal())]
+    refs = []
+    for m in cases:
+        PLANS.clear()
+        refs.append(dist_attention(q, q, q, mask=m, tile=8))
+    PLANS.clear()
+    for _ in range(2):
+        for m, ref in zip(cases, refs):
+            assert torch.equal(dist_attention(q, q, q, mask=m, tile=8), ref), m
+    assert PLANS.builds == len(cases)
+
+
+def test_local_attention_shares_plans_but_not_one_call_tables():
+    PLANS.clear()
+    q = torch.randn(1, 24, 2, 8)
+    for _ in range(3):
+        local_attention(q, q, q, masks.causal(), tile=8)
+    assert PLANS.builds == 1 and len(PLANS) == 1
+    table = torch.rand(24, 24) < 0.5
+    for _ in range(2):
+        local_attention(q, q, q, table, tile=8)
+    assert PLANS.builds == 3 and len(PLANS) == 1  # built per call, never kept
+
+
+# ------------------------------------------------------------------------------------------
+# No host reads of device data after the first call
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", [None, masks.causal(), masks.block_causal(8),
+                                  masks.packed([0, 20, 50, 64], masks.causal()),
+                                  masks.predicate(lambda a, b: (b <= a) & ((a - b) < 20))])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_no_host_sync_after_the_first_call(mask, dtype):
+    layers = _layers(2, 1, 64, 2, 8, dtype=dtype)
+    _fwd_bwd(layers[0], mask=mask, tile=16)
+    local_attention(*(x.detach() for x in layers[0]), mask, tile=16)
+    with count_host_reads() as counts:
+        _fwd_bwd(layers[1], mask=mask, tile=16)
+        local_attention(*(x.detach() for x in layers[1]), mask, tile=16)
+    assert sum(counts.values()) == 0, counts
+
+
+# ------------------------------------------------------------------------------------------
+# U2 x R2 on 4 gloo ranks
+# ------------------------------------------------------------------------------------------
+def _u2r2_plans_and_syncs(kinds):
+    from megatron_video.attention.plans import PLANS
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
+    from megatron_video.layouts import BalancedSPLayout, shard_sequence
+    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
+
+    initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    groups = init_video_parallel(2, 2, ranks_per_node=2, placement="ulysses_inner")
+    out = {}
+    try:
+        S = 128
+        for kind in kinds:
+            if kind == "teacher_forcing":
+                lay = BalancedSPLayout(num_latent_frames=8, tokens_per_frame=S // 16,
+                                       frames_per_block=2, sp_size=4, ring_size=2)
+                mask, scheme = TeacherForcingMask(lay), "contiguous"
+            else:
+                mask, scheme = masks.causal(), "zigzag"
+            PLANS.clear()
+            g = torch.Generator().manual_seed(0)
+            full = [torch.randn(1, S, 4, 8, generator=g) for _ in range(3 * 4)]
+            layers = [tuple(shard_sequence(x, groups, dim=1, scheme=scheme).requires_grad_()
+                            for x in full[3 * i:3 * i + 3]) for i in range(4)]
+            _fwd_bwd(layers[0], groups=groups, mask=mask, scheme=scheme, tile=16)
+            builds = PLANS.builds
+            with count_host_reads() as counts:
+                for qkv in layers[1:]:
+                    _fwd_bwd(qkv, groups=groups, mask=mask, scheme=scheme, tile=16)
+            out[kind] = (builds, PLANS.builds, dict(counts), dist.get_rank())
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+    return out
+
+
+def test_u2r2_one_build_then_none_and_no_host_sync(pool4):
+    for res in pool4.run(_u2r2_plans_and_syncs, ("causal", "teacher_forcing")):
+        for kind, (first, later, counts, rank) in res.items():
+            assert first == 1 and later == 1, (rank, kind, first, later)
+            assert sum(counts.values()) == 0, (rank, kind, counts)
