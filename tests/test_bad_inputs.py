@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_models_parallel import tiny_config
+from megatron_video.testing.configs import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
