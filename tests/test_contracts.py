@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_video.attention import dist_attention, masks
 from megatron_video.layouts import (BalancedSPLayout, global_token_ids, halo_windows, shard_sequence,
                                     unshard_sequence)
-from megatron_video.testing.masks import allowed, mask_for
+from megatron_video.testing.masks import allowed, mask_for, teacher_forcing_oracle, tile_status_oracle
 from megatron_video.testing.oracles import softmax_attention
 from megatron_video.testing.parallel import model_parallel, video_parallel
 
@@ -311,20 +311,12 @@ def test_balanced_sp_first_principles(F, S, nb, P):
     assert L.attention_order_global_ids().tolist() == order  # rank-major, no permutation
     assert L.loss_tokens_per_rank() == [Fp * S] * P and L.num_loss_tokens == F * S
 
-    def allow(a, b):
-        (sa, fa), (sb, fb) = divmod(a, F * S), divmod(b, F * S)
-        ba, bb = fa // S // nb, fb // S // nb
-        return ((sa, sb) == (0, 0) and bb <= ba) or ((sa, sb) == (1, 0) and bb < ba) or \
-            ((sa, sb) == (1, 1) and bb == ba)
-    M = torch.tensor([[allow(a, b) for b in order] for a in order])
+    M = teacher_forcing_oracle(F, S, nb)[order][:, order]
     assert torch.equal(L.teacher_forcing_mask(), M)
     ut = nb * S
     assert torch.equal(L.block_mask(), M[::ut, ::ut])
-    N = 2 * F * S
     for bq, bk in [(1, 1), (3, 5), (ut + 1, 2 * ut)]:
-        exp = [[2 if M[i:i + bq, j:j + bk].all() else int(bool(M[i:i + bq, j:j + bk].any()))
-                for j in range(0, N, bk)] for i in range(0, N, bq)]
-        assert L.block_status(bq, bk).tolist() == exp
+        assert L.block_status(bq, bk).tolist() == tile_status_oracle(M, bq, bk).tolist()
 
 
 def test_halo_windows_by_hand():

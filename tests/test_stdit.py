@@ -7,7 +7,7 @@ so it shares no layout or communication code with the layer. Compared: outputs, 
 (hidden states, conditioning, text) and parameter gradients summed over ranks; plus the traced
 communication per block and AdaLN-zero identity at initialisation.
 """
-import math
+import functools
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron_video.models.dit_blocks import apply_rope, rope_3d_angles
 from megatron_video.models.stdit_transitions import frames_to_positions, positions_to_frames
 from megatron_video.parallel.comm import CommTracer
+from megatron_video.testing.oracles import softmax_attention
 
 D, H, HD, FFN, LORA, DC, L = 32, 4, 8, 64, 8, 24, 5
 
@@ -118,14 +119,8 @@ def _rms(x, w, eps=1e-5):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _softmax_attention(q, k, v, mask=None):
-    """q [B, S, H, d], k/v [B, Sk, Hkv, d]; mask [B, 1, S, Sk] True = attend."""
-    g = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
+# explicit softmax attention in the inputs' dtype; mask (True = attend) broadcasts to [B, H, S, Sk]
+_softmax_attention = functools.partial(softmax_attention, dtype=None)
 
 
 def oracle_block(P, x, c, ctx, ctx_mask, thw, has_full, hkv):
