@@ -24,6 +24,7 @@ from megatron_video.testing.parallel import video_parallel
 # First-principles masks (independent of megatron_video.attention.masks)
 # ------------------------------------------------------------------------------------------
 S4, S8 = 32, 48          # sequence lengths on the 4- and 8-rank pools (divisible by 2N)
+WORLD = 8                # the 8-rank pool, one simulated node unless a test says otherwise
 CU = [0, 3, 11, 12, 25, 29]  # uneven packed documents; tokens past 29 are padding
 
 
@@ -78,7 +79,7 @@ def _degree_cases(U, R, placement, S, i0):
     """Every mask / scheme under one degree; ``i0`` (the degree's index x the number of masks)
     keeps each case's seed, batch and kv heads independent of how the degrees are split up."""
     results = []
-    with video_parallel(U, R, placement) as groups:
+    with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
         for i, (kind, scheme) in enumerate(MASK_SCHEMES, start=i0):
             # cycle batch and GQA so every degree sees MHA, split and replicated kv heads
             b = 1 + i % 2
@@ -123,7 +124,7 @@ def test_exact_vs_oracle_cp8(pool8, index):
 def _gqa_cases(U, R, h, hk):
     """Head counts where H_kv neither divides nor is divisible by U (kv heads enter as lcm(H_kv, U))."""
     out = []
-    with video_parallel(U, R, "ulysses_inner") as groups:
+    with video_parallel(U, R, "ulysses_inner", ranks_per_node=WORLD) as groups:
         for kind, scheme in [("causal", "zigzag"), ("packed_causal", "zigzag"), ("full", "contiguous")]:
             S = 8 * U * R
             errs, nan = run_case(groups, S, kind, 1, h, hk, 4, seed=U + R + h, scheme=scheme, tile=3)
@@ -139,7 +140,7 @@ def test_gqa_any_head_counts_exact(pool8, U, R, h, hk):
 
 def _low_precision_cases(U, R, placement):
     out = []
-    with video_parallel(U, R, placement) as groups:
+    with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
         for kind, hk, dtype in [("causal", 2, torch.bfloat16), ("dead_rows", 1, torch.bfloat16),
                                 ("block_causal", 4, torch.float32), ("full", 2, torch.float32)]:
             errs, nan = run_case(groups, S4, kind, 2, 4, hk, 16, seed=7, dtype=dtype)
@@ -180,7 +181,7 @@ def _tiles(ids, tile):
 
 def _skip_cases(S, U, R, placement):
     out = []
-    with video_parallel(U, R, placement) as groups:
+    with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
         # Each ring member's ids during ring attention = the union of its Ulysses group's shards,
         # learnt from the ranks themselves (not from the library's index map).
         for kind, scheme in [("causal", "zigzag"), ("causal", "contiguous"), ("block_causal", "zigzag"),
@@ -300,7 +301,7 @@ def _error_cases():
     from megatron_video.parallel import CommTracer
 
     msgs = []
-    with video_parallel(2, 2, "ulysses_inner") as groups:
+    with video_parallel(2, 2, "ulysses_inner", ranks_per_node=WORLD) as groups:
         bad = [  # (q shape, kv shape, kwargs, expected message fragment)
             ((1, 8, 3, 4), (1, 8, 3, 4), {}, "num_heads (3) must be divisible by ulysses_size (2)"),
             ((1, 8, 4, 4), (1, 8, 3, 4), {}, "num_heads (4) must be divisible by num_kv_heads (3)"),

@@ -56,9 +56,8 @@ def video_parallel(ulysses: int, ring: int, placement: str = "ulysses_inner", *,
                    ranks_per_node: Optional[int] = None, seed: Optional[int] = None):
     """``model_parallel`` with CP = ``ulysses * ring``, then ``init_video_parallel``; yields the
     groups. ``hierarchical`` (default: both degrees > 1) also makes Megatron's hierarchical CP
-    groups, ordered by ``placement``; ``ranks_per_node`` defaults to the world size (one node)."""
-    import torch.distributed as dist
-
+    groups, ordered by ``placement``; ``ranks_per_node`` goes to ``init_video_parallel`` (None:
+    ``LOCAL_WORLD_SIZE``)."""
     from megatron_video.parallel import init_video_parallel
 
     if hierarchical is None:
@@ -66,6 +65,5 @@ def video_parallel(ulysses: int, ring: int, placement: str = "ulysses_inner", *,
     hier = None
     if hierarchical:
         hier = [ulysses, ring] if placement == "ulysses_inner" else [ring, ulysses]
-    rpn = dist.get_world_size() if ranks_per_node is None else ranks_per_node
     with model_parallel(tp=tp, pp=pp, cp=ulysses * ring, hierarchical_cp=hier, seed=seed):
-        yield init_video_parallel(ulysses, ring, ranks_per_node=rpn, placement=placement)
+        yield init_video_parallel(ulysses, ring, ranks_per_node=ranks_per_node, placement=placement)
