@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = ["allowed", "mask_for", "teacher_forcing_allowed", "teacher_forcing_oracle",
-           "rule_allows", "dense_rule_oracle", "tile_status_oracle", "rank_major_teacher_forcing_ids"]
+           "rule_allows", "dense_rule_oracle", "tile_status_oracle",
+           "rank_major_teacher_forcing_ids"]
 
 KINDS = ("full", "causal", "block_causal", "packed", "packed_causal", "packed_block", "window",
          "none")
@@ -22,8 +23,9 @@ def _doc_ids(ids: torch.Tensor, cu: Sequence[int], pad: int) -> torch.Tensor:
     return doc
 
 
-def allowed(kind: str, q, k=None, *, block: Optional[int] = None, cu: Optional[Sequence[int]] = None,
-            window: Optional[int] = None, inner_block: Optional[int] = None) -> torch.Tensor:
+def allowed(kind: str, q, k=None, *, block: Optional[int] = None,
+            cu: Optional[Sequence[int]] = None, window: Optional[int] = None,
+            inner_block: Optional[int] = None) -> torch.Tensor:
     """Bool ``[len q, len k]`` for global ids ``q``, ``k`` (LongTensors; an int ``S`` means
     ``arange(S)``, and ``k`` defaults to ``q``). ``block``: block_causal's block; ``cu``: packed
     documents' boundaries; ``window``: causal sliding window; ``inner_block``: block_causal inside
@@ -55,7 +57,7 @@ def allowed(kind: str, q, k=None, *, block: Optional[int] = None, cu: Optional[S
 
 
 def mask_for(kind: str, *, block=None, cu=None, window=None, inner_block=None):
-    """The ``megatron_video.attention.masks`` object for ``kind`` (same parameters as ``allowed``)."""
+    """The ``megatron_video.attention.masks`` object for ``kind`` (parameters as ``allowed``)."""
     from megatron_video.attention import masks
 
     if kind == "full":

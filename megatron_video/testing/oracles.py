@@ -66,7 +66,7 @@ def max_rel_error(got, ref) -> float:
 
 
 def random_qkv(b, sq, h, hk, d, seed, sk=None, dtype=torch.float64):
-    """Seeded float64 ``q [b, sq, h, d]``, ``k``, ``v [b, sk, hk, d]`` and ``dout [b, sq, h, d]``."""
+    """Seeded float64 ``q [b, sq, h, d]``, ``k``, ``v [b, sk, hk, d]``, ``dout [b, sq, h, d]``."""
     g = torch.Generator().manual_seed(seed)
     sk = sq if sk is None else sk
     mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
