@@ -7,6 +7,7 @@ from pathlib import Path
 __all__ = ["tiny_config", "load_example", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_TINY_EXTRAS = {"stdit": dict(stdit_full_attention_layers=[1])}  # per-family extras of tiny_config
 
 
 def tiny_config(family: str, tmp: str, **parallel):
@@ -15,8 +16,7 @@ def tiny_config(family: str, tmp: str, **parallel):
 
     model = dict(family=family, num_layers=2, hidden_size=48, num_attention_heads=4, lora_rank=8,
                  patch_size=[1, 1, 1], frames_per_block=1)
-    if family == "stdit":
-        model.update(stdit_full_attention_layers=[1])
+    model.update(_TINY_EXTRAS.get(family, {}))
     return config_from_dict(dict(
         model=model,
         parallel=dict(parallel),
