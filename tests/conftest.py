@@ -1,4 +1,4 @@
-"""Shared fixtures: worker pools of 4 and 8 gloo ranks.
+"""Shared fixtures: worker pools of 4 and 8 gloo ranks; the compiled extension (``extension``).
 
 The pools are session-scoped: started once (from a forkserver with torch and megatron preloaded)
 and shared by every test module; each ``pool.run`` resets Megatron / topology state afterwards, and
@@ -28,3 +28,16 @@ def pool8():
     pool = WorkerPool(8, ranks_per_node=4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def extension():
+    """The compiled module; its absence fails the tests using it unless the build was switched off."""
+    try:
+        import megatron_video._C as ext
+    except ImportError as exc:
+        if os.environ.get("MEGATRON_VIDEO_BUILD_EXT") == "0":
+            pytest.skip("extension not built (MEGATRON_VIDEO_BUILD_EXT=0); reference path covered "
+                        "elsewhere")
+        raise AssertionError(f"megatron_video._C is not importable: {exc}") from exc
+    return ext

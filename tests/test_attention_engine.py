@@ -14,78 +14,35 @@ from megatron_video.attention import engine
 from megatron_video.attention.ring import RingStats
 from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
 from megatron_video.layouts import BalancedSPLayout
+from megatron_video.testing import masks as mask_oracles
+from megatron_video.testing.oracles import max_rel_error as max_err
+from megatron_video.testing.oracles import output_and_grads as grads
+from megatron_video.testing.oracles import random_qkv
+from megatron_video.testing.oracles import softmax_attention as oracle
 
 F64, F32 = torch.float64, torch.float32
 CU = [0, 5, 13, 14, 30, 41]  # packed documents; tokens past 41 are padding
 
 
+MASK_PARAMS = dict(block=6, cu=CU, window=9, inner_block=4)
+
+
 def allowed(kind, q, k):
     """Bool [len q, len k] from first principles on global ids ``q``, ``k`` (1-D LongTensors)."""
-    Q, K = q[:, None], k[None, :]
-    if kind == "full":
-        return torch.ones(len(q), len(k), dtype=torch.bool)
-    if kind == "causal":
-        return K <= Q
-    if kind == "block_causal":
-        return K // 6 <= Q // 6
-    if kind in ("packed", "packed_causal", "packed_block"):
-        cu = torch.tensor(CU)
-        dq = torch.searchsorted(cu, q, right=True) - 1
-        dk = torch.searchsorted(cu, k, right=True) - 1
-        dq[q >= CU[-1]], dk[k >= CU[-1]] = -1, -2
-        a = dq[:, None] == dk[None, :]
-        if kind == "packed_causal":
-            a &= K <= Q
-        if kind == "packed_block":  # block_causal(4) on document-relative positions
-            rq, rk = q - cu[dq.clamp(min=0)], k - cu[dk.clamp(min=0)]
-            a &= rk[None, :] // 4 <= rq[:, None] // 4
-        return a
     if kind == "dead_rows":
+        Q, K = q[:, None], k[None, :]
         return (K <= Q) & (Q % 7 != 3)
-    if kind == "none":
-        return torch.zeros(len(q), len(k), dtype=torch.bool)
-    if kind == "window":
-        return (K <= Q) & (Q - K < 9)
-    raise KeyError(kind)
+    return mask_oracles.allowed(kind, q, k, **MASK_PARAMS)
 
 
 def make_mask(kind):
-    return {
-        "full": masks.full(), "causal": masks.causal(), "block_causal": masks.block_causal(6),
-        "packed": masks.packed(CU), "packed_causal": masks.packed(CU, inner=masks.causal()),
-        "packed_block": masks.packed(CU, inner=masks.block_causal(4)),
-        "dead_rows": masks.predicate(lambda q, k: (k <= q) & (q % 7 != 3)),
-        "none": masks.predicate(lambda q, k: torch.zeros(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool)),
-        "window": masks.predicate(lambda q, k: (k <= q) & (q - k < 9)),
-    }[kind]
-
-
-def oracle(q, k, v, allow, scale):
-    """Explicit float64 softmax attention; rows without a visible key give exact zeros."""
-    h, hk = q.shape[2], k.shape[2]
-    k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    dead = ~allow.any(-1)
-    s = s.masked_fill(~allow, float("-inf")).masked_fill(dead[:, None], 0.0)
-    p = torch.softmax(s, dim=-1) * (~dead)[:, None].to(s.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
-
-
-def grads(fn, q, k, v, dout):
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = fn(q, k, v)
-    (out * dout.to(out.dtype)).sum().backward()
-    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+    if kind == "dead_rows":
+        return masks.predicate(lambda q, k: (k <= q) & (q % 7 != 3))
+    return mask_oracles.mask_for(kind, **MASK_PARAMS)
 
 
 def inputs(b, sq, sk, h, hk, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
-    return r(b, sq, h, d), r(b, sk, hk, d), r(b, sk, hk, d), r(b, sq, h, d)
-
-
-def max_err(got, ref):
-    return max(float((g - r).abs().max() / max(1.0, float(r.abs().max()))) for g, r in zip(got, ref))
+    return random_qkv(b, sq, h, hk, d, seed, sk=sk)
 
 
 KINDS = ["full", "causal", "block_causal", "packed", "packed_causal", "packed_block", "dead_rows", "none",

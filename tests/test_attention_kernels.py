@@ -1,24 +1,17 @@
 """Local kernels with LSE: math / CPU flash (sdpa) / flex against an explicit float64 oracle,
 the per-block backward with global out and lse (the ring identity), GQA, dead rows, errors."""
+import functools
+
 import pytest
 import torch
 
 from megatron_video.attention import attention_backward, attention_forward, dist_attention, local_attention
 from megatron_video.attention import kernels, masks
+from megatron_video.testing.oracles import softmax_attention
 
 
-def oracle(q, k, v, allow, scale):
-    """float64 explicit softmax; returns (out, lse); rows without keys give 0 and -inf."""
-    h = q.shape[2]
-    k = k.double().repeat_interleave(h // k.shape[2], dim=2)
-    v = v.double().repeat_interleave(h // v.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) * scale
-    if allow is not None:
-        s = s.masked_fill(~allow, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    dead = torch.isneginf(lse)
-    p = torch.softmax(s.masked_fill(dead[..., None], 0.0), -1) * (~dead)[..., None]
-    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+# float64 explicit softmax; returns (out, lse); rows without keys give 0 and -inf
+oracle = functools.partial(softmax_attention, return_lse=True)
 
 
 def inputs(b=2, sq=7, sk=9, h=4, hk=2, d=8, dtype=torch.float64, seed=0):

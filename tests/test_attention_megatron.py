@@ -11,6 +11,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_video.attention.megatron import DistAttention2D
 from megatron_video.models import specs
+from megatron_video.testing.oracles import softmax_attention
+from megatron_video.testing.parallel import model_parallel
 
 
 # ------------------------------------------------------------------------------------------
@@ -86,23 +88,6 @@ def test_adapter_rejects_unsupported_config(change, kwargs, frag):
     assert frag in str(e.value)
 
 
-def _explicit_attention(q, k, v, allow, scale):
-    """Float64 softmax attention written out: q [s, h, d], k/v [s, h_kv, d] (query head i uses kv
-    head i // (h / h_kv)), allow [s, s] bool; rows without keys give zeros."""
-    s, h, d = q.shape
-    rep = h // k.shape[1]
-    out = torch.zeros(s, h, d, dtype=torch.float64)
-    for hi in range(h):
-        kh, vh = k[:, hi // rep].double(), v[:, hi // rep].double()
-        scores = (q[:, hi].double() @ kh.T) * scale
-        scores = scores.masked_fill(~allow, float("-inf"))
-        live = allow.any(dim=1)
-        p = torch.zeros_like(scores)
-        p[live] = torch.softmax(scores[live], dim=-1)
-        out[:, hi] = p @ vh
-    return out
-
-
 def test_adapter_single_process_matches_megatron_layout():
     """CP = 1 without groups: [s, b, h, d] in, [s, b, h*d] out, equal to explicit float64 causal
     attention (GQA, custom softmax scale), and THD packed documents likewise."""
@@ -116,7 +101,7 @@ def test_adapter_single_process_matches_megatron_layout():
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     assert out.shape == (6, 2, 64)
     for b in range(2):
-        ref = _explicit_attention(q[:, b], k[:, b], v[:, b], causal, 0.2)
+        ref = softmax_attention(q[None, :, b], k[None, :, b], v[None, :, b], causal, 0.2)[0]
         torch.testing.assert_close(out[:, b].double(), ref.reshape(6, 64), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="attention_bias .* is not supported"):
         m(q, k, v, None, attention_bias=torch.zeros(1))
@@ -128,22 +113,11 @@ def test_adapter_single_process_matches_megatron_layout():
     out = m(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=thd)
     doc = torch.tensor([0, 0, 1, 1, 1, 1])
     allow = (doc[:, None] == doc[None, :]) & causal
-    ref = _explicit_attention(q[:, 0], k[:, 0], v[:, 0], allow, 0.2)
+    ref = softmax_attention(q[None, :, 0], k[None, :, 0], v[None, :, 0], allow, 0.2)[0]
     assert out.shape == (6, 64)
     torch.testing.assert_close(out.double(), ref.reshape(6, 64), rtol=1e-5, atol=1e-5)
 
 
-
-
-def _oracle(q, k, v, allow, scale):
-    """float64 explicit softmax attention on Megatron's [s, b, h, d] (GQA by head repeat)."""
-    q, k, v = (x.double() for x in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
-    scores = scores.masked_fill(~allow, float("-inf"))
-    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), v)
-    return out.reshape(out.shape[0], out.shape[1], -1)
 
 
 def test_apply_query_key_layer_scaling_is_exact_like_megatron():
@@ -167,7 +141,7 @@ def test_apply_query_key_layer_scaling_is_exact_like_megatron():
     k = torch.randn(8, 2, 2, 16, generator=g, requires_grad=True)
     v = torch.randn(8, 2, 2, 16, generator=g, requires_grad=True)
     allow = torch.ones(8, 8, dtype=torch.bool).tril()
-    ref = _oracle(q, k, v, allow, 16 ** -0.5)
+    ref = softmax_attention(q, k, v, allow, 16 ** -0.5, layout="sbhd")
     ours = DistAttention2D(cfg, 3, AttnMaskType.causal, "self")
     out = ours(q, k, v, None)
     assert (out.double() - ref).abs().max() < 1e-5
@@ -234,13 +208,11 @@ def _gpt_run(cp, ulysses_size, spec_name):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
     from megatron_video.compat.megatron_api import cpu_transformer_config_kwargs
     from megatron_video.layouts import global_token_ids, shard_sequence
-    from megatron_video.parallel import all_reduce, destroy_video_parallel, init_video_parallel
+    from megatron_video.parallel import all_reduce, init_video_parallel
 
-    initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=cp)
-    try:
+    with model_parallel(tp=2, cp=cp):
         groups = init_video_parallel(ulysses_size, ranks_per_node=dist.get_world_size()) if cp > 1 else None
         model_parallel_cuda_manual_seed(123)
         torch.manual_seed(123)
@@ -282,9 +254,6 @@ def _gpt_run(cp, ulysses_size, spec_name):
                 p.grad = p.main_grad.clone()
             opt.step()
         return ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_world_size(), losses, grads
-    finally:
-        destroy_video_parallel()
-        destroy_model_parallel()
 
 
 def _gpt_cases():

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_models_parallel import tiny_config
+from megatron_video.testing.configs import tiny_config
+from megatron_video.testing.parallel import video_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -327,32 +328,29 @@ TENSORS = {
 }
 
 
-def _tensor_rows():
+def _tensor_row(name):
     import torch.distributed as dist
 
     from megatron_video.attention import dist_attention, masks
-    from megatron_video.compat import initialize_model_parallel
-    from megatron_video.parallel.topology import init_video_parallel
 
-    initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
-    groups = init_video_parallel(2, 2)
-    out = {}
-    for name, (make, kw, param) in TENSORS.items():
+    make, kw, _ = TENSORS[name]
+    with video_parallel(2, 2) as groups:
         q, k, v = make(dist.get_rank())
         try:
             dist_attention(q, k, v, groups, mask=masks.causal(), scheme="zigzag", **kw)
-            out[name] = None
+            out = None
         except ValueError as e:
-            out[name] = str(e)
+            out = str(e)
         dist.barrier()
     return out
 
 
-def test_bad_tensor_inputs(pool4):
-    for rank, out in enumerate(pool4.run(_tensor_rows)):
-        for name, (_, _, param) in TENSORS.items():
-            assert out[name] is not None, f"{name}: no ValueError on rank {rank}"
-            assert param in out[name], f"{name} on rank {rank}: {out[name]}"
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_bad_tensor_inputs(pool4, name):
+    param = TENSORS[name][2]
+    for rank, out in enumerate(pool4.run(_tensor_row, name)):
+        assert out is not None, f"{name}: no ValueError on rank {rank}"
+        assert param in out, f"{name} on rank {rank}: {out}"
 
 
 # ---------------------------------------------------------------------------------------------

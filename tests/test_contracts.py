@@ -16,6 +16,9 @@ import torch.distributed as dist
 from megatron_video.attention import dist_attention, masks
 from megatron_video.layouts import (BalancedSPLayout, global_token_ids, halo_windows, shard_sequence,
                                     unshard_sequence)
+from megatron_video.testing.masks import allowed, mask_for, teacher_forcing_oracle, tile_status_oracle
+from megatron_video.testing.oracles import softmax_attention
+from megatron_video.testing.parallel import model_parallel, video_parallel
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
@@ -23,49 +26,18 @@ F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 # ------------------------------------------------------------------------------------------
 # Attention oracle and masks from their definitions
 # ------------------------------------------------------------------------------------------
+def _params(kind, extra):
+    """The mask parameter ``extra`` as ``testing.masks`` keywords."""
+    return {"block_causal": dict(block=extra), "packed": dict(cu=extra), "packed_causal": dict(cu=extra),
+            "window": dict(window=extra)}.get(kind, {})
+
+
 def _allowed(kind, S, extra):
-    q, k = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    if kind == "full":
-        return torch.ones(S, S, dtype=torch.bool)
-    if kind == "causal":
-        return k <= q
-    if kind == "block_causal":
-        return k // extra <= q // extra
-    if kind in ("packed", "packed_causal"):
-        doc = torch.full((S,), -1)
-        for i in range(len(extra) - 1):
-            doc[extra[i]:extra[i + 1]] = i
-        a = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
-        return a & (k <= q) if kind == "packed_causal" else a
-    if kind == "window":  # causal sliding window of `extra` tokens
-        return (k <= q) & (q - k < extra)
-    raise KeyError(kind)
+    return allowed(kind, S, **_params(kind, extra))
 
 
 def _mask(kind, extra):
-    if kind == "full":
-        return masks.full()
-    if kind == "causal":
-        return masks.causal()
-    if kind == "block_causal":
-        return masks.block_causal(extra)
-    if kind == "packed":
-        return masks.packed(extra)
-    if kind == "packed_causal":
-        return masks.packed(extra, inner=masks.causal())
-    if kind == "window":
-        return masks.predicate(lambda q, k: (k <= q) & (q - k < extra))
-    raise KeyError(kind)
-
-
-def _oracle(q, k, v, allow, scale):
-    h, hk = q.shape[2], k.shape[2]
-    k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    dead = ~allow.any(-1)
-    s = s.masked_fill(~allow, float("-inf")).masked_fill(dead[:, None], 0.0)
-    p = torch.softmax(s, dim=-1) * (~dead)[:, None].to(s.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return mask_for(kind, **_params(kind, extra))
 
 
 def _case_errors(groups, case, seed):
@@ -74,7 +46,7 @@ def _case_errors(groups, case, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(b, S, n, d, generator=g, dtype=F64) for n in (h, hk, hk, h))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = _oracle(*ref_in, _allowed(kind, S, extra), scale if scale is not None else d ** -0.5)
+    ref = softmax_attention(*ref_in, _allowed(kind, S, extra), scale if scale is not None else d ** -0.5)
     (ref * do).sum().backward()
     refs = [ref.detach()] + [x.grad for x in ref_in]
     shard = lambda x: shard_sequence(x, groups, dim=1, scheme=scheme)  # noqa: E731
@@ -90,25 +62,6 @@ def _case_errors(groups, case, seed):
     assert not any(bool(torch.isnan(x).any()) for x in got), case
     return [float((a.double() - shard(r)).abs().max() / max(1.0, float(r.abs().max())))
             for a, r in zip(got, refs)]
-
-
-def _setup(tp, U, R, placement, hier, rpn, pp=1):
-    from megatron_video.compat import initialize_model_parallel
-    from megatron_video.parallel import init_video_parallel
-
-    kw = dict(tensor_model_parallel_size=tp, context_parallel_size=U * R, pipeline_model_parallel_size=pp)
-    if hier:
-        kw["hierarchical_context_parallel_sizes"] = [U, R] if placement == "ulysses_inner" else [R, U]
-    initialize_model_parallel(**kw)
-    return init_video_parallel(U, R, ranks_per_node=rpn, placement=placement)
-
-
-def _teardown():
-    from megatron_video.compat import destroy_model_parallel
-    from megatron_video.parallel import destroy_video_parallel
-
-    destroy_video_parallel()
-    destroy_model_parallel()
 
 
 def _C(kind, extra, scheme, pass_scheme, b, S, h, hk, d, dtype=F64, scale=None):
@@ -150,19 +103,17 @@ ATTENTION_PLAN = [
 ]
 
 
-def _attention_contract(plan):
+def _attention_contract(i, cfg, cases):
+    """The cases of plan entry ``i`` (seeds ``100 i + j``); entry 0 also checks the errors."""
     from megatron_video.parallel import CommTracer
 
+    tp, U, R, placement, hier, rpn, pp = cfg
     results, errors = [], []
-    for i, (cfg, cases) in enumerate(plan):
-        groups = _setup(*cfg)
-        try:
-            for j, case in enumerate(cases):
-                results.append((cfg, case, _case_errors(groups, case, seed=100 * i + j)))
-            if i == 0:
-                errors = _error_contract(groups, CommTracer)
-        finally:
-            _teardown()
+    with video_parallel(U, R, placement, tp=tp, pp=pp, hierarchical=hier, ranks_per_node=rpn) as groups:
+        for j, case in enumerate(cases):
+            results.append((cfg, case, _case_errors(groups, case, seed=100 * i + j)))
+        if i == 0:
+            errors = _error_contract(groups, CommTracer)
     return results, errors
 
 
@@ -185,12 +136,23 @@ def _error_contract(groups, CommTracer):
     return out
 
 
-def test_dist_attention_contract_unlisted_configs(pool8):
-    for rank, (results, errors) in enumerate(pool8.run(_attention_contract, ATTENTION_PLAN)):
+def _plan_id(entry):
+    tp, U, R, placement, _, rpn, pp = entry[0]
+    return f"tp{tp}-pp{pp}-u{U}xr{R}-{placement}-rpn{rpn}"
+
+
+@pytest.mark.parametrize("i", range(len(ATTENTION_PLAN)), ids=[_plan_id(e) for e in ATTENTION_PLAN])
+def test_dist_attention_contract_unlisted_configs(pool8, i):
+    for rank, (results, errors) in enumerate(pool8.run(_attention_contract, i, *ATTENTION_PLAN[i])):
+        bad = []
         for cfg, case, errs in results:
             dtype = case[9]
             tol = 2.5e-2 if dtype == BF16 else (1e-5 if dtype == F32 else 1e-10)
-            assert max(errs) < tol, f"rank {rank} {cfg} {case}: (out, dq, dk, dv) errors {errs}"
+            if not max(errs) < tol:
+                bad.append(f"rank {rank} {cfg} {case}: (out, dq, dk, dv) errors {errs}")
+        assert not bad, "\n".join(bad)
+        if i != 0:
+            continue
         (msg0, ev0), (msg1, ev1), full = errors
         assert "scheme (None) must be given" in msg0 and ev0 == 0, (msg0, ev0)
         assert "bool tensor" in msg1 and ev1 == 0, (msg1, ev1)
@@ -205,7 +167,7 @@ def test_dist_attention_single_rank_any_length():
     for kind, extra, kw in [("causal", None, {}), ("causal", None, dict(scheme="zigzag")),
                             ("block_causal", 3, {}), ("full", None, dict(scheme="zigzag"))]:
         out = dist_attention(q, k, v, None, mask=_mask(kind, extra), **kw)
-        ref = _oracle(q, k, v, _allowed(kind, 7, extra), 24 ** -0.5)
+        ref = softmax_attention(q, k, v, _allowed(kind, 7, extra), 24 ** -0.5)
         assert (out - ref).abs().max() < 1e-12, (kind, kw)
 
 
@@ -266,27 +228,21 @@ def _expected_topology(world, tp, pp, U, R, placement):
     return exp
 
 
-def _topology_and_ring(configs):
+def _topology(tp, pp, U, R, placement, hier, rpn):
+    from megatron_video.parallel import init_video_parallel
+
+    with model_parallel(tp=tp, pp=pp, cp=U * R, hierarchical_cp=hier):
+        g = init_video_parallel(U, R, ranks_per_node=rpn, placement=placement)
+        s = torch.ones(1)
+        dist.all_reduce(s, group=g.ulysses_group)
+        return dict(ulysses=g.ulysses_ranks, ring=g.ring_ranks, cp=g.cp_ranks, u=g.ulysses_rank,
+                    r=g.ring_rank, c=g.cp_rank, dp=dist.get_process_group_ranks(g.dp_group),
+                    usum=int(s.item()))
+
+
+def _ring_and_dims():
     from megatron_video.parallel import RingExchange, ring_shift
 
-    out = []
-    for tp, pp, U, R, placement, hier, rpn in configs:
-        kw = dict(tensor_model_parallel_size=tp, context_parallel_size=U * R, pipeline_model_parallel_size=pp)
-        if hier:
-            kw["hierarchical_context_parallel_sizes"] = hier
-        from megatron_video.compat import initialize_model_parallel
-        from megatron_video.parallel import init_video_parallel
-
-        initialize_model_parallel(**kw)
-        try:
-            g = init_video_parallel(U, R, ranks_per_node=rpn, placement=placement)
-            s = torch.ones(1)
-            dist.all_reduce(s, group=g.ulysses_group)
-            out.append(dict(ulysses=g.ulysses_ranks, ring=g.ring_ranks, cp=g.cp_ranks, u=g.ulysses_rank,
-                            r=g.ring_rank, c=g.cp_rank, dp=dist.get_process_group_ranks(g.dp_group),
-                            usum=int(s.item())))
-        finally:
-            _teardown()
     # a whole turn (or a ring of one) is a local copy: no self-send, which gloo cannot do
     world, me = dist.get_world_size(), dist.get_rank()
     everyone = dist.new_group(list(range(world)))
@@ -308,19 +264,26 @@ def _topology_and_ring(configs):
             dims.append(tuple(all_to_all(torch.zeros(8, 8), everyone, sd, gd).shape))
         except ValueError as e:
             dims.append(str(e))
-    return out, ring, dims
+    return ring, dims
 
 
-def test_topology_with_pipeline_and_data_parallel_and_ring_full_turn(pool8):
-    per_rank = pool8.run(_topology_and_ring, TOPO8)
-    for i, (tp, pp, U, R, placement, hier, rpn) in enumerate(TOPO8):
-        exp = _expected_topology(8, tp, pp, U, R, placement)
-        for rank, (topo, _, _) in enumerate(per_rank):
-            got = topo[i]
-            assert got["usum"] == U
-            for key, val in exp[rank].items():
-                assert got[key] == val, (TOPO8[i], rank, key, got[key], val)
-    for rank, (_, ring, dims) in enumerate(per_rank):
+def _topo_id(c):
+    tp, pp, U, R, placement, hier, rpn = c
+    return f"tp{tp}-pp{pp}-u{U}xr{R}-{placement}-{'hier' if hier else 'flat'}-rpn{rpn}"
+
+
+@pytest.mark.parametrize("i", range(len(TOPO8)), ids=[_topo_id(c) for c in TOPO8])
+def test_topology_with_pipeline_and_data_parallel(pool8, i):
+    tp, pp, U, R, placement, hier, rpn = TOPO8[i]
+    exp = _expected_topology(8, tp, pp, U, R, placement)
+    for rank, got in enumerate(pool8.run(_topology, *TOPO8[i])):
+        assert got["usum"] == U
+        for key, val in exp[rank].items():
+            assert got[key] == val, (TOPO8[i], rank, key, got[key], val)
+
+
+def test_ring_full_turn_and_dim_checks(pool8):
+    for rank, (ring, dims) in enumerate(pool8.run(_ring_and_dims)):
         assert "scatter_dim (2) must be an integer in [-2, 2)" in dims[0], dims
         assert "gather_dim (-3)" in dims[1] and dims[2] == (64, 1), dims
         for shift, a, b, y, grad in ring[:4]:
@@ -348,20 +311,12 @@ def test_balanced_sp_first_principles(F, S, nb, P):
     assert L.attention_order_global_ids().tolist() == order  # rank-major, no permutation
     assert L.loss_tokens_per_rank() == [Fp * S] * P and L.num_loss_tokens == F * S
 
-    def allow(a, b):
-        (sa, fa), (sb, fb) = divmod(a, F * S), divmod(b, F * S)
-        ba, bb = fa // S // nb, fb // S // nb
-        return ((sa, sb) == (0, 0) and bb <= ba) or ((sa, sb) == (1, 0) and bb < ba) or \
-            ((sa, sb) == (1, 1) and bb == ba)
-    M = torch.tensor([[allow(a, b) for b in order] for a in order])
+    M = teacher_forcing_oracle(F, S, nb)[order][:, order]
     assert torch.equal(L.teacher_forcing_mask(), M)
     ut = nb * S
     assert torch.equal(L.block_mask(), M[::ut, ::ut])
-    N = 2 * F * S
     for bq, bk in [(1, 1), (3, 5), (ut + 1, 2 * ut)]:
-        exp = [[2 if M[i:i + bq, j:j + bk].all() else int(bool(M[i:i + bq, j:j + bk].any()))
-                for j in range(0, N, bk)] for i in range(0, N, bq)]
-        assert L.block_status(bq, bk).tolist() == exp
+        assert L.block_status(bq, bk).tolist() == tile_status_oracle(M, bq, bk).tolist()
 
 
 def test_halo_windows_by_hand():

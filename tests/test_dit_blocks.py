@@ -1,4 +1,5 @@
 """Shared DiT blocks on one process against explicit float64 formulas."""
+import functools
 import math
 import socket
 
@@ -8,32 +9,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_video.models import dit_blocks as B
+from megatron_video.testing.oracles import softmax_attention
+from megatron_video.testing.parallel import model_parallel
 
 D, H, HD = 24, 4, 6
 
 
 @pytest.fixture(scope="module")
 def megatron_tp1():
-    """One-process gloo group + Megatron parallel state (TP = 1), torn down if created here."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_video.compat import ensure_cpu_mode, initialize_model_parallel
-
-    ensure_cpu_mode()
+    """One-process gloo group (torn down if created here) + Megatron parallel state (TP = 1)."""
     created_pg = not dist.is_initialized()
     if created_pg:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    created_ps = not ps.model_parallel_is_initialized()
-    if created_ps:
-        initialize_model_parallel(tensor_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(0)
-    yield
-    if created_ps:
-        ps.destroy_model_parallel()
+    with model_parallel(tp=1, seed=0):
+        yield
     if created_pg:
         dist.destroy_process_group()
 
@@ -50,13 +42,8 @@ def _config(hkv=H, **kw):
         params_dtype=torch.float64, **kw)
 
 
-def _softmax_attention(q, k, v, mask=None):
-    g = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
+# explicit softmax attention in the inputs' dtype; mask (True = attend) broadcasts to [B, H, S, Sk]
+_softmax_attention = functools.partial(softmax_attention, dtype=None)
 
 
 def _randomise(module, seed=0):

@@ -140,7 +140,7 @@ DP2_CP2 = dict(context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_n
 def _trainer_resume(tmp, ds):
     import warnings
 
-    from test_models_parallel import tiny_config
+    from megatron_video.testing.configs import tiny_config
 
     from megatron_video.training.trainer import Trainer
 
@@ -173,7 +173,7 @@ def _trainer_resume(tmp, ds):
 
 
 def test_trainer_checkpoint_resumes_energon_order(pool4, tmp_path_factory):
-    from test_models_parallel import tiny_config
+    from megatron_video.testing.configs import tiny_config
 
     from megatron_video.training.vae_stage import ensure_vae
 

@@ -101,32 +101,40 @@ def _explicit_ring_inner():
     return init_video_parallel(2, 2, placement="ring_inner", ranks_per_node=dist.get_world_size())
 
 
-def _all_cases():
-    out = {"ref_tp1": _job(1, 1, None, None, use_2d=False),
-           "ref_tp2": _job(2, 1, None, None, use_2d=False)}
-    for name, args in CASES.items():
-        out[name] = _job(*args)
-    # explicit control still works: groups from init_video_parallel, placement ring_inner
-    out["explicit_ring_inner"] = _job(1, 4, None, None, explicit_groups=_explicit_ring_inner)
-    return out
+def _references():
+    return {"ref_tp1": _job(1, 1, None, None, use_2d=False),
+            "ref_tp2": _job(2, 1, None, None, use_2d=False)}
 
 
-def test_stock_megatron_job_with_2d_spec_matches_cp1(pool8):
-    per_rank = pool8.run(_all_cases)
-    for rank, res in enumerate(per_rank):
-        for name in list(CASES) + ["explicit_ring_inner"]:
-            tp = CASES.get(name, (1,))[0]
-            tp_rank, ref_losses, ref_grads = res[f"ref_tp{tp}"]
-            assert ref_losses[1] < ref_losses[0]  # it trains
-            got_tp_rank, losses, grads = res[name]
-            assert got_tp_rank == tp_rank
-            assert losses.pop() == EXPECTED_UR[name], (name, losses)
-            err = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            assert err < 1e-5, (rank, name, losses, ref_losses)
-            assert grads.keys() == ref_grads.keys()
-            for n, g in grads.items():
-                rel = float((g - ref_grads[n]).abs().max() / max(1e-3, float(ref_grads[n].abs().max())))
-                assert rel < 1e-4, (rank, name, n, rel)
+def _case(name):
+    if name == "explicit_ring_inner":
+        # explicit control still works: groups from init_video_parallel, placement ring_inner
+        return _job(1, 4, None, None, explicit_groups=_explicit_ring_inner)
+    return _job(*CASES[name])
+
+
+@pytest.fixture(scope="module")
+def references(pool8):
+    """Per rank: the CP = 1 runs of Megatron's own local spec at TP 1 and TP 2."""
+    return pool8.run(_references)
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["explicit_ring_inner"])
+def test_stock_megatron_job_with_2d_spec_matches_cp1(pool8, references, name):
+    per_rank = pool8.run(_case, name)
+    for rank, (refs, got) in enumerate(zip(references, per_rank)):
+        tp = CASES.get(name, (1,))[0]
+        tp_rank, ref_losses, ref_grads = refs[f"ref_tp{tp}"]
+        assert ref_losses[1] < ref_losses[0]  # it trains
+        got_tp_rank, losses, grads = got
+        assert got_tp_rank == tp_rank
+        assert losses.pop() == EXPECTED_UR[name], (name, losses)
+        err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        assert err < 1e-5, (rank, name, losses, ref_losses)
+        assert grads.keys() == ref_grads.keys()
+        for n, g in grads.items():
+            rel = float((g - ref_grads[n]).abs().max() / max(1e-3, float(ref_grads[n].abs().max())))
+            assert rel < 1e-4, (rank, name, n, rel)
 
 
 def _bad_setups():

@@ -282,9 +282,9 @@ def _check(per_rank, cases, data_names):
 DATA = ["unpacked", "packed", "text_only"]
 
 
-def test_exact_vs_single_process_two_nodes(pool4):
-    cases = ["u2xr2", "r4", "tp2xcp2"]
-    _check(pool4.run(_run, cases, DATA), cases, DATA)
+@pytest.mark.parametrize("case", ["u2xr2", "r4", "tp2xcp2"])
+def test_exact_vs_single_process_two_nodes(pool4, case):
+    _check(pool4.run(_run, [case], DATA), [case], DATA)
 
 
 def test_exact_vs_single_process_ulysses4(pool4):

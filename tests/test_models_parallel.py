@@ -23,30 +23,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from megatron_video.training.config import Config, config_from_dict
+from megatron_video.testing.configs import tiny_config
 from megatron_video.training.families import family_names, get_family
 
 # the video-generation families (VAE latents, diffusion objectives, CP sampling); the
 # vision-language family video_llava has its own exactness tests (tests/test_mmsp.py)
 FAMILIES = tuple(f for f in family_names() if get_family(f).needs_vae)
-
-
-def tiny_config(family: str, tmp: str, **parallel) -> Config:
-    """A tiny job: 13 raw frames (4 latent frames) of 16x16 (2x2 latent), 2 layers of width 48."""
-    model = dict(family=family, num_layers=2, hidden_size=48, num_attention_heads=4, lora_rank=8,
-                 patch_size=[1, 1, 1], frames_per_block=1)
-    if family == "stdit":
-        model.update(stdit_full_attention_layers=[1])
-    return config_from_dict(dict(
-        model=model,
-        parallel=dict(parallel),
-        data=dict(num_frames=13, height=16, width=16, num_samples=64),
-        vae=dict(base_channels=4, train_steps=1, batch_size=1, cache_dir=f"{tmp}/cache"),
-        diffusion=dict(cfg_dropout=0.5, sample_steps=3),
-        train=dict(steps=2, micro_batch_size=1, global_batch_size=4, lr=1e-3, warmup_steps=0,
-                   sample=False, progress=False, tensorboard=False, save=False, resume=False),
-        output=f"{tmp}/run",
-    ))
 
 
 CASES = {

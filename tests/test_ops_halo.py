@@ -6,47 +6,12 @@ from hypothesis import strategies as st
 
 from megatron_video.ops import (halo_gather, halo_gather_packed, halo_gather_reference, halo_scatter,
                                 halo_scatter_reference)
-from megatron_video.layouts.vae_halo import window_tensors, windows_for_bounds
+from megatron_video.testing.strategies import DTYPES, LAYOUTS, bits, halo_case
+from megatron_video.testing.strategies import halo_windows as _halo_windows
 
-from _ops_helpers import extension  # noqa: F401  (module-scoped autouse fixture)
+pytestmark = pytest.mark.usefixtures("extension")
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-LAYOUTS = ["bcthw", "btchw"]
 SETTINGS = settings(max_examples=12, deadline=None, database=None)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-width integer view, so equality is bitwise (distinguishes -0.0, NaN payloads)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(ints[t.element_size()])
-
-
-def _halo_windows(latent_bounds, halo):
-    """``[P, 2]`` raw windows and ``[P]`` drops of the one window rule (layouts.vae_halo), stride
-    4."""
-    return window_tensors(windows_for_bounds(latent_bounds, halo))
-
-
-def random_bounds(draw, num_ranks: int):
-    """Ragged per-rank latent ranges [ls, le) covering [0, F)."""
-    sizes = draw(st.lists(st.integers(1, 3), min_size=num_ranks, max_size=num_ranks))
-    ends = torch.tensor(sizes).cumsum(0).tolist()
-    return [(e - s, e) for s, e in zip(sizes, ends)]
-
-
-@st.composite
-def halo_case(draw, layout, dtype, device="cpu"):
-    P = draw(st.sampled_from([1, 2, 4, 8]))
-    bounds = random_bounds(draw, P)
-    halo = draw(st.integers(0, 3))
-    B, C = draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    H, W = draw(st.integers(1, 4)), draw(st.integers(1, 5))
-    T = 1 + 4 * (bounds[-1][1] - 1)
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    shape = (B, C, T, H, W) if layout == "bcthw" else (B, T, C, H, W)
-    video = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(device)
-    windows, drop = _halo_windows(bounds, halo)
-    return video, windows, drop, bounds, halo
 
 
 def window_of(video, layout, s, e):

@@ -3,116 +3,20 @@ rules written out pair by pair; the FlexAttention BlockMask equals the dense mas
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from megatron_video.ops import (RULES, TokenIds, block_mask_status, block_mask_status_reference,
                                 dense_mask, dense_mask_reference, flex_block_fields, flex_block_mask,
                                 lower_triangle)
 
-from _ops_helpers import extension, rank_major_teacher_forcing_ids  # noqa: F401  (autouse fixture)
+from megatron_video.testing.masks import dense_rule_oracle as dense_oracle
+from megatron_video.testing.masks import rank_major_teacher_forcing_ids
+from megatron_video.testing.masks import tile_status_oracle as status_oracle
+from megatron_video.testing.strategies import mask_case
+
+pytestmark = pytest.mark.usefixtures("extension")
 
 SETTINGS = settings(max_examples=40, deadline=None, database=None)
-
-
-# ---------------------------------------------------------------------------------------------
-# oracles: the rules of ops/rules.py written out for one pair, and tiles by enumeration
-# ---------------------------------------------------------------------------------------------
-def rule_oracle(rule, same_doc, q, k):
-    if same_doc and q["doc"] != k["doc"]:
-        return False
-    if rule == "causal":
-        return k["pos"] <= q["pos"]
-    if rule == "block_causal":
-        return k["block"] <= q["block"]
-    if rule == "teacher_forcing":
-        pair = (q["side"], k["side"])
-        if pair == (0, 0):
-            return k["block"] <= q["block"]
-        if pair == (1, 0):
-            return k["block"] < q["block"]
-        if pair == (1, 1):
-            return k["block"] == q["block"]
-        return False  # clean -> noisy
-    return True
-
-
-def tokens(ids: TokenIds):
-    given_ = {name: t.tolist() for name, t in ids.present().items()}
-    n = len(next(iter(given_.values())))
-    return [{name: v[i] for name, v in given_.items()} for i in range(n)]
-
-
-def dense_oracle(q, k, rule):
-    same_doc = q.doc is not None
-    return torch.tensor([[rule_oracle(rule, same_doc, a, b) for b in tokens(k)] for a in tokens(q)],
-                        dtype=torch.bool).reshape(len(tokens(q)), len(tokens(k)))
-
-
-def status_oracle(mask, qb, kb):
-    nq, nk = -(-mask.shape[0] // qb), -(-mask.shape[1] // kb)
-    out = torch.zeros(nq, nk, dtype=torch.uint8)
-    for i in range(nq):
-        for j in range(nk):
-            tile = mask[i * qb:(i + 1) * qb, j * kb:(j + 1) * kb]
-            out[i, j] = 2 if bool(tile.all()) else (1 if bool(tile.any()) else 0)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# strategies: random ids in any order, and the structured orders the models use
-# ---------------------------------------------------------------------------------------------
-@st.composite
-def random_ids(draw, length, with_doc):
-    def ints(lo, hi):
-        return draw(st.lists(st.integers(lo, hi), min_size=length, max_size=length))
-
-    doc = None
-    if with_doc:  # ragged documents, contiguous or interleaved
-        doc = torch.tensor(sorted(ints(0, 3)) if draw(st.booleans()) else ints(0, 3))
-    return TokenIds(side=torch.tensor(ints(0, 1)), block=torch.tensor(ints(0, 4)), doc=doc,
-                    pos=torch.tensor(ints(-2, 30)))
-
-
-@st.composite
-def structured_ids(draw, with_doc):
-    """Balanced-SP rank-major [c_0 n_0 c_1 n_1 ...] over F frames of S tokens, then reordered."""
-    P, nb = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 3))
-    F, S = P * draw(st.integers(1, 3)), draw(st.integers(1, 5))
-    side, frame = [], []
-    for r in range(P):
-        fr = [f for f in range(r * F // P, (r + 1) * F // P) for _ in range(S)]
-        side += [0] * len(fr) + [1] * len(fr)
-        frame += fr * 2
-    n = len(side)
-    order = draw(st.sampled_from(["rank_major", "reversed", "shuffled", "local"]))
-    perm = torch.arange(n)
-    if order == "reversed":
-        perm = perm.flip(0)
-    elif order == "shuffled":
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(draw(st.integers(0, 999))))
-    elif order == "local" and n > 1:  # swap a few neighbours: tiles near block edges become mixed
-        for i in draw(st.lists(st.integers(0, n - 2), max_size=6)):
-            perm[[i, i + 1]] = perm[[i + 1, i]]
-    doc = None
-    if with_doc:  # documents of ragged lengths in token order
-        cuts = sorted(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=3)))
-        doc = torch.bucketize(torch.arange(n), torch.tensor(cuts, dtype=torch.long), right=True)[perm]
-    ids = TokenIds.from_frames(torch.tensor(frame)[perm], nb, side=torch.tensor(side)[perm], doc=doc,
-                               pos=torch.arange(n))
-    return ids
-
-
-@st.composite
-def mask_case(draw):
-    rule = draw(st.sampled_from(sorted(RULES)))
-    with_doc = draw(st.booleans())
-    if draw(st.booleans()):
-        q = k = draw(structured_ids(with_doc))
-    else:
-        q = draw(random_ids(draw(st.integers(1, 30)), with_doc))
-        k = q if draw(st.booleans()) else draw(random_ids(draw(st.integers(1, 30)), with_doc))
-    return q, k, rule, draw(st.integers(1, 9)), draw(st.integers(1, 9))
 
 
 @SETTINGS

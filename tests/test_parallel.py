@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_video.parallel.topology import cp_index, local_groups
+from megatron_video.testing.parallel import model_parallel
 
 # ------------------------------------------------------------------------------------------
 # First-principles construction from Megatron's default rank order "tp-cp-ep-dp-pp":
@@ -46,47 +47,34 @@ def test_cp_index_and_local_groups_pure():
             assert idx == list(range(U * R))
 
 
-def _membership(configs):
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
-    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
-    from megatron.core import parallel_state as ps
+def _membership(tp, cp, U, placement, hier, rpn):
+    from megatron_video.parallel import init_video_parallel
 
-    out = []
-    for tp, cp, U, placement, hier, rpn in configs:
-        kw = dict(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        if hier:
-            kw["hierarchical_context_parallel_sizes"] = hier
-        initialize_model_parallel(**kw)
-        try:
-            g = init_video_parallel(U, ranks_per_node=rpn, placement=placement)
-            # a collective on each group proves the groups are real and consistent
-            x = torch.ones(1)
-            dist.all_reduce(x, group=g.ulysses_group)
-            y = torch.ones(1)
-            dist.all_reduce(y, group=g.ring_group)
-            out.append(dict(ulysses=g.ulysses_ranks, ring=g.ring_ranks, cp=g.cp_ranks, u=g.ulysses_rank,
-                            r=g.ring_rank, c=g.cp_rank, reused=g.reused_megatron_groups,
-                            usum=int(x.item()), rsum=int(y.item())))
-        finally:
-            destroy_video_parallel()
-            destroy_model_parallel()
-    return out
+    with model_parallel(tp=tp, cp=cp, hierarchical_cp=hier):
+        g = init_video_parallel(U, ranks_per_node=rpn, placement=placement)
+        # a collective on each group proves the groups are real and consistent
+        x = torch.ones(1)
+        dist.all_reduce(x, group=g.ulysses_group)
+        y = torch.ones(1)
+        dist.all_reduce(y, group=g.ring_group)
+        return dict(ulysses=g.ulysses_ranks, ring=g.ring_ranks, cp=g.cp_ranks, u=g.ulysses_rank,
+                    r=g.ring_rank, c=g.cp_rank, reused=g.reused_megatron_groups,
+                    usum=int(x.item()), rsum=int(y.item()))
 
 
-def _check_membership(results, configs, world):
-    for i, (tp, cp, U, placement, hier, rpn) in enumerate(configs):
-        exp_u, exp_r = expected_groups(world, tp, cp, U, placement)
-        R = cp // U
-        for rank, res in enumerate(results):
-            got = res[i]
-            assert got["ulysses"] == exp_u[rank], (configs[i], rank)
-            assert got["ring"] == exp_r[rank], (configs[i], rank)
-            assert got["usum"] == U and got["rsum"] == R
-            # this rank's indices are consistent with the CP index rule
-            assert got["c"] == cp_index(got["u"], got["r"], U, R, placement)
-            assert got["cp"][got["c"]] == rank
-            if hier and U > 1 and R > 1:
-                assert got["reused"], "Megatron's hierarchical CP groups must be reused, not duplicated"
+def _check_membership(results, config, world):
+    tp, cp, U, placement, hier, rpn = config
+    exp_u, exp_r = expected_groups(world, tp, cp, U, placement)
+    R = cp // U
+    for rank, got in enumerate(results):
+        assert got["ulysses"] == exp_u[rank], (config, rank)
+        assert got["ring"] == exp_r[rank], (config, rank)
+        assert got["usum"] == U and got["rsum"] == R
+        # this rank's indices are consistent with the CP index rule
+        assert got["c"] == cp_index(got["u"], got["r"], U, R, placement)
+        assert got["cp"][got["c"]] == rank
+        if hier and U > 1 and R > 1:
+            assert got["reused"], "Megatron's hierarchical CP groups must be reused, not duplicated"
 
 
 CONFIGS_4 = [
@@ -108,69 +96,76 @@ CONFIGS_8 = [
 ]
 
 
-def test_group_membership_world4(pool4):
-    _check_membership(pool4.run(_membership, CONFIGS_4), CONFIGS_4, 4)
+def _config_id(c):
+    tp, cp, U, placement, hier, rpn = c
+    return f"tp{tp}-cp{cp}-u{U}-{placement}-{'x'.join(map(str, hier)) if hier else 'flat'}-rpn{rpn}"
 
 
-def test_group_membership_world8(pool8):
-    _check_membership(pool8.run(_membership, CONFIGS_8), CONFIGS_8, 8)
+@pytest.mark.parametrize("config", CONFIGS_4, ids=_config_id)
+def test_group_membership_world4(pool4, config):
+    _check_membership(pool4.run(_membership, *config), config, 4)
 
 
-def _invalid_configs():
+@pytest.mark.parametrize("config", CONFIGS_8, ids=_config_id)
+def test_group_membership_world8(pool8, config):
+    _check_membership(pool8.run(_membership, *config), config, 8)
+
+
+INVALID_CASES = [
+    # (megatron kwargs, init_video_parallel kwargs, env, parameter the message must name)
+    (dict(context_parallel_size=4), dict(ulysses_size=3), {}, "ulysses_size"),
+    (dict(context_parallel_size=4), dict(ulysses_size=0), {}, "ulysses_size"),
+    (dict(context_parallel_size=4), dict(ulysses_size=True), {}, "ulysses_size"),
+    (dict(context_parallel_size=4), dict(ulysses_size=2, ring_size=3), {}, "ring_size"),
+    (dict(context_parallel_size=4), dict(ulysses_size=2, ring_size=0), {}, "ring_size"),
+    (dict(context_parallel_size=4), dict(ulysses_size=2, placement="bogus"), {}, "placement"),
+    (dict(context_parallel_size=4), dict(ulysses_size=2, ranks_per_node=3), {}, "ranks_per_node"),
+    (dict(context_parallel_size=4), dict(ulysses_size=2, ranks_per_node=0), {}, "ranks_per_node"),
+    (dict(context_parallel_size=4), dict(ulysses_size=2), {"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE"),
+    # Ulysses group across nodes: TP*U = 4 > 2 ranks per node
+    (dict(tensor_model_parallel_size=2, context_parallel_size=2), dict(ulysses_size=2, ranks_per_node=2),
+     {}, "ulysses_size"),
+    # ring-inner placement puts the a2a group across nodes when CP spans two nodes
+    (dict(context_parallel_size=4), dict(ulysses_size=2, placement="ring_inner", ranks_per_node=2), {},
+     "ulysses_size"),
+    # Megatron's hierarchical groups disagree with U x R
+    (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[4, 1]), dict(ulysses_size=2), {},
+     "hierarchical_context_parallel_sizes"),
+]
+
+
+def _invalid_config(mkw, vkw, env, name):
     from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
     from megatron_video.parallel import init_video_parallel
-    from megatron.core import parallel_state as ps
 
-    cases = [
-        # (megatron kwargs, init_video_parallel kwargs, env, parameter the message must name)
-        (dict(context_parallel_size=4), dict(ulysses_size=3), {}, "ulysses_size"),
-        (dict(context_parallel_size=4), dict(ulysses_size=0), {}, "ulysses_size"),
-        (dict(context_parallel_size=4), dict(ulysses_size=True), {}, "ulysses_size"),
-        (dict(context_parallel_size=4), dict(ulysses_size=2, ring_size=3), {}, "ring_size"),
-        (dict(context_parallel_size=4), dict(ulysses_size=2, ring_size=0), {}, "ring_size"),
-        (dict(context_parallel_size=4), dict(ulysses_size=2, placement="bogus"), {}, "placement"),
-        (dict(context_parallel_size=4), dict(ulysses_size=2, ranks_per_node=3), {}, "ranks_per_node"),
-        (dict(context_parallel_size=4), dict(ulysses_size=2, ranks_per_node=0), {}, "ranks_per_node"),
-        (dict(context_parallel_size=4), dict(ulysses_size=2), {"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE"),
-        # Ulysses group across nodes: TP*U = 4 > 2 ranks per node
-        (dict(tensor_model_parallel_size=2, context_parallel_size=2), dict(ulysses_size=2, ranks_per_node=2),
-         {}, "ulysses_size"),
-        # ring-inner placement puts the a2a group across nodes when CP spans two nodes
-        (dict(context_parallel_size=4), dict(ulysses_size=2, placement="ring_inner", ranks_per_node=2), {},
-         "ulysses_size"),
-        # Megatron's hierarchical groups disagree with U x R
-        (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[4, 1]), dict(ulysses_size=2), {},
-         "hierarchical_context_parallel_sizes"),
-    ]
-    messages = []
-    for mkw, vkw, env, name in cases:
-        initialize_model_parallel(**mkw)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            init_video_parallel(**vkw)
-            messages.append((name, None))
-        except ValueError as e:
-            messages.append((name, str(e)))
-        finally:
-            for k, v in saved.items():
-                os.environ[k] = v if v is not None else ""
-                if v is None:
-                    del os.environ[k]
-            destroy_model_parallel()
-    # after all the rejected configurations the group machinery still works
+    initialize_model_parallel(**mkw)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        init_video_parallel(**vkw)
+        message = (name, None)
+    except ValueError as e:
+        message = (name, str(e))
+    finally:
+        for k, v in saved.items():
+            os.environ[k] = v if v is not None else ""
+            if v is None:
+                del os.environ[k]
+        destroy_model_parallel()
+    # after the rejected configuration the group machinery still works
     initialize_model_parallel(context_parallel_size=4)
     g = init_video_parallel(2, ranks_per_node=4)
-    return messages, g.ulysses_size * g.ring_size
+    return message, g.ulysses_size * g.ring_size
 
 
-def test_invalid_configurations_raise_value_error_naming_parameter(pool4):
-    for messages, cp in pool4.run(_invalid_configs):
+@pytest.mark.parametrize("i", range(len(INVALID_CASES)),
+                         ids=[f"{c[3]}-{i}" for i, c in enumerate(INVALID_CASES)])
+def test_invalid_configurations_raise_value_error_naming_parameter(pool4, i):
+    assert len(INVALID_CASES) >= 8
+    for (name, msg), cp in pool4.run(_invalid_config, *INVALID_CASES[i]):
         assert cp == 4
-        assert len(messages) >= 8
-        for name, msg in messages:
-            assert msg is not None, f"expected ValueError naming {name}"
-            assert name in msg, (name, msg)
+        assert msg is not None, f"expected ValueError naming {name}"
+        assert name in msg, (name, msg)
 
 
 # ------------------------------------------------------------------------------------------

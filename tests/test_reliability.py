@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_models_parallel import tiny_config
+from megatron_video.testing.configs import tiny_config
 
 CP4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
 OTHER_LAYOUTS = {

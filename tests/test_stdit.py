@@ -7,7 +7,7 @@ so it shares no layout or communication code with the layer. Compared: outputs, 
 (hidden states, conditioning, text) and parameter gradients summed over ranks; plus the traced
 communication per block and AdaLN-zero identity at initialisation.
 """
-import math
+import functools
 
 import pytest
 import torch
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from megatron_video.models.dit_blocks import apply_rope, rope_3d_angles
 from megatron_video.models.stdit_transitions import frames_to_positions, positions_to_frames
 from megatron_video.parallel.comm import CommTracer
+from megatron_video.testing.oracles import softmax_attention
+from megatron_video.testing.parallel import model_parallel
 
 D, H, HD, FFN, LORA, DC, L = 32, 4, 8, 64, 8, 24, 5
 
@@ -118,14 +120,8 @@ def _rms(x, w, eps=1e-5):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _softmax_attention(q, k, v, mask=None):
-    """q [B, S, H, d], k/v [B, Sk, Hkv, d]; mask [B, 1, S, Sk] True = attend."""
-    g = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
+# explicit softmax attention in the inputs' dtype; mask (True = attend) broadcasts to [B, H, S, Sk]
+_softmax_attention = functools.partial(softmax_attention, dtype=None)
 
 
 def oracle_block(P, x, c, ctx, ctx_mask, thw, has_full, hkv):
@@ -274,16 +270,21 @@ def _run_block(layer, case, groups_rank, cp_size):
                 params={n: p.detach().double().clone() for n, p in layer.named_parameters()})
 
 
-def _cp4_cases(cases):
-    from megatron_video.compat import initialize_model_parallel
+def _cp4_case(case):
     from megatron_video.parallel.topology import init_video_parallel
 
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
-                              hierarchical_context_parallel_sizes=[2, 2])
-    groups = init_video_parallel(2)
-    results = [_run_block(_build(case), case, groups.cp_rank, groups.cp_size) for case in cases]
-    stack = {rc: _transformer_block_case(groups, rc) for rc in (False, True, "block")}
-    return results, _layer_errors(), stack
+    with model_parallel(tp=1, cp=4, hierarchical_cp=[2, 2]):
+        groups = init_video_parallel(2)
+        return _run_block(_build(case), case, groups.cp_rank, groups.cp_size)
+
+
+def _cp4_stack_and_errors():
+    from megatron_video.parallel.topology import init_video_parallel
+
+    with model_parallel(tp=1, cp=4, hierarchical_cp=[2, 2]):
+        groups = init_video_parallel(2)
+        stack = {rc: _transformer_block_case(groups, rc) for rc in (False, True, "block")}
+        return _layer_errors(), stack
 
 
 STACK_CASE = dict(name="transformer_block", variant="hybrid", full=False, t=4, h=2, w=3, b=2, hkv=H,
@@ -459,15 +460,22 @@ def _flat(x):
     return x.reshape(x.shape[0], -1, D)
 
 
-def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4):
+@pytest.fixture(scope="module")
+def single(pool4):
+    """The SINGLE cases, each on one process (CP = 1), spread over the 4 ranks: name -> result."""
     single_runs = pool4.run(_single_process_cases, SINGLE)
-    single = {c["name"]: single_runs[i % 4][i // 4] for i, c in enumerate(SINGLE)}
+    return {c["name"]: single_runs[i % 4][i // 4] for i, c in enumerate(SINGLE)}
+
+
+def test_stdit_block_single_process_matches_oracle(single):
     for case in SINGLE:  # the layer on one process is the oracle too (float64; bf16 within 3%)
         _check_against_oracle(case, [single[case["name"]]], 0 if case["t"] == 1 else 1)
         assert single[case["name"]]["comm"]["a2a_fwd"] == single[case["name"]]["comm"]["p2p"] == 0
 
-    out = pool4.run(_cp4_cases, CASES)       # U=2 x R=2 over 2 simulated nodes
-    for errors in (o[1] for o in out):
+
+def test_stdit_transformer_block_and_layer_errors_on_4_ranks(pool4):
+    out = pool4.run(_cp4_stack_and_errors)       # U=2 x R=2 over 2 simulated nodes
+    for errors in (o[0] for o in out):
         assert len(errors) == 6, errors
         assert "num_frames (6) must be divisible by cp_size (4)" in errors[0]
         assert "hidden_states sequence length (6) must be frames per rank (2)" in errors[1]
@@ -475,36 +483,38 @@ def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4):
         assert "params (NoneType) must be a DiTParams" in errors[3]
         assert "params.conditioning must be the AdaLN conditioning vector [b, D]" in errors[4]
         assert "attention_mask must be None for STDiTLayer" in errors[5]
-    results = [o[0] for o in out]
-    _check_transformer_block([o[2] for o in out])
-    for i, case in enumerate(CASES):
-        per_rank = [results[r][i] for r in range(4)]
-        cat_dim = 0 if case["t"] == 1 else 1
-        if case.get("perturb", True):
-            _check_against_oracle(case, per_rank, cat_dim, single.get(case["name"]))
-        else:  # AdaLN-zero: the block is exactly the identity at initialisation
-            x = _flat(_inputs(case)[0])
-            assert torch.equal(torch.cat([r["out"] for r in per_rank], dim=cat_dim), x)
-        for r in per_rank:
-            assert r["ctx_same"]
-            comm = r["comm"]
-            if case["t"] == 1:   # images run data-parallel over the CP group: no communication
-                assert comm["a2a_fwd"] == comm["a2a_bwd"] == comm["p2p"] == 0, (case["name"], comm)
-            elif case["variant"] == "hybrid":
-                # exactly 2 all-to-alls per block forward and backward outside the full attention,
-                # whose 2D attention adds 4 (q, k, v, out) in the Ulysses group; spatial adds none
-                assert (comm["transition_fwd"], comm["transition_bwd"]) == (2, 2), (case["name"], comm)
-                full = 4 if case["full"] else 0
-                assert comm["a2a_fwd"] == comm["a2a_bwd"] == 2 + full, (case["name"], comm)
-                if not case["full"]:
-                    assert comm["p2p"] == 0 and comm["tags"] == [
-                        "stdit.frames_to_positions", "stdit.positions_to_frames"], comm
-            elif case["variant"] == "ulysses_everywhere":  # 4 per attention x 3 attentions
-                assert comm["a2a_fwd"] == comm["a2a_bwd"] == 12 and comm["p2p"] == 0, comm
-                assert comm["transition_fwd"] == 0
-            else:  # cp_everywhere: 2D attention (4 a2a + ring P2P) for each of the 3 attentions
-                assert comm["a2a_fwd"] == comm["a2a_bwd"] == 12 and comm["p2p"] > 0, comm
-                assert comm["transition_fwd"] == 0
+    _check_transformer_block([o[1] for o in out])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4, single, case):
+    per_rank = pool4.run(_cp4_case, case)       # U=2 x R=2 over 2 simulated nodes
+    cat_dim = 0 if case["t"] == 1 else 1
+    if case.get("perturb", True):
+        _check_against_oracle(case, per_rank, cat_dim, single.get(case["name"]))
+    else:  # AdaLN-zero: the block is exactly the identity at initialisation
+        x = _flat(_inputs(case)[0])
+        assert torch.equal(torch.cat([r["out"] for r in per_rank], dim=cat_dim), x)
+    for r in per_rank:
+        assert r["ctx_same"]
+        comm = r["comm"]
+        if case["t"] == 1:   # images run data-parallel over the CP group: no communication
+            assert comm["a2a_fwd"] == comm["a2a_bwd"] == comm["p2p"] == 0, (case["name"], comm)
+        elif case["variant"] == "hybrid":
+            # exactly 2 all-to-alls per block forward and backward outside the full attention,
+            # whose 2D attention adds 4 (q, k, v, out) in the Ulysses group; spatial adds none
+            assert (comm["transition_fwd"], comm["transition_bwd"]) == (2, 2), (case["name"], comm)
+            full = 4 if case["full"] else 0
+            assert comm["a2a_fwd"] == comm["a2a_bwd"] == 2 + full, (case["name"], comm)
+            if not case["full"]:
+                assert comm["p2p"] == 0 and comm["tags"] == [
+                    "stdit.frames_to_positions", "stdit.positions_to_frames"], comm
+        elif case["variant"] == "ulysses_everywhere":  # 4 per attention x 3 attentions
+            assert comm["a2a_fwd"] == comm["a2a_bwd"] == 12 and comm["p2p"] == 0, comm
+            assert comm["transition_fwd"] == 0
+        else:  # cp_everywhere: 2D attention (4 a2a + ring P2P) for each of the 3 attentions
+            assert comm["a2a_fwd"] == comm["a2a_bwd"] == 12 and comm["p2p"] > 0, comm
+            assert comm["transition_fwd"] == 0
 
 
 def _check_transformer_block(stacks):

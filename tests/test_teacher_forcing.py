@@ -15,6 +15,8 @@ from torch import nn
 from megatron_video.diffusion.teacher_forcing import (TeacherForcingMask, TeacherForcingObjective,
                                                       local_frame_tokens)
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
+from megatron_video.testing.masks import teacher_forcing_oracle
+from megatron_video.testing.parallel import video_parallel
 
 B, F, S, NB, D_IN = 2, 8, 4, 2, 6          # batch, latent frames, tokens/frame, frames/block, token dim
 
@@ -99,14 +101,7 @@ def make_data():
 # the single-GPU oracle
 # ---------------------------------------------------------------------------------------------
 def oracle_mask():
-    n = 2 * F * S
-    rows = []
-    for i in range(n):
-        qn, qb = i >= F * S, (i % (F * S)) // S // NB
-        rows.append([(not qn and j < F * S and (j % (F * S)) // S // NB <= qb)
-                     or (qn and j < F * S and (j % (F * S)) // S // NB < qb)
-                     or (qn and j >= F * S and (j % (F * S)) // S // NB == qb) for j in range(n)])
-    return torch.tensor(rows)
+    return teacher_forcing_oracle(F, S, NB)
 
 
 def dense_attention(allow):
@@ -203,63 +198,50 @@ def test_sampled_draws_and_local_frames():
 # ---------------------------------------------------------------------------------------------
 # SP = 4 over gloo
 # ---------------------------------------------------------------------------------------------
-def _sp_cases(cases):
+def _sp_case(U, R, balance, rpn):
     from megatron_video.attention import dist_attention
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
-    from megatron_video.parallel import CommTracer, comm, destroy_video_parallel, init_video_parallel
+    from megatron_video.parallel import CommTracer, comm
 
-    results = []
-    for U, R, balance, rpn in cases:
-        kw = dict(tensor_model_parallel_size=1, context_parallel_size=U * R)
-        if U > 1 and R > 1:
-            kw["hierarchical_context_parallel_sizes"] = [U, R]
-        initialize_model_parallel(**kw)
-        try:
-            groups = init_video_parallel(U, R, ranks_per_node=rpn)
-            lay = BalancedSPLayout(F, S, NB, U * R, ring_size=R, ring_balance=balance)
-            obj = TeacherForcingObjective(lay, groups)
-            model = make_model()
-            model.attention = lambda q, k, v, mask: dist_attention(q, k, v, groups, mask=mask,
-                                                                   scheme="contiguous")
-            clean, noise, t_blocks = make_data()
-            r = groups.cp_rank
-            with CommTracer() as tr:
-                out = obj(model, local_frame_tokens(lay, r, clean), noise=local_frame_tokens(lay, r, noise),
-                          block_timesteps=t_blocks)
-                out.loss.backward()
-            grads = {n: comm.all_reduce(p.grad.clone(), groups.cp_group) for n, p in model.named_parameters()}
-            # sampled timesteps: SP rank 0's draw everywhere, whatever each rank's generator says
-            t_sampled = obj.sample_block_timesteps(B, torch.Generator().manual_seed(100 + r), torch.float64)
-            results.append(dict(rank=r, loss=out.loss_value, share=out.loss.detach(), pred=out.prediction.detach(),
-                                ids=lay.local_global_ids(r), n=out.num_loss_tokens, grads=grads,
-                                a2a=tr.count("all_to_all"), ring=tr.count("send"),
-                                t_sampled=t_sampled))
-        finally:
-            destroy_video_parallel()
-            destroy_model_parallel()
-    return results
+    with video_parallel(U, R, ranks_per_node=rpn) as groups:
+        lay = BalancedSPLayout(F, S, NB, U * R, ring_size=R, ring_balance=balance)
+        obj = TeacherForcingObjective(lay, groups)
+        model = make_model()
+        model.attention = lambda q, k, v, mask: dist_attention(q, k, v, groups, mask=mask,
+                                                               scheme="contiguous")
+        clean, noise, t_blocks = make_data()
+        r = groups.cp_rank
+        with CommTracer() as tr:
+            out = obj(model, local_frame_tokens(lay, r, clean), noise=local_frame_tokens(lay, r, noise),
+                      block_timesteps=t_blocks)
+            out.loss.backward()
+        grads = {n: comm.all_reduce(p.grad.clone(), groups.cp_group) for n, p in model.named_parameters()}
+        # sampled timesteps: SP rank 0's draw everywhere, whatever each rank's generator says
+        t_sampled = obj.sample_block_timesteps(B, torch.Generator().manual_seed(100 + r), torch.float64)
+        return dict(rank=r, loss=out.loss_value, share=out.loss.detach(), pred=out.prediction.detach(),
+                    ids=lay.local_global_ids(r), n=out.num_loss_tokens, grads=grads,
+                    a2a=tr.count("all_to_all"), ring=tr.count("send"), t_sampled=t_sampled)
 
 
-def test_sp4_equals_sp1(pool4, oracle):
+# (U, R, ring_balance, ranks_per_node): pure Ulysses in one node; 2 nodes x 2 with and without
+# ring balancing; a pure ring
+@pytest.mark.parametrize("U,R,bal,rpn", [(4, 1, False, 4), (2, 2, True, 2), (2, 2, False, 2),
+                                         (1, 4, False, 1)])
+def test_sp4_equals_sp1(pool4, oracle, U, R, bal, rpn):
     loss_ref, pred_ref, grads_ref = oracle
-    # (U, R, ring_balance, ranks_per_node): pure Ulysses in one node; 2 nodes x 2 with and without
-    # ring balancing; a pure ring
-    cases = [(4, 1, False, 4), (2, 2, True, 2), (2, 2, False, 2), (1, 4, False, 1)]
-    per_rank = pool4.run(_sp_cases, cases)
-    for ci, (U, R, bal, _) in enumerate(cases):
-        shares = 0.0
-        for res in (rank_results[ci] for rank_results in per_rank):
-            assert res["n"] == B * F * S
-            assert torch.allclose(res["loss"], loss_ref, rtol=0, atol=1e-12), (U, R, bal)
-            # this rank's predictions are the oracle's at its tokens' single-GPU ids
-            assert torch.allclose(res["pred"], pred_ref[:, res["ids"]], rtol=0, atol=1e-11), (U, R)
-            for n, g in res["grads"].items():
-                assert torch.allclose(g, grads_ref[n], rtol=0, atol=1e-11), (U, R, bal, n)
-            assert res["a2a"] > 0 if U > 1 else res["a2a"] == 0
-            assert res["ring"] > 0 if R > 1 else res["ring"] == 0
-            shares = shares + res["share"]
-        t0 = [rr[ci]["t_sampled"] for rr in per_rank if rr[ci]["rank"] == 0][0]
-        assert all(torch.equal(rr[ci]["t_sampled"], t0) for rr in per_rank)
-        # the per-rank shares sum to the global loss: normalised by the global loss-token count
-        assert torch.allclose(shares, loss_ref, rtol=0, atol=1e-12)
-    assert sorted(torch.cat([rr[1]["ids"] for rr in per_rank]).tolist()) == list(range(2 * F * S))
+    per_rank = pool4.run(_sp_case, U, R, bal, rpn)
+    shares = 0.0
+    for res in per_rank:
+        assert res["n"] == B * F * S
+        assert torch.allclose(res["loss"], loss_ref, rtol=0, atol=1e-12), (U, R, bal)
+        # this rank's predictions are the oracle's at its tokens' single-GPU ids
+        assert torch.allclose(res["pred"], pred_ref[:, res["ids"]], rtol=0, atol=1e-11), (U, R)
+        for n, g in res["grads"].items():
+            assert torch.allclose(g, grads_ref[n], rtol=0, atol=1e-11), (U, R, bal, n)
+        assert res["a2a"] > 0 if U > 1 else res["a2a"] == 0
+        assert res["ring"] > 0 if R > 1 else res["ring"] == 0
+        shares = shares + res["share"]
+    t0 = [rr["t_sampled"] for rr in per_rank if rr["rank"] == 0][0]
+    assert all(torch.equal(rr["t_sampled"], t0) for rr in per_rank)
+    # the per-rank shares sum to the global loss: normalised by the global loss-token count
+    assert torch.allclose(shares, loss_ref, rtol=0, atol=1e-12)
+    assert sorted(torch.cat([rr["ids"] for rr in per_rank]).tolist()) == list(range(2 * F * S))

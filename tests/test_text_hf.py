@@ -87,7 +87,7 @@ def test_text_embedder_projects_precomputed_embeddings():
 def _train_on_text_embeddings(tmp, lat):
     import warnings
 
-    from test_models_parallel import tiny_config
+    from megatron_video.testing.configs import tiny_config
 
     from megatron_video.training.trainer import Trainer
 
@@ -109,7 +109,7 @@ def _train_on_text_embeddings(tmp, lat):
 def test_training_conditions_on_precomputed_text_embeddings(pool4, tmp_path):
     """precompute --text-encoder -> latent shards with caption embeddings -> the DiT trains on them
     (DP2 x CP2), its projection learns."""
-    from test_models_parallel import tiny_config
+    from megatron_video.testing.configs import tiny_config
 
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
     from megatron_video.training.precompute import precompute_latents

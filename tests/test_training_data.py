@@ -87,7 +87,7 @@ def test_shards_give_the_procedural_batches(vae, tmp_path):
 def _dp_partition(tmp, source):
     import warnings
 
-    from test_models_parallel import tiny_config
+    from megatron_video.testing.configs import tiny_config
 
     from megatron_video.training.trainer import Trainer
 
@@ -108,7 +108,7 @@ def _dp_partition(tmp, source):
 def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
     """Each step's global batch is split between the data-parallel ranks without overlap or gap;
     the CP ranks of one data-parallel replica read the same samples."""
-    from test_models_parallel import tiny_config
+    from megatron_video.testing.configs import tiny_config
 
     from megatron_video.data.shards import write_shards
     from megatron_video.data.synthetic import ProceduralVideoDataset

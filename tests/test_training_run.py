@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_models_parallel import tiny_config
+from megatron_video.testing.configs import load_example, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "megatron_video.training.cli"]
@@ -140,16 +140,6 @@ def test_short_demo_run(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the Megatron-LM entries (examples/pretrain_video_*.py) without Megatron-LM installed
 # ---------------------------------------------------------------------------------------------
-def _load_entry(name="pretrain_video_dit"):
-    import importlib.util
-
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _entry_args(mod, yaml_path, **megatron):
     import argparse
 
@@ -199,7 +189,7 @@ def _pretrain_entry_step(yaml_path):
     from megatron_video.parallel.topology import destroy_video_parallel
 
     warnings.filterwarnings("ignore")
-    mod = _load_entry()
+    mod = load_example()
     cfg = mod.video_config_from_args(_entry_args(mod, yaml_path, seq_length=32), world_size=4)
     initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
                               hierarchical_context_parallel_sizes=[2, 2])
@@ -223,7 +213,7 @@ def _pretrain_entry_step(yaml_path):
 
 
 def test_megatron_lm_entry_providers(pool4, vae_dir):
-    mod = _load_entry()
+    mod = load_example()
     assert "megatron.training" not in sys.modules  # importable without Megatron-LM
     yaml_path = _tiny_yaml(vae_dir)
     cfg = mod.video_config_from_args(_entry_args(mod, yaml_path), world_size=4)
@@ -243,7 +233,7 @@ def test_megatron_lm_entry_providers(pool4, vae_dir):
 @pytest.mark.parametrize("entry", ["pretrain_video_dit", "pretrain_video_llava"])
 def test_megatron_lm_entry_calls_both_pretrain_signatures(entry):
     """main()'s pretrain call matches the signature it finds (<= 0.17 and >= 0.18 forms)."""
-    mod = _load_entry(entry)
+    mod = load_example(entry)
     calls = []
 
     def pretrain_017(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,

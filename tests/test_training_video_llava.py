@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_training_run import _load_entry
+from megatron_video.testing.configs import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "examples" / "configs" / "video_llava.yaml"
@@ -131,7 +131,7 @@ def _entry_vs_trainer(tmp):
     finally:
         t.close()
     # the entry: Megatron-LM's CLI config, its providers, the same batch (positions 0..3) and weights
-    mod = _load_entry("pretrain_video_llava")
+    mod = load_example("pretrain_video_llava")
     vcfg = mod.video_config_from_args(_llava_args(mod), world_size=4)
     initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
                               hierarchical_context_parallel_sizes=[2, 2])
@@ -172,7 +172,7 @@ def _entry_vs_trainer(tmp):
 
 
 def test_megatron_lm_entry_flag_checks():
-    mod = _load_entry("pretrain_video_llava")
+    mod = load_example("pretrain_video_llava")
     cfg = mod.video_config_from_args(_llava_args(mod), world_size=4)
     p = cfg.parallel
     assert (p.context_parallel_size, p.ulysses_size, p.ring_size) == (4, 2, 2)
