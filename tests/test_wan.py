@@ -59,7 +59,8 @@ def inputs(kind: str, dtype):
     t = (torch.rand(B, tokens, generator=gen, dtype=torch.float64) * 1000 if kind == "per_token"
          else torch.tensor([999.0, 321.5], dtype=torch.float64))
     text = torch.randn(B, 512 if kind == "i2v" else 7, TEXT_DIM, generator=gen, dtype=torch.float64)
-    image = torch.randn(B, 5, IMAGE_DIM, generator=gen, dtype=torch.float64) if kind == "i2v" else None
+    image = (torch.randn(B, 5, IMAGE_DIM, generator=gen, dtype=torch.float64) if kind == "i2v"
+             else None)
     up = torch.randn(B, C, F, H, W, generator=gen, dtype=torch.float64)
     cast = [v if v is None else v.to(dtype).requires_grad_(True) for v in (x, t, text, image)]
     return cast, up.to(dtype)

@@ -102,7 +102,7 @@ def diffusers_reference_shapes(diffusers_config: dict) -> Dict[str, tuple]:
 
 
 def ignored_diffusers_key(key: str) -> bool:
-    """Whether diffusers ignores ``key`` when loading (its ``_keys_to_ignore_on_load_unexpected``)."""
+    """Whether diffusers ignores ``key`` when loading (``_keys_to_ignore_on_load_unexpected``)."""
     from diffusers import WanTransformer3DModel
 
     patterns = WanTransformer3DModel._keys_to_ignore_on_load_unexpected or []

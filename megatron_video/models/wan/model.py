@@ -229,7 +229,8 @@ def _row(spec, n_in: int, n_out: int, config):
 
 def _norm(spec, config, heads: int, hd: int, pg_collection):
     return build_module(spec, config=config, hidden_size=heads * hd,
-                        full_size=config.num_attention_heads * hd, tp_group=_tp_group(pg_collection))
+                        full_size=config.num_attention_heads * hd,
+                        tp_group=_tp_group(pg_collection))
 
 
 def _linear(layer, x):

@@ -1,8 +1,8 @@
 """Wan's 3D rotary embedding: the head dimension split over (frame, row, column), its own table.
 
-As diffusers' ``WanRotaryPosEmbed``: ``h`` and ``w`` get ``2 * (head_dim // 6)`` channels each, ``t``
-the rest; per axis the angles ``pos * theta^(-2i/d)`` are built in float64 and the cos / sin table
-stored in float32 (repeat-interleaved, channel pairs ``(2i, 2i + 1)``). Megatron's RoPE computes
+As diffusers' ``WanRotaryPosEmbed``: ``h`` and ``w`` get ``2 * (head_dim // 6)`` channels each,
+``t`` the rest; per axis the angles ``pos * theta^(-2i/d)`` are built in float64 and the cos /
+sin table stored in float32 (repeat-interleaved, channel pairs ``(2i, 2i + 1)``). Megatron's RoPE computes
 cos / sin in the tensor's dtype with rotate-half pairs, hence this table. Rows come from global
 token ids, so every context-parallel layout rotates a token the same way.
 """
@@ -35,7 +35,8 @@ def _axis_table(dim: int, max_len: int, theta: float):
 
 class WanRope(torch.nn.Module):
     """The table (non-persistent fp32 buffers ``freqs_cos`` / ``freqs_sin`` ``[max_len, head_dim]``)
-    and its rows for given tokens: ``forward(ids, geometry) -> (cos, sin)`` each ``[len(ids), hd]``."""
+    and its rows for given tokens: ``forward(ids, geometry) -> (cos, sin)``, each
+    ``[len(ids), hd]``."""
 
     def __init__(self, head_dim: int, max_seq_len: int = 1024, theta: float = 10000.0):
         super().__init__()

@@ -29,7 +29,8 @@ def wan_self_attention_spec(core_attention=None, backend: str = "local") -> Modu
     m = dit_backend_modules(backend)
     return ModuleSpec(module=WanSelfAttention, params=dict(attn_mask_type=AttnMaskType.no_mask),
                       submodules=WanSelfAttentionSubmodules(
-                          linear_qkv=m["column"], core_attention=core_attention or full_2d_attention(),
+                          linear_qkv=m["column"],
+                          core_attention=core_attention or full_2d_attention(),
                           linear_proj=m["row"]))
 
 
