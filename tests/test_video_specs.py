@@ -18,7 +18,8 @@ from megatron_video.models.ar_dit import ARDiTLayer, get_ar_dit_layer_spec
 from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, AdaLNNorm, DiTCrossAttention,
                                               DiTSelfAttention)
 from megatron_video.models.specs import with_2d_attention
-from megatron_video.models.stdit import STDiTLayer, get_stdit_layer_spec
+from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
+from megatron_video.models.stdit import STDiTLayer
 from megatron_video.models.video_dit import (VideoDiTConfig, VideoDiTLayer,
                                              get_video_dit_layer_spec, layer_spec_for)
 

@@ -41,6 +41,7 @@ import torch
 from megatron.core.models.multimodal import llava_model as _llava
 
 from ..attention.megatron import DistAttention2D
+from ..compat.cp_comm_type import layer_cp_comm_type
 from ..parallel.topology import check_cp_comm_type
 from .sharding import MMSPBatch, encode_local, plan_batch, reshard_to_llm
 
@@ -113,9 +114,7 @@ class MMSPLLaVAModel(LLaVAModel):
         if cp > 1 and self.language_model is not None and cfg.cp_comm_type is not None:
             for m in self.language_model.modules():
                 if isinstance(m, DistAttention2D):  # what TransformerLayer passes under CP
-                    comm = cfg.cp_comm_type
-                    m.cp_comm_type = check_cp_comm_type(
-                        comm[m.layer_number] if isinstance(comm, list) else comm)
+                    m.cp_comm_type = check_cp_comm_type(layer_cp_comm_type(cfg, m.layer_number))
 
     # ------------------------------------------------------------------------------------------
     def _groups(self):
