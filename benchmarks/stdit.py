@@ -60,7 +60,7 @@ def bench_rank(a):
     from megatron_video.compat import initialize_model_parallel
     from megatron_video.layouts.stdit import VideoGeometry
     from megatron_video.models.dit_layer import DiTParams
-    from megatron_video.models.stdit import get_stdit_layer_spec
+    from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
     from megatron_video.parallel.comm import CommTracer
     from megatron_video.parallel.topology import init_video_parallel
 

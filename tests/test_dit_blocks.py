@@ -238,7 +238,7 @@ def test_head_divisibility_errors_name_the_parameter(megatron_tp1):
 def test_stdit_layer_rejects_sequence_parallel(megatron_tp1):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_video.models.stdit import get_stdit_layer_spec
+    from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
 
     cfg = _config()
     cfg.sequence_parallel = True   # (Megatron only accepts it with TP > 1; the layer refuses it)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_video.models.dit_blocks import apply_rope, rope_3d_angles
-from megatron_video.models.stdit_transitions import frames_to_positions, positions_to_frames
+from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
 from megatron_video.parallel.comm import CommTracer
 from megatron_video.testing.oracles import softmax_attention
 from megatron_video.testing.parallel import model_parallel
@@ -206,7 +206,7 @@ def _build(case):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_video.models.stdit import get_stdit_layer_spec
+    from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
 
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
@@ -298,7 +298,7 @@ def _transformer_block_case(groups, recompute):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_video.models.dit_layer import VideoTransformerBlock
-    from megatron_video.models.stdit import get_stdit_layer_spec
+    from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
 
     model_parallel_cuda_manual_seed(1234)
     # recompute True: every layer checkpointed ("uniform"); "block": the first layer only
@@ -580,7 +580,7 @@ def test_stdit_block_tp2_cp2_matches_oracle(pool4):
 
 
 def test_spec_rejects_unknown_variant():
-    from megatron_video.models.stdit import get_stdit_layer_spec
+    from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
 
     with pytest.raises(ValueError, match=r"variant \('ring'\) must be one of"):
         get_stdit_layer_spec("ring")

@@ -94,12 +94,12 @@ def test_divisibility_errors_name_the_parameter():
 
 def test_transitions_live_with_the_communication_code():
     """The communicating A <-> B transitions are in attention/ (layouts stay pure); the old
-    models.stdit_transitions name re-exports them; VideoGeometry has its own module."""
+    megatron_video.models package re-exports them; VideoGeometry has its own module."""
     import megatron_video.layouts as layouts
     import megatron_video.layouts.stdit as lay
     from megatron_video.attention import stdit_transitions
     from megatron_video.layouts.geometry import VideoGeometry
-    from megatron_video.models import stdit_transitions as old
+    import megatron_video.models as old
 
     assert old.frames_to_positions is stdit_transitions.frames_to_positions
     assert old.positions_to_frames is stdit_transitions.positions_to_frames

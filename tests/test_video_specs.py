@@ -18,7 +18,8 @@ from megatron_video.models.ar_dit import ARDiTLayer, get_ar_dit_layer_spec
 from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, AdaLNNorm, DiTCrossAttention,
                                               DiTSelfAttention)
 from megatron_video.models.specs import with_2d_attention
-from megatron_video.models.stdit import STDiTLayer, get_stdit_layer_spec
+from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
+from megatron_video.models.stdit import STDiTLayer
 from megatron_video.models.video_dit import (VideoDiTConfig, VideoDiTLayer,
                                              get_video_dit_layer_spec, layer_spec_for)
 
@@ -142,7 +143,7 @@ def test_model_modules_do_not_import_transformer_engine_classes():
         "            looked.append(name)\n"
         "        return super().__getattribute__(name)\n"
         "te.__class__ = Spy\n"
-        "import megatron_video.models.video_dit as v, megatron_video.models.stdit as s, megatron_video.models.ar_dit as a\n"
+        "import megatron_video.models.video_dit as v, megatron_video.models.dit_layer_specs as s, megatron_video.models.ar_dit as a\n"
         "v.get_video_dit_layer_spec(); s.get_stdit_layer_spec(); a.get_ar_dit_layer_spec()\n"
         "assert not looked, looked\n"
         "v.get_video_dit_layer_spec(backend='te')\n"

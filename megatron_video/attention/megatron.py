@@ -41,6 +41,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from ..compat.cp_comm_type import core_cp_comm_type
 from ..layouts.zigzag import SCHEMES
 from ..parallel.comm import check_same_shape
 from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, resolve_video_groups
@@ -80,9 +81,11 @@ class DistAttention2D(MegatronModule):
         if groups is not None and not isinstance(groups, VideoParallelGroups):
             raise ValueError(f"groups ({type(groups).__name__}) must be None or the "
                              f"VideoParallelGroups of init_video_parallel(...)")
-        self.cp_comm_type = check_cp_comm_type(cp_comm_type)
-        self.pg_collection = pg_collection
         self.layer_number = max(1, layer_number)
+        # the layer's entry of a list-valued config.cp_comm_type (compat.cp_comm_type)
+        self.cp_comm_type = check_cp_comm_type(core_cp_comm_type(config, self.layer_number,
+                                                                 cp_comm_type))
+        self.pg_collection = pg_collection
         self.attn_mask_type = attn_mask_type
         self.mask, self.scheme, self.backend = mask, scheme, backend
         self._groups, self._resolved = groups, groups is not None

@@ -1,45 +1,50 @@
-"""CPU mode: the one place megatron_video patches Megatron-Core, and only when no GPU is present.
-
-Megatron-Core assumes CUDA in a few places that the CPU tests and the embedded-default job need.
-:func:`ensure_cpu_mode` (idempotent) makes them work on CPU when ``torch.cuda.is_available()`` is
-False, and does nothing on a GPU. It is entered only explicitly: by calling it (the test worker
-pool does, and a stock Megatron job on a CPU does), or with ``megatron-video train/demo --cpu``;
-nothing in the package enters it behind the caller's back, and the trainer refuses to run on a
-machine without CUDA unless it is active (docs/architecture.md, "CPU mode"). On activation it logs
-(logger ``megatron_video.compat``) one WARNING line with the number of attributes it changed, and
-the list of them at DEBUG (also :func:`applied_patches`). The real ``torch``
-module is never modified, the user's global CPU generator is not reseeded (see 4.) and no Megatron
-warning is silenced (see 3. for the one log record dropped, which is named in the log). Every patch
-is a module attribute of Megatron:
-
-1. ``torch`` -> :data:`~megatron_video.compat.cpu_torch.CPU_TORCH` in the modules of
-   :data:`MODULES_USING_CUDA` (reason per module there). Inside them ``torch.cuda.current_device()``
-   is the CPU, ``device="cuda"`` factories allocate on CPU, ``synchronize``/``empty_cache`` are
-   no-ops and ``torch.cuda``'s RNG functions act on the CPU generator. This covers the CUDA RNG
-   tracker (``model_parallel_cuda_manual_seed`` seeds the CPU generator, as the device generator on
-   a CPU is the CPU one), DDP grad buffers, pipeline P2P receive buffers, the optimizer's
-   ``device="cuda"`` scalars, grad-norm accumulators and ``torch.cuda.synchronize`` in
-   ``dist_checkpointing``.
-2. Functions in :data:`FUNCTION_PATCHES` replaced by :mod:`~megatron_video.compat.cpu_functions`,
-   where (1) cannot help: RNG state get/set (the original defers through ``torch.cuda._lazy_call``,
-   which never runs without a GPU), ``clip_grad_by_total_norm_fp32`` (asserts the tensor *type*
-   ``torch.cuda.FloatTensor``) and RoPE's ``get_pos_emb_on_this_cp_rank`` with CP > 1
-   (``pin_memory`` + ``.cuda()``). A replacement is installed only if the original has the same
-   parameter names (a changed Megatron API is skipped with a warning, not mis-called).
-3. A logging filter on ``megatron.core.tensor_parallel.random`` that drops "CPU RNG state changed
-   within GPU RNG context": on CPU the forked generator *is* the CPU one, so it fired on every
-   dropout and said nothing.
-4. ``model_parallel_cuda_manual_seed`` (in ``megatron.core.tensor_parallel`` and its ``random``
-   module) wrapped so that the CPU generator's state is restored after it: on a GPU it seeds the
-   device generator; on a CPU the "device" generator is the user's global CPU generator, which the
-   unwrapped function would silently reseed. The tracker's streams are seeded as on a GPU.
-
-Not covered (GPU-only by nature): the distributed optimizer (use ``use_distributed_optimizer=False``),
-fusions and ``gradient_accumulation_fusion`` (turn off; see ``cpu_transformer_config_kwargs``), CUDA
-graphs, streams/events (overlapped communication), Transformer Engine. ``psutil`` (needed by
-``dist_checkpointing`` save) and ``einops`` (hierarchical CP groups) are pinned dependencies.
+"""CPU mode: the one place megatron_video patches Megatron-Core, and only when no GPU is present
+and only when asked (:func:`ensure_cpu_mode`, idempotent). Design: docs/architecture.md,
+"CPU mode"; what is patched and why is listed below and in ``MODULES_USING_CUDA`` /
+``FUNCTION_PATCHES``.
 """
 from __future__ import annotations
+
+# Megatron-Core assumes CUDA in a few places that the CPU tests and the embedded-default job need.
+# :func:`ensure_cpu_mode` (idempotent) makes them work on CPU when ``torch.cuda.is_available()`` is
+# False, and does nothing on a GPU. It is entered only explicitly: by calling it (the test worker
+# pool does, and a stock Megatron job on a CPU does), or with ``megatron-video train/demo --cpu``;
+# nothing in the package enters it behind the caller's back, and the trainer refuses to run on a
+# machine without CUDA unless it is active (docs/architecture.md, "CPU mode"). On activation it logs
+# (logger ``megatron_video.compat``) one WARNING line with the number of attributes it changed, and
+# the list of them at DEBUG (also :func:`applied_patches`). The real ``torch`` module is never
+# modified, the user's global CPU generator is not reseeded (see 4.) and no Megatron warning is
+# silenced (see 3. for the one log record dropped, which is named in the log). Every patch is a
+# module attribute of Megatron:
+#
+# 1. ``torch`` -> :data:`~megatron_video.compat.cpu_torch.CPU_TORCH` in the modules of
+#    :data:`MODULES_USING_CUDA` (reason per module there). Inside them
+#    ``torch.cuda.current_device()`` is the CPU, ``device="cuda"`` factories allocate on CPU,
+#    ``synchronize``/``empty_cache`` are no-ops and ``torch.cuda``'s RNG functions act on the CPU
+#    generator. This covers the CUDA RNG tracker (``model_parallel_cuda_manual_seed`` seeds the CPU
+#    generator, as the device generator on a CPU is the CPU one), DDP grad buffers, pipeline P2P
+#    receive buffers, the optimizer's ``device="cuda"`` scalars, grad-norm accumulators and
+#    ``torch.cuda.synchronize`` in ``dist_checkpointing``.
+# 2. Functions in :data:`FUNCTION_PATCHES` replaced by :mod:`~megatron_video.compat.cpu_functions`,
+#    where (1) cannot help: RNG state get/set (the original defers through
+#    ``torch.cuda._lazy_call``, which never runs without a GPU), ``clip_grad_by_total_norm_fp32``
+#    (asserts the tensor *type* ``torch.cuda.FloatTensor``) and RoPE's
+#    ``get_pos_emb_on_this_cp_rank`` with CP > 1 (``pin_memory`` + ``.cuda()``). A replacement is
+#    installed only if the original has the same parameter names (a changed Megatron API is skipped
+#    with a warning, not mis-called).
+# 3. A logging filter on ``megatron.core.tensor_parallel.random`` that drops "CPU RNG state changed
+#    within GPU RNG context": on CPU the forked generator *is* the CPU one, so it fired on every
+#    dropout and said nothing.
+# 4. ``model_parallel_cuda_manual_seed`` (in ``megatron.core.tensor_parallel`` and its ``random``
+#    module) wrapped so that the CPU generator's state is restored after it: on a GPU it seeds the
+#    device generator; on a CPU the "device" generator is the user's global CPU generator, which the
+#    unwrapped function would silently reseed. The tracker's streams are seeded as on a GPU.
+#
+# Not covered (GPU-only by nature): the distributed optimizer (use
+# ``use_distributed_optimizer=False``), fusions and ``gradient_accumulation_fusion`` (turn off; see
+# ``cpu_transformer_config_kwargs``), CUDA graphs, streams/events (overlapped communication),
+# Transformer Engine. ``psutil`` (needed by ``dist_checkpointing`` save) and ``einops``
+# (hierarchical CP groups) are pinned dependencies.
 
 import functools
 import importlib

@@ -1,22 +1,25 @@
-"""A stand-in for the name ``torch`` inside selected Megatron modules, for CPU mode.
-
-Megatron-Core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"`` and
-calls ``torch.cuda.synchronize()`` in dozens of places inside large methods (DDP grad buffers,
-pipeline receive buffers, optimizer scalars, checkpoint save/load). Rather than copy those methods,
-CPU mode rebinds the module-level name ``torch`` in the few modules that do this (see
-``cpu_mode.MODULES_USING_CUDA``) to :data:`CPU_TORCH`. It forwards every attribute to the real
-``torch`` except:
-
-* ``cuda``: :class:`CpuCuda`, where the current device is the CPU, synchronize / empty_cache do
-  nothing, and the RNG functions act on the CPU default generator (on a CPU the generator that
-  drives dropout *is* the CPU one);
-* tensor factories: a ``device`` naming CUDA becomes ``"cpu"`` and ``pin_memory`` is dropped
-  (pinned host memory only exists to speed up copies to a GPU).
-
-The real ``torch`` module and every other module are untouched. Anything not listed is forwarded, so
-a CUDA feature this does not emulate (streams, events) still fails loudly, as it would without it.
+"""A stand-in for the name ``torch`` inside selected Megatron modules, for CPU mode
+(``compat.cpu_mode``; docs/architecture.md, "CPU mode"): ``torch.cuda`` on the CPU and CUDA
+tensor factories allocating on the CPU; everything else forwarded to the real ``torch``.
 """
 from __future__ import annotations
+
+# Megatron-Core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``
+# and calls ``torch.cuda.synchronize()`` in dozens of places inside large methods (DDP grad buffers,
+# pipeline receive buffers, optimizer scalars, checkpoint save/load). Rather than copy those
+# methods, CPU mode rebinds the module-level name ``torch`` in the few modules that do this (see
+# ``cpu_mode.MODULES_USING_CUDA``) to :data:`CPU_TORCH`. It forwards every attribute to the real
+# ``torch`` except:
+#
+# * ``cuda``: :class:`CpuCuda`, where the current device is the CPU, synchronize / empty_cache do
+#   nothing, and the RNG functions act on the CPU default generator (on a CPU the generator that
+#   drives dropout *is* the CPU one);
+# * tensor factories: a ``device`` naming CUDA becomes ``"cpu"`` and ``pin_memory`` is dropped
+#   (pinned host memory only exists to speed up copies to a GPU).
+#
+# The real ``torch`` module and every other module are untouched. Anything not listed is forwarded,
+# so a CUDA feature this does not emulate (streams, events) still fails loudly, as it would without
+# it.
 
 import functools
 import types

@@ -1,35 +1,7 @@
-"""Drop-in for Megatron-Core's ``LLaVAModel`` with MM-SP (two-stage sharding, exact gradients).
-
-``MMSPLLaVAModel`` takes the constructor arguments of
-``megatron.core.models.multimodal.llava_model.LLaVAModel`` (0.16 and 0.19; extra keyword arguments
-pass through) and builds the same modules, so checkpoints and ``freeze`` / ``set_input_tensor``
-are Megatron's. ``vision_model=`` (optional) replaces the vision model Megatron would build from
-``vision_model_type`` -- e.g. Megatron's ``CLIPViTModel`` with local norms, which ``LLaVAModel``
-cannot build without TransformerEngine (its default ``ln_pre_impl`` is then ``torch.nn.LayerNorm``,
-which rejects ``config=``); the projector is Megatron's ``MultimodalProjector`` either way. The language layer spec must use megatron_video's 2D attention
-(``models.specs.with_2d_attention`` / ``gpt_layer_local_2d_spec``); no TransformerEngine needed.
-
-With ``context_parallel_size == 1`` the forward is Megatron's. With CP > 1 two steps of Megatron's
-forward are replaced (README, "MM-SP"):
-
-* the vision call: each CP rank runs the vision model + projector only on its share of every
-  video's frames (``layouts.mmsp.frame_shards``), instead of every rank encoding every frame;
-* the embedding re-shard (``_process_embedding_token_parallel``, TE's ``get_batch_on_this_cp_rank``
-  cut): each rank assembles its zigzag shard of the combined sequence directly -- text rows from
-  its own embedding lookup, visual rows through one autograd all-to-all-v -- so the full combined
-  sequence never exists on any rank and each encoder gets exactly the gradient of its tokens.
-
-Labels and the loss mask are Megatron's (``_preprocess_data`` on a one-wide probe, then the zigzag
-shard). The per-token loss comes back like Megatron's (``[b, s_local]``, with the local loss mask);
-normalise it by the global target count (``mmsp.global_token_loss``). Packed samples: batch of one,
-``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens_kv=...)`` with document boundaries on
-the combined sequence; the 2D attention then uses ``masks.packed(cu, inner=causal)``; RoPE positions
-are global (``max_seqlen_q/kv`` are set to the padded combined length under CP; at CP = 1 pass the
-combined length, as Megatron takes the RoPE length from them).
-
-Megatron's constructor accepts CP only with TE's core attention; it is called with the config's
-``context_parallel_size`` showing 1 (the same object, restored right after), and the 2D-attention
-layers then get the per-layer ``cp_comm_type`` Megatron hands to core attention under CP.
+"""Drop-in for Megatron-Core's ``LLaVAModel`` with MM-SP (two-stage sharding, exact gradients):
+``MMSPLLaVAModel`` takes ``LLaVAModel``'s constructor arguments (0.16 and 0.19) and, with CP > 1,
+replaces its vision call and embedding re-shard. Design: docs/architecture.md, "Capabilities"
+(MM-SP) and "Megatron integration".
 """
 from __future__ import annotations
 
@@ -41,6 +13,7 @@ import torch
 from megatron.core.models.multimodal import llava_model as _llava
 
 from ..attention.megatron import DistAttention2D
+from ..compat.cp_comm_type import layer_cp_comm_type
 from ..parallel.topology import check_cp_comm_type
 from .sharding import MMSPBatch, encode_local, plan_batch, reshard_to_llm
 
@@ -56,7 +29,44 @@ def _core_attention(spec):
 
 
 class MMSPLLaVAModel(LLaVAModel):
-    """Megatron-Core's ``LLaVAModel`` with multi-modal sequence parallelism over the CP group."""
+    """Megatron-Core's ``LLaVAModel`` with multi-modal sequence parallelism over the CP group.
+
+    ``MMSPLLaVAModel`` takes the constructor arguments of
+    ``megatron.core.models.multimodal.llava_model.LLaVAModel`` (0.16 and 0.19; extra keyword
+    arguments pass through) and builds the same modules, so checkpoints and ``freeze`` /
+    ``set_input_tensor`` are Megatron's. ``vision_model=`` (optional) replaces the vision model
+    Megatron would build from ``vision_model_type`` -- e.g. Megatron's ``CLIPViTModel`` with local
+    norms, which ``LLaVAModel`` cannot build without TransformerEngine (its default ``ln_pre_impl``
+    is then ``torch.nn.LayerNorm``, which rejects ``config=``); the projector is Megatron's
+    ``MultimodalProjector`` either way. The language layer spec must use megatron_video's 2D
+    attention (``models.specs.with_2d_attention`` / ``gpt_layer_local_2d_spec``); no
+    TransformerEngine needed.
+
+    With ``context_parallel_size == 1`` the forward is Megatron's. With CP > 1 two steps of
+    Megatron's forward are replaced (docs/architecture.md, "Capabilities", 5):
+
+    * the vision call: each CP rank runs the vision model + projector only on its share of every
+      video's frames (``layouts.mmsp.frame_shards``), instead of every rank encoding every frame;
+    * the embedding re-shard (``_process_embedding_token_parallel``, TE's
+      ``get_batch_on_this_cp_rank`` cut): each rank assembles its zigzag shard of the combined
+      sequence directly -- text rows from its own embedding lookup, visual rows through one autograd
+      all-to-all-v -- so the full combined sequence never exists on any rank and each encoder gets
+      exactly the gradient of its tokens.
+
+    Labels and the loss mask are Megatron's (``_preprocess_data`` on a one-wide probe, then the
+    zigzag shard). The per-token loss comes back like Megatron's (``[b, s_local]``, with the local
+    loss mask); normalise it by the global target count (``mmsp.global_token_loss``). Packed
+    samples: batch of one, ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens_kv=...)``
+    with document boundaries on the combined sequence; the 2D attention then uses ``masks.packed(cu,
+    inner=causal)``; RoPE positions are global (``max_seqlen_q/kv`` are set to the padded combined
+    length under CP; at CP = 1 pass the combined length, as Megatron takes the RoPE length from
+    them).
+
+    Megatron's constructor accepts CP only with TE's core attention; it is called with the config's
+    ``context_parallel_size`` showing 1 (the same object, restored right after), and the
+    2D-attention cores then get their layer's ``cp_comm_type`` (``compat.layer_cp_comm_type``, the
+    rule every DiT layer uses).
+    """
 
     def __init__(self, language_transformer_config, language_transformer_layer_spec, *args,
                  tubelet_size: int = 1, vision_model: Optional[torch.nn.Module] = None, **kwargs):
@@ -113,9 +123,7 @@ class MMSPLLaVAModel(LLaVAModel):
         if cp > 1 and self.language_model is not None and cfg.cp_comm_type is not None:
             for m in self.language_model.modules():
                 if isinstance(m, DistAttention2D):  # what TransformerLayer passes under CP
-                    comm = cfg.cp_comm_type
-                    m.cp_comm_type = check_cp_comm_type(
-                        comm[m.layer_number] if isinstance(comm, list) else comm)
+                    m.cp_comm_type = check_cp_comm_type(layer_cp_comm_type(cfg, m.layer_number))
 
     # ------------------------------------------------------------------------------------------
     def _groups(self):

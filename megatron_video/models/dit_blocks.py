@@ -1,23 +1,28 @@
-"""Parallel-friendly DiT building blocks shared by the ST-DiT, VideoDiT and causal AR DiT layers.
-
-* ``TimestepEmbedder``: sinusoidal features + MLP (replicated; recomputed on every pipeline stage).
-* ``AdaLNLoRAModulation``: ``D -> r -> k*D`` shift/scale/gate chunks with a zero-initialised output,
-  so every gated residual branch is zero and the block starts as the identity (AdaLN-zero).
-* ``HeadRMSNorm``: per-head QK RMSNorm over the head dimension. It acts on this rank's heads only,
-  so it needs no tensor-parallel communication; its modules are named ``q_layernorm`` /
-  ``k_layernorm`` so Megatron's ``finalize_model_grads`` sums their gradients over TP ranks when
-  ``config.qk_layernorm`` is set.
-* ``AdaLNNorm``: LayerNorm without affine parameters, the norm slots of the local layer specs.
-* ``DiTSelfAttention``: Megatron's self-attention slots (``linear_qkv``, ``q_layernorm`` /
-  ``k_layernorm``, ``core_attention``, ``linear_proj``) in Megatron's ``[s, b, D]`` convention; the
-  attention pattern is its ``core_attention`` (2D context-parallel, local, ...).
-  ``DiTCrossAttention``: video queries attend to the whole text without context parallelism.
-  Linear layers from the spec (Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` or TE's).
-* 3D RoPE from global ``(t, h, w)`` token positions, so every layout rotates a token the same way.
-
-Masks are boolean with ``True`` = may attend.
+"""Parallel-friendly DiT building blocks shared by the ST-DiT, VideoDiT and causal AR DiT layers:
+timestep embedding, AdaLN-LoRA modulation, per-head QK RMSNorm, the self- / cross-attention
+modules with Megatron's slots, 3D RoPE. Design: docs/architecture.md, "Megatron integration".
 """
 from __future__ import annotations
+
+# * ``TimestepEmbedder``: sinusoidal features + MLP (replicated; recomputed on every pipeline
+#   stage).
+# * ``AdaLNLoRAModulation``: ``D -> r -> k*D`` shift/scale/gate chunks with a zero-initialised
+#   output, so every gated residual branch is zero and the block starts as the identity
+#   (AdaLN-zero).
+# * ``HeadRMSNorm``: per-head QK RMSNorm over the head dimension. It acts on this rank's heads only,
+#   so it needs no tensor-parallel communication; its modules are named ``q_layernorm`` /
+#   ``k_layernorm`` so Megatron's ``finalize_model_grads`` sums their gradients over TP ranks when
+#   ``config.qk_layernorm`` is set.
+# * ``AdaLNNorm``: LayerNorm without affine parameters, the norm slots of the local layer specs.
+# * ``DiTSelfAttention``: Megatron's self-attention slots (``linear_qkv``, ``q_layernorm`` /
+#   ``k_layernorm``, ``core_attention``, ``linear_proj``) in Megatron's ``[s, b, D]`` convention;
+#   the attention pattern is its ``core_attention`` (2D context-parallel, local, ...).
+#   ``DiTCrossAttention``: video queries attend to the whole text without context parallelism.
+#   Linear layers from the spec (Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` or
+#   TE's).
+# * 3D RoPE from global ``(t, h, w)`` token positions, so every layout rotates a token the same way.
+#
+# Masks are boolean with ``True`` = may attend.
 
 import math
 from dataclasses import dataclass

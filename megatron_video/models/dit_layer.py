@@ -1,33 +1,19 @@
-"""What the video-DiT layers (``VideoDiTLayer``, ``STDiTLayer``, ``ARDiTLayer``) share.
-
-* ``DiTParams``: the one typed object that carries a batch's AdaLN conditioning and video geometry
-  (and, for the AR DiT, its teacher-forcing mask and RoPE) to every layer. Megatron's own slots
-  keep their meaning: ``attention_mask`` / ``packed_seq_params`` are not used for any of it.
-* ``DiTLayerSubmodules``: Megatron's ``TransformerLayerSubmodules`` plus ``modulation``
-  (AdaLN-LoRA as its own submodule).
-* ``DiTLayerBase``: a Megatron ``TransformerLayer`` (built by ``TransformerLayer.__init__`` from
-  the spec's norm / attention / MLP slots, with Megatron's ``pg_collection`` and
-  ``cp_comm_type``) that adds the modulation, refuses sequence parallelism and resolves its CP
-  group lazily with the one rule of ``parallel.topology.resolve_video_groups`` (docs/architecture.md,
-  "Groups"): no ``init_video_parallel`` needed.
-* ``VideoTransformerBlock``: Megatron's ``TransformerBlock`` whose ``forward`` takes the
-  ``DiTParams``. Stock ``TransformerBlock.forward`` (megatron-core 0.16 and 0.19) has no slot for
-  it: it accepts no extra keyword arguments, and its full-recompute path hands the layers only
-  tensors as checkpoint arguments (closing over ``packed_seq_params`` / ``attention_bias``), so the
-  conditioning -- a tensor that needs its gradient -- could only ride a repurposed slot. The
-  subclass runs the layers itself: with full activation recompute (``recompute_method`` uniform or
-  block, as Megatron) the conditioning is a checkpoint argument and the rest of the ``DiTParams``
-  is closed over per call, so pipelined micro-batches cannot mix them up.
+"""What the video-DiT layers (``VideoDiTLayer``, ``STDiTLayer``, ``ARDiTLayer``) share: the
+``DiTParams`` they take, their submodule slots, the ``DiTLayerBase`` Megatron ``TransformerLayer``
+and the ``VideoTransformerBlock`` that hands them ``DiTParams`` (stock ``TransformerBlock.forward``
+has no slot for it). Design: docs/architecture.md, "Megatron integration" and "Groups".
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,13 +22,15 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer,
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_video.attention.masks import AttentionMask
+from megatron_video.compat.cp_comm_type import (layer_cp_comm_type,
+                                                megatron_reads_layer_cp_comm_type)
 from megatron_video.layouts.stdit import VideoGeometry
-from megatron_video.models.dit_blocks import AdaLNLoRAModulation
+from megatron_video.models.dit_blocks import AdaLNLoRAModulation, gated, modulate
 from megatron_video.parallel.comm import group_rank
 from megatron_video.parallel.topology import resolve_video_groups
 
 __all__ = ["DiTParams", "DiTLayerSubmodules", "DiTLayerBase", "VideoTransformerBlock",
-           "mlp_submodule"]
+           "mlp_submodule", "adaln_branch"]
 
 
 @dataclass
@@ -73,13 +61,15 @@ class DiTLayerSubmodules(TransformerLayerSubmodules):
 def mlp_submodule(submodules):
     """The ``mlp`` slot in the form this megatron-core builds it (feature-detected): the
     ``MLP.as_mlp_submodule`` builder where it exists (0.19), else a ``ModuleSpec`` of ``MLP``."""
-    from megatron.core.transformer.mlp import MLP
-
     if hasattr(MLP, "as_mlp_submodule"):
-        import functools
-
         return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
     return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def adaln_branch(x, mods, i: int, norm, f):
+    """``x + gate_i * f(modulate(norm(x), shift_i, scale_i))`` with per-sample ``[b, D]`` chunks."""
+    shift, scale, gate = mods[3 * i:3 * i + 3]
+    return x + gated(f(modulate(norm(x), shift, scale)), gate)
 
 
 class DiTLayerBase(TransformerLayer):
@@ -95,7 +85,11 @@ class DiTLayerBase(TransformerLayer):
         if config.sequence_parallel:
             raise ValueError(f"config.sequence_parallel (True) is not supported by "
                              f"{type(self).__name__}: {self.sequence_parallel_reason}")
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        # Megatron hands the attention it builds config.cp_comm_type's entry for this layer; make
+        # every megatron-core read the entry _cp_comm_type() reads (compat.cp_comm_type).
+        with megatron_reads_layer_cp_comm_type(config):
+            super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                             **kwargs)
         self._groups, self._resolved = groups, False
 
     def _build_modulation(self, spec, num_chunks: int, lora_rank: int) -> None:
@@ -114,8 +108,7 @@ class DiTLayerBase(TransformerLayer):
 
     # -- groups -------------------------------------------------------------------------------
     def _cp_comm_type(self):
-        comm = self.config.cp_comm_type
-        return comm[self.layer_number - 1] if isinstance(comm, list) else comm
+        return layer_cp_comm_type(self.config, self.layer_number)
 
     @property
     def groups(self):
@@ -168,7 +161,12 @@ class DiTLayerBase(TransformerLayer):
 
 class VideoTransformerBlock(TransformerBlock):
     """``TransformerBlock`` of DiT layers: ``forward(hidden_states, params, context=None,
-    context_mask=None)`` with ``params`` a ``DiTParams`` (see the module docstring)."""
+    context_mask=None)`` with ``params`` a ``DiTParams``.
+
+    It runs the layers itself: with full activation recompute (``recompute_method`` uniform or
+    block, as Megatron) the conditioning -- a tensor that needs its gradient -- is a checkpoint
+    argument and the rest of the ``DiTParams`` is closed over per call, so pipelined
+    micro-batches cannot mix them up (stock ``forward`` hands checkpoints only tensors)."""
 
     def forward(self, hidden_states: Optional[torch.Tensor], params: DiTParams = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,

@@ -1,21 +1,23 @@
-"""Input / output pieces of the video DiTs: 3D patchify, patch embedding, final AdaLN layer, text.
-
-* ``patchify`` / ``unpatchify``: latents ``[B, C, T, H, W]`` <-> frame-major tokens
-  ``[B, T'*H'*W', C*pt*ph*pw]`` (token ``g = f*H'*W' + y*W' + x``, the order every layout indexes).
-  A CP rank patchifies only its own latent frames (``pt`` divides its frame count), which gives
-  exactly its contiguous slice of the global token sequence.
-* ``PatchEmbed``: tokens -> hidden ``D`` (first pipeline stage only).
-* ``FinalLayer``: AdaLN shift/scale from the conditioning, LayerNorm, ``D -> C*pt*ph*pw``; the
-  output projection is zero-initialised (the network starts by predicting 0).
-* ``TextEmbedder``: the learned caption table of ``data.synthetic.CaptionEmbedder`` plus a
-  per-sample classifier-free-guidance drop that swaps in the learned null caption.
-
-Conditioning embedders (timestep, text) are replicated on every pipeline stage:
-``mark_pipeline_replicated`` tags their parameters the way Megatron's ``finalize_model_grads``
-expects (``param.pipeline_parallel``; with ``config.has_cond_embedder``) so their gradients are
-all-reduced across stages.
+"""Input / output pieces of the video DiTs: 3D patchify, patch embedding, final AdaLN layer, text
+embedder, and the tagging of pipeline-replicated conditioning embedders. Design:
+docs/architecture.md, "Megatron integration".
 """
 from __future__ import annotations
+
+# * ``patchify`` / ``unpatchify``: latents ``[B, C, T, H, W]`` <-> frame-major tokens ``[B,
+#   T'*H'*W', C*pt*ph*pw]`` (token ``g = f*H'*W' + y*W' + x``, the order every layout indexes). A CP
+#   rank patchifies only its own latent frames (``pt`` divides its frame count), which gives exactly
+#   its contiguous slice of the global token sequence.
+# * ``PatchEmbed``: tokens -> hidden ``D`` (first pipeline stage only).
+# * ``FinalLayer``: AdaLN shift/scale from the conditioning, LayerNorm, ``D -> C*pt*ph*pw``; the
+#   output projection is zero-initialised (the network starts by predicting 0).
+# * ``TextEmbedder``: the learned caption table of ``data.synthetic.CaptionEmbedder`` plus a
+#   per-sample classifier-free-guidance drop that swaps in the learned null caption.
+#
+# Conditioning embedders (timestep, text) are replicated on every pipeline stage:
+# ``mark_pipeline_replicated`` tags their parameters the way Megatron's ``finalize_model_grads``
+# expects (``param.pipeline_parallel``; with ``config.has_cond_embedder``) so their gradients are
+# all-reduced across stages.
 
 from typing import Optional, Sequence, Tuple
 

@@ -1,13 +1,7 @@
-"""Megatron ModuleSpecs: the drop-in surface of megatron_video.
-
-``with_2d_attention(layer_spec, **params)`` returns a copy of any Megatron layer (or block) spec --
-Megatron's GPT specs or the video DiT specs (``get_video_dit_layer_spec``,
-``get_stdit_layer_spec``, ``get_ar_dit_layer_spec``, local or TE) -- whose self-attention core is :class:`~megatron_video.attention.megatron.DistAttention2D`
-(Ulysses x ring, exact, masks on global token ids); ``params`` go to its constructor (``mask``,
-``scheme``, ``backend``, ``groups``). Without ``groups`` the layer takes its groups from Megatron
-(``pg_collection`` / parallel state) and its scheme from ``config.cp_comm_type`` at the first
-forward (docs/architecture.md, "Groups"), so a stock Megatron job needs nothing else. The
-module-level specs below work with Megatron-LM's ``--spec megatron_video.models.specs <name>``.
+"""Megatron ModuleSpecs: the drop-in surface of megatron_video. ``with_2d_attention(layer_spec,
+**params)`` puts ``DistAttention2D`` into any Megatron layer (or block) spec, local or TE; the
+module-level specs work with Megatron-LM's ``--spec megatron_video.models.specs <name>``.
+Design: docs/architecture.md, "Megatron integration" and "Groups".
 """
 from __future__ import annotations
 
@@ -81,7 +75,15 @@ def _copy_tree(obj):
 
 
 def with_2d_attention(layer_spec, **params):
-    """A copy of ``layer_spec`` (local or TE, layer or block) with 2D attention as core attention."""
+    """A copy of ``layer_spec`` (local or TE, layer or block) with 2D attention as core attention.
+
+    ``layer_spec``: Megatron's GPT specs or the video DiT specs (``models.dit_layer_specs``);
+    every self-attention core becomes :class:`~megatron_video.attention.megatron.DistAttention2D`
+    (Ulysses x ring, exact, masks on global token ids) with ``params`` for its constructor
+    (``mask``, ``scheme``, ``backend``, ``groups``). Without ``groups`` the layer takes its groups
+    from Megatron (``pg_collection`` / parallel state) and its scheme from ``config.cp_comm_type``
+    at the first forward, so a stock Megatron job needs nothing else.
+    """
     spec = _copy_tree(layer_spec)
     if _swap(spec, params) == 0:
         raise ValueError(f"layer_spec ({type(layer_spec).__name__}) has no self-attention "

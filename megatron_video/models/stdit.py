@@ -1,39 +1,14 @@
 """ST-DiT layer with hybrid CP<->DP parallelism, a Megatron ``TransformerLayer``.
 
-One layer (block) on a CP group of ``P`` ranks, input and output in layout A (``[s, b, D]`` with
-``s = t*n/P``: this rank's frames x all positions; see ``megatron_video.layouts.stdit``)::
-
-    [full self-attention]   layout A, 2D (Ulysses x ring) attention    (chosen layers only)
-    spatial self-attention  layout A as [(b*t/P), n]: local, no comm   (data parallel)
-    cross-attention         layout A, the whole text on every rank      (no CP)
-    -- frames_to_positions: 1 all-to-all --
-    temporal self-attention layout B as [(b*n/P), t]: local, no comm    (data parallel)
-    MLP                     layout B (pointwise)
-    -- positions_to_frames: 1 all-to-all --
-
-so a layer costs exactly 2 all-to-alls forward and 2 backward beyond its optional full attention.
-Every sub-layer is ``x + gate * f(modulate(LN(x), shift, scale))`` with AdaLN-LoRA modulation of
-the conditioning vector (zero-initialised: the layer starts as the identity).
-
-Each attention is a ``DiTSelfAttention`` whose ``core_attention`` slot holds the pattern: hybrid
-spatial / temporal attention runs ``LocalDotProductAttention`` on the rows the layer cut (whole
-frames, whole positions), full attention ``DistAttention2D`` on the contiguous split.
-
-Baselines (``variant``), same parameters and results, for the benchmark (only the cores differ):
-  * ``"cp_everywhere"``: spatial and temporal attention also run as 2D attention in layout A, with
-    same-frame / same-position masks on global token ids (no transitions);
-  * ``"ulysses_everywhere"``: every self-attention is ``UlyssesAttention`` (the whole CP group one
-    all-to-all group): q, k, v to head shards of the whole sequence and the output back (4 per
-    attention, 12 per layer with full attention).
-
-Call convention (``models.video_dit``): ``hidden_states [s, b, D]`` in layout A (images, ``t ==
-1``, are sharded by sample instead), ``context [L, b, D_c]`` text and ``context_mask [b, L]``
-(True = real token), both whole, and ``params`` a ``DiTParams`` with the conditioning ``[b, D]``
-and the global ``(t, h, w)``.
+Layout A (``[s, b, D]``, this rank's frames x all positions; ``layouts.stdit``) for the optional
+full attention (2D, over the CP group), spatial attention (local rows of one frame) and
+cross-attention; one all-to-all to layout B (all frames of this rank's positions) for temporal
+attention (local rows of one position) and the MLP; one all-to-all back. Each sub-layer is
+AdaLN-LoRA gated. Its specs (the variants): ``models.dit_layer_specs.get_stdit_layer_spec``;
+design: docs/architecture.md, "Megatron integration".
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
@@ -43,21 +18,19 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention import masks
-from megatron_video.attention.megatron import (DistAttention2D, LocalDotProductAttention,
-                                               UlyssesAttention)
+from megatron_video.attention.megatron import LocalDotProductAttention
 from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
 from megatron_video.layouts.stdit import (VideoGeometry, check_stdit_divisibility,
                                           layout_a_indices, layout_b_indices, token_thw)
-from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, DiTSelfAttention, attend,
-                                              rope_3d_angles, rope_embedding)
-from megatron_video.models.dit_layer import DiTLayerBase, DiTLayerSubmodules, DiTParams
-from megatron_video.models.video_dit import (adaln_branch, dit_backend_modules,
-                                             dit_cross_attention_spec, dit_mlp_spec,
-                                             dit_self_attention_spec)
+from megatron_video.models.dit_blocks import (DiTSelfAttention, attend, rope_3d_angles,
+                                              rope_embedding)
+from megatron_video.models.dit_layer import (DiTLayerBase, DiTLayerSubmodules, DiTParams,
+                                             adaln_branch)
 from megatron_video.parallel.comm import check_same_shape
 
-__all__ = ["VARIANTS", "STDiTLayerSubmodules", "STDiTLayer", "get_stdit_layer_spec"]
+__all__ = ["VARIANTS", "STDiTLayerSubmodules", "STDiTLayer"]
 
+# The ST-DiT variants ``models.dit_layer_specs.get_stdit_layer_spec`` builds (by core attention).
 VARIANTS = ("hybrid", "cp_everywhere", "ulysses_everywhere")
 
 
@@ -77,65 +50,24 @@ class STDiTLayerSubmodules(DiTLayerSubmodules):
     temporal_attention: Union[ModuleSpec, type] = None
 
 
-def _cores(variant: str):
-    """(full, spatial / temporal) core attentions of a variant (see the module docstring)."""
-    contiguous = dict(scheme="contiguous")
-    if variant == "hybrid":
-        return (ModuleSpec(module=DistAttention2D, params=contiguous),
-                ModuleSpec(module=LocalDotProductAttention))
-    if variant == "cp_everywhere":
-        cp = ModuleSpec(module=DistAttention2D, params=contiguous)
-        return cp, cp
-    uly = ModuleSpec(module=UlyssesAttention, params=contiguous)
-    return uly, uly
-
-
-def get_stdit_layer_spec(variant: str = "hybrid", full_attention_layers: Iterable[int] = (),
-                         lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
-                         context_dim: Optional[int] = None, backend: str = "local") -> ModuleSpec:
-    """``ModuleSpec`` of ``STDiTLayer`` for Megatron's ``TransformerBlock`` (fanned out to every layer).
-
-    ``full_attention_layers``: global 1-based layer numbers that also get full self-attention.
-    ``rope_theta=None`` disables 3D RoPE. ``context_dim``: text embedding width (default ``D``).
-    ``backend``: ``"local"`` or ``"te"`` (TE linears and norms), as ``get_video_dit_layer_spec``.
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant ({variant!r}) must be one of {VARIANTS}")
-    m = dit_backend_modules(backend)
-    full_core, local_core = _cores(variant)
-    return ModuleSpec(
-        module=STDiTLayer,
-        params=dict(variant=variant, full_attention_layers=tuple(full_attention_layers),
-                    lora_rank=lora_rank, rope_theta=rope_theta),
-        submodules=STDiTLayerSubmodules(
-            modulation=AdaLNLoRAModulation,
-            input_layernorm=m["norm"],
-            full_attention=dit_self_attention_spec(full_core, backend),
-            pre_spatial_attn_layernorm=m["norm"],
-            spatial_attention=dit_self_attention_spec(local_core, backend),
-            pre_cross_attn_layernorm=m["norm"],
-            cross_attention=dit_cross_attention_spec(context_dim, backend),
-            pre_temporal_attn_layernorm=m["norm"],
-            temporal_attention=dit_self_attention_spec(copy.deepcopy(local_core), backend),
-            pre_mlp_layernorm=m["norm"],
-            mlp=dit_mlp_spec(backend)),
-    )
-
-
 class STDiTLayer(DiTLayerBase):
-    """One ST-DiT block; see the module docstring for the layouts and the call convention."""
+    """One ST-DiT block (see the module docstring for the layouts).
+
+    ``forward(hidden_states [s, b, D], context=[L, b, D_c], context_mask=[b, L], params=DiTParams)``
+    -> ``([s, b, D], context)``: ``hidden_states`` in layout A (images, ``t == 1``, are sharded by
+    sample instead), text whole, ``params`` the conditioning ``[b, D]`` and the global geometry.
+    The spec's core attentions choose the variant: a ``LocalDotProductAttention`` core runs its
+    attention on the rows the layer cuts (and temporal attention in layout B); any other core
+    (2D, Ulysses) runs over the CP group in layout A with same-frame / same-position masks.
+    """
 
     sequence_parallel_reason = "its tokens are laid out by frames and positions, not split over TP"
     cp_order_note = "; layout A and the 2D attention would disagree on which frames a rank holds"
 
     def __init__(self, config: TransformerConfig, submodules: STDiTLayerSubmodules,
-                 layer_number: int = 1, variant: str = "hybrid",
-                 full_attention_layers: Iterable[int] = (), lora_rank: int = 256,
-                 rope_theta: Optional[float] = 10000.0, **kwargs):
-        if variant not in VARIANTS:
-            raise ValueError(f"variant ({variant!r}) must be one of {VARIANTS}")
+                 layer_number: int = 1, full_attention_layers: Iterable[int] = (),
+                 lora_rank: int = 256, rope_theta: Optional[float] = 10000.0, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
-        self.variant = variant
         self.rope_theta = rope_theta
 
         has_full = self.layer_number in set(full_attention_layers)
@@ -155,6 +87,12 @@ class STDiTLayer(DiTLayerBase):
     def cp_group(self):
         return None if self.groups is None else self.groups.cp_group
 
+    def _on_local_rows(self, module: DiTSelfAttention, geometry: VideoGeometry) -> bool:
+        """Whether ``module`` attends on the local rows the layer cuts (its core is local, or
+        there is nothing to communicate: CP 1 or images, sharded by sample)."""
+        return (isinstance(module.core_attention, LocalDotProductAttention)
+                or self._cp()[0] == 1 or geometry.is_image)
+
     def _self_attention(self, module: DiTSelfAttention, x, pattern: str, geometry: VideoGeometry,
                         layout: str):
         """Attention of ``x`` (``[b, t/P, n, D]`` in layout A or ``[b, m, t, D]`` in layout B)."""
@@ -170,7 +108,7 @@ class STDiTLayer(DiTLayerBase):
                 index = (layout_a_indices if layout == "A" else layout_b_indices)(rank, t, n, P)
             angles = rope_3d_angles(token_thw(index, geometry), hd, self.rope_theta).to(x.device)
         mask = None
-        if pattern != "full" and (self.variant == "hybrid" or P == 1 or geometry.is_image):
+        if pattern != "full" and self._on_local_rows(module, geometry):
             # rows of the local layout (frames in A, positions in B) are independent short sequences
             rows = x.reshape(b * d1, d2, D)
             if angles is not None:
@@ -237,7 +175,7 @@ class STDiTLayer(DiTLayerBase):
             ctx = context.transpose(0, 1)
             x = branch("cross", x, self.pre_cross_attn_layernorm, lambda y: self.cross_attention(
                 y.reshape(b, tl * n, D), ctx, context_mask).reshape(b, tl, n, D))
-        if self.variant == "hybrid" or P == 1 or geometry.is_image:
+        if self._on_local_rows(self.temporal_attention, geometry):
             # to layout B (a local transpose when P == 1 or for images), temporal + MLP, back to A
             if P == 1:
                 xb = x.transpose(1, 2)

@@ -1,24 +1,8 @@
-"""VideoDiT (full 3D attention) and the shared DiT model shell, built from Megatron-Core pieces.
-
-``VideoDiTConfig`` extends Megatron's ``TransformerConfig`` with the video fields. ``VideoDiT``
-is a ``MegatronModule``: conditioning embedders (timestep, text) on every pipeline stage, patch
-embedding on the first, a ``VideoTransformerBlock`` (Megatron's ``TransformerBlock``) of
-``TransformerLayer``-based layers from a ``ModuleSpec``, and the final AdaLN layer on the last. Two layer families share the shell:
-
-* ``layer_type="full"``: ``VideoDiTLayer`` (this module): 2D (Ulysses x ring) full self-attention
-  over the CP group, cross-attention to the whole text without CP, MLP; AdaLN-LoRA modulation
-  (``D -> r -> 9D``, zero-initialised), per-head QK RMSNorm, 3D RoPE from global token positions.
-* ``layer_type="stdit"``: ``models.stdit.STDiTLayer`` (hybrid CP<->DP spatial/temporal attention).
-
-Token layout: a sample's frame-major token sequence (``embedders.patchify``) is split contiguously
-over the CP group, rank ``c`` holding tokens ``[c*s, (c+1)*s)``; with the frame count divisible by
-the CP size that is exactly ST-DiT's layout A, so both families take the same local input.
-
-Layer call convention (shared with ``STDiTLayer`` and ``ARDiTLayer``): ``hidden_states [s, b, D]``,
-``context [L, b, D_c]`` / ``context_mask [b, L]`` (True = real text token) in Megatron's slots, and
-``params``, a ``models.dit_layer.DiTParams`` with the AdaLN conditioning ``[b, D]`` and the global
-token grid. Specs: ``get_video_dit_layer_spec(..., backend="local" | "te")``; the self-attention's
-``core_attention`` slot holds the 2D attention and ``models.specs.with_2d_attention`` swaps it.
+"""VideoDiT: the DiT model shell (conditioning embedders on every pipeline stage, patch embedding
+on the first, a ``VideoTransformerBlock`` of layers from a ``ModuleSpec``, the final AdaLN layer on
+the last) and ``VideoDiTConfig``, Megatron's ``TransformerConfig`` plus the video fields. The
+layers: ``models.video_dit_layer`` / ``models.stdit``; their specs: ``models.dit_layer_specs``.
+Design: docs/architecture.md, "Megatron integration".
 """
 from __future__ import annotations
 
@@ -27,31 +11,25 @@ from typing import Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.enums import ModelType
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_video.attention.megatron import DistAttention2D
 from megatron_video.data.synthetic import VOCAB
-from megatron_video.layouts.stdit import VideoGeometry, token_thw
-from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, AdaLNNorm,
-                                              DiTAttentionSubmodules, DiTCrossAttention,
-                                              DiTCrossAttentionSubmodules, DiTSelfAttention,
-                                              TimestepEmbedder, gated, modulate, rope_3d_angles,
-                                              rope_embedding)
-from megatron_video.models.dit_layer import (DiTLayerBase, DiTLayerSubmodules, DiTParams,
-                                             VideoTransformerBlock, mlp_submodule)
+from megatron_video.layouts.stdit import VideoGeometry
+from megatron_video.models.dit_blocks import TimestepEmbedder
+from megatron_video.models.dit_layer import DiTParams, VideoTransformerBlock
+from megatron_video.models.dit_layer_specs import (  # noqa: F401  (re-exported, their old home)
+    LAYER_BACKENDS, check_layer_backend, dit_backend_modules, dit_cross_attention_spec,
+    dit_mlp_spec, dit_self_attention_spec, full_2d_attention, full_attention_layer_spec,
+    get_video_dit_layer_spec, layer_spec_for)
 from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
                                              mark_pipeline_replicated)
-from megatron_video.parallel.comm import check_same_shape
+from megatron_video.models.video_dit_layer import VideoDiTLayer  # noqa: F401  (re-exported)
 
-__all__ = ["LAYER_TYPES", "LAYER_BACKENDS", "VideoDiTConfig", "VideoDiTLayer",
-           "get_video_dit_layer_spec", "full_attention_layer_spec", "layer_spec_for", "dit_backend_modules",
-           "dit_self_attention_spec", "dit_cross_attention_spec", "dit_mlp_spec", "full_2d_attention", "VideoDiT", "replicated_embedders",
+__all__ = ["LAYER_TYPES", "VideoDiTConfig", "VideoDiT", "replicated_embedders",
            "mark_pp_replicas"]
 
 LAYER_TYPES = ("full", "stdit")
@@ -99,181 +77,6 @@ class VideoDiTConfig(TransformerConfig):
 
 
 # ----------------------------------------------------------------------------------------------
-# Layer specs (local and TE) and the full-attention layer
-# ----------------------------------------------------------------------------------------------
-LAYER_BACKENDS = ("local", "te")
-
-
-def dit_backend_modules(backend: str = "local") -> dict:
-    """The linear / norm classes of a DiT layer spec: Megatron-core's own (``"local"``, CPU and
-    GPU) or TransformerEngine's (``"te"``: ``TEColumnParallelLinear`` / ``TERowParallelLinear`` /
-    ``TENorm``, FP8-capable). TE classes are looked up only here, when a TE spec is asked for."""
-    if backend == "local":
-        return dict(column=ColumnParallelLinear, row=RowParallelLinear, norm=AdaLNNorm)
-    if backend == "te":
-        from megatron.core.extensions import transformer_engine as te
-
-        return dict(column=te.TEColumnParallelLinear, row=te.TERowParallelLinear, norm=te.TENorm)
-    raise ValueError(f"backend ({backend!r}) must be one of {LAYER_BACKENDS}")
-
-
-def check_layer_backend(backend: str) -> None:
-    """``ValueError`` unless ``backend`` can build modules here (``"te"`` needs TransformerEngine)."""
-    if backend not in LAYER_BACKENDS:
-        raise ValueError(f"layer_backend ({backend!r}) must be one of {LAYER_BACKENDS}")
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-
-        if not HAVE_TE:
-            raise ValueError("layer_backend ('te') needs TransformerEngine, which is not installed "
-                             "here; use 'local'")
-
-
-def dit_self_attention_spec(core_attention, backend: str = "local") -> ModuleSpec:
-    """``DiTSelfAttention`` with ``core_attention`` and the backend's linears."""
-    m = dit_backend_modules(backend)
-    return ModuleSpec(module=DiTSelfAttention, params=dict(attn_mask_type=AttnMaskType.no_mask),
-                      submodules=DiTAttentionSubmodules(linear_qkv=m["column"],
-                                                        core_attention=core_attention,
-                                                        linear_proj=m["row"]))
-
-
-def dit_cross_attention_spec(context_dim: Optional[int], backend: str = "local") -> ModuleSpec:
-    """Cross-attention to the whole text (no CP) with the backend's linears."""
-    m = dit_backend_modules(backend)
-    return ModuleSpec(module=DiTCrossAttention, params=dict(context_dim=context_dim),
-                      submodules=DiTCrossAttentionSubmodules(linear_q=m["column"],
-                                                             linear_kv=m["column"],
-                                                             linear_proj=m["row"]))
-
-
-def dit_mlp_spec(backend: str = "local"):
-    m = dit_backend_modules(backend)
-    return mlp_submodule(MLPSubmodules(linear_fc1=m["column"], linear_fc2=m["row"]))
-
-
-def full_2d_attention() -> ModuleSpec:
-    """Core attention over the whole sequence, context-parallel: 2D attention on the contiguous
-    CP split the DiT models use (rank ``c`` holds tokens ``[c*s, (c+1)*s)``)."""
-    return ModuleSpec(module=DistAttention2D, params=dict(scheme="contiguous"))
-
-
-def get_video_dit_layer_spec(lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
-                             context_dim: Optional[int] = None, backend: str = "local") -> ModuleSpec:
-    """``ModuleSpec`` of ``VideoDiTLayer`` for Megatron's ``TransformerBlock``; ``backend``
-    ``"local"`` (Megatron-core linears, parameter-free AdaLN norms) or ``"te"`` (TE linears and
-    norms; building modules from it needs TransformerEngine)."""
-    return full_attention_layer_spec(VideoDiTLayer, dict(lora_rank=lora_rank, rope_theta=rope_theta),
-                                     context_dim, backend)
-
-
-def full_attention_layer_spec(module, params: dict, context_dim: Optional[int],
-                              backend: str = "local") -> ModuleSpec:
-    """The submodules of a DiT layer whose self-attention is sequence-wide (2D attention core):
-    norms, self-attention, cross-attention, MLP and AdaLN-LoRA modulation of ``backend``."""
-    m = dit_backend_modules(backend)
-    return ModuleSpec(
-        module=module,
-        params=params,
-        submodules=DiTLayerSubmodules(
-            input_layernorm=m["norm"],
-            self_attention=dit_self_attention_spec(full_2d_attention(), backend),
-            pre_cross_attn_layernorm=m["norm"],
-            cross_attention=dit_cross_attention_spec(context_dim, backend),
-            pre_mlp_layernorm=m["norm"],
-            mlp=dit_mlp_spec(backend),
-            modulation=AdaLNLoRAModulation),
-    )
-
-
-def layer_spec_for(config: VideoDiTConfig) -> ModuleSpec:
-    """The layer spec selected by ``config.layer_type`` and ``config.layer_backend``."""
-    check_layer_backend(config.layer_backend)
-    if config.layer_type == "stdit":
-        from megatron_video.models.stdit import get_stdit_layer_spec
-
-        return get_stdit_layer_spec(config.stdit_variant, config.stdit_full_attention_layers,
-                                    config.lora_rank, config.rope_theta, config.text_dim,
-                                    backend=config.layer_backend)
-    return get_video_dit_layer_spec(config.lora_rank, config.rope_theta, config.text_dim,
-                                    backend=config.layer_backend)
-
-
-def adaln_branch(x, mods, i: int, norm, f):
-    """``x + gate_i * f(modulate(norm(x), shift_i, scale_i))`` with per-sample ``[b, D]`` chunks."""
-    shift, scale, gate = mods[3 * i:3 * i + 3]
-    return x + gated(f(modulate(norm(x), shift, scale)), gate)
-
-
-class VideoDiTLayer(DiTLayerBase):
-    """Full-attention DiT block: 2D self-attention, cross-attention, MLP, each AdaLN-gated.
-
-    A Megatron ``TransformerLayer``: ``input_layernorm`` / ``self_attention`` (its
-    ``core_attention`` the 2D attention), ``pre_cross_attn_layernorm`` / ``cross_attention``,
-    ``pre_mlp_layernorm`` / ``mlp``, plus ``modulation`` (9 chunks).
-    ``forward(hidden_states [s, b, D], context=[L, b, D_c], context_mask=[b, L], params=DiTParams)``
-    -> ``([s, b, D], context)`` with ``params.conditioning [b, D]`` and ``params.geometry``.
-    """
-
-    sequence_parallel_reason = "its sequence is already split by context parallelism"
-
-    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
-                 layer_number: int = 1, lora_rank: int = 256,
-                 rope_theta: Optional[float] = 10000.0, **kwargs):
-        super().__init__(config, submodules, layer_number, **kwargs)
-        self._build_modulation(submodules.modulation, 9, lora_rank)
-        self.rope_theta = rope_theta
-
-    def _rope(self, s: int, geometry: VideoGeometry, device):
-        if self.rope_theta is None:
-            return None
-        _, rank = self._cp()
-        ids = torch.arange(rank * s, (rank + 1) * s)
-        angles = rope_3d_angles(token_thw(ids, geometry), self.self_attention.head_dim,
-                                self.rope_theta)
-        return rope_embedding(angles).to(device)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
-                packed_seq_params=None, **unused):
-        """``hidden_states [s, b, D]`` (contiguous CP shard) -> ``([s, b, D], context)``."""
-        params = self._check_params(params, "the AdaLN conditioning and the global token grid", dict(
-            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
-        geometry = self._geometry(params, "the global token grid")
-        conditioning = params.conditioning
-        s, b, D = hidden_states.shape
-        P, _ = self._cp()
-        if s * P != geometry.tokens:
-            raise ValueError(f"hidden_states sequence length ({s}) x cp_size ({P}) must equal the "
-                             f"tokens of geometry {geometry} ({geometry.tokens})")
-        if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != (b, D):
-            raise ValueError(f"params.conditioning must be [b, D] = [{b}, {D}], got "
-                             f"{tuple(getattr(conditioning, 'shape', ())) or None}")
-        if P > 1:
-            shapes = {"hidden_states": hidden_states, "conditioning": conditioning}
-            if context is not None:
-                shapes["context"] = context
-            check_same_shape(shapes, self.groups.cp_group, where="VideoDiTLayer")
-        mods = self.modulation(conditioning)
-        rope = self._rope(s, geometry, hidden_states.device)
-
-        def attention(y):   # [b, s, D] in and out; the attention modules take Megatron's [s, b, D]
-            out, _ = self.self_attention(y.transpose(0, 1), rotary_pos_emb=rope)
-            return out.transpose(0, 1)
-
-        x = hidden_states.transpose(0, 1)
-        x = adaln_branch(x, mods, 0, self.input_layernorm, attention)
-        if context is not None:
-            ctx = context.transpose(0, 1)
-            x = adaln_branch(x, mods, 1, self.pre_cross_attn_layernorm,
-                             lambda y: self.cross_attention(y, ctx, context_mask))
-        x = adaln_branch(x, mods, 2, self.pre_mlp_layernorm, self._mlp)
-        return x.transpose(0, 1).contiguous(), context
-
-
-# ----------------------------------------------------------------------------------------------
 # The model shell
 # ----------------------------------------------------------------------------------------------
 def replicated_embedders(model: torch.nn.Module):
@@ -284,8 +87,6 @@ def replicated_embedders(model: torch.nn.Module):
 def mark_pp_replicas(sharded_sd: dict, prefixes) -> dict:
     """Give pipeline-replicated tensors a replica id per stage (stage 0 holds the main copy);
     Megatron's default id ``(0, tp, dp)`` would make every stage claim the main replica."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     pp = parallel_state.get_pipeline_model_parallel_rank()
     for key, value in sharded_sd.items():
         if isinstance(value, ShardedTensor) and any(key.startswith(p) for p in prefixes):
@@ -295,7 +96,7 @@ def mark_pp_replicas(sharded_sd: dict, prefixes) -> dict:
 
 
 class VideoDiT(MegatronModule):
-    """Video DiT on patch tokens; see the module docstring.
+    """Video DiT on patch tokens (the shell of the module docstring).
 
     ``forward(tokens, timesteps, caption_ids, caption_mask, geometry, drop=None)``:
     ``tokens [b, s_local, C*pt*ph*pw]`` this CP rank's patch tokens (first stage; ignored on later
@@ -323,8 +124,8 @@ class VideoDiT(MegatronModule):
         if pre_process:
             self.patch_embed = PatchEmbed(config, config.patch_dim)
         self.decoder = VideoTransformerBlock(config, layer_spec or layer_spec_for(config),
-                                        pre_process=pre_process, post_process=False,
-                                        vp_stage=vp_stage)
+                                             pre_process=pre_process, post_process=False,
+                                             vp_stage=vp_stage)
         if post_process:
             self.final_layer = FinalLayer(config, config.patch_dim)
 
