@@ -182,7 +182,8 @@ def get_stdit_layer_spec(variant: str = "hybrid", full_attention_layers: Iterabl
 
 
 # ----------------------------------------------------------------------------------------------
-# Wan: its layer spec builder goes here (``get_wan_layer_spec``); its layer and model in models/wan/.
+# Wan: ``get_wan_layer_spec`` lives beside its model in models/wan/wan_layer_specs.py and is built
+# from the slots above (dit_backend_modules, dit_mlp_spec, full_2d_attention).
 # ----------------------------------------------------------------------------------------------
 
 

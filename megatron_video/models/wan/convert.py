@@ -26,6 +26,7 @@ from megatron_video.models.wan.interop import (CLASS_NAME, full_diffusers_config
                                                read_diffusers_folder, wan_config)
 from megatron_video.models.wan.mapping import ignored_diffusers_key, to_diffusers, to_megatron
 from megatron_video.models.wan.model import WanModel
+from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
 __all__ = ["diffusers_to_checkpoint", "checkpoint_to_diffusers", "CONFIG_FILE", "STEP"]
 
@@ -129,7 +130,7 @@ def diffusers_to_checkpoint(source, output, tensor_model_parallel_size: int = 1,
     with _one_process():
         cfg = wan_config(config, params_dtype=dtype)
         weights = to_megatron(sd, cfg, full)
-        model = WanModel(cfg)
+        model = WanModel(cfg, layer_spec=get_wan_layer_spec(cfg))
         load_full_weights(model, weights)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -197,7 +198,7 @@ def checkpoint_to_diffusers(checkpoint, output) -> Path:
                          f"torch dtype")
     with _one_process():
         cfg = wan_config(full, params_dtype=dtype)
-        model = WanModel(cfg)
+        model = WanModel(cfg, layer_spec=get_wan_layer_spec(cfg))
         request = model.sharded_state_dict()
         _check_against_index(path, request)
         loaded = dist_checkpointing.load({"model": request}, str(path))["model"]

@@ -18,6 +18,7 @@ from megatron_video.layouts.geometry import VideoGeometry
 from megatron_video.models.embedders import patchify, token_grid
 from megatron_video.models.wan.mapping import to_megatron
 from megatron_video.models.wan.model import WanConfig, WanModel, wan_unpatchify
+from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 from megatron_video.parallel import comm
 
 __all__ = ["from_diffusers", "diffusers_forward", "wan_config", "read_diffusers_folder",
@@ -142,7 +143,8 @@ def from_diffusers(path_or_module, layer_spec=None, *, dtype: Optional[torch.dty
     cfg = wan_config(config, params_dtype=dtype, **config_overrides)
     full = to_megatron(sd, cfg, full_diffusers_config(config))
     model = WanModel(cfg, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), layer_spec=layer_spec)
+                     post_process=ps.is_pipeline_last_stage(),
+                     layer_spec=layer_spec if layer_spec is not None else get_wan_layer_spec(cfg))
     load_full_weights(model, {k: v.to(dtype) for k, v in full.items()})
     if torch.cuda.is_available():
         model.cuda()

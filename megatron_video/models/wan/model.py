@@ -545,8 +545,9 @@ class WanModel(MegatronModule):
 
     def __init__(self, config: WanConfig, pre_process: bool = True, post_process: bool = True,
                  layer_spec: Optional[ModuleSpec] = None, vp_stage: Optional[int] = None):
-        from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
-
+        if layer_spec is None:  # as GPTModel: the spec is given (models/wan/wan_layer_specs.py)
+            raise ValueError("layer_spec (None) must be given: a Wan layer ModuleSpec, e.g. "
+                             "megatron_video.models.wan.get_wan_layer_spec(config)")
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False
@@ -556,7 +557,7 @@ class WanModel(MegatronModule):
         mark_pipeline_replicated(self.condition_embedder)
         if pre_process:
             self.patch_embedding = _linear_module(config.patch_dim, config.hidden_size, config)
-        spec = layer_spec if layer_spec is not None else get_wan_layer_spec(config)
+        spec = layer_spec
         self.decoder = VideoTransformerBlock(config, spec, pre_process=pre_process,
                                              post_process=False, vp_stage=vp_stage)
         if post_process:
