@@ -418,7 +418,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _close(a, b, case, what, bf16_reference=None):
+def _close(a, b, case, what, bf16_reference=None, partials=None):
     """float64: tight. bf16: the parallel result may be at most 2x (+0.01) as far from the float64
     oracle as the same block run in bf16 on one process (``bf16_reference``), i.e. distributing adds
     no error beyond bf16's own; outputs and input gradients also within 3% outright."""
@@ -428,7 +428,16 @@ def _close(a, b, case, what, bf16_reference=None):
     err = _rel(a, b)
     if bf16_reference is not None:
         ref_err = _rel(bf16_reference, b)
-        assert err <= 2 * ref_err + 1e-2, f"{case['name']} {what}: error {err:.3g} vs one-process bf16 {ref_err:.3g}"
+        # a parameter gradient summed over ranks is a sum of P partials, each rounded to bf16 on
+        # its own rank: add that rounding (4 ulp of each partial's size), which the one-process
+        # run, rounding only the total, does not have (it dominates when the partials cancel)
+        extra = 0.0
+        if partials is not None:
+            size = sum(g.abs() for g in partials).norm() / b.norm().clamp_min(1e-30)
+            extra = 4 * 2.0**-8 * size.item()
+        assert err <= 2 * ref_err + 1e-2 + extra, (
+            f"{case['name']} {what}: error {err:.3g} vs one-process bf16 {ref_err:.3g} "
+            f"(+ {extra:.3g} for the per-rank rounding of the partials)")
     if "grad of" not in what:
         assert err < 3e-2, f"{case['name']} {what}: relative error {err:.3g}"
 
@@ -449,7 +458,7 @@ def _check_against_oracle(case, per_rank, cat_dim, single=None):
     assert set(ref_grads) == set(per_rank[0]["grads"])
     for name, ref in ref_grads.items():
         _close(sum(r["grads"][name] for r in per_rank), ref, case, f"grad of {name}",
-               sr.get("grads", {}).get(name))
+               sr.get("grads", {}).get(name), partials=[r["grads"][name] for r in per_rank])
         # (one-frame temporal attention ignores q and k: their norms' gradients are truly zero)
         trivially_zero = case["t"] == 1 and name.startswith("temporal_attention.") and "layernorm" in name
         if case.get("perturb", True) and case["dtype"] == torch.float64 and not trivially_zero:
