@@ -36,7 +36,7 @@ def _positive(name: str, value) -> None:
 
 @dataclass
 class ModelSection:
-    family: str = "ar_dit"                 # video_dit | stdit | ar_dit (training/families.py)
+    family: str = "ar_dit"                 # a registered family (training/families/)
     num_layers: int = 4
     hidden_size: int = 64
     num_attention_heads: int = 4
