@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test demo venv ext clean bench
+.PHONY: test demo venv ext clean bench lint
 
 venv: $(STAMP)
 
@@ -21,6 +21,12 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/megatron-video demo --cpu
+
+# ruff lint + format check (pyproject.toml [tool.ruff]); CI runs it before the suites.
+lint: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/lint.txt
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Attention benchmarks of docs/benchmarks.md (tens of minutes on 2 cores); yunchang: peer_usp only.
 bench: $(STAMP)
