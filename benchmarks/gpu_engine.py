@@ -82,8 +82,9 @@ def memory(seqs, H=8, D=64):
         for name in ("engine", "torch sdpa"):
             q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             qbytes = q.numel() * q.element_size()
-            fn = ((lambda: dist_attention(q, k, v, None, mask=masks.causal())) if name == "engine" else
-                  (lambda: torch.nn.functional.scaled_dot_product_attention(
+            fn = ((lambda q=q, k=k, v=v: dist_attention(q, k, v, None, mask=masks.causal()))
+                  if name == "engine" else
+                  (lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
                       q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)))
             fn().sum().backward()  # warm-up / compile
             torch.cuda.synchronize()
@@ -95,7 +96,7 @@ def memory(seqs, H=8, D=64):
             dt = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated() - base
             row.append(f"{name}: {peak / qbytes:5.1f}x q, {dt * 1e3:7.1f} ms")
-            del q, k, v
+            del q, k, v, fn
         print("   ".join(row), flush=True)
 
 

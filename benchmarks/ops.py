@@ -75,10 +75,10 @@ def bench_halo(args, device: torch.device) -> None:
           f"windows {windows.tolist()}", flush=True)
     packed = halo_scatter(video, windows)
     moved = 2 * packed.buffer.numel() * packed.buffer.element_size()  # read + write
-    t_copy = timed(lambda: packed.buffer.clone(), device, args.repeat)
+    t_copy = timed(lambda p=packed: p.buffer.clone(), device, args.repeat)
     print(f"{'device copy (clone)':<28} {t_copy * 1e3:9.2f} ms   {moved / t_copy / 1e9:7.1f} GB/s", flush=True)
-    t_ext = timed(lambda: halo_scatter(video, windows), device, args.repeat)
-    t_ref = timed(lambda: halo_scatter_reference(video, windows), device, args.repeat)
+    t_ext = timed(lambda x=video: halo_scatter(x, windows), device, args.repeat)
+    t_ref = timed(lambda x=video: halo_scatter_reference(x, windows), device, args.repeat)
     row("halo_scatter", t_ext, t_ref, moved, t_copy)
     del packed, video
     # Inverse: 16-channel latents at the VAE's spatial stride, one tensor per rank.

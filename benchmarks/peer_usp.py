@@ -140,7 +140,7 @@ def main():
         import yunchang  # noqa: F401
     except ImportError:
         raise SystemExit("peer_usp: yunchang is not installed; pip install -r requirements/bench.txt "
-                         "-c requirements/constraints.txt")
+                         "-c requirements/constraints.txt") from None
     seqs = [int(x) for x in a.seqs.split(",")]
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
         per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.iters, a.check_seq)

@@ -229,7 +229,7 @@ def test_skipped_steps_match_masked_tiles(pool8, degree):
             assert 0 < st.max_score_elements <= tile * tile, (rank, case, st.max_score_elements)
             assert st.max_mask_elements <= tile * tile, (rank, case, st.max_mask_elements)
     # Hand-derived numbers for the balanced layouts (ring rank r of R = 4, and of R = 2), whole runs:
-    for rank, results in enumerate(per_rank):
+    for _rank, results in enumerate(per_rank):
         by_case = {c: (st, r) for c, _, st, _, _, r in results}
         if degree == (1, 4, "ulysses_inner"):
             # causal contiguous, pure ring: the KV blocks of every later ring rank are skipped
@@ -278,7 +278,7 @@ def _tracer_cases(U, R, hk):
 @pytest.mark.parametrize("U,R,hk", [(2, 4, 4), (4, 2, 4), (4, 2, 2), (1, 8, 2), (4, 1, 4)])
 def test_comm_bytes_match_design_formulas(pool8, U, R, hk):
     for rank, results in enumerate(pool8.run(_tracer_cases, U, R, hk)):
-        for (U, R, hk, N, b, s_local, h, d, e), rec in results:
+        for (U, R, hk, _N, b, s_local, h, d, e), rec in results:
             G = b * s_local * d * e
             hk_eff = hk * U // math.gcd(hk, U)  # kv heads enter the a2a as lcm(hk, U) replicas
             a2a = G * (2 * h + 2 * hk_eff) * (U - 1) // U

@@ -385,7 +385,7 @@ def _mmsp_rows():
     initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
     model = video_llava_model(VideoLLaVASizes(), cp=4, cp_comm_type="a2a+p2p")
     out = {}
-    for name, (fn, param) in MMSP.items():
+    for name, (fn, _param) in MMSP.items():
         try:
             if fn == "heads":
                 m = video_llava_model(VideoLLaVASizes(hidden_size=24, num_attention_heads=3,

@@ -36,7 +36,7 @@ def test_frame_shards_cover_each_unit_once(frames, cp, t):
     totals = [sh.local_units(r).numel() for r in range(cp)]
     assert max(totals) - min(totals) <= 1, totals  # remainders rotate over the ranks
     start = 0
-    for j, n in enumerate(units):  # every rank holds one contiguous run of every video
+    for _j, n in enumerate(units):  # every rank holds one contiguous run of every video
         owners = sh.owner[start:start + n].tolist()
         assert owners == sorted(owners) and set(owners) == set(range(cp)), owners
         start += n
@@ -273,7 +273,6 @@ def _check(per_rank, cases, data_names):
                 assert info["bytes"] == (info["want"], info["want_bwd"]), (case, n, info)
         for case in cases:  # stage 1: every frame encoded once, by one rank, balanced
             units = [per_rank[r][(case, n)][2]["units"] for r in range(len(per_rank))]
-            cp = CASES[case][1]
             tp = CASES[case][0]
             assert sum(units) == tp * per_rank[0][(case, n)][2]["total_units"], (case, n, units)
             assert max(units) - min(units) <= 1

@@ -309,7 +309,7 @@ def _comm_checks(gradcheck=True):
 
 
 def test_comm_roundtrip_gradcheck_and_tracer(pool4):
-    for rank, res in enumerate(pool4.run(_comm_checks, ranks_per_node=2)):
+    for _rank, res in enumerate(pool4.run(_comm_checks, ranks_per_node=2)):
         assert res["roundtrip"] and res["content"]
         assert res["gradcheck_a2a"] and res["gradcheck_ring"] and res["ring_value"]
         assert res["gradcheck_catches_bug"]

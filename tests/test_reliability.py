@@ -283,7 +283,7 @@ def test_nonfinite_skip_and_stop(pool4, vae_dir):
         if r == 3:
             assert metrics["nonfinite_steps"] == 1 and metrics["steps"] == 2
     # skip with max_skipped_steps=1: the first bad step passes, the second in a row stops the job
-    for r, (msg, metrics, latest) in enumerate(pool4.run(_nonfinite, vae_dir, "skip1")):
+    for _r, (msg, _metrics, latest) in enumerate(pool4.run(_nonfinite, vae_dir, "skip1")):
         assert msg.startswith("step 2: non-finite") and "2 steps in a row were skipped" in msg, msg
         assert "train.max_skipped_steps=1" in msg and latest == 2
 

@@ -15,7 +15,7 @@ from megatron_video.layouts import stdit as L
 # ---------------------------------------------------------------------------------------------
 def _first_principles_a(rank, t, n, P):
     tl = t // P
-    return [(rank * tl + l // n) * n + l % n for l in range(tl * n)]
+    return [(rank * tl + i // n) * n + i % n for i in range(tl * n)]
 
 
 def _first_principles_b(rank, t, n, P):

@@ -128,9 +128,9 @@ def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
     assert gbs == 4 and sorted((r[0], r[1]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for step in range(3):
         by_dp = {}
-        for dp, cp, _, seen in res:
+        for dp, _cp, _, seen in res:
             by_dp.setdefault(dp, []).append(seen[step])
-        for dp, views in by_dp.items():
+        for views in by_dp.values():
             assert views[0] == views[1], "CP ranks of one replica read the same samples"
             assert len(views[0]) == gbs // 2
         union = by_dp[0][0] + by_dp[1][0]

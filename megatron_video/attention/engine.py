@@ -82,7 +82,10 @@ def kernel_block_size(backend: str, device: torch.device) -> int:
     return 128 if backend == "flex" and device.type == "cuda" else 1
 
 
-def check_tile(tile, backend: str = "auto", device: torch.device = torch.device("cpu")) -> int:
+_CPU = torch.device("cpu")
+
+
+def check_tile(tile, backend: str = "auto", device: torch.device = _CPU) -> int:
     """``tile`` as an int, or ``ValueError`` naming it (positive multiple of the kernel's block)."""
     if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
         raise ValueError(f"tile ({tile!r}) must be a positive int (tokens per tile side)")

@@ -203,7 +203,7 @@ def _activate(cuda_available: bool) -> bool:
         if original is None:
             continue
         if not _same_parameters(original, replacement):
-            warnings.warn(f"CPU mode: {name}.{attr} has an unexpected signature; not patched")
+            warnings.warn(f"CPU mode: {name}.{attr} has an unexpected signature; not patched", stacklevel=2)
             continue
         setattr(module, attr, replacement)
         _applied.append(Patch(name, attr, f"compat.cpu_functions.{replacement.__name__}"))

@@ -18,7 +18,7 @@ import torch
 from ..layouts.vae_halo import HaloWindow
 
 __all__ = ["VIDEO_EXTENSIONS", "probe_video", "prepare_dataset", "write_procedural_videos",
-           "VideoWindowSample", "VideoWindowTaskEncoder", "video_window_loader", "state_to_json",
+           "VideoWindowTaskEncoder", "video_window_loader", "state_to_json",
            "state_from_json"]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")

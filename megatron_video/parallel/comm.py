@@ -164,7 +164,7 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
     if group is None or group_size(group) == 1:
         return
     sig = []
-    for name, t in tensors.items():
+    for _name, t in tensors.items():
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
         sig.extend([t.dim(), code] + list(t.shape))
     width = 64

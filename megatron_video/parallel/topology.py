@@ -119,7 +119,7 @@ def _resolve_ranks_per_node(ranks_per_node: Optional[int], world_size: int) -> i
     try:
         value = int(env)
     except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE ({env!r}) must be an integer number of ranks per node")
+        raise ValueError(f"LOCAL_WORLD_SIZE ({env!r}) must be an integer number of ranks per node") from None
     return check_ranks_per_node(value, world_size, "LOCAL_WORLD_SIZE")
 
 

@@ -76,7 +76,7 @@ class _ShardClips:
                 self.it = iter(self.reader)
                 sample = next(self.it, None)
                 if sample is None:
-                    raise ValueError("data.shards: this data-parallel rank's share of the shards is empty")
+                    raise ValueError("data.shards: this data-parallel rank's share of the shards is empty") from None
             self.pos += 1
             if self.pos - 1 == position:
                 return sample

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 __all__ = ["FamilySpec", "SampleLayout", "register_family", "get_family", "family_names"]
 
@@ -31,7 +31,7 @@ class FamilySpec(abc.ABC):
     summary: str
     objectives: Tuple[str, ...]             # admitted diffusion.objective values; first: default
     needs_vae: bool                         # latents from the cached causal VAE
-    check: Callable[["Config", int], None]  # family rules (ValueError), called by config.validate
+    check: Callable[[Any, int], None]       # (Config, world_size): family rules (ValueError), called by config.validate
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -61,7 +61,6 @@ def _loss(vae: CausalVideoVAE, video: torch.Tensor, kl_weight: float, fg_weight:
 def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
     """Train the VAE per ``config.vae`` on procedural videos and save it to ``path`` (atomically)."""
     v, d = config.vae, config.data
-    g = torch.Generator().manual_seed(_VAE_DATA_SEED)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_VAE_DATA_SEED)
         vae = CausalVideoVAE(3, v.latent_channels, v.base_channels)
