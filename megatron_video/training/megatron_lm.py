@@ -23,7 +23,8 @@ from .config import Config, load_config, validate
 from .families import get_family
 
 __all__ = ["add_video_args", "sequence_length", "megatron_transformer_config", "PositionDataset",
-           "train_valid_test_datasets_provider", "run_pretrain", "MegatronLMEntry"]
+           "HeldOutDataset", "train_valid_test_datasets_provider", "run_pretrain",
+           "skip_shipped_helper_build", "MegatronLMEntry"]
 
 
 def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,11 +71,25 @@ class PositionDataset(torch.utils.data.Dataset):
         return {"position": torch.tensor(i, dtype=torch.int64)}
 
 
+class HeldOutDataset(PositionDataset):
+    """Positions past the training stream: sample ``offset + i`` (``offset`` = the training
+    samples), so validation / test never re-measure a training sample (docs/launch.md)."""
+
+    def __init__(self, num_samples: int, offset: int):
+        super().__init__(num_samples)
+        self.offset = int(offset)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"position": torch.tensor(self.offset + i, dtype=torch.int64)}
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Megatron-LM dataset provider: positions into the family's sample stream."""
+    """Megatron-LM dataset provider: positions into the family's sample stream. Training takes
+    positions ``[0, n_train)``, validation the next ``n_valid``, test the ``n_test`` after those:
+    three disjoint ranges (held-out split of one stream)."""
     train, valid, test = (int(n) for n in train_val_test_num_samples)
-    return PositionDataset(train), (PositionDataset(valid) if valid else None), \
-        (PositionDataset(test) if test else None)
+    return PositionDataset(train), (HeldOutDataset(valid, train) if valid else None), \
+        (HeldOutDataset(test, train + valid) if test else None)
 
 
 train_valid_test_datasets_provider.is_distributed = True  # every rank builds its own
@@ -140,6 +155,46 @@ def _loss_func(job: _Job, mb, extra, output_tensor):
     comm.all_reduce(value, job.groups.cp_group, tag="loss.value")
     # Megatron's schedule multiplies by the CP size; DDP averages over DP x CP: the CP shares sum
     return share, {"loss": value}
+
+
+def _give_pg_collection(model, pg_collection) -> None:
+    """Megatron's own models carry ``model.pg_collection`` (``training.py`` reads it in
+    ``train_step``); give ours the one ``get_model`` passed, else Megatron's global groups.
+    Feature-detected: releases without ``ProcessGroupCollection`` read no such attribute."""
+    if getattr(model, "pg_collection", None) is not None:
+        return
+    if pg_collection is None:
+        try:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+        except ImportError:
+            return
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model.pg_collection = pg_collection
+
+
+def skip_shipped_helper_build() -> bool:
+    """Megatron bug worked around for every user (GPU too): ``initialize.py`` has rank 0 run
+    ``megatron.core.datasets.utils.compile_helpers`` (``make -C core/datasets``) even when the
+    wheel ships the built ``helpers_cpp`` and no Makefile, and ``make`` fails (``sys.exit(1)``).
+    Where the shipped helper imports and no Makefile is there, the build is replaced by that
+    import; a source checkout (Makefile present) still builds. Returns whether it was replaced."""
+    import importlib
+    import os
+
+    try:
+        utils = importlib.import_module("megatron.core.datasets.utils")
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    folder = os.path.dirname(os.path.abspath(utils.__file__))
+    if not hasattr(utils, "compile_helpers") or os.path.exists(os.path.join(folder, "Makefile")):
+        return False
+
+    def compile_helpers():
+        """megatron_video: the wheel ships helpers_cpp built; nothing to compile."""
+
+    utils.compile_helpers = compile_helpers
+    return True
 
 
 class MegatronLMEntry:
@@ -224,7 +279,14 @@ class MegatronLMEntry:
 
             config = megatron_transformer_config(get_args())
         tcfg = get_family(job.config.model.family).megatron_lm_config(config, job.config)
-        return build_model(job.config, tcfg, pre_process, post_process, vp_stage)
+        model = build_model(job.config, tcfg, pre_process, post_process, vp_stage)
+        _give_pg_collection(model, pg_collection)
+        if not torch.cuda.is_available():
+            from megatron_video.compat import cpu_mode_active
+
+            if cpu_mode_active():  # get_model calls model.cuda(current_device()): stay on the CPU
+                model.cuda = lambda *a, **k: model
+        return model
 
     def forward_step(self, data_iterator, model, step: Optional[int] = None):
         """Megatron-LM ``forward_step``: this rank's micro-batch through the model. A model that
@@ -258,6 +320,7 @@ class MegatronLMEntry:
             from megatron_video.compat import ensure_cpu_mode
 
             ensure_cpu_mode()
+        skip_shipped_helper_build()
         parse = container = None
         if "cfg_container" in inspect.signature(pretrain).parameters:
             from megatron.training.arguments import parse_and_validate_args as parse
