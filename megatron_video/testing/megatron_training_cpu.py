@@ -109,7 +109,8 @@ def apply() -> List[Tuple[str, str]]:
     if _APPLIED:
         return list(_APPLIED)
     if torch.cuda.is_available():
-        raise RuntimeError("megatron_training_cpu fakes CUDA for CPU test runs; this machine has a GPU")
+        raise RuntimeError("megatron_training_cpu fakes CUDA for CPU test runs; this machine has "
+                           "a GPU")
     from megatron_video.compat import ensure_cpu_mode
 
     ensure_cpu_mode()   # megatron.core's own CPU mode (compat.cpu_mode)
