@@ -226,8 +226,11 @@ class MegatronLMEntry:
         p.tensor_model_parallel_size = int(args.tensor_model_parallel_size)
         p.pipeline_model_parallel_size = int(args.pipeline_model_parallel_size)
         p.context_parallel_size, p.ulysses_size, p.ring_size = cp, U, cp // U
-        if args.ranks_per_node is not None:
-            p.ranks_per_node = args.ranks_per_node
+        import os
+
+        rpn = args.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE")  # as --ranks-per-node says
+        if rpn is not None:
+            p.ranks_per_node = int(rpn)
         m = cfg.model
         for flag, ours, theirs in (("--num-layers", m.num_layers, getattr(args, "num_layers", None)),
                                    ("--hidden-size", m.hidden_size, getattr(args, "hidden_size", None)),
