@@ -16,18 +16,10 @@ model_provider, model_type, forward_step, extra_args_provider=...)`` (megatron-c
 ``parse_and_validate_args`` (>= 0.18). On a machine without CUDA pass ``--cpu`` (megatron_video's
 CPU mode, docs/architecture.md).
 
-Launch (8 GPUs: TP 2 x CP 4 as Ulysses 2 x ring 2)::
-
-    torchrun --nproc-per-node 8 examples/pretrain_video_dit.py \\
-        --video-config examples/configs/video_dit_cp.yaml \\
-        --tensor-model-parallel-size 2 --context-parallel-size 4 \\
-        --hierarchical-context-parallel-sizes 2 2 --cp-comm-type a2a+p2p \\
-        --num-layers 4 --hidden-size 96 --num-attention-heads 4 --seq-length 128 \\
-        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 16 \\
-        --train-iters 1000 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \\
-        --clip-grad 1.0 --bf16 --save runs/mlm --load runs/mlm --save-interval 500 \\
-        --qk-layernorm --norm-epsilon 1e-6 --hidden-dropout 0 --attention-dropout 0 \\
-        --tokenizer-type NullTokenizer --vocab-size 64
+Launch: docs/launch.md holds the launch lines (the ``dit`` block: torchrun, CP 4 as Ulysses 2 x
+ring 2, ``--eval-interval`` and what else megatron-core 0.19 requires) and the flags for a machine
+without CUDA; tests/test_pretrain_real.py runs those lines as written under the real
+``pretrain()``.
 
 ``--seq-length`` is the model's token sequence per sample (VideoDiT / ST-DiT: frames x height x
 width tokens; AR DiT: twice that, ``[clean ; noisy]``); ``--num-layers`` / ``--hidden-size`` /

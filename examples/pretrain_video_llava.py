@@ -20,22 +20,13 @@ precision from Megatron-LM's ``--bf16`` / ``--fp16``. ``forward_step`` splits LL
 ``pretrain()`` signatures by feature detection (``megatron_video.training.megatron_lm.run_pretrain``,
 shared with ``examples/pretrain_video_dit.py``). On a machine without CUDA pass ``--cpu``.
 
-Launch (4 GPUs: CP 4 as Ulysses 2 x ring 2, the sizes of examples/configs/video_llava.yaml)::
-
-    torchrun --nproc-per-node 4 examples/pretrain_video_llava.py \\
-        --video-config examples/configs/video_llava.yaml \\
-        --context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2 --cp-comm-type a2a+p2p \\
-        --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
-        --group-query-attention --num-query-groups 2 --ffn-hidden-size 256 \\
-        --seq-length 48 --max-position-embeddings 48 --position-embedding-type rope \\
-        --micro-batch-size 4 --global-batch-size 4 --train-iters 300 \\
-        --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 10 --clip-grad 1.0 \\
-        --bf16 --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.02 \\
-        --save runs/mlm_llava --load runs/mlm_llava --save-interval 100 \\
-        --tokenizer-type NullTokenizer --vocab-size 64
+Launch: docs/launch.md holds the launch lines (the ``llava`` block: torchrun, CP 4 as Ulysses 2 x
+ring 2, ``--eval-interval`` and what else megatron-core 0.19 requires) and the flags for a machine
+without CUDA; tests/test_pretrain_real.py runs those lines as written under the real
+``pretrain()``.
 
 ``--seq-length`` is the LLM's sequence per sample: text plus visual tokens, padded to a multiple
-of 2 x CP (``VideoLLaVAFamily.seq_length``; 48 for the config above).
+of 2 x CP (``VideoLLaVAFamily.seq_length``; 48 for examples/configs/video_llava.yaml).
 """
 from __future__ import annotations
 

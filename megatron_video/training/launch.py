@@ -3,7 +3,9 @@
 ``--nproc N`` simulates nodes of ``ranks_per_node`` (``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` /
 ``GROUP_RANK`` as torchrun sets them, which the U x R placement rules read); workers fork from a
 server that preloaded torch and Megatron; a watchdog ends the job when a rank dies or stalls
-(``launch``; docs/reliability.md). Under ``torchrun`` this process is one rank.
+(``launch``; docs/reliability.md). Only the logging rank writes to the console; every other rank's
+stdout / stderr go to ``<output>/logs/rank<N>.log`` (torchrun's ``--log-dir`` / ``--redirects``
+convention). Under ``torchrun`` this process is one rank.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.multiprocessing as mp
 from .config import Config, validate
 from .families import get_family
 
-__all__ = ["under_torchrun", "launch"]
+__all__ = ["under_torchrun", "launch", "rank_log"]
 
 
 def under_torchrun() -> bool:
@@ -71,9 +73,27 @@ class _Heartbeat:
             time.sleep(0.25)
 
 
+def rank_log(config: Config, rank: int) -> str:
+    """Where a rank other than the console one writes its output."""
+    return os.path.join(config.output, "logs", f"rank{rank}.log")
+
+
+def _redirect_output(path: str) -> None:
+    """This process's stdout and stderr (descriptors 1 and 2: native code too) -> ``path``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config,
             shared, target: Optional[Callable], cpu: bool) -> None:
     os.setpgid(0, 0)   # own process group: the launcher can end this rank and any helper it forked
+    if rank != world - 1:   # the last rank logs (trainer.is_logger); the others write to files
+        _redirect_output(rank_log(config, rank))
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
@@ -179,6 +199,8 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
     shared = ctx.Array("d", [-1.0, 0.0, 0.0] * nproc, lock=False)
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config, shared,
                                                target, cpu), daemon=False) for r in range(nproc)]
+    print(f"[megatron-video] {nproc} ranks; rank {nproc - 1} logs here, ranks 0-{nproc - 2} to "
+          f"{os.path.dirname(rank_log(config, 0))}/rank<N>.log", file=sys.stderr, flush=True)
     for p in procs:
         p.start()
     code, reason = 1, ""
@@ -193,6 +215,7 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
         for p in procs:
             p.join(timeout=30)
     if code:
-        print(f"[megatron-video] {reason}; stopped all ranks (exit status {code})", file=sys.stderr,
+        print(f"[megatron-video] {reason}; stopped all ranks (exit status {code}); the "
+              f"other ranks' output: {os.path.dirname(rank_log(config, 0))}/rank<N>.log", file=sys.stderr,
               flush=True)
     return code

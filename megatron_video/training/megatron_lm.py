@@ -19,7 +19,8 @@ from .families import get_family
 from .model_factory import build_model
 
 __all__ = ["add_video_args", "sequence_length", "megatron_transformer_config", "PositionDataset",
-           "train_valid_test_datasets_provider", "run_pretrain", "MegatronLMEntry"]
+           "HeldOutDataset", "train_valid_test_datasets_provider", "run_pretrain",
+           "skip_shipped_helper_build", "MegatronLMEntry"]
 
 
 def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -66,11 +67,25 @@ class PositionDataset(torch.utils.data.Dataset):
         return {"position": torch.tensor(i, dtype=torch.int64)}
 
 
+class HeldOutDataset(PositionDataset):
+    """Positions past the training stream: sample ``offset + i`` (``offset`` = the training
+    samples), so validation / test never re-measure a training sample (docs/launch.md)."""
+
+    def __init__(self, num_samples: int, offset: int):
+        super().__init__(num_samples)
+        self.offset = int(offset)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"position": torch.tensor(self.offset + i, dtype=torch.int64)}
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Megatron-LM dataset provider: positions into the family's sample stream."""
+    """Megatron-LM dataset provider: positions into the family's sample stream. Training takes
+    positions ``[0, n_train)``, validation the next ``n_valid``, test the ``n_test`` after those:
+    three disjoint ranges (held-out split of one stream)."""
     train, valid, test = (int(n) for n in train_val_test_num_samples)
-    return PositionDataset(train), (PositionDataset(valid) if valid else None), \
-        (PositionDataset(test) if test else None)
+    return PositionDataset(train), (HeldOutDataset(valid, train) if valid else None), \
+        (HeldOutDataset(test, train + valid) if test else None)
 
 
 train_valid_test_datasets_provider.is_distributed = True  # every rank builds its own
@@ -138,6 +153,46 @@ def _loss_func(job: _Job, mb, extra, output_tensor):
     return share, {"loss": value}
 
 
+def _give_pg_collection(model, pg_collection) -> None:
+    """Megatron's own models carry ``model.pg_collection`` (``training.py`` reads it in
+    ``train_step``); give ours the one ``get_model`` passed, else Megatron's global groups.
+    Feature-detected: releases without ``ProcessGroupCollection`` read no such attribute."""
+    if getattr(model, "pg_collection", None) is not None:
+        return
+    if pg_collection is None:
+        try:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+        except ImportError:
+            return
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model.pg_collection = pg_collection
+
+
+def skip_shipped_helper_build() -> bool:
+    """Megatron bug worked around for every user (GPU too): ``initialize.py`` has rank 0 run
+    ``megatron.core.datasets.utils.compile_helpers`` (``make -C core/datasets``) even when the
+    wheel ships the built ``helpers_cpp`` and no Makefile, and ``make`` fails (``sys.exit(1)``).
+    Where the shipped helper imports and no Makefile is there, the build is replaced by that
+    import; a source checkout (Makefile present) still builds. Returns whether it was replaced."""
+    import importlib
+    import os
+
+    try:
+        utils = importlib.import_module("megatron.core.datasets.utils")
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    folder = os.path.dirname(os.path.abspath(utils.__file__))
+    if not hasattr(utils, "compile_helpers") or os.path.exists(os.path.join(folder, "Makefile")):
+        return False
+
+    def compile_helpers():
+        """megatron_video: the wheel ships helpers_cpp built; nothing to compile."""
+
+    utils.compile_helpers = compile_helpers
+    return True
+
+
 class MegatronLMEntry:
     """The providers of one Megatron-LM entry script, for the families in ``families``.
 
@@ -172,8 +227,11 @@ class MegatronLMEntry:
         p.tensor_model_parallel_size = int(args.tensor_model_parallel_size)
         p.pipeline_model_parallel_size = int(args.pipeline_model_parallel_size)
         p.context_parallel_size, p.ulysses_size, p.ring_size = cp, U, cp // U
-        if args.ranks_per_node is not None:
-            p.ranks_per_node = args.ranks_per_node
+        import os
+
+        rpn = args.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE")  # as --ranks-per-node says
+        if rpn is not None:
+            p.ranks_per_node = int(rpn)
         m = cfg.model
         for flag, ours, theirs in (("--num-layers", m.num_layers, getattr(args, "num_layers", None)),
                                    ("--hidden-size", m.hidden_size, getattr(args, "hidden_size", None)),
@@ -223,7 +281,14 @@ class MegatronLMEntry:
 
             config = megatron_transformer_config(get_args())
         tcfg = get_family(job.config.model.family).megatron_lm_config(config, job.config)
-        return build_model(job.config, tcfg, pre_process, post_process, vp_stage)
+        model = build_model(job.config, tcfg, pre_process, post_process, vp_stage)
+        _give_pg_collection(model, pg_collection)
+        if not torch.cuda.is_available():
+            from megatron_video.compat import cpu_mode_active
+
+            if cpu_mode_active():  # get_model calls model.cuda(current_device()): stay on the CPU
+                model.cuda = lambda *a, **k: model
+        return model
 
     def forward_step(self, data_iterator, model, step: Optional[int] = None):
         """Megatron-LM ``forward_step``: this rank's micro-batch through the model. A model that
@@ -257,6 +322,7 @@ class MegatronLMEntry:
             from megatron_video.compat import ensure_cpu_mode
 
             ensure_cpu_mode()
+        skip_shipped_helper_build()
         parse = container = None
         if "cfg_container" in inspect.signature(pretrain).parameters:
             from megatron.training.arguments import parse_and_validate_args as parse

@@ -57,6 +57,17 @@ class VideoQABatches:
     def step_batches(self, step: int) -> Iterator[VideoQABatch]:
         return iter([self.micro_batch(step, m) for m in range(self.num_microbatches)])
 
+    def data_state(self) -> None:
+        """Stateless resume (as ``data.BatchMaker`` for the procedural source): a micro-batch is a
+        pure function of ``(data.seed, step, micro-batch, dp rank)``, so a run resumed at step
+        ``k`` sees exactly the batches an uninterrupted one would; nothing to checkpoint."""
+        return None
+
+    def restore_data_state(self, text) -> None:
+        if text is not None:
+            raise ValueError("checkpoint holds a data-loader state; video_llava's video_qa source "
+                             "is stateless (VideoQABatches.data_state) and cannot take one")
+
 
 class LanguageModelObjective:
     """Cross-entropy on the answer tokens; the model returns ``(per-token loss, local loss mask)``."""

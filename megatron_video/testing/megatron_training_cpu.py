@@ -1,0 +1,163 @@
+"""Test tier only: run Megatron-LM's real ``megatron.training.pretrain()`` on CPU ranks (gloo).
+
+``megatron.training`` (shipped by the megatron-core 0.19 wheel) assumes CUDA in the places below;
+:func:`apply` fakes exactly those, for the real-``pretrain()`` tests (tests/test_pretrain_real.py,
+docs/launch.md). Users on GPUs never load this module; ``compat.cpu_mode`` (which covers
+megatron.core) is not extended by it. Each patch names the Megatron file and the assumption, is
+applied only where that attribute exists (feature detection, no version numbers) and is listed by
+:func:`applied`. Run as a script it applies them and runs the entry script under it::
+
+    torchrun --nproc-per-node 4 megatron_video/testing/megatron_training_cpu.py \\
+        examples/pretrain_video_dit.py <the documented flags> --cpu ...
+
+The Megatron bug that bites GPU users too (``core/datasets/utils.py`` running ``make`` for the
+helper the wheel already ships) is worked around in the entry itself, for everyone
+(``training.megatron_lm.skip_shipped_helper_build``), not here.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import runpy
+import sys
+from typing import List, Tuple
+
+import torch
+
+from megatron_video.compat.cpu_torch import CpuCuda, CpuTorch, _CPU_STREAM
+
+__all__ = ["apply", "applied"]
+
+_APPLIED: List[Tuple[str, str]] = []
+
+
+class _TrainingCuda(CpuCuda):
+    """``torch.cuda`` as the patched ``megatron.training`` modules see it on a CPU."""
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # training.py: a side stream for DDP set-up
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(s=None):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def device_count():  # initialize.py: `device_count() > 0` gates model-parallel set-up / seeds
+        return 1
+
+    @staticmethod
+    def set_device(device):
+        """One CPU: nothing to select."""
+
+    @staticmethod
+    def memory_allocated(*a, **k):  # memory reports (training_log, report_memory)
+        return 0
+
+    max_memory_allocated = memory_allocated
+    memory_reserved = memory_allocated
+    max_memory_reserved = memory_allocated
+
+
+class _TrainingTorch(CpuTorch):
+    def __init__(self):
+        super().__init__()
+        self.cuda = _TrainingCuda()
+
+
+_TORCH = _TrainingTorch()
+
+# (module, what in it assumes CUDA). Its module-level name ``torch`` becomes the CPU view:
+# ``device='cuda'`` factories allocate on CPU, ``current_device()`` is the CPU, synchronize /
+# streams / memory stats are no-ops, the CUDA RNG state is the CPU generator's.
+_TORCH_MODULES = (
+    ("megatron.training.initialize",
+     "device_count() > 0 gates (set-up of model parallel, seeding); JIT warm-up on 'cuda'"),
+    ("megatron.training.training",
+     "device='cuda' flags / loss accumulators, torch.cuda.Stream, model.cuda(current_device())"),
+    ("megatron.training.checkpointing", "iteration all-reduce on 'cuda'; CUDA RNG state save/load"),
+    ("megatron.training.utils.common_utils", "current_device() / 'cuda' norms and reductions"),
+    ("megatron.training.utils", "current_device() / 'cuda' reductions (older layout)"),
+    ("megatron.core.timers", "torch.cuda.synchronize, current_device() for the timer all-gather"),
+    ("megatron.core.rerun_state_machine", "'cuda' tensors, current_device(), CUDA RNG state"),
+)
+
+
+def _note(where: str, what: str) -> None:
+    _APPLIED.append((where, what))
+
+
+def _no_cuda_init(initialize_megatron):
+    """initialize.py asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``; pretrain()
+    never passes it."""
+    @functools.wraps(initialize_megatron)
+    def wrapper(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return wrapper
+
+
+def _no_warmup(*args, **kwargs) -> None:
+    """No fused GPU kernels to warm up on a CPU (see :func:`apply`)."""
+
+
+def apply() -> List[Tuple[str, str]]:
+    """Apply the patches (idempotent); returns ``(module.attribute, assumption)`` for each."""
+    if _APPLIED:
+        return list(_APPLIED)
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_training_cpu fakes CUDA for CPU test runs; this machine has "
+                           "a GPU")
+    from megatron_video.compat import ensure_cpu_mode
+
+    ensure_cpu_mode()   # megatron.core's own CPU mode (compat.cpu_mode)
+    for name, why in _TORCH_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = _TORCH
+            _note(f"{name}.torch", why)
+    training = importlib.import_module("megatron.training.training")
+    init = getattr(training, "initialize_megatron", None)
+    if init is not None and "allow_no_cuda" in inspect.signature(init).parameters:
+        training.initialize_megatron = _no_cuda_init(init)
+        _note("megatron.training.training.initialize_megatron",
+              "initialize.py asserts CUDA (pretrain() never passes allow_no_cuda)")
+    initialize = importlib.import_module("megatron.training.initialize")
+    if hasattr(initialize, "_warmup_jit_function"):
+        # initialize.py warms the fused GPU kernels up on torch.rand(..., device="cuda") tensors,
+        # which on a GPU draw from the CUDA generator; on the CPU view they would draw from the CPU
+        # generator after seeding and change the weights' initialisation. Nothing to warm on a CPU.
+        initialize._warmup_jit_function = _no_warmup
+        _note("megatron.training.initialize._warmup_jit_function",
+              "JIT warm-up of fused kernels on 'cuda' tensors (CUDA generator)")
+    arguments = importlib.import_module("megatron.training.arguments")
+    if hasattr(arguments, "get_device_arch_version"):
+        # arguments.py reads the GPU architecture when TP or CP > 1 (CUDA_DEVICE_MAX_CONNECTIONS
+        # rule for Hopper and older); a CPU has none: answer "pre-Blackwell", the strict branch
+        arguments.get_device_arch_version = lambda: 0
+        _note("megatron.training.arguments.get_device_arch_version",
+              "torch.cuda.get_device_properties when TP or CP > 1")
+    return list(_APPLIED)
+
+
+def applied() -> List[Tuple[str, str]]:
+    return list(_APPLIED)
+
+
+def main(argv: List[str]) -> None:
+    """``megatron_training_cpu.py SCRIPT ARGS...``: apply the patches, run SCRIPT as __main__."""
+    if not argv:
+        raise SystemExit("usage: megatron_training_cpu.py SCRIPT [ARGS...]")
+    apply()
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

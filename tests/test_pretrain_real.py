@@ -1,0 +1,247 @@
+"""The Megatron-LM entries under Megatron-LM's real ``megatron.training.pretrain()`` (env 2 only).
+
+The launch lines are read from docs/launch.md (its ``<!-- launch:NAME -->`` blocks) and run as
+written under torchrun (4 gloo ranks), with only the documented "CPU" and "Scaled down" flags
+appended; ``megatron_video/testing/megatron_training_cpu.py`` fakes megatron.training's CUDA
+assumptions. Asserted: the loss falls, iteration 1 equals our trainer's first step (same batches,
+same weights), save at 10 -> resume equals the uninterrupted run, TP2 x CP2 equals CP 4,
+evaluation runs. The documented lines' required flags and the model's ``pg_collection`` are
+checked in every environment.
+"""
+import importlib.util
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "launch.md"
+SHIM = ROOT / "megatron_video" / "testing" / "megatron_training_cpu.py"
+HAVE_TRAINING = importlib.util.find_spec("megatron.training") is not None
+real = pytest.mark.skipif(
+    not HAVE_TRAINING,
+    reason="megatron.training not available (megatron-core 0.16.1 wheel ships no megatron/training/)")
+# what megatron-core 0.19's pretrain() needs on every launch line (docs/launch.md)
+REQUIRED_FLAGS = ("--eval-interval", "--tokenizer-type", "--vocab-size", "--seq-length",
+                  "--micro-batch-size", "--train-iters")
+REQUIRED_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+MEGATRON_SEED = 1234   # Megatron-LM's --seed default (the documented lines do not set it)
+
+
+def launch_blocks(text: str) -> dict:
+    """``{name: tokens}`` of the fenced block after each ``<!-- launch:NAME -->`` marker."""
+    blocks = {}
+    for m in re.finditer(r"<!-- launch:(\S+) -->\s*```bash\n(.*?)```", text, re.S):
+        blocks[m.group(1)] = shlex.split(m.group(2).replace("\\\n", " "))
+    return blocks
+
+
+def check_launch_line(tokens) -> None:
+    """``ValueError`` naming what a documented launch line lacks."""
+    env = dict(t.split("=", 1) for t in tokens if re.match(r"^[A-Z_]+=", t))
+    for k, v in REQUIRED_ENV.items():
+        if env.get(k) != v:
+            raise ValueError(f"launch line: {k}={v} is required (got {env.get(k)!r})")
+    for flag in REQUIRED_FLAGS:
+        if flag not in tokens:
+            raise ValueError(f"launch line: {flag} is required by megatron-core 0.19's pretrain()")
+
+
+BLOCKS = launch_blocks(DOC.read_text())
+
+
+@pytest.mark.parametrize("name", ["dit", "llava"])
+def test_documented_lines_carry_what_pretrain_requires(name):
+    tokens = BLOCKS[name]
+    check_launch_line(tokens)
+    for flag in REQUIRED_FLAGS:   # the check bites: each flag dropped is named
+        i = tokens.index(flag)
+        with pytest.raises(ValueError, match=re.escape(flag)):
+            check_launch_line(tokens[:i] + tokens[i + 2:])
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        check_launch_line(tokens[1:])
+    assert {"cpu", "scaled", "tp2cp2", "stdit", "ar_dit"} <= set(BLOCKS)
+
+
+def _provider_model():
+    import warnings
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
+    from megatron_video.parallel.topology import destroy_video_parallel
+    from megatron_video.training.config import load_config
+    from megatron_video.training.megatron_lm import MegatronLMEntry
+
+    warnings.filterwarnings("ignore")
+    cfg = load_config(str(ROOT / "examples/configs/video_dit_cp.yaml"))
+    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
+                              hierarchical_context_parallel_sizes=[2, 2])
+    try:
+        m = cfg.model
+        base = TransformerConfig(
+            num_layers=m.num_layers, hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads, context_parallel_size=4,
+            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+            persist_layer_norm=False, apply_rope_fusion=False)
+        entry = MegatronLMEntry("examples/pretrain_video_dit.py", ("video_dit",))
+        model = entry.model_provider(True, True, config=base, video_config=cfg)
+        pgc = getattr(model, "pg_collection", "missing")
+        has_pgc = importlib.util.find_spec("megatron.core.process_groups_config") is not None
+        ok_pgc = (pgc.cp is ps.get_context_parallel_group() and pgc.tp is
+                  ps.get_tensor_model_parallel_group()) if has_pgc else True
+        on_cpu = model.cuda() is model and next(model.parameters()).device == torch.device("cpu")
+        return has_pgc, ok_pgc, on_cpu
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+
+
+def test_dit_provider_model_carries_pg_collection(pool4):
+    """train_step reads model.pg_collection (an fp32 launch crashed without it); get_model's
+    model.cuda() must leave a CPU-mode model on the CPU."""
+    for has_pgc, ok_pgc, on_cpu in pool4.run(_provider_model):
+        assert ok_pgc and on_cpu
+        if HAVE_TRAINING:
+            assert has_pgc   # megatron-core 0.19 has ProcessGroupCollection
+
+
+# ------------------------------------------------------------------------------------------------
+# the real pretrain() runs
+# ------------------------------------------------------------------------------------------------
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| loss: ([0-9.Ee+-]+) \|")
+_EVAL = re.compile(r"validation loss at iteration (\d+)( on (?:validation|test) set)? \| "
+                   r"loss value: ([0-9.Ee+-]+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(name: str, out: Path, *extra: str):
+    """The documented line ``name`` + the CPU flags + the scaled-down flags (+ ``extra``)."""
+    tokens = list(BLOCKS[name if name in ("dit", "llava") else "dit"])
+    env = {}
+    while re.match(r"^[A-Z_]+=", tokens[0]):
+        k, v = tokens.pop(0).split("=", 1)
+        env[k] = v
+    assert tokens[0] == "torchrun"
+    script = next(i for i, t in enumerate(tokens) if t.endswith(".py"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", *tokens[1:script], str(SHIM),
+           *tokens[script:]]
+    if name not in ("dit", "llava"):
+        cmd += BLOCKS[name]
+    scaled = [str(out) if t == "OUT" else t for t in BLOCKS["scaled"]]
+    return cmd + BLOCKS["cpu"] + scaled + list(extra), env
+
+
+def _run(name: str, out: Path, *extra: str) -> dict:
+    cmd, env = _command(name, out, *extra)
+    env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TORCH_GLOO_LAZY_INIT": "1", "PET_MASTER_PORT": str(_free_port())}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise AssertionError(f"{name} exited {proc.returncode}:\n{text[-6000:]}")
+    losses = {int(i): float(v) for i, v in _ITER.findall(text)}
+    evals = [(int(i), bool(final), float(v)) for i, final, v in _EVAL.findall(text)]
+    print(f"{name} {' '.join(extra)}: {time.time() - t0:.0f} s, losses {losses}")
+    return {"losses": losses, "evals": evals, "wall": time.time() - t0, "text": text}
+
+
+@pytest.fixture(scope="module")
+def dit_cp4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mlm_dit") / "run"
+    return {**_run("dit", out), "out": out}
+
+
+def _falls(losses: dict, n: int) -> None:
+    """All ``n`` iterations logged, and the mean loss of the last half below the first half's
+    (the diffusion loss varies step to step with the drawn noise level)."""
+    assert sorted(losses) == list(range(1, n + 1)), sorted(losses)
+    first = [losses[i] for i in range(1, n // 2 + 1)]
+    last = [losses[i] for i in range(n - n // 2 + 1, n + 1)]
+    assert sum(last) / len(last) < sum(first) / len(first), losses
+
+
+@real
+def test_dit_cp4_trains_and_evaluates(dit_cp4):
+    _falls(dit_cp4["losses"], 20)
+    evals = dit_cp4["evals"]
+    assert [i for i, final, _ in evals if not final] == [10, 20]  # --eval-interval 10
+    assert sum(final for _, final, _ in evals) == 2               # validation and test sets
+
+
+def _our_first_step(config_path, overrides):
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    t = Trainer(load_config(config_path, overrides), progress=False)
+    try:
+        return t.train_step(0)["loss"]
+    finally:
+        t.close()
+
+
+@real
+def test_dit_first_loss_equals_our_trainer(dit_cp4, pool4, tmp_path):
+    """Same seed -> same initial weights and the same batches: Megatron's iteration 1 is the
+    first step of ``megatron-video train`` on the YAML (micro-batch 2, CP 4 as U2 x R2)."""
+    overrides = [f"train.seed={MEGATRON_SEED}", "train.micro_batch_size=2", f"output={tmp_path}"]
+    ours = pool4.run(_our_first_step, str(ROOT / "examples/configs/video_dit_cp.yaml"), overrides)
+    assert len(set(ours)) == 1
+    assert ours[0] == pytest.approx(dit_cp4["losses"][1], rel=2e-6)
+
+
+@real
+def test_dit_resume_equals_uninterrupted(dit_cp4, tmp_path):
+    """Megatron's checkpoint of iteration 10, resumed in a fresh job to 20: every iteration's loss
+    and the final validation / test losses equal the uninterrupted run's. Megatron's first log
+    after a resume (iteration 12 here) averages iterations 11 and 12; that is what it prints."""
+    run = _run("dit", tmp_path / "resumed", "--load", str(dit_cp4["out"]), "--ckpt-step", "10")
+    ref, got = dit_cp4["losses"], run["losses"]
+    assert sorted(got) == list(range(11, 21))
+    for i in [11] + list(range(13, 21)):
+        assert got[i] == ref[i], i
+    assert got[12] == pytest.approx((ref[11] + ref[12]) / 2, rel=2e-6)
+    assert run["evals"] == [e for e in dit_cp4["evals"] if e[0] == 20]
+
+
+@real
+def test_dit_tp2cp2_equals_cp4(dit_cp4, tmp_path):
+    tp = _run("tp2cp2", tmp_path / "run")
+    assert sorted(tp["losses"]) == list(range(1, 21))
+    for i, loss in dit_cp4["losses"].items():
+        assert tp["losses"][i] == pytest.approx(loss, rel=1e-4, abs=1e-5), i
+
+
+@real
+def test_llava_cp4_trains_and_evaluates(tmp_path):
+    run = _run("llava", tmp_path / "run")
+    _falls(run["losses"], 20)
+    assert sum(final for _, final, _ in run["evals"]) == 2
+
+
+@real
+@pytest.mark.parametrize("family", ["stdit", "ar_dit"])
+def test_other_dit_families(family, tmp_path):
+    run = _run(family, tmp_path / "run", "--train-iters", "5", "--save-interval", "5",
+               "--eval-interval", "5")
+    _falls(run["losses"], 5)
+    assert sum(final for _, final, _ in run["evals"]) == 2
