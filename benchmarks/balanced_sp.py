@@ -25,11 +25,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from megatron_video.layouts.balanced_sp import (BalancedSPLayout, max_over_mean,  # noqa: E402
-                                                naive_identity_units, naive_slice_global_ids,
-                                                ring_attention_work)
-from megatron_video.layouts.vae_halo import (num_raw_frames, temporal_receptive_field,  # noqa: E402
-                                             windows_for_bounds)
+from megatron_video.layouts.balanced_sp import (  # noqa: E402
+    BalancedSPLayout,
+    max_over_mean,
+    naive_identity_units,
+    naive_slice_global_ids,
+    ring_attention_work,
+)
+from megatron_video.layouts.vae_halo import (  # noqa: E402
+    num_raw_frames,
+    temporal_receptive_field,
+    windows_for_bounds,
+)
 from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
 
 STRIDE = CausalVideoVAE.temporal_stride   # the project's VAE
@@ -102,11 +109,10 @@ def print_table(rows, a):
 # --measure: traced comm of the objective on a CPU gloo pool
 # ----------------------------------------------------------------------------------------------
 def _measure_rank(U, R, F, S, nb, heads, head_dim, balance):
-    from megatron_video.attention import dist_attention
+    from megatron_video.attention import RingStats, dist_attention
     from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
     from megatron_video.diffusion.teacher_forcing import TeacherForcingObjective
     from megatron_video.parallel import CommTracer, destroy_video_parallel, init_video_parallel
-    from megatron_video.attention import RingStats
 
     kw = dict(tensor_model_parallel_size=1, context_parallel_size=U * R)
     if U > 1 and R > 1:

@@ -73,6 +73,7 @@ def _flops(fn):
 def _rank(frames, text):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_video.compat import initialize_model_parallel
     from megatron_video.layouts import mmsp as L
@@ -80,8 +81,6 @@ def _rank(frames, text):
     from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
     from megatron_video.parallel import comm
     from megatron_video.parallel.comm import CommTracer
-
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
     model_parallel_cuda_manual_seed(0)

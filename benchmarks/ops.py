@@ -24,11 +24,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from megatron_video.ops import (ENV_VAR, TokenIds, block_mask_status, block_mask_status_reference,  # noqa: E402
-                                dense_mask, dense_mask_reference, halo_gather, halo_gather_reference,
-                                halo_scatter, halo_scatter_reference)
 from megatron_video.layouts.vae_halo import window_tensors, windows_for_bounds  # noqa: E402
 from megatron_video.models.vae import CausalVideoVAE  # noqa: E402
+from megatron_video.ops import (  # noqa: E402
+    ENV_VAR,
+    TokenIds,
+    block_mask_status,
+    block_mask_status_reference,
+    dense_mask,
+    dense_mask_reference,
+    halo_gather,
+    halo_gather_reference,
+    halo_scatter,
+    halo_scatter_reference,
+)
 
 
 def timed(fn, device: torch.device, repeat: int) -> float:

@@ -72,7 +72,6 @@ def _time_pair(s_local, heads, dim, iters, g, groups, mask, usp, causal):
 
 
 def _rank_bench(seqs, heads, dim, iters, check_seq):
-    import torch.distributed as dist
     import yunchang
     from yunchang import LongContextAttention
     from yunchang.comm.extract_local import zigzag_extract_local

@@ -54,6 +54,7 @@ def _sync(group):
 
 def bench_rank(a):
     """Runs on every rank: all variants x block kinds; returns {(variant, kind): stats}."""
+    import torch.distributed as dist
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
@@ -63,8 +64,6 @@ def bench_rank(a):
     from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
     from megatron_video.parallel.comm import CommTracer
     from megatron_video.parallel.topology import init_video_parallel
-
-    import torch.distributed as dist
 
     world = dist.get_world_size()
     U = a.ulysses

@@ -23,8 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_video.data.energon_video import (prepare_dataset, video_window_loader,  # noqa: E402
-                                               write_procedural_videos)
+from megatron_video.data.energon_video import (  # noqa: E402
+    prepare_dataset,
+    video_window_loader,
+    write_procedural_videos,
+)
 from megatron_video.layouts.vae_halo import encoder_halo, halo_windows, num_raw_frames  # noqa: E402
 from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
 

@@ -36,8 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from megatron_video.training.megatron_lm import (  # noqa: E402
-    MegatronLMEntry, PositionDataset, add_video_args, megatron_transformer_config, sequence_length,
-    train_valid_test_datasets_provider)
+    MegatronLMEntry,
+    PositionDataset,
+    add_video_args,
+    megatron_transformer_config,
+    sequence_length,
+    train_valid_test_datasets_provider,
+)
 
 __all__ = ["add_video_args", "video_config_from_args", "megatron_transformer_config",
            "model_provider", "PositionDataset", "train_valid_test_datasets_provider", "forward_step",

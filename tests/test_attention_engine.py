@@ -9,8 +9,7 @@ pair, and an independent recorder on the mask's ``dense`` checks the same from o
 import pytest
 import torch
 
-from megatron_video.attention import dist_attention, masks
-from megatron_video.attention import engine
+from megatron_video.attention import dist_attention, engine, masks
 from megatron_video.attention.ring import RingStats
 from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
 from megatron_video.layouts import BalancedSPLayout

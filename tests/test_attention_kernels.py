@@ -5,10 +5,15 @@ import functools
 import pytest
 import torch
 
-from megatron_video.attention import attention_backward, attention_forward, dist_attention, local_attention
-from megatron_video.attention import kernels, masks
+from megatron_video.attention import (
+    attention_backward,
+    attention_forward,
+    dist_attention,
+    kernels,
+    local_attention,
+    masks,
+)
 from megatron_video.testing.oracles import softmax_attention
-
 
 # float64 explicit softmax; returns (out, lse); rows without keys give 0 and -inf
 oracle = functools.partial(softmax_attention, return_lse=True)

@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -124,10 +123,10 @@ def test_apply_query_key_layer_scaling_is_exact_like_megatron():
     """Megatron divides the scores by layer_number and multiplies it back in its softmax: with the
     flag on, our adapter equals plain 1/sqrt(d) attention (float64 oracle), and so does Megatron's
     own softmax given the divided scores."""
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-    from megatron.core.transformer.utils import attention_mask_func
+    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
 
     from megatron_video.compat import ensure_cpu_mode
 

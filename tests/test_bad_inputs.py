@@ -191,6 +191,7 @@ def _crafted_common_state(layers: int):
     must be refused without running."""
     def run(tmp):
         import torch.distributed.checkpoint as dcp
+
         from megatron_video.training import checkpoint as ckpt
 
         class _Raw(dcp.DefaultSavePlanner):   # writes the object's bytes as given

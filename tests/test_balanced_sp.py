@@ -5,11 +5,15 @@ import itertools
 import pytest
 import torch
 
-from megatron_video.layouts.balanced_sp import (BalancedSPLayout, max_over_mean, naive_identity_units,
-                                                naive_slice_global_ids, ring_attention_work,
-                                                single_gpu_teacher_forcing_mask)
+from megatron_video.layouts.balanced_sp import (
+    BalancedSPLayout,
+    max_over_mean,
+    naive_identity_units,
+    naive_slice_global_ids,
+    ring_attention_work,
+    single_gpu_teacher_forcing_mask,
+)
 from megatron_video.testing.masks import teacher_forcing_oracle, tile_status_oracle
-
 
 # the single-GPU [clean; noisy] mask written out from the rules, token by token
 oracle_mask = functools.lru_cache(maxsize=None)(teacher_forcing_oracle)

@@ -6,8 +6,8 @@ on DP-averaged gradients, recomputation against no recomputation, a checkpoint r
 saved state, a PP=2 schedule against the composed two-stage model, RNG streams against
 first-principles generators. The last tests check the pure helpers in this process.
 """
-import os
 import math
+import os
 import subprocess
 import sys
 import types
@@ -19,10 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from megatron_video.compat import (accepted_kwargs, accepts_var_kwargs, call_with_accepted_kwargs,
-                                   cpu_optimizer_config_kwargs, cpu_transformer_config_kwargs,
-                                   destroy_model_parallel, initialize_model_parallel)
-from megatron_video.compat import cpu_functions
+from megatron_video.compat import (
+    accepted_kwargs,
+    accepts_var_kwargs,
+    call_with_accepted_kwargs,
+    cpu_functions,
+    cpu_optimizer_config_kwargs,
+    cpu_transformer_config_kwargs,
+    destroy_model_parallel,
+    initialize_model_parallel,
+)
 from megatron_video.compat.cpu_torch import CPU_TORCH, to_cpu_device
 from megatron_video.training.checkpoint import _may_fork_writers
 
@@ -131,7 +137,8 @@ def _children_allowed():
 # --------------------------------------------------------------------------------------------
 def _tp_layer_matches_tp1():
     """TransformerLayer TP=2 (x DP=2) == TP=1 with the same weights: outputs and all gradients."""
-    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
     dp_index = dist.get_rank() // 2  # Megatron's order tp-cp-ep-dp-pp: TP is fastest
     x0, dy = _randn(10 + dp_index, S, B, H), _randn(20 + dp_index, S, B, H)
@@ -166,7 +173,8 @@ def _tp_layer_matches_tp1():
 def _rng_tracker_streams():
     """Forked streams follow Megatron's documented seeds and leave the default stream alone: the
     user's CPU generator is neither reseeded by model_parallel_cuda_manual_seed nor advanced."""
-    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
 
     _init(tensor_model_parallel_size=2)
@@ -282,7 +290,8 @@ def _step_data(step, dp_index):
 
 def _ddp_optimizer_matches_reference():
     """DDP (TP=2 x DP=2) + Megatron optimizer with clipping == AdamW on averaged clipped grads."""
-    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
     dp_index, steps = dist.get_rank() // 2, 2
     _init(tensor_model_parallel_size=1)
@@ -325,7 +334,8 @@ def _ddp_optimizer_matches_reference():
 def _checkpoint_round_trip(ckpt_dir):
     """dist_checkpointing save/load of model + optimizer state: identical after reload and after
     one more identical step."""
-    from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import parallel_state as ps
 
     _init(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(5)

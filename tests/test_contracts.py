@@ -14,9 +14,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_video.attention import dist_attention, masks
-from megatron_video.layouts import (BalancedSPLayout, global_token_ids, halo_windows, shard_sequence,
-                                    unshard_sequence)
-from megatron_video.testing.masks import allowed, mask_for, teacher_forcing_oracle, tile_status_oracle
+from megatron_video.layouts import (
+    BalancedSPLayout,
+    global_token_ids,
+    halo_windows,
+    shard_sequence,
+    unshard_sequence,
+)
+from megatron_video.testing.masks import (
+    allowed,
+    mask_for,
+    teacher_forcing_oracle,
+    tile_status_oracle,
+)
 from megatron_video.testing.oracles import softmax_attention
 from megatron_video.testing.parallel import model_parallel, video_parallel
 
@@ -364,8 +374,8 @@ def test_stdit_index_maps_padding_p8():
 
 
 def _stdit_transitions(cases):
-    from megatron_video.layouts.stdit import shard_layout_a, shard_layout_b
     from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
+    from megatron_video.layouts.stdit import shard_layout_a, shard_layout_b
 
     world, me = dist.get_world_size(), dist.get_rank()
     out = []

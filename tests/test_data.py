@@ -8,10 +8,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_video.data import (VOCAB, CaptionEmbedder, CaptionTokenizer, ProceduralVideoDataset,
-                                 ShardReader, list_shards, pack_sequence, pack_sequences, pack_tokens,
-                                 plan_packing, render_video, sample_attributes, shard_indices, unpack_tokens,
-                                 write_shards)
+from megatron_video.data import (
+    VOCAB,
+    CaptionEmbedder,
+    CaptionTokenizer,
+    ProceduralVideoDataset,
+    ShardReader,
+    list_shards,
+    pack_sequence,
+    pack_sequences,
+    pack_tokens,
+    plan_packing,
+    render_video,
+    sample_attributes,
+    shard_indices,
+    unpack_tokens,
+    write_shards,
+)
 from megatron_video.data.synthetic import COLORS, DIRECTIONS, SHAPES
 
 # ------------------------------------------------------------------------------------- synthetic

@@ -4,11 +4,28 @@ import math
 import pytest
 import torch
 
-from megatron_video.diffusion import (EDMConfig, EDMPrecond, classifier_free_guidance, drop_condition,
-                                      edm_euler_sampler, edm_heun_sampler, edm_loss, edm_loss_weight,
-                                      edm_scalings, expand_block_timesteps, expand_like, flow_euler_sampler,
-                                      fm_interpolate, fm_loss, fm_target, guided_denoise, karras_sigmas,
-                                      sample_sigma, sample_timesteps, shift_timesteps)
+from megatron_video.diffusion import (
+    EDMConfig,
+    EDMPrecond,
+    classifier_free_guidance,
+    drop_condition,
+    edm_euler_sampler,
+    edm_heun_sampler,
+    edm_loss,
+    edm_loss_weight,
+    edm_scalings,
+    expand_block_timesteps,
+    expand_like,
+    flow_euler_sampler,
+    fm_interpolate,
+    fm_loss,
+    fm_target,
+    guided_denoise,
+    karras_sigmas,
+    sample_sigma,
+    sample_timesteps,
+    shift_timesteps,
+)
 
 S_DATA = 0.5  # data ~ N(0, S_DATA^2) elementwise; equals EDM's default sigma_data
 F64 = torch.float64

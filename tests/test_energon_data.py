@@ -8,8 +8,13 @@ import tarfile
 import pytest
 import torch
 
-from megatron_video.data.energon_video import (prepare_dataset, state_from_json, state_to_json,
-                                               video_window_loader, write_procedural_videos)
+from megatron_video.data.energon_video import (
+    prepare_dataset,
+    state_from_json,
+    state_to_json,
+    video_window_loader,
+    write_procedural_videos,
+)
 from megatron_video.layouts.vae_halo import halo_windows
 
 T, HW, F = 29, 32, 8
@@ -141,7 +146,6 @@ def _trainer_resume(tmp, ds):
     import warnings
 
     from megatron_video.testing.configs import tiny_config
-
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
@@ -174,7 +178,6 @@ def _trainer_resume(tmp, ds):
 
 def test_trainer_checkpoint_resumes_energon_order(pool4, tmp_path_factory):
     from megatron_video.testing.configs import tiny_config
-
     from megatron_video.training.vae_stage import ensure_vae
 
     tmp = tmp_path_factory.mktemp("energon_trainer")

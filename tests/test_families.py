@@ -7,8 +7,14 @@ import pytest
 from megatron_video.models.video_dit import VideoDiT
 from megatron_video.training import family_spec
 from megatron_video.training.config import load_config, validate
-from megatron_video.training.families import (DiffusionFamily, FamilySpec, VideoLLaVAFamily,
-                                              family_names, get_family, register_family)
+from megatron_video.training.families import (
+    DiffusionFamily,
+    FamilySpec,
+    VideoLLaVAFamily,
+    family_names,
+    get_family,
+    register_family,
+)
 from megatron_video.training.model_factory import transformer_config
 
 BUILT_IN = ("video_dit", "stdit", "ar_dit", "video_llava")

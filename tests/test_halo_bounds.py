@@ -3,8 +3,13 @@ ops.halo: windows_for_bounds / window_tensors feed halo_scatter and halo_gather 
 import pytest
 import torch
 
-from megatron_video.layouts.vae_halo import (halo_window, halo_windows, num_raw_frames,
-                                             window_tensors, windows_for_bounds)
+from megatron_video.layouts.vae_halo import (
+    halo_window,
+    halo_windows,
+    num_raw_frames,
+    window_tensors,
+    windows_for_bounds,
+)
 from megatron_video.ops import halo_gather, halo_scatter
 
 

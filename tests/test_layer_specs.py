@@ -18,8 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_video.compat.cp_comm_type import (core_cp_comm_type, layer_cp_comm_type,
-                                                megatron_cp_comm_type_index_base)
+from megatron_video.compat.cp_comm_type import (
+    core_cp_comm_type,
+    layer_cp_comm_type,
+    megatron_cp_comm_type_index_base,
+)
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_video"
 # neighbouring layers differ, so reading entry layer_number (or layer_number - 2) is caught
@@ -75,8 +78,10 @@ def test_megatron_index_base_is_detected_from_the_installed_transformer_layer():
     """0 (megatron-core 0.19: ``[layer_number - 1]``) or 1 (0.16.1: ``[layer_number]``), found by
     running the installed ``TransformerLayer.__init__`` (feature detection, no version string)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import (TransformerLayer,
-                                                             TransformerLayerSubmodules)
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     base = megatron_cp_comm_type_index_base()
     assert base in (0, 1)

@@ -3,9 +3,16 @@ import pytest
 import torch
 
 from megatron_video.attention import ring_token_ids
-from megatron_video.layouts import (concat_global_ids, contiguous_global_ids, global_token_ids,
-                                    shard_global_ids, shard_owner, shard_sequence, unshard_sequence,
-                                    zigzag_global_ids)
+from megatron_video.layouts import (
+    concat_global_ids,
+    contiguous_global_ids,
+    global_token_ids,
+    shard_global_ids,
+    shard_owner,
+    shard_sequence,
+    unshard_sequence,
+    zigzag_global_ids,
+)
 from megatron_video.parallel.topology import local_groups
 
 

@@ -2,8 +2,12 @@
 init_video_parallel, groups_from_megatron and the training config."""
 import pytest
 
-from megatron_video.parallel.topology import (check_ranks_per_node, check_ulysses_in_node,
-                                              default_cp_groups, local_groups)
+from megatron_video.parallel.topology import (
+    check_ranks_per_node,
+    check_ulysses_in_node,
+    default_cp_groups,
+    local_groups,
+)
 
 
 def _spans(cp_groups, U, R, rpn, placement):

@@ -4,9 +4,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_video.ops import (RULES, TokenIds, active_backend, block_mask_status, block_mask_status_reference,
-                                dense_mask, dense_mask_reference, halo_gather, halo_gather_reference,
-                                halo_scatter, halo_scatter_reference)
+from megatron_video.ops import (
+    RULES,
+    TokenIds,
+    active_backend,
+    block_mask_status,
+    block_mask_status_reference,
+    dense_mask,
+    dense_mask_reference,
+    halo_gather,
+    halo_gather_reference,
+    halo_scatter,
+    halo_scatter_reference,
+)
 from megatron_video.testing.masks import rank_major_teacher_forcing_ids
 from megatron_video.testing.strategies import DTYPES, LAYOUTS, bits, halo_case, mask_case
 

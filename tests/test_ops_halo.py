@@ -4,8 +4,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_video.ops import (halo_gather, halo_gather_packed, halo_gather_reference, halo_scatter,
-                                halo_scatter_reference)
+from megatron_video.ops import (
+    halo_gather,
+    halo_gather_packed,
+    halo_gather_reference,
+    halo_scatter,
+    halo_scatter_reference,
+)
 from megatron_video.testing.strategies import DTYPES, LAYOUTS, bits, halo_case
 from megatron_video.testing.strategies import halo_windows as _halo_windows
 

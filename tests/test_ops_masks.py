@@ -5,10 +5,17 @@ import torch
 from hypothesis import given, settings
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from megatron_video.ops import (RULES, TokenIds, block_mask_status, block_mask_status_reference,
-                                dense_mask, dense_mask_reference, flex_block_fields, flex_block_mask,
-                                lower_triangle)
-
+from megatron_video.ops import (
+    RULES,
+    TokenIds,
+    block_mask_status,
+    block_mask_status_reference,
+    dense_mask,
+    dense_mask_reference,
+    flex_block_fields,
+    flex_block_mask,
+    lower_triangle,
+)
 from megatron_video.testing.masks import dense_rule_oracle as dense_oracle
 from megatron_video.testing.masks import rank_major_teacher_forcing_ids
 from megatron_video.testing.masks import tile_status_oracle as status_oracle

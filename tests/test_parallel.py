@@ -187,9 +187,17 @@ class _WrongRingShift(torch.autograd.Function):
 
 
 def _comm_checks(gradcheck=True):
-    from megatron_video.parallel.comm import (CommTracer, all_gather_cat, all_reduce, all_to_all,
-                                              check_same_shape, copy_to_group, gather_from_group,
-                                              ring_shift, RingExchange)
+    from megatron_video.parallel.comm import (
+        CommTracer,
+        RingExchange,
+        all_gather_cat,
+        all_reduce,
+        all_to_all,
+        check_same_shape,
+        copy_to_group,
+        gather_from_group,
+        ring_shift,
+    )
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(world)))

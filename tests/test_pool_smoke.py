@@ -1,5 +1,4 @@
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_video.testing import RankError

@@ -293,9 +293,9 @@ def test_nonfinite_skip_and_stop(pool4, vae_dir):
 # ---------------------------------------------------------------------------------------------
 def _faulty_train(config, heartbeat):
     """``trainer.train`` whose rank 2 dies (``fault: die``) or hangs (``hang``) as step 1 starts."""
-    from megatron_video.training.trainer import train
-
     import subprocess
+
+    from megatron_video.training.trainer import train
 
     rank = int(os.environ["RANK"])
     Path(config.output).mkdir(parents=True, exist_ok=True)

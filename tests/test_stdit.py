@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_video.models.dit_blocks import apply_rope, rope_3d_angles
 from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
+from megatron_video.models.dit_blocks import apply_rope, rope_3d_angles
 from megatron_video.parallel.comm import CommTracer
 from megatron_video.testing.oracles import softmax_attention
 from megatron_video.testing.parallel import model_parallel

@@ -97,9 +97,9 @@ def test_transitions_live_with_the_communication_code():
     megatron_video.models package re-exports them; VideoGeometry has its own module."""
     import megatron_video.layouts as layouts
     import megatron_video.layouts.stdit as lay
+    import megatron_video.models as old
     from megatron_video.attention import stdit_transitions
     from megatron_video.layouts.geometry import VideoGeometry
-    import megatron_video.models as old
 
     assert old.frames_to_positions is stdit_transitions.frames_to_positions
     assert old.positions_to_frames is stdit_transitions.positions_to_frames

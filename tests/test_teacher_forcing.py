@@ -12,8 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_video.diffusion.teacher_forcing import (TeacherForcingMask, TeacherForcingObjective,
-                                                      local_frame_tokens)
+from megatron_video.diffusion.teacher_forcing import (
+    TeacherForcingMask,
+    TeacherForcingObjective,
+    local_frame_tokens,
+)
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.testing.masks import teacher_forcing_oracle
 from megatron_video.testing.parallel import video_parallel

@@ -88,7 +88,6 @@ def _train_on_text_embeddings(tmp, lat):
     import warnings
 
     from megatron_video.testing.configs import tiny_config
-
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
@@ -109,9 +108,8 @@ def _train_on_text_embeddings(tmp, lat):
 def test_training_conditions_on_precomputed_text_embeddings(pool4, tmp_path):
     """precompute --text-encoder -> latent shards with caption embeddings -> the DiT trains on them
     (DP2 x CP2), its projection learns."""
-    from megatron_video.testing.configs import tiny_config
-
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+    from megatron_video.testing.configs import tiny_config
     from megatron_video.training.precompute import precompute_latents
 
     fast, enc = _tiny(tmp_path)

@@ -4,8 +4,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_video.training.config import (Config, config_from_dict, config_to_dict, load_config,
-                                            token_grid_of, validate)
+from megatron_video.training.config import (
+    Config,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    token_grid_of,
+    validate,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
-from megatron_video.models.embedders import patchify
 from megatron_video.training.config import config_from_dict, latent_shape, token_grid_of
 from megatron_video.training.data import BatchMaker
 
@@ -88,7 +87,6 @@ def _dp_partition(tmp, source):
     import warnings
 
     from megatron_video.testing.configs import tiny_config
-
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
@@ -108,10 +106,9 @@ def _dp_partition(tmp, source):
 def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
     """Each step's global batch is split between the data-parallel ranks without overlap or gap;
     the CP ranks of one data-parallel replica read the same samples."""
-    from megatron_video.testing.configs import tiny_config
-
     from megatron_video.data.shards import write_shards
     from megatron_video.data.synthetic import ProceduralVideoDataset
+    from megatron_video.testing.configs import tiny_config
     from megatron_video.training.vae_stage import ensure_vae
 
     tmp = str(tmp_path_factory.mktemp(f"dp_{source}"))

@@ -4,12 +4,23 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
-from megatron_video.data.video_windows import (TensorFrameSource, encode_rank_latents, encode_with_halo,
-                                               rank_windows, read_window, scatter_windows)
+from megatron_video.data.video_windows import (
+    TensorFrameSource,
+    encode_rank_latents,
+    encode_with_halo,
+    rank_windows,
+    read_window,
+    scatter_windows,
+)
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
-from megatron_video.layouts.vae_halo import (encoder_temporal_ops, halo_window, halo_windows,
-                                             num_raw_frames, temporal_lookback,
-                                             temporal_receptive_field)
+from megatron_video.layouts.vae_halo import (
+    encoder_temporal_ops,
+    halo_window,
+    halo_windows,
+    num_raw_frames,
+    temporal_lookback,
+    temporal_receptive_field,
+)
 from megatron_video.models.vae import CausalConv3d, CausalVideoVAE
 
 
@@ -246,6 +257,7 @@ def test_vae_trains():
 # ---------------------------------------------------------------------------------------------
 def _scatter_case():
     import torch.distributed as dist
+
     from megatron_video.parallel import CommTracer
     me = dist.get_rank()
     F, P, h = 8, 4, 2

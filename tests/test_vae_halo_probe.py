@@ -8,9 +8,15 @@ from torch import nn
 
 from megatron_video.data.video_windows import encode_rank_latents, encode_with_halo
 from megatron_video.layouts import vae_halo
-from megatron_video.layouts.vae_halo import (encoder_halo, halo_windows, num_raw_frames, probe_halo,
-                                             temporal_lookback, encoder_temporal_ops,
-                                             temporal_receptive_field)
+from megatron_video.layouts.vae_halo import (
+    encoder_halo,
+    encoder_temporal_ops,
+    halo_windows,
+    num_raw_frames,
+    probe_halo,
+    temporal_lookback,
+    temporal_receptive_field,
+)
 from megatron_video.models.vae import CausalVideoEncoder
 
 HW = 8   # spatial size of the probe and the clips (the Wan VAE downsamples 8x: 1x1 latents)

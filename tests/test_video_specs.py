@@ -12,16 +12,27 @@ import pytest
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_video.attention.megatron import (DistAttention2D, LocalDotProductAttention,
-                                               UlyssesAttention)
+from megatron_video.attention.megatron import (
+    DistAttention2D,
+    LocalDotProductAttention,
+    UlyssesAttention,
+)
 from megatron_video.models.ar_dit import ARDiTLayer, get_ar_dit_layer_spec
-from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, AdaLNNorm, DiTCrossAttention,
-                                              DiTSelfAttention)
-from megatron_video.models.specs import with_2d_attention
+from megatron_video.models.dit_blocks import (
+    AdaLNLoRAModulation,
+    AdaLNNorm,
+    DiTCrossAttention,
+    DiTSelfAttention,
+)
 from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
+from megatron_video.models.specs import with_2d_attention
 from megatron_video.models.stdit import STDiTLayer
-from megatron_video.models.video_dit import (VideoDiTConfig, VideoDiTLayer,
-                                             get_video_dit_layer_spec, layer_spec_for)
+from megatron_video.models.video_dit import (
+    VideoDiTConfig,
+    VideoDiTLayer,
+    get_video_dit_layer_spec,
+    layer_spec_for,
+)
 
 
 def _specs(backend="local"):

@@ -42,8 +42,8 @@ def _config(family, tp, cp, comm):
 
 def _spec(family, config, use_2d):
     from megatron_video.models.ar_dit import get_ar_dit_layer_spec
-    from megatron_video.models.specs import with_2d_attention
     from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
+    from megatron_video.models.specs import with_2d_attention
     from megatron_video.models.video_dit import get_video_dit_layer_spec
 
     if family == "video_dit":

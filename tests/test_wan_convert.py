@@ -14,8 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from megatron_video.models.wan.convert import (checkpoint_to_diffusers,  # noqa: E402
-                                               diffusers_to_checkpoint)
+from megatron_video.models.wan.convert import checkpoint_to_diffusers, diffusers_to_checkpoint  # noqa: E402
 
 
 def _model(**extra):

@@ -73,8 +73,10 @@ def megatron_cp_comm_type_index_base() -> Optional[int]:
     its layer 1: 0 (megatron-core 0.19), 1 (0.16.1), or ``None`` if it reads none. Found by
     running its ``__init__`` up to the read (no process group, no parameters built)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import (TransformerLayer,
-                                                             TransformerLayerSubmodules)
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -45,7 +45,6 @@ from __future__ import annotations
 # ``cpu_transformer_config_kwargs``), CUDA graphs, streams/events (overlapped communication),
 # Transformer Engine. ``psutil`` (needed by ``dist_checkpointing`` save) and ``einops``
 # (hierarchical CP groups) are pinned dependencies.
-
 import functools
 import importlib
 import inspect

@@ -20,7 +20,6 @@ from __future__ import annotations
 # The real ``torch`` module and every other module are untouched. Anything not listed is forwarded,
 # so a CUDA feature this does not emulate (streams, events) still fails loudly, as it would without
 # it.
-
 import functools
 import types
 

@@ -1,9 +1,25 @@
 """Data: procedural videos (the embedded default), captions, sequence packing, WebDataset shards."""
-from .packing import (PackedSample, PackedSequence, pack_sequence, pack_sequences, pack_tokens, plan_packing,
-                      unpack_tokens)
+from .packing import (
+                      PackedSample,
+                      PackedSequence,
+                      pack_sequence,
+                      pack_sequences,
+                      pack_tokens,
+                      plan_packing,
+                      unpack_tokens,
+)
 from .shards import ShardReader, list_shards, write_shards
-from .synthetic import (VOCAB, CaptionEmbedder, CaptionTokenizer, ProceduralVideoDataset, ShapeAttributes,
-                        caption_for, render_video, sample_attributes, shard_indices)
+from .synthetic import (
+                      VOCAB,
+                      CaptionEmbedder,
+                      CaptionTokenizer,
+                      ProceduralVideoDataset,
+                      ShapeAttributes,
+                      caption_for,
+                      render_video,
+                      sample_attributes,
+                      shard_indices,
+)
 
 __all__ = [
     "PackedSample", "PackedSequence", "pack_sequence", "pack_sequences", "pack_tokens", "plan_packing",
@@ -12,7 +28,14 @@ __all__ = [
     "VOCAB", "CaptionEmbedder", "CaptionTokenizer", "ProceduralVideoDataset", "ShapeAttributes", "caption_for",
     "render_video", "sample_attributes", "shard_indices",
 ]
-from .video_windows import (TensorFrameSource, encode_rank_latents, encode_with_halo,  # noqa: E402
-                            rank_windows, read_window, scatter_windows)
+from .video_windows import (  # noqa: E402
+                      TensorFrameSource,
+                      encode_rank_latents,
+                      encode_with_halo,
+                      rank_windows,
+                      read_window,
+                      scatter_windows,
+)
+
 __all__ += ["TensorFrameSource", "encode_rank_latents", "encode_with_halo", "rank_windows", "read_window",
             "scatter_windows"]

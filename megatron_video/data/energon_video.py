@@ -224,7 +224,13 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 def _make_task_encoder_class():
-    from megatron.energon import Cooker, DefaultTaskEncoder, SkipSample, basic_sample_keys, stateless
+    from megatron.energon import (
+        Cooker,
+        DefaultTaskEncoder,
+        SkipSample,
+        basic_sample_keys,
+        stateless,
+    )
 
     VideoWindowSample = __getattr__("VideoWindowSample")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 import torch
-from torch import nn
 
 from ..layouts.balanced_sp import BalancedSPLayout
 from ..layouts.vae_halo import Encoder, HaloWindow, encoder_halo, halo_window, resolve_halo

@@ -5,7 +5,7 @@ noise. Design: docs/architecture.md, "Capabilities" 4.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import Tensor

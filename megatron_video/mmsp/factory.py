@@ -77,7 +77,10 @@ def video_llava_model(sizes: VideoLLaVASizes, tp: int = 1, cp: int = 1, cp_comm_
     ``language_config``: use this language ``TransformerConfig`` (e.g. the trainer's) instead of a
     new one.
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_mlp_module_spec,
+    )
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.transformer.enums import AttnMaskType
 

@@ -13,8 +13,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..layouts.mmsp import (FrameShards, ReshardPlan, SequenceLayout, frame_shards, reshard_plan,
-                            sequence_layout)
+from ..layouts.mmsp import (
+    FrameShards,
+    ReshardPlan,
+    SequenceLayout,
+    frame_shards,
+    reshard_plan,
+    sequence_layout,
+)
 from ..parallel import comm
 
 __all__ = ["MMSPBatch", "plan_batch", "encode_local", "reshard_to_llm", "global_token_loss"]

@@ -18,8 +18,7 @@ from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.ar_dit_layer import ARDiTLayer  # noqa: F401  (re-exported)
 from megatron_video.models.dit_blocks import rope_3d_angles, rope_embedding
 from megatron_video.models.dit_layer import DiTParams
-from megatron_video.models.dit_layer_specs import (  # noqa: F401  (re-exported)
-    check_layer_backend, get_ar_dit_layer_spec)
+from megatron_video.models.dit_layer_specs import check_layer_backend, get_ar_dit_layer_spec  # noqa: F401  (re-exported)
 from megatron_video.models.video_dit import VideoDiT, VideoDiTConfig
 
 __all__ = ["ARVideoDiT", "ar_rope_thw"]

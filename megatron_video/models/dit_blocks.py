@@ -23,7 +23,6 @@ from __future__ import annotations
 # * 3D RoPE from global ``(t, h, w)`` token positions, so every layout rotates a token the same way.
 #
 # Masks are boolean with ``True`` = may attend.
-
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union

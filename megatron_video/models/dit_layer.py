@@ -17,13 +17,11 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (TransformerLayer,
-                                                         TransformerLayerSubmodules)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_video.attention.masks import AttentionMask
-from megatron_video.compat.cp_comm_type import (layer_cp_comm_type,
-                                                megatron_reads_layer_cp_comm_type)
+from megatron_video.compat.cp_comm_type import layer_cp_comm_type, megatron_reads_layer_cp_comm_type
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import AdaLNLoRAModulation, gated, modulate
 from megatron_video.parallel.comm import group_rank

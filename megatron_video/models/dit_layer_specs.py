@@ -13,12 +13,20 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_video.attention.megatron import (DistAttention2D, LocalDotProductAttention,
-                                               UlyssesAttention)
+from megatron_video.attention.megatron import (
+    DistAttention2D,
+    LocalDotProductAttention,
+    UlyssesAttention,
+)
 from megatron_video.models.ar_dit_layer import ARDiTLayer
-from megatron_video.models.dit_blocks import (AdaLNLoRAModulation, AdaLNNorm,
-                                              DiTAttentionSubmodules, DiTCrossAttention,
-                                              DiTCrossAttentionSubmodules, DiTSelfAttention)
+from megatron_video.models.dit_blocks import (
+    AdaLNLoRAModulation,
+    AdaLNNorm,
+    DiTAttentionSubmodules,
+    DiTCrossAttention,
+    DiTCrossAttentionSubmodules,
+    DiTSelfAttention,
+)
 from megatron_video.models.dit_layer import DiTLayerSubmodules, mlp_submodule
 from megatron_video.models.stdit import VARIANTS, STDiTLayer, STDiTLayerSubmodules
 from megatron_video.models.video_dit_layer import VideoDiTLayer

@@ -18,7 +18,6 @@ from __future__ import annotations
 # ``mark_pipeline_replicated`` tags their parameters the way Megatron's ``finalize_model_grads``
 # expects (``param.pipeline_parallel``; with ``config.has_cond_embedder``) so their gradients are
 # all-reduced across stages.
-
 from typing import Optional, Sequence, Tuple
 
 import torch

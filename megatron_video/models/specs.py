@@ -9,8 +9,10 @@ import copy
 import dataclasses
 import functools
 
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..attention.megatron import DistAttention2D

@@ -20,12 +20,25 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_video.attention import masks
 from megatron_video.attention.megatron import LocalDotProductAttention
 from megatron_video.attention.stdit_transitions import frames_to_positions, positions_to_frames
-from megatron_video.layouts.stdit import (VideoGeometry, check_stdit_divisibility,
-                                          layout_a_indices, layout_b_indices, token_thw)
-from megatron_video.models.dit_blocks import (DiTSelfAttention, attend, rope_3d_angles,
-                                              rope_embedding)
-from megatron_video.models.dit_layer import (DiTLayerBase, DiTLayerSubmodules, DiTParams,
-                                             adaln_branch)
+from megatron_video.layouts.stdit import (
+    VideoGeometry,
+    check_stdit_divisibility,
+    layout_a_indices,
+    layout_b_indices,
+    token_thw,
+)
+from megatron_video.models.dit_blocks import (
+    DiTSelfAttention,
+    attend,
+    rope_3d_angles,
+    rope_embedding,
+)
+from megatron_video.models.dit_layer import (
+    DiTLayerBase,
+    DiTLayerSubmodules,
+    DiTParams,
+    adaln_branch,
+)
 from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["VARIANTS", "STDiTLayerSubmodules", "STDiTLayer"]

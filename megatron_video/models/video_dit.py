@@ -22,11 +22,23 @@ from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import TimestepEmbedder
 from megatron_video.models.dit_layer import DiTParams, VideoTransformerBlock
 from megatron_video.models.dit_layer_specs import (  # noqa: F401  (re-exported, their old home)
-    LAYER_BACKENDS, check_layer_backend, dit_backend_modules, dit_cross_attention_spec,
-    dit_mlp_spec, dit_self_attention_spec, full_2d_attention, full_attention_layer_spec,
-    get_video_dit_layer_spec, layer_spec_for)
-from megatron_video.models.embedders import (FinalLayer, PatchEmbed, TextEmbedder,
-                                             mark_pipeline_replicated)
+    LAYER_BACKENDS,
+    check_layer_backend,
+    dit_backend_modules,
+    dit_cross_attention_spec,
+    dit_mlp_spec,
+    dit_self_attention_spec,
+    full_2d_attention,
+    full_attention_layer_spec,
+    get_video_dit_layer_spec,
+    layer_spec_for,
+)
+from megatron_video.models.embedders import (
+    FinalLayer,
+    PatchEmbed,
+    TextEmbedder,
+    mark_pipeline_replicated,
+)
 from megatron_video.models.video_dit_layer import VideoDiTLayer  # noqa: F401  (re-exported)
 
 __all__ = ["LAYER_TYPES", "VideoDiTConfig", "VideoDiT", "replicated_embedders",

@@ -12,8 +12,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.layouts.stdit import VideoGeometry, token_thw
 from megatron_video.models.dit_blocks import rope_3d_angles, rope_embedding
-from megatron_video.models.dit_layer import (DiTLayerBase, DiTLayerSubmodules, DiTParams,
-                                             adaln_branch)
+from megatron_video.models.dit_layer import (
+    DiTLayerBase,
+    DiTLayerSubmodules,
+    DiTParams,
+    adaln_branch,
+)
 from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["VideoDiTLayer"]

@@ -11,7 +11,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from ._backend import extension_for
-from .rules import EMPTY, FIELDS, FULL, ORDER_KEY, PARTIAL, RULES, allowed as _allowed
+from .rules import EMPTY, FIELDS, FULL, ORDER_KEY, PARTIAL, RULES
+from .rules import allowed as _allowed
+
 _ROWS = ("side", "block", "doc", "pos")
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from dataclasses import dataclass
 from numbers import Integral
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch

@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_video.compat.cpu_torch import CpuCuda, CpuTorch, _CPU_STREAM
+from megatron_video.compat.cpu_torch import _CPU_STREAM, CpuCuda, CpuTorch
 
 __all__ = ["apply", "applied"]
 

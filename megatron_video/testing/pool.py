@@ -21,10 +21,10 @@ import socket
 import sys
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, List, Optional
 
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 
 __all__ = ["WorkerPool", "RankError"]
 

@@ -7,8 +7,8 @@ order (or the structured orders the models use), a rule and tile sizes.
 import torch
 from hypothesis import strategies as st
 
-from megatron_video.ops import RULES, TokenIds
 from megatron_video.layouts.vae_halo import window_tensors, windows_for_bounds
+from megatron_video.ops import RULES, TokenIds
 
 __all__ = ["DTYPES", "LAYOUTS", "bits", "halo_windows", "halo_case", "random_ids", "structured_ids", "mask_case"]
 

@@ -257,9 +257,8 @@ class MegatronLMEntry:
     def job(self, config: Optional[Config] = None) -> _Job:
         if self._job is None:
             if config is None:
-                from megatron.training import get_args
-
                 import torch.distributed as dist
+                from megatron.training import get_args
 
                 config = self.video_config_from_args(get_args(), dist.get_world_size())
             self._job = _Job(config)
@@ -325,6 +324,8 @@ class MegatronLMEntry:
         skip_shipped_helper_build()
         parse = container = None
         if "cfg_container" in inspect.signature(pretrain).parameters:
+            from megatron.training.argument_utils import (
+                pretrain_cfg_container_from_args as container,
+            )
             from megatron.training.arguments import parse_and_validate_args as parse
-            from megatron.training.argument_utils import pretrain_cfg_container_from_args as container
         self.run_pretrain(pretrain, parse, container)

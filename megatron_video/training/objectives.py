@@ -12,7 +12,12 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from megatron_video.diffusion.edm import edm_loss_weight, edm_scalings, expand_like, reduce_token_loss
+from megatron_video.diffusion.edm import (
+    edm_loss_weight,
+    edm_scalings,
+    expand_like,
+    reduce_token_loss,
+)
 from megatron_video.diffusion.flow_matching import fm_interpolate, fm_target
 from megatron_video.diffusion.teacher_forcing import TeacherForcingObjective
 from megatron_video.layouts.stdit import VideoGeometry

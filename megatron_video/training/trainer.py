@@ -19,9 +19,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from megatron_video.compat import (cpu_mode_active, cpu_optimizer_config_kwargs,
-                                   destroy_model_parallel, ensure_cpu_mode,
-                                   initialize_model_parallel)
+from megatron_video.compat import (
+    cpu_mode_active,
+    cpu_optimizer_config_kwargs,
+    destroy_model_parallel,
+    ensure_cpu_mode,
+    initialize_model_parallel,
+)
 from megatron_video.parallel import comm
 from megatron_video.parallel.topology import destroy_video_parallel, init_video_parallel
 
@@ -171,8 +175,11 @@ class Trainer:
 
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -21,9 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_video.models.wan.interop import (CLASS_NAME, full_diffusers_config,
-                                               global_param_name, load_full_weights,
-                                               read_diffusers_folder, wan_config)
+from megatron_video.models.wan.interop import (
+    CLASS_NAME,
+    full_diffusers_config,
+    global_param_name,
+    load_full_weights,
+    read_diffusers_folder,
+    wan_config,
+)
 from megatron_video.models.wan.mapping import ignored_diffusers_key, to_diffusers, to_megatron
 from megatron_video.models.wan.model import WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec

@@ -16,11 +16,20 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_video.models.dit_layer import DiTLayerSubmodules
-from megatron_video.models.dit_layer_specs import (dit_backend_modules, dit_mlp_spec,
-                                                   full_2d_attention)
-from megatron_video.models.wan.model import (WanCrossAttention, WanCrossAttentionSubmodules,
-                                             WanLayer, WanLayerNorm, WanModulation,
-                                             WanSelfAttention, WanSelfAttentionSubmodules)
+from megatron_video.models.dit_layer_specs import (
+    dit_backend_modules,
+    dit_mlp_spec,
+    full_2d_attention,
+)
+from megatron_video.models.wan.model import (
+    WanCrossAttention,
+    WanCrossAttentionSubmodules,
+    WanLayer,
+    WanLayerNorm,
+    WanModulation,
+    WanSelfAttention,
+    WanSelfAttentionSubmodules,
+)
 
 __all__ = ["get_wan_layer_spec", "wan_self_attention_spec", "wan_cross_attention_spec"]
 
