@@ -4,6 +4,7 @@ The C++ extension (``megatron_video._C``) is optional: it is built from ``csrc/`
 available (CPU kernels always; CUDA kernels only when torch has CUDA and ``nvcc`` is found). Set
 ``MEGATRON_VIDEO_BUILD_EXT=0`` to skip it; the package then uses its pure-PyTorch references.
 """
+
 import glob
 import os
 
@@ -40,7 +41,9 @@ def _extensions():
         )
     else:
         ext = cpp_extension.CppExtension(
-            "megatron_video._C", cpp, extra_compile_args=cxx + ["-fopenmp"],
+            "megatron_video._C",
+            cpp,
+            extra_compile_args=cxx + ["-fopenmp"],
             extra_link_args=["-fopenmp"],
         )
     return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
@@ -54,7 +57,15 @@ setup(
     description="Megatron-Core extension for long-video training: 2D attention, Balanced SP, ST-DiT hybrid CP/DP",
     packages=find_packages(include=["megatron_video", "megatron_video.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "megatron-core>=0.16.1", "einops", "psutil", "numpy", "pyyaml", "tqdm"],
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "einops",
+        "psutil",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+    ],
     extras_require={
         "train": ["pillow", "matplotlib", "tensorboard", "webdataset"],
         "test": ["pytest", "hypothesis"],

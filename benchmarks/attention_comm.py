@@ -17,6 +17,7 @@ Run: ``python benchmarks/attention_comm.py [--seq 2048 --eff-seq 32768 --density
 CPU timings on 2 shared cores measure the implementation's overheads, not network cost (gloo over
 loopback): read the byte columns for the topology argument.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,12 @@ def _rank_bench(seq, heads, kv_heads, dim, iters):
             v = torch.randn(1, s_local, kv_heads, dim, generator=g).requires_grad_()
             with CommTracer() as t:
                 dist_attention(q, k, v, groups, mask=_mask("full", seq))
-            comm = dict(a2a_intra=t.bytes("all_to_all", intra_node=True),
-                        a2a_inter=t.bytes("all_to_all", intra_node=False),
-                        ring_intra=t.bytes("send", intra_node=True),
-                        ring_inter=t.bytes("send", intra_node=False))
+            comm = dict(
+                a2a_intra=t.bytes("all_to_all", intra_node=True),
+                a2a_inter=t.bytes("all_to_all", intra_node=False),
+                ring_intra=t.bytes("send", intra_node=True),
+                ring_inter=t.bytes("send", intra_node=False),
+            )
             skipped, times, cpu = {}, {}, {}
             for m in MASKS:
                 mask = _mask(m, seq)
@@ -78,8 +81,9 @@ def _rank_bench(seq, heads, kv_heads, dim, iters):
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(iters):
-                    dist_attention(q, k, v, groups, mask=mask,
-                                   scheme=mask.default_scheme).sum().backward()
+                    dist_attention(
+                        q, k, v, groups, mask=mask, scheme=mask.default_scheme
+                    ).sum().backward()
                 cpu[m] = (time.process_time() - c0) / iters
                 dist.barrier()
                 times[m] = (time.perf_counter() - t0) / iters
@@ -99,7 +103,9 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--tile", type=int, default=0, help="engine tile; 0 = automatic (engine.choose_tile)")
+    ap.add_argument(
+        "--tile", type=int, default=0, help="engine tile; 0 = automatic (engine.choose_tile)"
+    )
     ap.add_argument("--eff-seq", type=int, default=32768, help="0 skips the efficiency section")
     ap.add_argument("--eff-heads", type=int, default=4)
     ap.add_argument("--density-seq", type=int, default=8192, help="0 skips the density section")
@@ -110,18 +116,24 @@ def main():
 
     N, e = 8, 4
     G = 1 * (a.seq // N) * a.dim * e
-    print(f"S={a.seq} H={a.heads} H_kv={a.kv_heads} D={a.dim} fp32, N=8 as 2 nodes x 4; "
-          f"G = b*(S/N)*D*e = {G:,} B; bytes are forward, per rank (max over ranks)")
-    print(f"{'layout':<13}{'a2a intra':>12}{'a2a inter':>12}{'a2a formula':>13}"
-          f"{'ring intra':>12}{'ring inter':>12}{'ring formula':>14}")
+    print(
+        f"S={a.seq} H={a.heads} H_kv={a.kv_heads} D={a.dim} fp32, N=8 as 2 nodes x 4; "
+        f"G = b*(S/N)*D*e = {G:,} B; bytes are forward, per rank (max over ranks)"
+    )
+    print(
+        f"{'layout':<13}{'a2a intra':>12}{'a2a inter':>12}{'a2a formula':>13}"
+        f"{'ring intra':>12}{'ring inter':>12}{'ring formula':>14}"
+    )
     for i, row in enumerate(per_rank[0]):
         U, R = row["U"], row["R"]
         hk = a.kv_heads * U // math.gcd(a.kv_heads, U)
         f_a2a = G * (2 * a.heads + 2 * hk) * (U - 1) // U
         f_ring = (R - 1) * 2 * hk * G
         mx = {k: max(r[i]["comm"][k] for r in per_rank) for k in row["comm"]}
-        print(f"{row['name']:<13}{mx['a2a_intra']:>12,}{mx['a2a_inter']:>12,}{f_a2a:>13,}"
-              f"{mx['ring_intra']:>12,}{mx['ring_inter']:>12,}{f_ring:>14,}")
+        print(
+            f"{row['name']:<13}{mx['a2a_intra']:>12,}{mx['a2a_inter']:>12,}{f_a2a:>13,}"
+            f"{mx['ring_intra']:>12,}{mx['ring_inter']:>12,}{f_ring:>14,}"
+        )
     print("\nengine tiles skipped / total (rank 0 | max over ranks), forward")
     print(f"{'layout':<13}" + "".join(f"{m:>22}" for m in MASKS))
     for i, row in enumerate(per_rank[0]):
@@ -141,8 +153,9 @@ def main():
             cells.append(f"{t * 1e3:.0f} ms ({t / base[m]:.2f}x)")
         print(f"{row['name']:<13}" + "".join(f"{c:>22}" for c in cells))
 
-
-    print("\ncausal / full CPU time (summed over ranks), per layout (target with Ulysses only: <= 0.6x)")
+    print(
+        "\ncausal / full CPU time (summed over ranks), per layout (target with Ulysses only: <= 0.6x)"
+    )
     for i, row in enumerate(per_rank[0]):
         c = sum(r[i]["cpu"]["causal"] for r in per_rank)
         f = sum(r[i]["cpu"]["full"] for r in per_rank)
@@ -151,19 +164,25 @@ def main():
     if a.eff_seq:
         with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
             eff = pool.run(_efficiency, a.eff_seq, a.eff_heads, a.dim, a.tile)
-        print(f"\nefficiency: fwd+bwd CPU time, U2 x R2 (4 ranks, summed) vs torch fused flash on one "
-              f"process, S={a.eff_seq} H={a.eff_heads} D={a.dim} fp32, tile {a.tile or 'auto'}")
+        print(
+            f"\nefficiency: fwd+bwd CPU time, U2 x R2 (4 ranks, summed) vs torch fused flash on one "
+            f"process, S={a.eff_seq} H={a.eff_heads} D={a.dim} fp32, tile {a.tile or 'auto'}"
+        )
         for m in ("causal", "full"):
             ours = sum(r["ours"][m] for r in eff)
             single = eff[0]["single"][m]
-            print(f"{m:<8} ours {ours:8.2f} s   single-process flash {single:8.2f} s   efficiency "
-                  f"{single / ours:5.2f} (target >= 0.8 for causal)")
+            print(
+                f"{m:<8} ours {ours:8.2f} s   single-process flash {single:8.2f} s   efficiency "
+                f"{single / ours:5.2f} (target >= 0.8 for causal)"
+            )
 
     if a.density_seq:
         with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
             dens = pool.run(_density, a.density_seq, a.eff_heads, a.dim, a.tile)
-        print(f"\ntime vs mask density, U2 x R2, S={a.density_seq} H={a.eff_heads} D={a.dim} fp32, fwd+bwd CPU "
-              f"time summed over ranks relative to the full mask (target: <= density + 0.15)")
+        print(
+            f"\ntime vs mask density, U2 x R2, S={a.density_seq} H={a.eff_heads} D={a.dim} fp32, fwd+bwd CPU "
+            f"time summed over ranks relative to the full mask (target: <= density + 0.15)"
+        )
         full = sum(r["full"] for r in dens)
         for key in dens[0]["masks"]:
             t = sum(r["masks"][key][1] for r in dens)
@@ -190,8 +209,11 @@ def _setup_2x2():
     from megatron_video.compat import initialize_model_parallel
     from megatron_video.parallel import init_video_parallel
 
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
-                              hierarchical_context_parallel_sizes=[2, 2])
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+    )
     return init_video_parallel(2, 2, ranks_per_node=2)
 
 
@@ -212,10 +234,18 @@ def _efficiency(seq, heads, dim, tile):
     out = dict(ours={}, single={})
     try:
         g = torch.Generator().manual_seed(dist.get_rank())
-        q, k, v = (torch.randn(1, seq // 4, heads, dim, generator=g).requires_grad_() for _ in range(3))
+        q, k, v = (
+            torch.randn(1, seq // 4, heads, dim, generator=g).requires_grad_() for _ in range(3)
+        )
         for m, mask in (("causal", masks.causal()), ("full", masks.full())):
-            out["ours"][m] = _fwd_bwd_cpu(lambda q, k, v: dist_attention(q, k, v, groups, mask=mask,
-                                                                         scheme="zigzag", tile=tile), q, k, v)
+            out["ours"][m] = _fwd_bwd_cpu(
+                lambda q, k, v: dist_attention(
+                    q, k, v, groups, mask=mask, scheme="zigzag", tile=tile
+                ),
+                q,
+                k,
+                v,
+            )
     finally:
         _teardown()
     if dist.get_rank() == 0:  # the single-process baseline, alone on the machine's cores
@@ -223,8 +253,14 @@ def _efficiency(seq, heads, dim, tile):
         Q, K, V = (torch.randn(1, heads, seq, dim, generator=g).requires_grad_() for _ in range(3))
         for m, causal in (("causal", True), ("full", False)):
             out["single"][m] = _fwd_bwd_cpu(
-                lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                Q, K, V, sync=False)
+                lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal
+                ),
+                Q,
+                K,
+                V,
+                sync=False,
+            )
     return out  # no barrier: the baseline may outlast gloo's timeout while the others wait
 
 
@@ -239,19 +275,36 @@ def _density(seq, heads, dim, tile):
     res = {"masks": {}}
     try:
         g = torch.Generator().manual_seed(dist.get_rank())
-        q, k, v = (torch.randn(1, seq // 4, heads, dim, generator=g).requires_grad_() for _ in range(3))
+        q, k, v = (
+            torch.randn(1, seq // 4, heads, dim, generator=g).requires_grad_() for _ in range(3)
+        )
         run = lambda mask, scheme: _fwd_bwd_cpu(  # noqa: E731
-            lambda q, k, v: dist_attention(q, k, v, groups, mask=mask, scheme=scheme, tile=tile), q, k, v)
+            lambda q, k, v: dist_attention(q, k, v, groups, mask=mask, scheme=scheme, tile=tile),
+            q,
+            k,
+            v,
+        )
         res["full"] = run(masks.full(), "zigzag")
         for frames in (4, 16, 64):
             b = seq // frames
-            density = sum((i + 1) * b * b for i in range(frames)) / seq ** 2
-            res["masks"][f"block_causal {frames} frames"] = (density, run(masks.block_causal(b), "zigzag"))
+            density = sum((i + 1) * b * b for i in range(frames)) / seq**2
+            res["masks"][f"block_causal {frames} frames"] = (
+                density,
+                run(masks.block_causal(b), "zigzag"),
+            )
         for F, nb in ((16, 1), (16, 4)):
-            lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=seq // (2 * F), frames_per_block=nb,
-                                   sp_size=4, ring_size=2)
+            lay = BalancedSPLayout(
+                num_latent_frames=F,
+                tokens_per_frame=seq // (2 * F),
+                frames_per_block=nb,
+                sp_size=4,
+                ring_size=2,
+            )
             density = float(lay.block_mask().double().mean())
-            res["masks"][f"teacher_forcing F={F} nb={nb}"] = (density, run(TeacherForcingMask(lay), "contiguous"))
+            res["masks"][f"teacher_forcing F={F} nb={nb}"] = (
+                density,
+                run(TeacherForcingMask(lay), "contiguous"),
+            )
     finally:
         _teardown()
     return res

@@ -10,6 +10,7 @@ over the whole sequence (``is_causal=True``, its own q = the whole sequence), me
 Targets (docs/benchmarks.md): <= 20x one q shard, and flat: the largest S within 1.5x of the
 smallest. Run: ``python benchmarks/attention_memory.py [--seqs 4096,8192,16384,32768,65536]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ def _mask(name, S, N, U, R):
     if name == "block_causal":
         return masks.block_causal(S // 32), "zigzag"  # 32 frames
     F = 32  # latent frames; [clean; noisy] -> 2 * F * tokens = S
-    lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=S // (2 * F), frames_per_block=2,
-                           sp_size=N, ring_size=R)
+    lay = BalancedSPLayout(
+        num_latent_frames=F,
+        tokens_per_frame=S // (2 * F),
+        frames_per_block=2,
+        sp_size=N,
+        ring_size=R,
+    )
     return TeacherForcingMask(lay), "contiguous"
 
 
@@ -70,8 +76,11 @@ def _rank_bench(seqs, heads, dim, tile, masks_):
 
     U, R = 2, 2
     N = U * R
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=N,
-                              hierarchical_context_parallel_sizes=[U, R])
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=N,
+        hierarchical_context_parallel_sizes=[U, R],
+    )
     groups = init_video_parallel(U, R, ranks_per_node=2)
     rows = []
     try:
@@ -79,19 +88,33 @@ def _rank_bench(seqs, heads, dim, tile, masks_):
             for name in masks_:
                 mask, scheme = _mask(name, S, N, U, R)
                 g = torch.Generator().manual_seed(dist.get_rank())
-                q, k, v = (torch.randn(1, S // N, heads, dim, generator=g).requires_grad_() for _ in range(3))
+                q, k, v = (
+                    torch.randn(1, S // N, heads, dim, generator=g).requires_grad_()
+                    for _ in range(3)
+                )
                 st = RingStats()
 
                 def step():
-                    out = dist_attention(q, k, v, groups, mask=mask, scheme=scheme, tile=tile, stats=st)
+                    out = dist_attention(
+                        q, k, v, groups, mask=mask, scheme=scheme, tile=tile, stats=st
+                    )
                     out.backward(torch.ones_like(out))
 
                 dist.barrier()
                 mib, dt = _measure(step)
                 for x in (q, k, v):
                     x.grad = None
-                rows.append(dict(S=S, mask=name, mib=mib, sec=dt, q_mib=q.numel() * 4 / 2**20,
-                                 max_mask=st.max_mask_elements, skipped=(st.tiles_skipped, st.tiles)))
+                rows.append(
+                    dict(
+                        S=S,
+                        mask=name,
+                        mib=mib,
+                        sec=dt,
+                        q_mib=q.numel() * 4 / 2**20,
+                        max_mask=st.max_mask_elements,
+                        skipped=(st.tiles_skipped, st.tiles),
+                    )
+                )
     finally:
         destroy_video_parallel()
         destroy_model_parallel()
@@ -120,7 +143,9 @@ def main():
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=32)
-    ap.add_argument("--tile", type=int, default=0, help="engine tile; 0 = automatic (engine.choose_tile)")
+    ap.add_argument(
+        "--tile", type=int, default=0, help="engine tile; 0 = automatic (engine.choose_tile)"
+    )
     ap.add_argument("--masks", default=",".join(MASKS))
     a = ap.parse_args()
     a.tile = a.tile or None
@@ -133,10 +158,14 @@ def main():
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
         pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.tile, masks_)
         per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.tile, masks_)
-        flash = pool.run(_flash_baseline, seqs[:1] + seqs, a.heads, a.dim)[0][1:]  # rank 0's, after warm-up
+        flash = pool.run(_flash_baseline, seqs[:1] + seqs, a.heads, a.dim)[0][
+            1:
+        ]  # rank 0's, after warm-up
 
-    print(f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile {a.tile or 'auto'}, fwd+bwd; "
-          f"peak RSS growth per rank (max over ranks) and its multiple of one q shard")
+    print(
+        f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile {a.tile or 'auto'}, fwd+bwd; "
+        f"peak RSS growth per rank (max over ranks) and its multiple of one q shard"
+    )
     print(f"{'S':>7}" + "".join(f"{m:>26}" for m in masks_) + f"{'torch flash, 1 process':>28}")
     ratios = {m: [] for m in masks_}
     for i, S in enumerate(seqs):
@@ -150,11 +179,15 @@ def main():
         f = flash[i]
         cells.append(f"{f['mib']:8.1f} MiB {f['mib'] / f['q_mib']:5.1f}x {f['sec']:5.1f}s")
         print(f"{S:>7}" + "".join(f"{c:>26}" for c in cells[:-1]) + f"{cells[-1]:>28}")
-    print("flatness (largest S / smallest S, multiple of q shard): "
-          + ", ".join(f"{m} {r[-1] / r[0]:.2f}" for m, r in ratios.items()))
+    print(
+        "flatness (largest S / smallest S, multiple of q shard): "
+        + ", ".join(f"{m} {r[-1] / r[0]:.2f}" for m, r in ratios.items())
+    )
     worst = max(max(r) for r in ratios.values())
-    print(f"worst multiple {worst:.1f}x one q shard (target <= 20x); largest mask buffer "
-          f"{max(r['max_mask'] for rank in per_rank for r in rank):,} elements (one 512-tile pair = {512 ** 2:,})")
+    print(
+        f"worst multiple {worst:.1f}x one q shard (target <= 20x); largest mask buffer "
+        f"{max(r['max_mask'] for rank in per_rank for r in rank):,} elements (one 512-tile pair = {512**2:,})"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ x ``--gpu-dim`` bf16); plan builds; engine kernel calls and aten compute ops (~ 
 call. CPU runs at ``--heads`` x ``--dim`` fp32. The machine may be shared: wall times are noisy.
 Run: ``python benchmarks/attention_overhead.py [--seqs 2048,8192,32768]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,41 @@ MASKS = ("causal", "teacher_forcing")
 H200_FLOPS = 0.6 * 790e12
 # aten ops that move no data and compute nothing (metadata only); every other aten op with self
 # time is counted as compute (a kernel on a GPU)
-_META = {"aten::view", "aten::transpose", "aten::slice", "aten::as_strided", "aten::empty",
-         "aten::select", "aten::unflatten", "aten::movedim", "aten::expand", "aten::resize_",
-         "aten::detach", "aten::alias", "aten::t", "aten::permute", "aten::empty_like",
-         "aten::empty_strided", "aten::lift_fresh", "aten::unsqueeze", "aten::squeeze",
-         "aten::reshape", "aten::flatten", "aten::_reshape_alias", "aten::to", "aten::_to_copy",
-         "aten::result_type", "aten::is_nonzero", "aten::detach_", "aten::set_", "aten::split",
-         "aten::chunk", "aten::narrow", "aten::_unsafe_view", "aten::contiguous"}
+_META = {
+    "aten::view",
+    "aten::transpose",
+    "aten::slice",
+    "aten::as_strided",
+    "aten::empty",
+    "aten::select",
+    "aten::unflatten",
+    "aten::movedim",
+    "aten::expand",
+    "aten::resize_",
+    "aten::detach",
+    "aten::alias",
+    "aten::t",
+    "aten::permute",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::lift_fresh",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::reshape",
+    "aten::flatten",
+    "aten::_reshape_alias",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::result_type",
+    "aten::is_nonzero",
+    "aten::detach_",
+    "aten::set_",
+    "aten::split",
+    "aten::chunk",
+    "aten::narrow",
+    "aten::_unsafe_view",
+    "aten::contiguous",
+}
 
 
 def _mask(name, S, N, R):
@@ -39,8 +68,13 @@ def _mask(name, S, N, R):
     if name == "causal":
         return masks.causal(), "zigzag"
     F = 32
-    lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=S // (2 * F), frames_per_block=2,
-                           sp_size=N, ring_size=R)
+    lay = BalancedSPLayout(
+        num_latent_frames=F,
+        tokens_per_frame=S // (2 * F),
+        frames_per_block=2,
+        sp_size=N,
+        ring_size=R,
+    )
     return TeacherForcingMask(lay), "contiguous"
 
 
@@ -53,8 +87,12 @@ class _CommTimer:
 
         self.seconds = 0.0
         self._saved = []
-        for owner, name in ((comm, "all_to_all_single"), (attention_2d, "check_same_shape"),
-                            (comm.RingExchange, "__init__"), (comm.RingExchange, "wait")):
+        for owner, name in (
+            (comm, "all_to_all_single"),
+            (attention_2d, "check_same_shape"),
+            (comm.RingExchange, "__init__"),
+            (comm.RingExchange, "wait"),
+        ):
             orig = getattr(owner, name)
             self._saved.append((owner, name, orig))
             setattr(owner, name, self._timed(orig))
@@ -66,6 +104,7 @@ class _CommTimer:
                 return fn(*a, **k)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         return f
 
     def close(self):
@@ -137,8 +176,14 @@ def _phase(run_fwd, run_bwd, timer, reps, first):
         ops = statistics.median(r[2] for r in rows if r[2] is not None)
         comm = statistics.median(r[3] for r in rows if r[0] is not None)
         host_cpu = statistics.median(max(0.0, r[4] - r[1]) for r in rows if r[1] is not None)
-        out[d] = dict(wall=wall, compute=comp, ops=ops, comm=comm, host_cpu=host_cpu,
-                      host=max(0.0, wall - comp - comm))
+        out[d] = dict(
+            wall=wall,
+            compute=comp,
+            ops=ops,
+            comm=comm,
+            host_cpu=host_cpu,
+            host=max(0.0, wall - comp - comm),
+        )
     return out
 
 
@@ -154,8 +199,11 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
     torch.set_num_threads(1)
     U, R = 2, 2
     N = U * R
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=N,
-                              hierarchical_context_parallel_sizes=[U, R])
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=N,
+        hierarchical_context_parallel_sizes=[U, R],
+    )
     groups = init_video_parallel(U, R, ranks_per_node=2)
     timer = _CommTimer()
     rows = []
@@ -167,8 +215,10 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
                 st = RingStats()
 
                 def run_fwd():
-                    q, k, v = (torch.randn(1, S // N, heads, dim, generator=g).requires_grad_()
-                               for _ in range(3))
+                    q, k, v = (
+                        torch.randn(1, S // N, heads, dim, generator=g).requires_grad_()
+                        for _ in range(3)
+                    )
                     return dist_attention(q, k, v, groups, mask=mask, scheme=scheme, stats=st)
 
                 def run_bwd(out):
@@ -180,20 +230,33 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
                 b1 = PLANS.builds
                 steady = _phase(run_fwd, run_bwd, timer, reps, False)
                 n_calls = (st.steps - calls0[2]) // R  # dist_attention calls in the steady phase
-                kcalls = ((st.kernel_calls - calls0[0]) / n_calls,
-                          (st.bwd_kernel_calls - calls0[1]) / n_calls)
+                kcalls = (
+                    (st.kernel_calls - calls0[0]) / n_calls,
+                    (st.bwd_kernel_calls - calls0[1]) / n_calls,
+                )
                 builds_steady = PLANS.builds - b1
                 from megatron_video.attention import engine
+
                 kernel = engine.engine_backend("auto", torch.empty(1))
                 tile = engine.choose_tile(mask, kernel, torch.device("cpu"))
-                blocks = ring_block_plans(None, _ring_ids(groups, S, scheme), groups.ring_rank,
-                                          mask, tile, kernel)
+                blocks = ring_block_plans(
+                    None, _ring_ids(groups, S, scheme), groups.ring_rank, mask, tile, kernel
+                )
                 pairs = _visible_pairs(blocks) // U  # this rank's heads: H / U of them
                 fwd_flops = 4 * pairs * gpu_dim * gpu_heads
-                rows.append(dict(S=S, mask=name, first=first, steady=steady,
-                                 builds_first=builds_first, builds_steady=builds_steady,
-                                 kcalls=kcalls, gpu_fwd=fwd_flops / H200_FLOPS,
-                                 gpu_bwd=2.5 * fwd_flops / H200_FLOPS))
+                rows.append(
+                    dict(
+                        S=S,
+                        mask=name,
+                        first=first,
+                        steady=steady,
+                        builds_first=builds_first,
+                        builds_steady=builds_steady,
+                        kcalls=kcalls,
+                        gpu_fwd=fwd_flops / H200_FLOPS,
+                        gpu_bwd=2.5 * fwd_flops / H200_FLOPS,
+                    )
+                )
     finally:
         timer.close()
         destroy_video_parallel()
@@ -204,8 +267,16 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
 def _ring_ids(groups, S, scheme):
     from megatron_video.attention.attention_2d import _layout
 
-    return _layout(tuple(groups.cp_ranks), tuple(groups.ulysses_ranks), tuple(groups.ring_ranks),
-                   groups.ulysses_size, groups.ring_size, groups.placement, S, scheme)[0]
+    return _layout(
+        tuple(groups.cp_ranks),
+        tuple(groups.ulysses_ranks),
+        tuple(groups.ring_ranks),
+        groups.ulysses_size,
+        groups.ring_size,
+        groups.placement,
+        S,
+        scheme,
+    )[0]
 
 
 def _ms(x):
@@ -228,17 +299,24 @@ def main():
     masks_ = tuple(a.masks.split(","))
     with WorkerPool(4, ranks_per_node=2, timeout=7200) as pool:
         pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.gpu_heads, a.gpu_dim, 1, masks_[:1])
-        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.gpu_heads, a.gpu_dim, a.reps,
-                            masks_)
-    print(f"2D attention U2 x R2 (4 gloo ranks, CPU b=1 H={a.heads} D={a.dim} fp32); host = wall - "
-          f"aten compute self time - comm; H200 est. = this rank's share at H={a.gpu_heads} "
-          f"D={a.gpu_dim} bf16, 60% of 790 TFLOP/s; max over ranks; times in ms (shared machine: "
-          f"noisy)")
-    print("host 1st / ss: wall-based (wall - compute - comm; first call / steady state); host cpu: "
-          "main-thread CPU time - compute, steady state; host/H200 uses host cpu")
-    print(f"{'S':>7} {'mask':>16} {'dir':>4} {'host 1st':>9} {'host ss':>9} {'host cpu':>9} "
-          f"{'wall ss':>9} {'comm ss':>9} {'H200 est':>9} {'host/H200':>10} {'aten ops':>8} "
-          f"{'eng calls':>9} {'builds 1st/ss':>13}")
+        per_rank = pool.run(
+            _rank_bench, seqs, a.heads, a.dim, a.gpu_heads, a.gpu_dim, a.reps, masks_
+        )
+    print(
+        f"2D attention U2 x R2 (4 gloo ranks, CPU b=1 H={a.heads} D={a.dim} fp32); host = wall - "
+        f"aten compute self time - comm; H200 est. = this rank's share at H={a.gpu_heads} "
+        f"D={a.gpu_dim} bf16, 60% of 790 TFLOP/s; max over ranks; times in ms (shared machine: "
+        f"noisy)"
+    )
+    print(
+        "host 1st / ss: wall-based (wall - compute - comm; first call / steady state); host cpu: "
+        "main-thread CPU time - compute, steady state; host/H200 uses host cpu"
+    )
+    print(
+        f"{'S':>7} {'mask':>16} {'dir':>4} {'host 1st':>9} {'host ss':>9} {'host cpu':>9} "
+        f"{'wall ss':>9} {'comm ss':>9} {'H200 est':>9} {'host/H200':>10} {'aten ops':>8} "
+        f"{'eng calls':>9} {'builds 1st/ss':>13}"
+    )
     for S in seqs:
         for m in masks_:
             rs = [next(r for r in rank if r["S"] == S and r["mask"] == m) for rank in per_rank]
@@ -252,8 +330,10 @@ def main():
                 ops = max(r["steady"][d]["ops"] for r in rs)
                 kc = max(r["kcalls"][0 if d == "fwd" else 1] for r in rs)
                 b = f"{max(r['builds_first'] for r in rs)}/{max(r['builds_steady'] for r in rs)}"
-                print(f"{S:>7} {m:>16} {d:>4} {_ms(h1):>9} {_ms(hs):>9} {_ms(hc):>9} {_ms(ws):>9} "
-                      f"{_ms(cs):>9} {_ms(gpu):>9} {hc / gpu:>9.0%} {ops:>8.0f} {kc:>9.1f} {b:>13}")
+                print(
+                    f"{S:>7} {m:>16} {d:>4} {_ms(h1):>9} {_ms(hs):>9} {_ms(hc):>9} {_ms(ws):>9} "
+                    f"{_ms(cs):>9} {_ms(gpu):>9} {hc / gpu:>9.0%} {ops:>8.0f} {kc:>9.1f} {b:>13}"
+                )
 
 
 if __name__ == "__main__":

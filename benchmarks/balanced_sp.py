@@ -15,6 +15,7 @@ the teacher-forcing objective on a gloo pool of ``P`` CPU ranks and prints the t
 
     python benchmarks/balanced_sp.py --frames 64 --tokens-per-frame 1560 --frames-per-block 4 -U 4 -R 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ from megatron_video.layouts.vae_halo import (  # noqa: E402
 )
 from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
 
-STRIDE = CausalVideoVAE.temporal_stride   # the project's VAE
+STRIDE = CausalVideoVAE.temporal_stride  # the project's VAE
 
 
 def per_rank_rows(a):
@@ -55,14 +56,22 @@ def per_rank_rows(a):
     rows["naive"] = dict(
         loss=[int((naive_slice_global_ids(F, S, P, c) >= F * S).sum()) for c in range(P)],
         work=[ring[c // U] / U for c in range(P)],
-        vae=[T] * P, raw_bytes=[T * frame_bytes] * P)
+        vae=[T] * P,
+        raw_bytes=[T * frame_bytes] * P,
+    )
 
     for name, bal in (("balanced", False), ("balanced+ring", True)):
         lay = BalancedSPLayout(F, S, nb, P, ring_size=R, ring_balance=bal)
-        vae = [sum(w.num_raw for w in windows_for_bounds(lay.rank_segments(c), a.halo, STRIDE))
-               for c in range(P)]
-        rows[name] = dict(loss=lay.loss_tokens_per_rank(), work=lay.attention_work_per_rank(),
-                          vae=vae, raw_bytes=[v * frame_bytes for v in vae])
+        vae = [
+            sum(w.num_raw for w in windows_for_bounds(lay.rank_segments(c), a.halo, STRIDE))
+            for c in range(P)
+        ]
+        rows[name] = dict(
+            loss=lay.loss_tokens_per_rank(),
+            work=lay.attention_work_per_rank(),
+            vae=vae,
+            raw_bytes=[v * frame_bytes for v in vae],
+        )
     return rows
 
 
@@ -82,27 +91,43 @@ def fmt(v):
 
 def print_table(rows, a):
     P = a.ulysses * a.ring
-    metrics = [("loss", "loss tokens"), ("work", "unmasked attn pairs"), ("vae", "VAE raw frames"),
-               ("raw_bytes", "raw video bytes in")]
-    print(f"F={a.frames} latent frames, S={a.tokens_per_frame} tokens/frame, nb={a.frames_per_block}, "
-          f"P={P} (U={a.ulysses} x R={a.ring}), VAE halo={a.halo} latents, "
-          f"raw frames T={num_raw_frames(a.frames, STRIDE)}")
-    head = f"{'metric':<22} {'layout':<14} " + " ".join(f"{'r' + str(c):>12}" for c in range(P)) + \
-        f" {'total':>14} {'max/mean':>9}"
+    metrics = [
+        ("loss", "loss tokens"),
+        ("work", "unmasked attn pairs"),
+        ("vae", "VAE raw frames"),
+        ("raw_bytes", "raw video bytes in"),
+    ]
+    print(
+        f"F={a.frames} latent frames, S={a.tokens_per_frame} tokens/frame, nb={a.frames_per_block}, "
+        f"P={P} (U={a.ulysses} x R={a.ring}), VAE halo={a.halo} latents, "
+        f"raw frames T={num_raw_frames(a.frames, STRIDE)}"
+    )
+    head = (
+        f"{'metric':<22} {'layout':<14} "
+        + " ".join(f"{'r' + str(c):>12}" for c in range(P))
+        + f" {'total':>14} {'max/mean':>9}"
+    )
     print(head)
     print("-" * len(head))
     for key, label in metrics:
         for name, r in rows.items():
             vals = r[key]
-            print(f"{label:<22} {name:<14} " + " ".join(f"{fmt(v):>12}" for v in vals) +
-                  f" {fmt(sum(vals)):>14} {max_over_mean(vals):>9.3f}")
+            print(
+                f"{label:<22} {name:<14} "
+                + " ".join(f"{fmt(v):>12}" for v in vals)
+                + f" {fmt(sum(vals)):>14} {max_over_mean(vals):>9.3f}"
+            )
     a2a, ring = comm_per_layer(a)
-    print(f"\nattention comm per rank per layer (fwd, all layouts alike): all-to-all {a2a:,} B "
-          f"(intra-node), ring {ring:,} B (inter-node)")
+    print(
+        f"\nattention comm per rank per layer (fwd, all layouts alike): all-to-all {a2a:,} B "
+        f"(intra-node), ring {ring:,} B (inter-node)"
+    )
     rb = rows["naive"]["raw_bytes"][0]
     hb = max(rows["balanced"]["raw_bytes"])
-    print(f"raw video per rank: replicated {rb:,} B vs halo window (max) {hb:,} B "
-          f"-> {rb / hb:.2f}x less loading and VAE work")
+    print(
+        f"raw video per rank: replicated {rb:,} B vs halo window (max) {hb:,} B "
+        f"-> {rb / hb:.2f}x less loading and VAE work"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,16 +154,20 @@ def _measure_rank(U, R, F, S, nb, heads, head_dim, balance):
         def model(x, t, *, frame_positions, token_ids, mask):  # one attention layer
             b, L, _ = x.shape
             q, k, v = proj(x).view(b, L, 3, heads, head_dim).unbind(2)
-            return dist_attention(q, k, v, groups, mask=mask, scheme="contiguous",
-                                  stats=stats).reshape(b, L, dim)
+            return dist_attention(
+                q, k, v, groups, mask=mask, scheme="contiguous", stats=stats
+            ).reshape(b, L, dim)
 
         clean = torch.randn(1, lay.local_len // 2, dim)
         with CommTracer() as tr:
             out = obj(model, clean, block_timesteps=torch.rand(1, lay.num_blocks))
             out.loss.backward()
-        return dict(a2a=(tr.bytes("all_to_all", "fwd"), tr.bytes("all_to_all", "bwd")),
-                    ring=(tr.bytes("send", "fwd"), tr.bytes("send", "bwd")), blocks=stats.blocks,
-                    skipped=stats.blocks_skipped)
+        return dict(
+            a2a=(tr.bytes("all_to_all", "fwd"), tr.bytes("all_to_all", "bwd")),
+            ring=(tr.bytes("send", "fwd"), tr.bytes("send", "bwd")),
+            blocks=stats.blocks,
+            skipped=stats.blocks_skipped,
+        )
     finally:
         destroy_video_parallel()
         destroy_model_parallel()
@@ -150,11 +179,22 @@ def measure(a):
     P = a.ulysses * a.ring
     with WorkerPool(P, ranks_per_node=a.ulysses, timeout=600) as pool:
         for bal in (False, True):
-            res = pool.run(_measure_rank, a.ulysses, a.ring, a.frames, a.tokens_per_frame,
-                           a.frames_per_block, a.heads, a.head_dim, bal)
-            print(f"measured (ring_balance={bal}, 1 layer, (fwd, bwd) bytes per rank): a2a "
-                  f"{[r['a2a'] for r in res]}, ring {[r['ring'] for r in res]}; fwd ring sub-blocks "
-                  f"skipped/total {[(r['skipped'], r['blocks']) for r in res]}")
+            res = pool.run(
+                _measure_rank,
+                a.ulysses,
+                a.ring,
+                a.frames,
+                a.tokens_per_frame,
+                a.frames_per_block,
+                a.heads,
+                a.head_dim,
+                bal,
+            )
+            print(
+                f"measured (ring_balance={bal}, 1 layer, (fwd, bwd) bytes per rank): a2a "
+                f"{[r['a2a'] for r in res]}, ring {[r['ring'] for r in res]}; fwd ring sub-blocks "
+                f"skipped/total {[(r['skipped'], r['blocks']) for r in res]}"
+            )
 
 
 def main(argv=None):
@@ -164,8 +204,12 @@ def main(argv=None):
     p.add_argument("--frames-per-block", type=int, default=2)
     p.add_argument("-U", "--ulysses", type=int, default=4)
     p.add_argument("-R", "--ring", type=int, default=2)
-    p.add_argument("--halo", type=int, default=None,
-                   help="VAE halo latents (default: derived from the small causal VAE's encoder)")
+    p.add_argument(
+        "--halo",
+        type=int,
+        default=None,
+        help="VAE halo latents (default: derived from the small causal VAE's encoder)",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=24)
     p.add_argument("--kv-heads", type=int, default=24)
@@ -174,8 +218,11 @@ def main(argv=None):
     p.add_argument("--channels", type=int, default=3)
     p.add_argument("--height", type=int, default=480)
     p.add_argument("--width", type=int, default=832)
-    p.add_argument("--measure", action="store_true",
-                   help="also trace comm of one TF attention layer on a CPU gloo pool (use small sizes)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also trace comm of one TF attention layer on a CPU gloo pool (use small sizes)",
+    )
     a = p.parse_args(argv)
     if a.halo is None:
         a.halo = temporal_receptive_field(CausalVideoEncoder())

@@ -35,6 +35,7 @@ TF32 in Triton kernels), fp16 5e-3, bf16 2.5e-2 (the documented bf16 bound).
 Exit status: 0 on PASS (or SKIP: no CUDA device), 1 when any correctness check fails or errors,
 or when our own code raises anywhere (the TE section and the bench included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,12 @@ import torch  # noqa: E402
 
 from megatron_video.attention import dist_attention, kernels, local_attention, masks  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "fp64": torch.float64}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 TOL = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 SECTIONS = ("local", "dist", "te", "bench")
 # Cumulative share of the budget at which each section must stop starting new cases.
@@ -108,21 +114,27 @@ def _try_import(what: str):
         if what == "te":
             import transformer_engine  # noqa: F401
             import transformer_engine.pytorch as te
+
             return te, getattr(transformer_engine, "__version__", "?")
         if what == "flash_attn":
             import flash_attn
             from flash_attn import flash_attn_func
+
             return flash_attn_func, getattr(flash_attn, "__version__", "?")
         if what == "flex":
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
             return (flex_attention, create_block_mask), torch.__version__
     except Exception as e:  # noqa: BLE001 - ImportError, OSError (missing .so), RuntimeError
-        return None, f"not importable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        return (
+            None,
+            f"not importable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}",
+        )
     raise ValueError(f"what ({what!r}) must be 'te', 'flash_attn' or 'flex'")
 
 
 def our_backends() -> List[str]:
-    return list(kernels.available_backends())   # raising here is our failure: the run fails
+    return list(kernels.available_backends())  # raising here is our failure: the run fails
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +172,9 @@ def dense_mask(name: str, s: int, device) -> Optional[torch.Tensor]:
 
 def make_inputs(shape: Shape, dtype, device, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    mk = lambda *sz: torch.randn(*sz, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)  # noqa: E731
+    mk = lambda *sz: torch.randn(*sz, generator=g, dtype=torch.float32).to(
+        device=device, dtype=dtype
+    )  # noqa: E731
     b, s, h, hk, d = shape.b, shape.s, shape.h, shape.hkv, shape.d
     return mk(b, s, h, d), mk(b, s, hk, d), mk(b, s, hk, d), mk(b, s, h, d)
 
@@ -212,8 +226,11 @@ def lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     lse = lse.detach().double()
     live = torch.isfinite(ref)
-    if bool(torch.isnan(lse).any()) or not bool(torch.isneginf(lse[~live]).all()) \
-            or not bool(torch.isfinite(lse[live]).all()):
+    if (
+        bool(torch.isnan(lse).any())
+        or not bool(torch.isneginf(lse[~live]).all())
+        or not bool(torch.isfinite(lse[live]).all())
+    ):
         return float("inf")
     return norm_err(lse[live], ref[live])
 
@@ -245,44 +262,68 @@ def check_local(device, dtype, backend: str, mask_name: str, shape: Shape, seed:
     try:
         q, k, v, dout = make_inputs(shape, dtype, device, seed)
         allow = dense_mask(mask_name, shape.s, device)
-        scale = shape.d ** -0.5
+        scale = shape.d**-0.5
         resolved = kernels.resolve_backend(backend, q, allow is not None)
         if resolved != backend:
             label = f"{backend}->{resolved}"
-        out, lse, dq, dk, dv = _grads(lambda a, b_, c: local_attention(a, b_, c, mask=allow, backend=backend),
-                                      q, k, v, dout)
+        out, lse, dq, dk, dv = _grads(
+            lambda a, b_, c: local_attention(a, b_, c, mask=allow, backend=backend), q, k, v, dout
+        )
         _sync(device)
         ro, rl, rdq, rdk, rdv = oracle(q, k, v, dout, allow, scale)
-        errs = {"out": norm_err(out, ro), "lse": lse_err(lse, rl), "dq": norm_err(dq, rdq),
-                "dk": norm_err(dk, rdk), "dv": norm_err(dv, rdv)}
+        errs = {
+            "out": norm_err(out, ro),
+            "lse": lse_err(lse, rl),
+            "dq": norm_err(dq, rdq),
+            "dk": norm_err(dk, rdk),
+            "dv": norm_err(dv, rdv),
+        }
         if allow is not None:  # rows without keys: exactly zero output
             dead = ~allow.any(-1)
             if bool(dead.any()) and not bool((out[:, dead] == 0).all()):
                 errs["dead_rows"] = float("inf")
         tol = TOL[dtype]
-        return Result("local", f"local {_dname(dtype)} {mask_name} {label} [{shape}]", _judge(errs, tol),
-                      errs, tol, time.perf_counter() - t0)
+        return Result(
+            "local",
+            f"local {_dname(dtype)} {mask_name} {label} [{shape}]",
+            _judge(errs, tol),
+            errs,
+            tol,
+            time.perf_counter() - t0,
+        )
     except Exception as e:  # noqa: BLE001 - a crashing backend is a failed check, with its reason
-        return Result("local", f"{name} [{shape}]", "ERROR", seconds=time.perf_counter() - t0,
-                      note=_exc(e))
+        return Result(
+            "local", f"{name} [{shape}]", "ERROR", seconds=time.perf_counter() - t0, note=_exc(e)
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # 2. dist_attention, one process (N = 1)
 # ----------------------------------------------------------------------------------------------
-def check_dist(device, dtype, mask_name: str, shape: Shape, backend: str = "auto", seed: int = 1) -> Result:
+def check_dist(
+    device, dtype, mask_name: str, shape: Shape, backend: str = "auto", seed: int = 1
+) -> Result:
     t0 = time.perf_counter()
     name = f"dist N=1 {_dname(dtype)} {mask_name} {backend} [{shape}]"
     try:
         q, k, v, dout = make_inputs(shape, dtype, device, seed)
         mask = make_mask(mask_name, shape.s)
-        out, _, dq, dk, dv = _grads(lambda a, b_, c: dist_attention(a, b_, c, None, mask=mask, backend=backend),
-                                    q, k, v, dout)
+        out, _, dq, dk, dv = _grads(
+            lambda a, b_, c: dist_attention(a, b_, c, None, mask=mask, backend=backend),
+            q,
+            k,
+            v,
+            dout,
+        )
         _sync(device)
         allow = dense_mask(mask_name, shape.s, device)
-        ro, _, rdq, rdk, rdv = oracle(q, k, v, dout, allow, shape.d ** -0.5)
-        errs = {"out": norm_err(out, ro), "dq": norm_err(dq, rdq), "dk": norm_err(dk, rdk),
-                "dv": norm_err(dv, rdv)}
+        ro, _, rdq, rdk, rdv = oracle(q, k, v, dout, allow, shape.d**-0.5)
+        errs = {
+            "out": norm_err(out, ro),
+            "dq": norm_err(dq, rdq),
+            "dk": norm_err(dk, rdk),
+            "dv": norm_err(dv, rdv),
+        }
         tol = TOL[dtype]
         return Result("dist", name, _judge(errs, tol), errs, tol, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001
@@ -296,8 +337,14 @@ def _te_attention(te, shape: Shape, mask_name: str, device):
     """A callable ``(q, k, v) -> [b, s, h, d]`` through TE's DotProductAttention (bshd)."""
     te_type = {"full": "no_mask", "causal": "causal", "block_causal": "arbitrary"}[mask_name]
     # softmax scale: TE's default 1/sqrt(kv_channels), the same as ours
-    mod = te.DotProductAttention(shape.h, shape.d, num_gqa_groups=shape.hkv, attention_dropout=0.0,
-                                 qkv_format="bshd", attn_mask_type=te_type).to(device)
+    mod = te.DotProductAttention(
+        shape.h,
+        shape.d,
+        num_gqa_groups=shape.hkv,
+        attention_dropout=0.0,
+        qkv_format="bshd",
+        attn_mask_type=te_type,
+    ).to(device)
     blocked = None
     if te_type == "arbitrary":  # TE's convention: True = masked OUT
         blocked = ~dense_mask(mask_name, shape.s, device)[None, None]
@@ -306,6 +353,7 @@ def _te_attention(te, shape: Shape, mask_name: str, device):
         kw = {"attention_mask": blocked} if blocked is not None else {}
         out = mod(q, k, v, **kw)  # [b, s, h*d]
         return out.reshape(shape.b, shape.s, shape.h, shape.d)
+
     return fn
 
 
@@ -319,9 +367,11 @@ def check_te(te, device, dtype, mask_name: str, shape: Shape, seed: int = 2) -> 
         allow = dense_mask(mask_name, shape.s, device)
         ours = _grads(lambda a, b_, c: local_attention(a, b_, c, mask=allow)[0], q, k, v, dout)
         _sync(device)
-        ref = oracle(q, k, v, dout, allow, shape.d ** -0.5)
+        ref = oracle(q, k, v, dout, allow, shape.d**-0.5)
     except Exception as e:  # noqa: BLE001 - our side (inputs, our kernel, the oracle) crashed
-        return Result("te", name, "ERROR", seconds=time.perf_counter() - t0, note="ours raised: " + _exc(e))
+        return Result(
+            "te", name, "ERROR", seconds=time.perf_counter() - t0, note="ours raised: " + _exc(e)
+        )
     keys, idx = ("out", "dq", "dk", "dv"), (0, 2, 3, 4)
     errs = {"ours-vs-oracle": max(norm_err(ours[i], ref[i]) for i in idx)}
     tol = TOL[dtype]
@@ -331,14 +381,28 @@ def check_te(te, device, dtype, mask_name: str, shape: Shape, seed: int = 2) -> 
         theirs = _grads(_te_attention(te, shape, mask_name, device), q, k, v, dout)
         _sync(device)
     except Exception as e:  # noqa: BLE001 - TE refusing a configuration is not our failure
-        return Result("te", name, "WARN", errs, tol, seconds=time.perf_counter() - t0,
-                      note="TE raised: " + _exc(e))
+        return Result(
+            "te",
+            name,
+            "WARN",
+            errs,
+            tol,
+            seconds=time.perf_counter() - t0,
+            note="TE raised: " + _exc(e),
+        )
     for key, i in zip(keys, idx):  # ours vs TE, absolute
         errs[f"ours-te.{key}"] = float((ours[i].double() - theirs[i].double()).abs().max())
     errs["te-vs-oracle"] = max(norm_err(theirs[i], ref[i]) for i in idx)
     status = "WARN" if errs["te-vs-oracle"] > tol else "PASS"
-    return Result("te", name, status, errs, tol, time.perf_counter() - t0,
-                  note="TE deviates from the oracle" if status == "WARN" else "")
+    return Result(
+        "te",
+        name,
+        status,
+        errs,
+        tol,
+        time.perf_counter() - t0,
+        note="TE deviates from the oracle" if status == "WARN" else "",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,8 +453,12 @@ def est_ours_bytes(resolved: str, device, b, h, s, masked: bool):
     ss = float(b * h * s * s)
     cuda = torch.device(device).type == "cuda"
     mask = float(s * s) if masked else 0.0
-    fwd = {"math": 3 * ss * 4, "sdpa": 2.0 * s * s * 2 + ss / 8, "flex": 2 * ss,
-           "flash_attn": 0.0}.get(resolved, 3 * ss * 4)
+    fwd = {
+        "math": 3 * ss * 4,
+        "sdpa": 2.0 * s * s * 2 + ss / 8,
+        "flex": 2 * ss,
+        "flash_attn": 0.0,
+    }.get(resolved, 3 * ss * 4)
     bwd = 6 * ss * 4 if (cuda or resolved == "math") else 2.0 * s * s * 4
     return mask + fwd, mask + max(fwd, bwd)
 
@@ -417,36 +485,48 @@ def bench_entries(device, shape: Shape, dtype, math_max_seq: int, te, flash_attn
     def fb(call):  # call(q, k, v) -> [b, s, h, d]
         def run():
             torch.autograd.grad(call(q, k, v), (q, k, v), dout)
+
         return run
 
     def fwd(call):  # inputs without requires_grad (some kernels refuse them in forward-only use)
         def run():
             with torch.no_grad():
                 call(qd, kd, vd)
+
         return run
 
     # the fused kernels themselves, for reference (first: they are cheap and anchor the ratios)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  [b, s, h, d] <-> [b, h, s, d]
-    call = (lambda q_, k_, v_: t(torch.nn.functional.scaled_dot_product_attention(t(q_), t(k_), t(v_),
-                                                                                  is_causal=True)))
+    call = lambda q_, k_, v_: t(
+        torch.nn.functional.scaled_dot_product_attention(t(q_), t(k_), t(v_), is_causal=True)
+    )
     entries.append(("torch SDPA is_causal", fwd(call), fb(call), None, ""))
     if flex is not None:
         flex_attention, create_block_mask = flex
         try:
             bm = create_block_mask(lambda bb, hh, qi, ki: ki <= qi, None, None, s, s, device=device)
             fx = torch.compile(flex_attention) if is_cuda else flex_attention
-            call = (lambda q_, k_, v_: t(fx(t(q_), t(k_), t(v_), block_mask=bm)))
-            entries.append(("FlexAttention causal" + (" (compiled)" if is_cuda else " (eager)"),
-                            fwd(call), fb(call), None, ""))
+            call = lambda q_, k_, v_: t(fx(t(q_), t(k_), t(v_), block_mask=bm))
+            entries.append(
+                (
+                    "FlexAttention causal" + (" (compiled)" if is_cuda else " (eager)"),
+                    fwd(call),
+                    fb(call),
+                    None,
+                    "",
+                )
+            )
         except Exception as e:  # noqa: BLE001
             entries.append(("FlexAttention causal", None, None, None, "error: " + _exc(e)))
     if flash_attn_func is not None and is_cuda and dtype in (torch.float16, torch.bfloat16):
-        call = (lambda q_, k_, v_: flash_attn_func(q_, k_, v_, causal=True))
+        call = lambda q_, k_, v_: flash_attn_func(q_, k_, v_, causal=True)
         entries.append(("flash_attn_func causal", fwd(call), fb(call), None, ""))
     if te is not None and is_cuda:
         try:
-            mod = te.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal").to(device)
-            call = (lambda q_, k_, v_: mod(q_, k_, v_).reshape(b, s, h, d))
+            mod = te.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal").to(
+                device
+            )
+            call = lambda q_, k_, v_: mod(q_, k_, v_).reshape(b, s, h, d)
             entries.append(("TE DotProductAttention causal", fwd(call), fb(call), None, ""))
         except Exception as e:  # noqa: BLE001
             entries.append(("TE DotProductAttention causal", None, None, None, "error: " + _exc(e)))
@@ -459,21 +539,44 @@ def bench_entries(device, shape: Shape, dtype, math_max_seq: int, te, flash_attn
         est = est_ours_bytes(resolved, device, b, h, s, True)
         note = "bwd via math" if is_cuda and resolved != "math" else ""
         if resolved == "math" and s > math_max_seq:
-            entries.append((label, None, None, None, f"math capped at s <= {math_max_seq} "
-                                                     f"(materialises [b,h,s,s] fp32 scores)"))
+            entries.append(
+                (
+                    label,
+                    None,
+                    None,
+                    None,
+                    f"math capped at s <= {math_max_seq} (materialises [b,h,s,s] fp32 scores)",
+                )
+            )
             continue
-        call = (lambda q_, k_, v_, be=be: local_attention(q_, k_, v_, mask=allow, backend=be)[0])
+        call = lambda q_, k_, v_, be=be: local_attention(q_, k_, v_, mask=allow, backend=be)[0]
         entries.append((label, fwd(call), fb(call), est, note))
     resolved = kernels.resolve_backend("auto", q, True)
-    call = (lambda q_, k_, v_: dist_attention(q_, k_, v_, None, mask=masks.causal()))
-    entries.append((f"ours dist_attention N=1 (auto->{resolved})", fwd(call), fb(call),
-                    est_ours_bytes(resolved, device, b, h, s, True),
-                    "bwd via math" if is_cuda and resolved != "math" else ""))
+    call = lambda q_, k_, v_: dist_attention(q_, k_, v_, None, mask=masks.causal())
+    entries.append(
+        (
+            f"ours dist_attention N=1 (auto->{resolved})",
+            fwd(call),
+            fb(call),
+            est_ours_bytes(resolved, device, b, h, s, True),
+            "bwd via math" if is_cuda and resolved != "math" else "",
+        )
+    )
     return entries
 
 
-def run_bench(device, shapes: Sequence[Shape], dtype, deadline: float, math_max_seq: int, warmup: int,
-              iters: int, te, flash_attn_func, flex) -> List[BenchRow]:
+def run_bench(
+    device,
+    shapes: Sequence[Shape],
+    dtype,
+    deadline: float,
+    math_max_seq: int,
+    warmup: int,
+    iters: int,
+    te,
+    flash_attn_func,
+    flex,
+) -> List[BenchRow]:
     """Reference kernels at every length first, then ours: a tight budget still gives the table its
     anchors. Each entry is timed only if the deadline has not passed and its memory estimate fits."""
     rows: List[BenchRow] = []
@@ -484,8 +587,10 @@ def run_bench(device, shapes: Sequence[Shape], dtype, deadline: float, math_max_
         except Exception as e:  # noqa: BLE001
             rows.append(BenchRow(shape.s, "(setup)", note="error: " + _exc(e)))
             continue
-        todo += [(0 if label.startswith("ours") else -1, shape.s, label, *rest)
-                 for label, *rest in entries]
+        todo += [
+            (0 if label.startswith("ours") else -1, shape.s, label, *rest)
+            for label, *rest in entries
+        ]
     todo.sort(key=lambda e: e[0])  # stable: references (-1) before ours (0), lengths in order
     for _, s, label, fwd_fn, fb_fn, est, note in todo:
         row = BenchRow(s, label, note=note)
@@ -498,8 +603,9 @@ def run_bench(device, shapes: Sequence[Shape], dtype, deadline: float, math_max_
         free = 0.7 * _free_bytes(device)
         notes = [note] if note else []
         if est is not None and est[0] > free:
-            row.note = "; ".join(notes + [f"skipped: needs ~{est[0] / 2**30:.0f} GiB, "
-                                          f"{free / 2**30:.0f} GiB usable"])
+            row.note = "; ".join(
+                notes + [f"skipped: needs ~{est[0] / 2**30:.0f} GiB, {free / 2**30:.0f} GiB usable"]
+            )
             continue
         if est is None or est[1] <= free:
             ms, why = _try_time(fb_fn, device, warmup, iters)
@@ -507,8 +613,10 @@ def run_bench(device, shapes: Sequence[Shape], dtype, deadline: float, math_max_
             if why:
                 notes.append("fwd+bwd " + why)
         else:
-            notes.append(f"fwd+bwd skipped: needs ~{est[1] / 2**30:.0f} GiB (bwd materialises "
-                         f"[b,h,s,s] fp32), {free / 2**30:.0f} GiB usable")
+            notes.append(
+                f"fwd+bwd skipped: needs ~{est[1] / 2**30:.0f} GiB (bwd materialises "
+                f"[b,h,s,s] fp32), {free / 2**30:.0f} GiB usable"
+            )
         if time.perf_counter() <= deadline:
             ms, why = _try_time(fwd_fn, device, warmup if row.fb_ms is None else 0, iters)
             row.fwd_ms = ms
@@ -524,17 +632,23 @@ def run_bench(device, shapes: Sequence[Shape], dtype, deadline: float, math_max_
 
 def print_bench(rows: List[BenchRow], shapes: Sequence[Shape]) -> None:
     by_s = {sh.s: sh for sh in shapes}
-    print(f"  {'s':>6}  {'entry':<44} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x fastest':>9}  note")
+    print(
+        f"  {'s':>6}  {'entry':<44} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x fastest':>9}  note"
+    )
     for s in sorted({r.s for r in rows}):
         sub = [r for r in rows if r.s == s]
         sh = by_s[s]
         best = min((r.fb_ms for r in sub if r.fb_ms), default=None)
         for r in sub:
-            tflops = (causal_flops(sh.b, sh.h, s, sh.d) / (r.fb_ms * 1e-3) / 1e12) if r.fb_ms else None
+            tflops = (
+                (causal_flops(sh.b, sh.h, s, sh.d) / (r.fb_ms * 1e-3) / 1e12) if r.fb_ms else None
+            )
             ratio = r.fb_ms / best if (r.fb_ms and best) else None
             f = lambda x, fmt: format(x, fmt) if x is not None else "-"  # noqa: E731
-            print(f"  {s:>6}  {r.entry:<44} {f(r.fwd_ms, '9.2f'):>9} {f(r.fb_ms, '11.2f'):>11} "
-                  f"{f(tflops, '8.3g'):>8} {f(ratio, '9.2f'):>9}  {r.note[:160]}")
+            print(
+                f"  {s:>6}  {r.entry:<44} {f(r.fwd_ms, '9.2f'):>9} {f(r.fb_ms, '11.2f'):>11} "
+                f"{f(tflops, '8.3g'):>8} {f(ratio, '9.2f'):>9}  {r.note[:160]}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,8 +663,9 @@ def _exc(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}"
 
 
-def correctness_cases(sections: Sequence[str], small: bool, dtypes: Sequence, backends: Sequence[str],
-                      te_ok: bool):
+def correctness_cases(
+    sections: Sequence[str], small: bool, dtypes: Sequence, backends: Sequence[str], te_ok: bool
+):
     """Ordered ``(section, thunk_args)``; the most informative cases come first within a section."""
     main, ragged = SHAPES["small" if small else "full"]
     cases = []
@@ -558,7 +673,9 @@ def correctness_cases(sections: Sequence[str], small: bool, dtypes: Sequence, ba
         # Tiers, so that a tight budget still covers every backend: first dtype, second dtype,
         # the ragged length (tile padding and alignment paths), then the remaining dtypes.
         tiers = [[(dt, be, m, main) for m in LOCAL_MASKS for be in backends] for dt in dtypes]
-        ragged_tier = [(dtypes[0], be, m, ragged) for m in ("causal", "predicate") for be in backends]
+        ragged_tier = [
+            (dtypes[0], be, m, ragged) for m in ("causal", "predicate") for be in backends
+        ]
         tiers.insert(min(2, len(tiers)), ragged_tier)
         cases += [("local", args) for tier in tiers for args in tier]
     if "dist" in sections:
@@ -574,8 +691,16 @@ def correctness_cases(sections: Sequence[str], small: bool, dtypes: Sequence, ba
     return cases
 
 
-def run_correctness(device, small: bool, sections: Sequence[str], t_start: float, budget: float,
-                    te=None, dtypes: Optional[Sequence] = None, verbose: bool = True) -> List[Result]:
+def run_correctness(
+    device,
+    small: bool,
+    sections: Sequence[str],
+    t_start: float,
+    budget: float,
+    te=None,
+    dtypes: Optional[Sequence] = None,
+    verbose: bool = True,
+) -> List[Result]:
     dtypes = list(dtypes or (torch.bfloat16, torch.float32, torch.float16))
     backends = our_backends()
     results: List[Result] = []
@@ -586,8 +711,11 @@ def run_correctness(device, small: bool, sections: Sequence[str], t_start: float
             if verbose:
                 print(f"== {section} ==", flush=True)
                 if section == "te":
-                    print("  TE's a2a+p2p context parallelism needs several GPUs (this machine: "
-                          f"{torch.cuda.device_count()}); TE is compared at CP=1 on one GPU.", flush=True)
+                    print(
+                        "  TE's a2a+p2p context parallelism needs several GPUs (this machine: "
+                        f"{torch.cuda.device_count()}); TE is compared at CP=1 on one GPU.",
+                        flush=True,
+                    )
         if time.perf_counter() > t_start + SHARE[section] * budget:
             what = " ".join(_dname(a) if isinstance(a, torch.dtype) else str(a) for a in args)
             r = Result(section, f"{section} {what}", "SKIP", note="not run (time budget)")
@@ -603,7 +731,9 @@ def run_correctness(device, small: bool, sections: Sequence[str], t_start: float
     if verbose:
         skipped = [r for r in results if r.status == "SKIP"]
         if skipped:
-            print(f"  {len(skipped)} cases not run (time budget), e.g. {skipped[0].name}", flush=True)
+            print(
+                f"  {len(skipped)} cases not run (time budget), e.g. {skipped[0].name}", flush=True
+            )
     return results
 
 
@@ -625,33 +755,60 @@ def summarize(results: List[Result]) -> Tuple[bool, str]:
     if not checked:
         return False, "gpu_attention: FAIL - no correctness check ran" + extra
     if bad:
-        names = "; ".join(f"{r.name}: " + (r.note[:90] if r.note else
-                                           ' '.join(f'{k}={v:.1e}' for k, v in r.errors.items() if v > r.tol))
-                          for r in bad[:3]) + ("; ..." if len(bad) > 3 else "")
-        return False, f"gpu_attention: FAIL - {len(bad)} of {len(checked)} checks failed ({names})" + extra
-    return True, f"gpu_attention: PASS - {len(checked)} checks against the float64 oracle (worst: {ws})" + extra
+        names = "; ".join(
+            f"{r.name}: "
+            + (
+                r.note[:90]
+                if r.note
+                else " ".join(f"{k}={v:.1e}" for k, v in r.errors.items() if v > r.tol)
+            )
+            for r in bad[:3]
+        ) + ("; ..." if len(bad) > 3 else "")
+        return (
+            False,
+            f"gpu_attention: FAIL - {len(bad)} of {len(checked)} checks failed ({names})" + extra,
+        )
+    return (
+        True,
+        f"gpu_attention: PASS - {len(checked)} checks against the float64 oracle (worst: {ws})"
+        + extra,
+    )
 
 
 def bench_verdict(rows: List[BenchRow], ok: bool, line: str) -> Tuple[bool, str]:
     """Our own kernels raising in the throughput section fail the run (out-of-memory and the
     budget are notes); a reference kernel raising stays a note."""
-    bad = [r for r in rows if (r.entry.startswith("ours") or r.entry == "(setup)") and "error:" in r.note]
+    bad = [
+        r
+        for r in rows
+        if (r.entry.startswith("ours") or r.entry == "(setup)") and "error:" in r.note
+    ]
     if not bad:
         return ok, line
     names = "; ".join(f"{r.entry} s={r.s}: {r.note[:90]}" for r in bad[:3])
     return False, f"gpu_attention: FAIL - our kernels raised in the bench ({names})" + (
-        "" if ok else f" | {line}")
+        "" if ok else f" | {line}"
+    )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--small", action="store_true", help="tiny sizes (CPU-friendly); also for a quick GPU run")
-    p.add_argument("--budget", type=float, default=110.0, help="seconds for all sections (default 110)")
+    p.add_argument(
+        "--small", action="store_true", help="tiny sizes (CPU-friendly); also for a quick GPU run"
+    )
+    p.add_argument(
+        "--budget", type=float, default=110.0, help="seconds for all sections (default 110)"
+    )
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    p.add_argument("--seqs", default=None, help="bench sequence lengths (default 8192,32768; small 128,256)")
-    p.add_argument("--math-max-seq", type=int, default=8192, help="cap of the math backend in the bench")
+    p.add_argument(
+        "--seqs", default=None, help="bench sequence lengths (default 8192,32768; small 128,256)"
+    )
+    p.add_argument(
+        "--math-max-seq", type=int, default=8192, help="cap of the math backend in the bench"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--json", default=None, help="write all results to this JSON file")
@@ -666,11 +823,16 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("SKIP: no CUDA device (torch %s sees none); run with --device cpu --small to exercise "
-              "the checks on CPU" % torch.__version__, flush=True)
+        print(
+            "SKIP: no CUDA device (torch %s sees none); run with --device cpu --small to exercise "
+            "the checks on CPU" % torch.__version__,
+            flush=True,
+        )
         return 0
     t_start = time.perf_counter()
-    faulthandler.dump_traceback_later(args.budget + 20, exit=True)  # a hung kernel still ends the run
+    faulthandler.dump_traceback_later(
+        args.budget + 20, exit=True
+    )  # a hung kernel still ends the run
     threads = torch.get_num_threads()
     if args.device == "cpu" and args.small:
         torch.set_num_threads(1)  # tiny tensors: threads only add contention
@@ -688,8 +850,11 @@ def _run(args, t_start: float) -> int:
     flex, flex_v = _try_import("flex")
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(0)
-        print(f"gpu_attention: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
-              f"CUDA {torch.version.cuda}", flush=True)
+        print(
+            f"gpu_attention: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}",
+            flush=True,
+        )
         try:  # room for the dtype / mask / shape variants of the compiled FlexAttention
             cfg = torch._dynamo.config
             for key in ("recompile_limit", "cache_size_limit"):
@@ -699,10 +864,15 @@ def _run(args, t_start: float) -> int:
             pass
     else:
         warnings.filterwarnings("ignore", message=r".*flex_attention called without torch\.compile")
-        print(f"gpu_attention: CPU mode ({'small' if args.small else 'full'} sizes), torch {torch.__version__}",
-              flush=True)
-    print(f"  our backends: {our_backends()}; flash-attn {fa_v}; TransformerEngine {te_v}; "
-          f"flex {'yes' if flex else flex_v}; budget {args.budget:.0f}s", flush=True)
+        print(
+            f"gpu_attention: CPU mode ({'small' if args.small else 'full'} sizes), torch {torch.__version__}",
+            flush=True,
+        )
+    print(
+        f"  our backends: {our_backends()}; flash-attn {fa_v}; TransformerEngine {te_v}; "
+        f"flex {'yes' if flex else flex_v}; budget {args.budget:.0f}s",
+        flush=True,
+    )
 
     results = run_correctness(device, args.small, args.sections, t_start, args.budget, te=te)
     if "te" in args.sections and te is None:
@@ -710,21 +880,45 @@ def _run(args, t_start: float) -> int:
 
     bench_rows: List[BenchRow] = []
     if "bench" in args.sections:
-        seqs = [int(x) for x in (args.seqs or ("128,256" if args.small else "8192,32768")).split(",")]
+        seqs = [
+            int(x) for x in (args.seqs or ("128,256" if args.small else "8192,32768")).split(",")
+        ]
         h, d = (2, 32) if args.small else (16, 128)
         shapes = [Shape(1, s, h, h, d) for s in seqs]
-        print(f"== bench: fwd / fwd+bwd, b=1 h={h} d={d} bf16 causal, warm-up {args.warmup}, "
-              f"{args.iters} iters ==", flush=True)
-        bench_rows = run_bench(device, shapes, torch.bfloat16, t_start + args.budget, args.math_max_seq,
-                               args.warmup, args.iters, te, fa if device.type == "cuda" else None, flex)
+        print(
+            f"== bench: fwd / fwd+bwd, b=1 h={h} d={d} bf16 causal, warm-up {args.warmup}, "
+            f"{args.iters} iters ==",
+            flush=True,
+        )
+        bench_rows = run_bench(
+            device,
+            shapes,
+            torch.bfloat16,
+            t_start + args.budget,
+            args.math_max_seq,
+            args.warmup,
+            args.iters,
+            te,
+            fa if device.type == "cuda" else None,
+            flex,
+        )
         print_bench(bench_rows, shapes)
 
     ok, line = summarize(results)
     ok, line = bench_verdict(bench_rows, ok, line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ok": ok, "summary": line, "results": [asdict(r) for r in results],
-                       "bench": [asdict(r) for r in bench_rows]}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "ok": ok,
+                    "summary": line,
+                    "results": [asdict(r) for r in results],
+                    "bench": [asdict(r) for r in bench_rows],
+                },
+                f,
+                indent=1,
+                default=str,
+            )
     print(f"({time.perf_counter() - t_start:.0f}s)", flush=True)
     print(line, flush=True)
     return 0 if ok else 1

@@ -10,6 +10,7 @@
 
 Run on a GPU machine only (``benchmarks/gpu_check.sh``); never in CI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,9 @@ def _mask(kind, S):
         return masks.block_causal(S // 8)
     if kind == "packed_causal":
         return masks.packed([0, S // 5, S // 2, S - 7], inner=masks.causal())
-    lay = BalancedSPLayout(num_latent_frames=8, tokens_per_frame=S // 16, frames_per_block=2, sp_size=1)
+    lay = BalancedSPLayout(
+        num_latent_frames=8, tokens_per_frame=S // 16, frames_per_block=2, sp_size=1
+    )
     return TeacherForcingMask(lay)
 
 
@@ -60,18 +63,27 @@ def parity(S=1024, H=4, D=64) -> bool:
     for kind in ("causal", "block_causal", "teacher_forcing", "packed_causal"):
         mask = _mask(kind, S)
         allow = mask.dense(ids, ids)
-        ref = _grads(lambda a, b, c: _oracle(a, b, c, allow, D ** -0.5), q, k, v, dout)
+        ref = _grads(lambda a, b, c: _oracle(a, b, c, allow, D**-0.5), q, k, v, dout)
         for backend in ("flex", "sdpa"):
             for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 5e-2)):
                 try:
-                    got = _grads(lambda a, b, c: dist_attention(a, b, c, None, mask=mask, backend=backend),
-                                 *(x.to("cuda", dtype) for x in (q, k, v)), dout.cuda())
-                    err = max(float((g_ - r).abs().max() / max(1.0, float(r.abs().max()))) for g_, r in zip(got, ref))
+                    got = _grads(
+                        lambda a, b, c: dist_attention(a, b, c, None, mask=mask, backend=backend),
+                        *(x.to("cuda", dtype) for x in (q, k, v)),
+                        dout.cuda(),
+                    )
+                    err = max(
+                        float((g_ - r).abs().max() / max(1.0, float(r.abs().max())))
+                        for g_, r in zip(got, ref)
+                    )
                     status = "ok" if err < tol else "FAIL"
                 except Exception as exc:  # our code raising is a failure, never a warning
                     err, status = float("nan"), f"FAIL ({type(exc).__name__}: {exc})"
                 ok &= status == "ok"
-                print(f"parity {kind:<16}{backend:<6}{str(dtype):<16} max rel err {err:9.2e}  {status}", flush=True)
+                print(
+                    f"parity {kind:<16}{backend:<6}{str(dtype):<16} max rel err {err:9.2e}  {status}",
+                    flush=True,
+                )
     return ok
 
 
@@ -80,12 +92,20 @@ def memory(seqs, H=8, D=64):
     for S in seqs:
         row = [f"S={S:>6}"]
         for name in ("engine", "torch sdpa"):
-            q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            q, k, v = (
+                torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
+            )
             qbytes = q.numel() * q.element_size()
-            fn = ((lambda q=q, k=k, v=v: dist_attention(q, k, v, None, mask=masks.causal()))
-                  if name == "engine" else
-                  (lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-                      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)))
+            fn = (
+                (lambda q=q, k=k, v=v: dist_attention(q, k, v, None, mask=masks.causal()))
+                if name == "engine"
+                else (
+                    lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+                    )
+                )
+            )
             fn().sum().backward()  # warm-up / compile
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

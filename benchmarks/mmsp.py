@@ -22,6 +22,7 @@ per rank:
 
     python benchmarks/mmsp.py --frames 64 61 --text 48
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,9 @@ def _rank(frames, text):
 
     # one MM-SP step, traced
     with CommTracer() as tr:
-        loss_tok, mask = model(images, ids, pos, None, labels=labels, loss_mask=loss_mask,
-                               num_image_tiles=tiles)
+        loss_tok, mask = model(
+            images, ids, pos, None, labels=labels, loss_mask=loss_mask, num_image_tiles=tiles
+        )
         global_token_loss(loss_tok.double(), mask, group).backward()
     out["table"] = tr.table()
     out["a2av"] = (tr.bytes("all_to_all_v", "fwd"), tr.bytes("all_to_all_v", "bwd"))
@@ -118,8 +120,9 @@ def _rank(frames, text):
     visual_all = torch.randn(n_vis, h, generator=torch.Generator().manual_seed(1))
     P = model.img_seq_len
     rows = (local[:, None] * P + torch.arange(P)[None]).flatten()  # source order of my tokens
-    w = torch.randn(b.layout.batch * b.layout.local_len, h,
-                    generator=torch.Generator().manual_seed(2 + rank))  # a loss on my LLM shard
+    w = torch.randn(
+        b.layout.batch * b.layout.local_len, h, generator=torch.Generator().manual_seed(2 + rank)
+    )  # a loss on my LLM shard
 
     def exact_grad():
         x = visual_all[rows].clone().requires_grad_(True)
@@ -135,10 +138,14 @@ def _rank(frames, text):
         x = visual_all[rows].clone().requires_grad_(True)
         buf = torch.zeros(n_vis, h)
         buf = buf.index_put((rows,), x)
-        comm.all_reduce(buf.data, group, tag="longvila.all_reduce")  # in place, invisible to autograd
+        comm.all_reduce(
+            buf.data, group, tag="longvila.all_reduce"
+        )  # in place, invisible to autograd
         dst, dst_local = L.visual_targets(b.layout)
         mine = torch.nonzero(dst == rank).flatten()
-        shard = torch.zeros(b.layout.batch * b.layout.local_len, h).index_put((dst_local[mine],), buf[mine])
+        shard = torch.zeros(b.layout.batch * b.layout.local_len, h).index_put(
+            (dst_local[mine],), buf[mine]
+        )
         (shard * w).sum().backward()
         return x.grad
 
@@ -187,36 +194,54 @@ def main():
     with WorkerPool(4, ranks_per_node=2, timeout=1200) as pool:
         res = pool.run(_rank, a.frames, a.text)
     r0 = res[0]
-    print(f"videos {a.frames} frames, 4 tokens/frame, text {a.text}; combined length "
-          f"{r0['seq_len']} (padded), {r0['n_vis']} visual tokens; CP = 4 as U2 x R2 (2 nodes x 2), "
-          f"hidden 32, fp32 tokens")
-    print("\nstage 1 (vision encoder + projector) per rank: MM-SP vs every rank encoding every frame")
-    print(f"{'rank':<6}{'frames':>8}{'GFLOP mmsp':>12}{'GFLOP repl':>12}{'ratio':>8}"
-          f"{'act MiB mmsp':>14}{'act MiB repl':>14}{'ratio':>8}")
+    print(
+        f"videos {a.frames} frames, 4 tokens/frame, text {a.text}; combined length "
+        f"{r0['seq_len']} (padded), {r0['n_vis']} visual tokens; CP = 4 as U2 x R2 (2 nodes x 2), "
+        f"hidden 32, fp32 tokens"
+    )
+    print(
+        "\nstage 1 (vision encoder + projector) per rank: MM-SP vs every rank encoding every frame"
+    )
+    print(
+        f"{'rank':<6}{'frames':>8}{'GFLOP mmsp':>12}{'GFLOP repl':>12}{'ratio':>8}"
+        f"{'act MiB mmsp':>14}{'act MiB repl':>14}{'ratio':>8}"
+    )
     for r, o in enumerate(res):
-        print(f"{r:<6}{o['frames_mmsp']:>4}/{o['frames_total']:<3}{o['flops_mmsp'] / 1e9:>12.4f}"
-              f"{o['flops_repl'] / 1e9:>12.4f}{o['flops_mmsp'] / o['flops_repl']:>8.3f}"
-              f"{o['act_mmsp'] / 2**20:>14.3f}{o['act_repl'] / 2**20:>14.3f}"
-              f"{o['act_mmsp'] / o['act_repl']:>8.3f}")
-    print("\nre-shard bytes per rank (tracer): MM-SP all-to-all-v fwd + bwd | all-gather of visual "
-          "tokens | zero buffer + all_reduce of the visual tokens only, forward (LongVILA's scheme; "
-          "repo convention: all-reduce nbytes*(N-1)/N). VILA's code all-reduces the whole text + "
-          "visual embedding and adds three all_gathers, so it moves more than this column")
+        print(
+            f"{r:<6}{o['frames_mmsp']:>4}/{o['frames_total']:<3}{o['flops_mmsp'] / 1e9:>12.4f}"
+            f"{o['flops_repl'] / 1e9:>12.4f}{o['flops_mmsp'] / o['flops_repl']:>8.3f}"
+            f"{o['act_mmsp'] / 2**20:>14.3f}{o['act_repl'] / 2**20:>14.3f}"
+            f"{o['act_mmsp'] / o['act_repl']:>8.3f}"
+        )
+    print(
+        "\nre-shard bytes per rank (tracer): MM-SP all-to-all-v fwd + bwd | all-gather of visual "
+        "tokens | zero buffer + all_reduce of the visual tokens only, forward (LongVILA's scheme; "
+        "repo convention: all-reduce nbytes*(N-1)/N). VILA's code all-reduces the whole text + "
+        "visual embedding and adds three all_gathers, so it moves more than this column"
+    )
     print(f"{'rank':<6}{'a2av fwd':>10}{'a2av bwd':>10}{'all-gather':>12}{'all_reduce':>12}")
     for r, o in enumerate(res):
-        print(f"{r:<6}{o['a2av'][0]:>10,}{o['a2av'][1]:>10,}{o['allgather_bytes']:>12,}"
-              f"{o['allreduce_bytes']:>12,}")
-    print(f"encoder-gradient error ||g - g_exact|| / ||g_exact||: MM-SP all-to-all-v 0 (exact, "
-          f"tests/test_mmsp.py), zero buffer + all_reduce {r0['grad_err']:.3f} in our layout "
-          f"(dist.all_reduce has no autograd formula: tokens used on another rank send no "
-          f"gradient back; with LongVILA's own sharding of a packed sample about 0.2-0.9)")
+        print(
+            f"{r:<6}{o['a2av'][0]:>10,}{o['a2av'][1]:>10,}{o['allgather_bytes']:>12,}"
+            f"{o['allreduce_bytes']:>12,}"
+        )
+    print(
+        f"encoder-gradient error ||g - g_exact|| / ||g_exact||: MM-SP all-to-all-v 0 (exact, "
+        f"tests/test_mmsp.py), zero buffer + all_reduce {r0['grad_err']:.3f} in our layout "
+        f"(dist.all_reduce has no autograd formula: tokens used on another rank send no "
+        f"gradient back; with LongVILA's own sharding of a packed sample about 0.2-0.9)"
+    )
     print("\nLLM balance per rank (zigzag): max/mean")
-    L = res[0]['seq_len'] // 4
+    L = res[0]["seq_len"] // 4
     print(f"tokens (with padding: what the LLM computes) {[L] * 4} -> 1.000")
-    print(f"tokens (non-padding) {[o['tokens'] for o in res]} -> {_mm([o['tokens'] for o in res]):.3f}")
+    print(
+        f"tokens (non-padding) {[o['tokens'] for o in res]} -> {_mm([o['tokens'] for o in res]):.3f}"
+    )
     print(f"causal work          {[o['work'] for o in res]} -> {_mm([o['work'] for o in res]):.3f}")
-    print(f"causal work, packed into 3 documents {[o['work_packed'] for o in res]} -> "
-          f"{_mm([o['work_packed'] for o in res]):.3f}")
+    print(
+        f"causal work, packed into 3 documents {[o['work_packed'] for o in res]} -> "
+        f"{_mm([o['work_packed'] for o in res]):.3f}"
+    )
     print("\ncomm of one MM-SP forward + backward, rank 0 (tracer):")
     print(r0["table"])
 

@@ -13,6 +13,7 @@ The tile-status reference evaluates every query-key pair (O(L^2)); the kernel de
 from per-tile id bounds and scans only tiles that straddle a rule boundary, so that ratio is mostly
 algorithmic. The copies are memory-bound: their ratio is bounded by the reference's extra passes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,9 @@ def even_bounds(num: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def row(name: str, t_ext: float, t_ref: float, moved: int | None = None, t_copy: float | None = None) -> None:
+def row(
+    name: str, t_ext: float, t_ref: float, moved: int | None = None, t_copy: float | None = None
+) -> None:
     line = f"{name:<28} ext {t_ext * 1e3:9.2f} ms   ref {t_ref * 1e3:10.2f} ms   ratio {t_ref / t_ext:7.2f}x"
     if moved is not None:
         line += f"   moved {moved / 2**30:6.2f} GiB   {moved / t_ext / 1e9:7.1f} GB/s"
@@ -74,25 +77,41 @@ def row(name: str, t_ext: float, t_ref: float, moved: int | None = None, t_copy:
 
 def bench_halo(args, device: torch.device) -> None:
     dtype = getattr(torch, args.dtype)
-    st, ss = CausalVideoVAE.temporal_stride, CausalVideoVAE.spatial_stride   # the project's VAE
+    st, ss = CausalVideoVAE.temporal_stride, CausalVideoVAE.spatial_stride  # the project's VAE
     F = (args.raw_frames - 1) // st + 1
     metas = windows_for_bounds(even_bounds(F, args.ranks), args.halo, temporal_stride=st)
     windows, drop = window_tensors(metas)
     video = torch.randn(1, 3, args.raw_frames, args.height, args.width, device=device, dtype=dtype)
-    print(f"halo: video [1, 3, {args.raw_frames}, {args.height}, {args.width}] {args.dtype} "
-          f"({video.numel() * video.element_size() / 2**30:.2f} GiB), {args.ranks} ranks, halo {args.halo} latents, "
-          f"windows {windows.tolist()}", flush=True)
+    print(
+        f"halo: video [1, 3, {args.raw_frames}, {args.height}, {args.width}] {args.dtype} "
+        f"({video.numel() * video.element_size() / 2**30:.2f} GiB), {args.ranks} ranks, halo {args.halo} latents, "
+        f"windows {windows.tolist()}",
+        flush=True,
+    )
     packed = halo_scatter(video, windows)
     moved = 2 * packed.buffer.numel() * packed.buffer.element_size()  # read + write
     t_copy = timed(lambda p=packed: p.buffer.clone(), device, args.repeat)
-    print(f"{'device copy (clone)':<28} {t_copy * 1e3:9.2f} ms   {moved / t_copy / 1e9:7.1f} GB/s", flush=True)
+    print(
+        f"{'device copy (clone)':<28} {t_copy * 1e3:9.2f} ms   {moved / t_copy / 1e9:7.1f} GB/s",
+        flush=True,
+    )
     t_ext = timed(lambda x=video: halo_scatter(x, windows), device, args.repeat)
     t_ref = timed(lambda x=video: halo_scatter_reference(x, windows), device, args.repeat)
     row("halo_scatter", t_ext, t_ref, moved, t_copy)
     del packed, video
     # Inverse: 16-channel latents at the VAE's spatial stride, one tensor per rank.
-    latents = [torch.randn(1, 16, m.num_window_latents, args.height // ss, args.width // ss,
-                           device=device, dtype=dtype) for m in metas]
+    latents = [
+        torch.randn(
+            1,
+            16,
+            m.num_window_latents,
+            args.height // ss,
+            args.width // ss,
+            device=device,
+            dtype=dtype,
+        )
+        for m in metas
+    ]
     out = halo_gather(latents, drop)
     moved = 2 * out.numel() * out.element_size()
     t_ext = timed(lambda: halo_gather(latents, drop), device, args.repeat)
@@ -107,7 +126,9 @@ def rank_major_ids(frames: int, tokens: int, ranks: int, frames_per_block: int, 
         fr = torch.arange(lo, hi).repeat_interleave(tokens)
         side += [torch.zeros_like(fr), torch.ones_like(fr)]
         frame += [fr, fr]
-    return TokenIds.from_frames(torch.cat(frame).to(device), frames_per_block, side=torch.cat(side).to(device))
+    return TokenIds.from_frames(
+        torch.cat(frame).to(device), frames_per_block, side=torch.cat(side).to(device)
+    )
 
 
 def tile_status_from_bounds(ids: TokenIds, tile: int) -> torch.Tensor:
@@ -148,26 +169,37 @@ def bench_mask_share(args) -> None:
     from megatron_video.layouts import BalancedSPLayout
 
     F, S = args.share_frames, args.share_tokens
-    lay = BalancedSPLayout(num_latent_frames=F, tokens_per_frame=S, frames_per_block=args.frames_per_block,
-                           sp_size=1)
+    lay = BalancedSPLayout(
+        num_latent_frames=F, tokens_per_frame=S, frames_per_block=args.frames_per_block, sp_size=1
+    )
     L = 2 * F * S
     q, k, v = (torch.randn(1, L, 4, 32).requires_grad_() for _ in range(3))
     st = RingStats()
     t0 = time.perf_counter()
     dist_attention(q, k, v, None, mask=TeacherForcingMask(lay), stats=st).sum().backward()
     total = time.perf_counter() - t0
-    print(f"mask share of a step: teacher forcing, {L} tokens (F={F}, {S} tokens/frame), H=4 D=32 fp32 fwd+bwd "
-          f"{total:.2f} s, mask work {st.mask_seconds * 1e3:.1f} ms = {100 * st.mask_seconds / total:.2f}% "
-          f"({st.tiles} tiles, {st.tiles_skipped} skipped, {st.kernel_calls} kernel calls)", flush=True)
+    print(
+        f"mask share of a step: teacher forcing, {L} tokens (F={F}, {S} tokens/frame), H=4 D=32 fp32 fwd+bwd "
+        f"{total:.2f} s, mask work {st.mask_seconds * 1e3:.1f} ms = {100 * st.mask_seconds / total:.2f}% "
+        f"({st.tiles} tiles, {st.tiles_skipped} skipped, {st.kernel_calls} kernel calls)",
+        flush=True,
+    )
 
 
 def bench_masks(args, device: torch.device) -> None:
-    ids = rank_major_ids(args.latent_frames, args.tokens_per_frame, args.ranks, args.frames_per_block, device)
+    ids = rank_major_ids(
+        args.latent_frames, args.tokens_per_frame, args.ranks, args.frames_per_block, device
+    )
     L = ids.side.numel()
-    print(f"masks: teacher forcing, {args.latent_frames} latent frames x {args.tokens_per_frame} tokens, clean+noisy "
-          f"= {L} tokens, {args.ranks} ranks, {args.frames_per_block} frames/block, {args.tile}-token tiles", flush=True)
+    print(
+        f"masks: teacher forcing, {args.latent_frames} latent frames x {args.tokens_per_frame} tokens, clean+noisy "
+        f"= {L} tokens, {args.ranks} ranks, {args.frames_per_block} frames/block, {args.tile}-token tiles",
+        flush=True,
+    )
     tile = args.tile
-    t_ext = timed(lambda: block_mask_status(ids, ids, "teacher_forcing", tile, tile), device, args.repeat)
+    t_ext = timed(
+        lambda: block_mask_status(ids, ids, "teacher_forcing", tile, tile), device, args.repeat
+    )
     status = block_mask_status(ids, ids, "teacher_forcing", tile, tile)
     # The O(L^2) reference costs the same for every q-tile row: time evenly spread rows, scale up,
     # and check those rows against the kernel.
@@ -175,34 +207,54 @@ def bench_masks(args, device: torch.device) -> None:
     rows = sorted({nq * i // args.ref_rows for i in range(args.ref_rows)})
     t_ref = 0.0
     for r in rows:
-        sub = TokenIds(side=ids.side[r * tile:(r + 1) * tile], block=ids.block[r * tile:(r + 1) * tile])
-        t_ref += timed(lambda: block_mask_status_reference(sub, ids, "teacher_forcing", tile, tile), device, 1)
-        assert torch.equal(block_mask_status_reference(sub, ids, "teacher_forcing", tile, tile)[0], status[r])
+        sub = TokenIds(
+            side=ids.side[r * tile : (r + 1) * tile], block=ids.block[r * tile : (r + 1) * tile]
+        )
+        t_ref += timed(
+            lambda: block_mask_status_reference(sub, ids, "teacher_forcing", tile, tile), device, 1
+        )
+        assert torch.equal(
+            block_mask_status_reference(sub, ids, "teacher_forcing", tile, tile)[0], status[r]
+        )
     t_ref *= nq / len(rows)
     row(f"block_mask_status {tuple(status.shape)}", t_ext, t_ref)
-    print(f"{'':<28} reference timed on {len(rows)} of {nq} q-tile rows and scaled; "
-          f"{L * L / t_ext / 1e9:.1f} Gpairs/s, {status.numel() / t_ext / 1e6:.2f} Mtiles/s, "
-          f"{100 * float((status == 1).float().mean()):.1f}% partial tiles", flush=True)
+    print(
+        f"{'':<28} reference timed on {len(rows)} of {nq} q-tile rows and scaled; "
+        f"{L * L / t_ext / 1e9:.1f} Gpairs/s, {status.numel() / t_ext / 1e6:.2f} Mtiles/s, "
+        f"{100 * float((status == 1).float().mean()):.1f}% partial tiles",
+        flush=True,
+    )
     # What a user would write in torch instead: per-tile id bounds (min/max of each side's blocks),
     # vectorised over all tile pairs; tiles the bounds cannot decide are called PARTIAL.
     t_bounds = timed(lambda: tile_status_from_bounds(ids, tile), device, args.repeat)
     bounds = tile_status_from_bounds(ids, tile)
     agree = 100 * float((bounds == status).float().mean())
     row("torch per-tile id bounds", t_ext, t_bounds)
-    print(f"{'':<28} the bounds formulation agrees with the exact status on {agree:.1f}% of tiles "
-          f"(the rest: PARTIAL where the kernel proves EMPTY / FULL)", flush=True)
-    small = rank_major_ids(args.dense_frames, args.tokens_per_frame, args.ranks, args.frames_per_block, device)
+    print(
+        f"{'':<28} the bounds formulation agrees with the exact status on {agree:.1f}% of tiles "
+        f"(the rest: PARTIAL where the kernel proves EMPTY / FULL)",
+        flush=True,
+    )
+    small = rank_major_ids(
+        args.dense_frames, args.tokens_per_frame, args.ranks, args.frames_per_block, device
+    )
     Ls = small.side.numel()
     t_ext = timed(lambda: dense_mask(small, small, "teacher_forcing"), device, args.repeat)
-    t_ref = timed(lambda: dense_mask_reference(small, small, "teacher_forcing"), device, args.repeat)
+    t_ref = timed(
+        lambda: dense_mask_reference(small, small, "teacher_forcing"), device, args.repeat
+    )
     row(f"dense_mask [{Ls}, {Ls}]", t_ext, t_ref, moved=Ls * Ls)
     print(f"{'':<28} {Ls * Ls / t_ext / 1e9:.2f} Gelements/s (moved = bytes written)", flush=True)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16", "float64"]
+    )
     p.add_argument("--raw-frames", type=int, default=385)
     p.add_argument("--height", type=int, default=480)
     p.add_argument("--width", type=int, default=832)
@@ -212,17 +264,28 @@ def main() -> None:
     p.add_argument("--tokens-per-frame", type=int, default=880)
     p.add_argument("--frames-per-block", type=int, default=4)
     p.add_argument("--tile", type=int, default=128)
-    p.add_argument("--dense-frames", type=int, default=8, help="latent frames of the dense-mask case")
-    p.add_argument("--ref-rows", type=int, default=8, help="q-tile rows the tile-status reference is timed on")
+    p.add_argument(
+        "--dense-frames", type=int, default=8, help="latent frames of the dense-mask case"
+    )
+    p.add_argument(
+        "--ref-rows", type=int, default=8, help="q-tile rows the tile-status reference is timed on"
+    )
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--share-frames", type=int, default=16, help="latent frames of the mask-share case")
-    p.add_argument("--share-tokens", type=int, default=440, help="tokens per frame of the mask-share case")
+    p.add_argument(
+        "--share-frames", type=int, default=16, help="latent frames of the mask-share case"
+    )
+    p.add_argument(
+        "--share-tokens", type=int, default=440, help="tokens per frame of the mask-share case"
+    )
     p.add_argument("--only", choices=["halo", "masks"], default=None)
     args = p.parse_args()
     device = torch.device(args.device)
     os.environ[ENV_VAR] = "extension"  # the *_reference functions are timed explicitly
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     if args.only in (None, "halo"):
         bench_halo(args, device)
     if args.only in (None, "masks"):

@@ -16,6 +16,7 @@ machine's speed hits both alike; the spread column shows how far one library's o
 Rows for every ``--seqs`` size (default 2048, 4096 and 16384: small sizes show fixed per-call cost).
 Run: ``python benchmarks/peer_usp.py [--seqs 2048,4096,16384 --heads 8 --dim 64 --iters 6]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ def _patch_yunchang_kernel():
     import yunchang.kernels.attention as yk
 
     def cpu_flash(q, k, v, dropout_p=0.0, is_causal=False, scale=None, **_):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
-                                                                         scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, scale=scale
+        )
+
     yk._scaled_dot_product_flash_attention = cpu_flash
 
 
@@ -53,15 +56,17 @@ def _time_pair(s_local, heads, dim, iters, g, groups, mask, usp, causal):
     from megatron_video.attention import dist_attention
 
     q, k, v = (torch.randn(1, s_local, heads, dim, generator=g) for _ in range(3))
-    fns = {"ours": lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag"),
-           "yunchang": lambda: usp(q, k, v, causal=causal)}
+    fns = {
+        "ours": lambda: dist_attention(q, k, v, groups, mask=mask, scheme="zigzag"),
+        "yunchang": lambda: usp(q, k, v, causal=causal),
+    }
     wall = {who: [] for who in fns}
     cpu = {who: [] for who in fns}
     with torch.no_grad():
         for fn in fns.values():
             fn()  # warm-up
         for it in range(iters):
-            for who in (("ours", "yunchang") if it % 2 == 0 else ("yunchang", "ours")):
+            for who in ("ours", "yunchang") if it % 2 == 0 else ("yunchang", "ours"):
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 fns[who]()
@@ -97,8 +102,9 @@ def _rank_bench(seqs, heads, dim, iters, check_seq):
             for mask_name in MASKS:
                 causal = mask_name == "causal"
                 mask = masks.causal() if causal else masks.full()
-                usp = LongContextAttention(ring_impl_type="zigzag" if causal else "basic",
-                                           attn_type=AttnType.TORCH_FLASH)
+                usp = LongContextAttention(
+                    ring_impl_type="zigzag" if causal else "basic", attn_type=AttnType.TORCH_FLASH
+                )
                 ours_local = lambda x: shard_sequence(x, groups, dim=1, scheme="zigzag")  # noqa: E731
                 their_local = lambda x: zigzag_extract_local(x, groups.cp_rank, N, R, U)  # noqa: E731
                 if not causal:
@@ -106,17 +112,29 @@ def _rank_bench(seqs, heads, dim, iters, check_seq):
                 # accuracy at a small size (float64 oracle of the whole sequence)
                 g = torch.Generator().manual_seed(1)
                 full = [torch.randn(1, check_seq, heads, dim, generator=g) for _ in range(3)]
-                ref = _oracle(*full, causal, dim ** -0.5)
+                ref = _oracle(*full, causal, dim**-0.5)
                 with torch.no_grad():
-                    o1 = dist_attention(*(ours_local(x) for x in full), groups, mask=mask, scheme="zigzag")
+                    o1 = dist_attention(
+                        *(ours_local(x) for x in full), groups, mask=mask, scheme="zigzag"
+                    )
                     o2 = usp(*(their_local(x) for x in full), causal=causal)
                 err_ours = float((o1.double() - ours_local(ref)).abs().max())
                 err_theirs = float((o2.double() - their_local(ref)).abs().max())
                 for seq in seqs:  # time at the benchmark sizes
-                    wall, cpu = _time_pair(seq // N, heads, dim, iters, g, groups, mask, usp,
-                                           causal)
-                    rows.append(dict(seq=seq, layout=name, mask=mask_name, wall=wall, cpu=cpu,
-                                     err_ours=err_ours, err_theirs=err_theirs))
+                    wall, cpu = _time_pair(
+                        seq // N, heads, dim, iters, g, groups, mask, usp, causal
+                    )
+                    rows.append(
+                        dict(
+                            seq=seq,
+                            layout=name,
+                            mask=mask_name,
+                            wall=wall,
+                            cpu=cpu,
+                            err_ours=err_ours,
+                            err_theirs=err_theirs,
+                        )
+                    )
         finally:
             yunchang.globals.PROCESS_GROUP.ULYSSES_PG = None
             yunchang.globals.PROCESS_GROUP.RING_PG = None
@@ -138,23 +156,33 @@ def main():
     try:
         import yunchang  # noqa: F401
     except ImportError:
-        raise SystemExit("peer_usp: yunchang is not installed; pip install -r requirements/bench.txt "
-                         "-c requirements/constraints.txt") from None
+        raise SystemExit(
+            "peer_usp: yunchang is not installed; pip install -r requirements/bench.txt "
+            "-c requirements/constraints.txt"
+        ) from None
     seqs = [int(x) for x in a.seqs.split(",")]
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
         per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.iters, a.check_seq)
-    print(f"forward, S={a.seqs} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), {a.iters} interleaved "
-          f"iterations each: best CPU time summed over ranks (robust to other load), its spread (median/best "
-          f"- 1, both libraries), best wall time (max over ranks); max-abs error vs float64 oracle at "
-          f"S={a.check_seq}")
-    print(f"{'S':>6} {'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'spread':>12}{'wall ours':>11}"
-          f"{'yunchang':>10}{'ratio':>8}{'err ours':>10}{'err yunchang':>13}")
+    print(
+        f"forward, S={a.seqs} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), {a.iters} interleaved "
+        f"iterations each: best CPU time summed over ranks (robust to other load), its spread (median/best "
+        f"- 1, both libraries), best wall time (max over ranks); max-abs error vs float64 oracle at "
+        f"S={a.check_seq}"
+    )
+    print(
+        f"{'S':>6} {'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'spread':>12}{'wall ours':>11}"
+        f"{'yunchang':>10}{'ratio':>8}{'err ours':>10}{'err yunchang':>13}"
+    )
     worst, worst_spread = 0.0, 0.0
     for i, row in enumerate(per_rank[0]):
-        summed = {who: [sum(r[i]["cpu"][who][t] for r in per_rank) for t in range(a.iters)]
-                  for who in ("ours", "yunchang")}
-        walls = {who: [max(r[i]["wall"][who][t] for r in per_rank) for t in range(a.iters)]
-                 for who in ("ours", "yunchang")}
+        summed = {
+            who: [sum(r[i]["cpu"][who][t] for r in per_rank) for t in range(a.iters)]
+            for who in ("ours", "yunchang")
+        }
+        walls = {
+            who: [max(r[i]["wall"][who][t] for r in per_rank) for t in range(a.iters)]
+            for who in ("ours", "yunchang")
+        }
         oc, tc = min(summed["ours"]), min(summed["yunchang"])
         spread = [statistics.median(summed[w]) / min(summed[w]) - 1 for w in ("ours", "yunchang")]
         ours, theirs = min(walls["ours"]), min(walls["yunchang"])
@@ -162,11 +190,15 @@ def main():
         et = max(r[i]["err_theirs"] for r in per_rank)
         worst = max(worst, oc / tc)
         worst_spread = max(worst_spread, *spread)
-        print(f"{row['seq']:>6} {row['layout']:<8}{row['mask']:<8}{oc:>9.2f}s{tc:>9.2f}s{oc / tc:>7.3f}x"
-              f"{100 * spread[0]:>5.1f}/{100 * spread[1]:.1f}%{ours:>10.2f}s{theirs:>9.2f}s"
-              f"{ours / theirs:>7.2f}x{eo:>10.1e}{et:>13.1e}")
-    print(f"worst ours/yunchang CPU time {worst:.3f}x (target <= 1.0x); largest spread of one library's "
-          f"repeats {100 * worst_spread:.1f}% (differences below it are noise)")
+        print(
+            f"{row['seq']:>6} {row['layout']:<8}{row['mask']:<8}{oc:>9.2f}s{tc:>9.2f}s{oc / tc:>7.3f}x"
+            f"{100 * spread[0]:>5.1f}/{100 * spread[1]:.1f}%{ours:>10.2f}s{theirs:>9.2f}s"
+            f"{ours / theirs:>7.2f}x{eo:>10.1e}{et:>13.1e}"
+        )
+    print(
+        f"worst ours/yunchang CPU time {worst:.3f}x (target <= 1.0x); largest spread of one library's "
+        f"repeats {100 * worst_spread:.1f}% (differences below it are noise)"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ CPU timings on a shared machine are indicative only; the call counts are exact.
     python benchmarks/stdit.py                       # world 4 and 8
     python benchmarks/stdit.py --worlds 4 --frames 8 --height 16 --width 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,23 @@ def _config(a, num_layers=1):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        context_parallel_size=ps.get_context_parallel_world_size(), num_layers=num_layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-        ffn_hidden_size=4 * a.hidden, use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=True, add_bias_linear=True,
-        hidden_dropout=0.0, attention_dropout=0.0)
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        num_layers=num_layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        ffn_hidden_size=4 * a.hidden,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        qk_layernorm=True,
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _sync(group):
@@ -68,8 +81,11 @@ def bench_rank(a):
     world = dist.get_world_size()
     U = a.ulysses
     R = world // U
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world,
-                              hierarchical_context_parallel_sizes=[U, R] if U > 1 and R > 1 else None)
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=world,
+        hierarchical_context_parallel_sizes=[U, R] if U > 1 and R > 1 else None,
+    )
     groups = init_video_parallel(U)
     geo = VideoGeometry(a.frames, a.height, a.width)
     tl, n, b = a.frames // world, geo.positions, a.batch
@@ -78,14 +94,18 @@ def bench_rank(a):
     c = torch.randn(b, a.hidden, generator=gen)
     text = torch.randn(a.text_len, b, a.hidden, generator=gen)
     r = groups.cp_rank
-    hidden = x_full[:, r * tl:(r + 1) * tl].reshape(b, tl * n, a.hidden).transpose(0, 1).contiguous()
+    hidden = (
+        x_full[:, r * tl : (r + 1) * tl].reshape(b, tl * n, a.hidden).transpose(0, 1).contiguous()
+    )
     runs = {}
     for kind, full in (("ST", ()), ("ST+full", (1,))):
         for variant in VARIANTS:
             model_parallel_cuda_manual_seed(1)
-            layer = build_module(get_stdit_layer_spec(variant, full_attention_layers=full,
-                                                      lora_rank=a.lora_rank),
-                                 config=_config(a), layer_number=1)
+            layer = build_module(
+                get_stdit_layer_spec(variant, full_attention_layers=full, lora_rank=a.lora_rank),
+                config=_config(a),
+                layer_number=1,
+            )
             runs[(variant, kind)] = layer
 
     def step(layer):
@@ -99,28 +119,37 @@ def bench_rank(a):
         with CommTracer() as tr:
             step(layer)
         out[key] = dict(
-            a2a=tr.count("all_to_all"), transitions=tr.count("all_to_all", tag="stdit."),
-            a2a_fwd=tr.count("all_to_all", "fwd"), a2a_bwd=tr.count("all_to_all", "bwd"),
-            p2p=tr.count("send"), a2a_bytes=tr.bytes("all_to_all"), p2p_bytes=tr.bytes("send"),
-            times=[])
+            a2a=tr.count("all_to_all"),
+            transitions=tr.count("all_to_all", tag="stdit."),
+            a2a_fwd=tr.count("all_to_all", "fwd"),
+            a2a_bwd=tr.count("all_to_all", "bwd"),
+            p2p=tr.count("send"),
+            a2a_bytes=tr.bytes("all_to_all"),
+            p2p_bytes=tr.bytes("send"),
+            times=[],
+        )
     # round-robin over the variants, so load drift on a shared machine hits them alike
     for _ in range(a.steps):
         for key, layer in runs.items():
             _sync(groups.cp_group)
             t0 = time.perf_counter()
             step(layer)
-            _sync(groups.cp_group)   # the block step ends when the slowest rank ends
+            _sync(groups.cp_group)  # the block step ends when the slowest rank ends
             out[key]["times"].append(time.perf_counter() - t0)
     for v in out.values():
-        v["seconds"] = min(v.pop("times"))   # best of N: least disturbed by other load
+        v["seconds"] = min(v.pop("times"))  # best of N: least disturbed by other load
     return out
 
 
 def report(world, a, per_rank):
-    print(f"\n=== world {world} (2 simulated nodes; 2D attention U={a.ulysses} x R={world // a.ulysses}); "
-          f"video b={a.batch} t={a.frames} h={a.height} w={a.width} D={a.hidden} heads={a.heads}")
-    hdr = (f"{'block':<8} {'variant':<19} {'a2a fwd+bwd':>11} {'(transit.)':>10} {'P2P sends':>9} "
-           f"{'a2a MB/rank':>11} {'P2P MB/rank':>11} {'ms/block':>9} {'vs Ulysses-ev.':>14}")
+    print(
+        f"\n=== world {world} (2 simulated nodes; 2D attention U={a.ulysses} x R={world // a.ulysses}); "
+        f"video b={a.batch} t={a.frames} h={a.height} w={a.width} D={a.hidden} heads={a.heads}"
+    )
+    hdr = (
+        f"{'block':<8} {'variant':<19} {'a2a fwd+bwd':>11} {'(transit.)':>10} {'P2P sends':>9} "
+        f"{'a2a MB/rank':>11} {'P2P MB/rank':>11} {'ms/block':>9} {'vs Ulysses-ev.':>14}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for kind in ("ST", "ST+full"):
@@ -130,15 +159,21 @@ def report(world, a, per_rank):
             s0 = rows[0]
             assert all(r["a2a"] == s0["a2a"] and r["p2p"] == s0["p2p"] for r in rows)
             sec = max(r["seconds"] for r in rows)
-            print(f"{kind:<8} {variant:<19} {s0['a2a_fwd']:>5}+{s0['a2a_bwd']:<5} {s0['transitions']:>10} "
-                  f"{s0['p2p']:>9} {max(r['a2a_bytes'] for r in rows) / 2**20:>11.2f} "
-                  f"{max(r['p2p_bytes'] for r in rows) / 2**20:>11.2f} {sec * 1e3:>9.1f} {sec / ref:>13.2f}x")
+            print(
+                f"{kind:<8} {variant:<19} {s0['a2a_fwd']:>5}+{s0['a2a_bwd']:<5} {s0['transitions']:>10} "
+                f"{s0['p2p']:>9} {max(r['a2a_bytes'] for r in rows) / 2**20:>11.2f} "
+                f"{max(r['p2p_bytes'] for r in rows) / 2**20:>11.2f} {sec * 1e3:>9.1f} {sec / ref:>13.2f}x"
+            )
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--ulysses", type=int, default=None, help="U of the 2D attention (default world/2)")
+    p.add_argument(
+        "--ulysses", type=int, default=None, help="U of the 2D attention (default world/2)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--frames", type=int, default=16)
     p.add_argument("--height", type=int, default=16)
@@ -153,8 +188,10 @@ def main(argv=None):
         args = argparse.Namespace(**vars(a))
         args.ulysses = a.ulysses or world // 2
         if world % args.ulysses or a.frames % world or a.heads % world:
-            raise ValueError(f"world ({world}) must divide frames ({a.frames}) and heads ({a.heads}) "
-                             f"and be a multiple of ulysses ({args.ulysses})")
+            raise ValueError(
+                f"world ({world}) must divide frames ({a.frames}) and heads ({a.heads}) "
+                f"and be a multiple of ulysses ({args.ulysses})"
+            )
         with WorkerPool(world, ranks_per_node=world // 2, timeout=1800) as pool:
             report(world, args, pool.run(bench_rank, args))
 

@@ -8,6 +8,7 @@ random weights (trained weights decay faster; exactness needs ``h``).
 
     python benchmarks/vae_halo_probe.py [--hw 16] [--latents 32] [--tiny]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,9 @@ LONGLIVE_RAW_FRAMES = 28
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hw", type=int, default=16, help="probe frame size (pixels)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny config of tests/test_vae_halo_probe.py")
+    ap.add_argument(
+        "--tiny", action="store_true", help="the tiny config of tests/test_vae_halo_probe.py"
+    )
     ap.add_argument("--shorter", type=int, default=3, help="also measure halos h-1 .. h-SHORTER")
     args = ap.parse_args()
     from diffusers import AutoencoderKLWan
@@ -36,20 +39,26 @@ def main() -> None:
     kw = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1) if args.tiny else {}
     vae = AutoencoderKLWan(**kw).eval()
     n = sum(p.numel() for p in vae.parameters())
-    print(f"AutoencoderKLWan({'tiny' if args.tiny else 'Wan 2.1 default config'}): {n / 1e6:.1f} M "
-          f"parameters, random weights; probe at {args.hw}x{args.hw}, float64")
+    print(
+        f"AutoencoderKLWan({'tiny' if args.tiny else 'Wan 2.1 default config'}): {n / 1e6:.1f} M "
+        f"parameters, random weights; probe at {args.hw}x{args.hw}, float64"
+    )
     encode = lambda x: vae.encode(x).latent_dist.mean  # noqa: E731
     t0 = time.time()
     p = probe_halo(encode, spatial=(args.hw, args.hw))
     dt = time.time() - t0
-    st = p.temporal_stride   # the stride the probe checked the encoder's latent count against
+    st = p.temporal_stride  # the stride the probe checked the encoder's latent count against
     longlive = LONGLIVE_RAW_FRAMES // st
-    print(f"derived: look-back {p.lookback} raw frames -> halo {p.halo} latents = "
-          f"{st * p.halo} raw frames "
-          f"(+1 first-frame pseudo frame) [probe clip {p.probe_latents} latents, {dt:.1f} s]")
-    print(f"LongLive hard-codes {LONGLIVE_RAW_FRAMES} raw frames = {longlive} latents: "
-          f"{'enough' if longlive >= p.halo else 'NOT exact'} for this architecture "
-          f"(ratio derived/LongLive = {st * p.halo / LONGLIVE_RAW_FRAMES:.2f})")
+    print(
+        f"derived: look-back {p.lookback} raw frames -> halo {p.halo} latents = "
+        f"{st * p.halo} raw frames "
+        f"(+1 first-frame pseudo frame) [probe clip {p.probe_latents} latents, {dt:.1f} s]"
+    )
+    print(
+        f"LongLive hard-codes {LONGLIVE_RAW_FRAMES} raw frames = {longlive} latents: "
+        f"{'enough' if longlive >= p.halo else 'NOT exact'} for this architecture "
+        f"(ratio derived/LongLive = {st * p.halo / LONGLIVE_RAW_FRAMES:.2f})"
+    )
     vae.double()
     N = p.probe_latents
     g = torch.Generator().manual_seed(1)

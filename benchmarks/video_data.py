@@ -10,6 +10,7 @@ samples/s for one rank's windows.
 
     python benchmarks/video_data.py [--latents 32] [--hw 64] [--clips 6]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,20 @@ def main() -> None:
     args = ap.parse_args()
     from megatron.energon.av import AVDecoder
 
-    st = CausalVideoVAE.temporal_stride   # the project's VAE
+    st = CausalVideoVAE.temporal_stride  # the project's VAE
     F, T = args.latents, num_raw_frames(args.latents, st)
     h = encoder_halo(CausalVideoEncoder())
     root = Path(tempfile.mkdtemp(prefix="video_data_"))
     try:
         t0 = time.time()
-        write_procedural_videos(root / "src", args.clips, num_frames=T, height=args.hw, width=args.hw)
+        write_procedural_videos(
+            root / "src", args.clips, num_frames=T, height=args.hw, width=args.hw
+        )
         prepare_dataset(root / "src", root / "ds")
-        print(f"{args.clips} clips of {T} raw frames ({F} latents) at {args.hw}x{args.hw}, halo {h} latents; "
-              f"written + prepared in {time.time() - t0:.1f} s")
+        print(
+            f"{args.clips} clips of {T} raw frames ({F} latents) at {args.hw}x{args.hw}, halo {h} latents; "
+            f"written + prepared in {time.time() - t0:.1f} s"
+        )
         blobs = [p.read_bytes() for p in sorted((root / "src").glob("*.mp4"))]
 
         def clip_time(ranges, blob):
@@ -57,8 +62,10 @@ def main() -> None:
             clips, _ = AVDecoder(io.BytesIO(blob)).get_video_clips(ranges, video_unit="frames")
             return time.perf_counter() - t, sum(c.shape[0] for c in clips)
 
-        print(" P | frames/rank windowed (max) | F/P+halo raw | frames/rank full | time/rank windowed | "
-              "time/rank full+slice | ratio")
+        print(
+            " P | frames/rank windowed (max) | F/P+halo raw | frames/rank full | time/rank windowed | "
+            "time/rank full+slice | ratio"
+        )
         for P in (1, 2, 4, 8):
             ws = halo_windows(F, P, h, temporal_stride=st)
             per_rank_w, per_rank_f, frames_w = [], [], []
@@ -73,20 +80,32 @@ def main() -> None:
                 per_rank_w.append(tw / len(blobs))
                 per_rank_f.append(tf / len(blobs))
             target = min(T, st * (F // P) + st * h + 1)
-            print(f"{P:2d} | {max(frames_w):26d} | {target:12d} | {T:16d} | {1e3 * max(per_rank_w):15.1f} ms | "
-                  f"{1e3 * max(per_rank_f):17.1f} ms | {max(per_rank_f) / max(per_rank_w):5.2f}x")
+            print(
+                f"{P:2d} | {max(frames_w):26d} | {target:12d} | {T:16d} | {1e3 * max(per_rank_w):15.1f} ms | "
+                f"{1e3 * max(per_rank_f):17.1f} ms | {max(per_rank_f) / max(per_rank_w):5.2f}x"
+            )
         for P in (1, 4):
             w = halo_windows(F, P, h, temporal_stride=st)[P - 1]
-            loader, te = video_window_loader(root / "ds", [w], num_frames=T, height=args.hw, width=args.hw,
-                                             batch_size=1, dp_rank=0, dp_size=1)
+            loader, te = video_window_loader(
+                root / "ds",
+                [w],
+                num_frames=T,
+                height=args.hw,
+                width=args.hw,
+                batch_size=1,
+                dp_rank=0,
+                dp_size=1,
+            )
             it = iter(loader)
             next(it)
             n, t = 3 * args.clips, time.perf_counter()
             for _ in range(n):
                 next(it)
             dt = time.perf_counter() - t
-            print(f"energon loader, last rank of P={P} (window {w.window}): {n / dt:.1f} samples/s "
-                  f"({te.decoded_frames / (n + 1):.0f} raw frames decoded per sample)")
+            print(
+                f"energon loader, last rank of P={P} (window {w.window}): {n / dt:.1f} samples/s "
+                f"({te.decoded_frames / (n + 1):.0f} raw frames decoded per sample)"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -28,6 +28,7 @@ width tokens; AR DiT: twice that, ``[clean ; noisy]``); ``--num-layers`` / ``--h
 ``megatron.training`` is imported only when Megatron-LM runs, so they can be imported and tested
 without it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -44,9 +45,18 @@ from megatron_video.training.megatron_lm import (  # noqa: E402
     train_valid_test_datasets_provider,
 )
 
-__all__ = ["add_video_args", "video_config_from_args", "megatron_transformer_config",
-           "model_provider", "PositionDataset", "train_valid_test_datasets_provider", "forward_step",
-           "sequence_length", "run_pretrain", "main"]
+__all__ = [
+    "add_video_args",
+    "video_config_from_args",
+    "megatron_transformer_config",
+    "model_provider",
+    "PositionDataset",
+    "train_valid_test_datasets_provider",
+    "forward_step",
+    "sequence_length",
+    "run_pretrain",
+    "main",
+]
 
 ENTRY = MegatronLMEntry("examples/pretrain_video_dit.py", ("video_dit", "stdit", "ar_dit"))
 video_config_from_args = ENTRY.video_config_from_args

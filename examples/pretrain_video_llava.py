@@ -28,6 +28,7 @@ without CUDA; tests/test_pretrain_real.py runs those lines as written under the 
 ``--seq-length`` is the LLM's sequence per sample: text plus visual tokens, padded to a multiple
 of 2 x CP (``VideoLLaVAFamily.seq_length``; 48 for examples/configs/video_llava.yaml).
 """
+
 from __future__ import annotations
 
 import sys
@@ -44,9 +45,18 @@ from megatron_video.training.megatron_lm import (  # noqa: E402
     train_valid_test_datasets_provider,
 )
 
-__all__ = ["add_video_args", "video_config_from_args", "megatron_transformer_config",
-           "model_provider", "PositionDataset", "train_valid_test_datasets_provider", "forward_step",
-           "sequence_length", "run_pretrain", "main"]
+__all__ = [
+    "add_video_args",
+    "video_config_from_args",
+    "megatron_transformer_config",
+    "model_provider",
+    "PositionDataset",
+    "train_valid_test_datasets_provider",
+    "forward_step",
+    "sequence_length",
+    "run_pretrain",
+    "main",
+]
 
 ENTRY = MegatronLMEntry("examples/pretrain_video_llava.py", ("video_llava",))
 video_config_from_args = ENTRY.video_config_from_args

@@ -4,6 +4,7 @@ The pools are session-scoped: started once (from a forkserver with torch and meg
 and shared by every test module; each ``pool.run`` resets Megatron / topology state afterwards, and
 a pool that saw a failure or a timeout is killed and restarted on its next use.
 """
+
 import os
 
 import pytest
@@ -37,7 +38,8 @@ def extension():
         import megatron_video._C as ext
     except ImportError as exc:
         if os.environ.get("MEGATRON_VIDEO_BUILD_EXT") == "0":
-            pytest.skip("extension not built (MEGATRON_VIDEO_BUILD_EXT=0); reference path covered "
-                        "elsewhere")
+            pytest.skip(
+                "extension not built (MEGATRON_VIDEO_BUILD_EXT=0); reference path covered elsewhere"
+            )
         raise AssertionError(f"megatron_video._C is not importable: {exc}") from exc
     return ext

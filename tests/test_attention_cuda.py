@@ -5,6 +5,7 @@ benchmarks/gpu_check.sh runs); these tests drive the same functions case by case
 Every test but the last needs a GPU and is skipped without one. The last one runs the script's
 CPU mode (``--device cpu --small``) so the checking logic itself is exercised on any machine.
 """
+
 import importlib.util
 import os
 import sys
@@ -13,15 +14,20 @@ import time
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_attention.py")
+_PATH = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_attention.py"
+)
 _spec = importlib.util.spec_from_file_location("gpu_attention", _PATH)
 ga = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("gpu_attention", ga)
 _spec.loader.exec_module(ga)
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available() is "
-                                                     "False); run benchmarks/gpu_check.sh on a GPU machine")
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA,
+    reason="needs a CUDA device (torch.cuda.is_available() is "
+    "False); run benchmarks/gpu_check.sh on a GPU machine",
+)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MAIN, RAGGED = ga.SHAPES["full"]
 
@@ -93,8 +99,15 @@ def test_cpu_small_mode_correctness(monkeypatch, capsys):
     torch.set_num_threads(1)  # tiny tensors: one thread is several times faster on a shared machine
     try:
         t0 = time.perf_counter()
-        results = ga.run_correctness("cpu", True, ("local", "dist"), t0, budget=60.0,
-                                     dtypes=(torch.bfloat16, torch.float32), verbose=False)
+        results = ga.run_correctness(
+            "cpu",
+            True,
+            ("local", "dist"),
+            t0,
+            budget=60.0,
+            dtypes=(torch.bfloat16, torch.float32),
+            verbose=False,
+        )
     finally:
         torch.set_num_threads(threads)
     bad = [r.line() for r in results if r.status not in ("PASS",)]
@@ -111,13 +124,15 @@ def test_check_fails_when_our_code_raises(monkeypatch, capfd):
     and our entries raising in the bench fail the run."""
     shape = ga.Shape(1, 16, 2, 2, 8)
 
-    class BrokenTE:                                     # TE itself raising: informative only
+    class BrokenTE:  # TE itself raising: informative only
         pytorch = None
+
     r = ga.check_te(BrokenTE(), "cpu", torch.float32, "causal", shape)
     assert r.status == "WARN" and "TE raised" in r.note, r.line()
 
     def broken(*a, **k):
         raise RuntimeError("our kernel is broken")
+
     monkeypatch.setattr(ga, "local_attention", broken)
     r = ga.check_te(BrokenTE(), "cpu", torch.float32, "causal", shape)
     assert r.status == "ERROR" and "our kernel is broken" in r.note, r.line()
@@ -125,8 +140,10 @@ def test_check_fails_when_our_code_raises(monkeypatch, capfd):
     assert not ok and line.startswith("gpu_attention: FAIL"), line
     assert ga.main(["--device", "cpu", "--small", "--sections", "local", "--budget", "30"]) == 1
     assert "gpu_attention: FAIL" in capfd.readouterr().out
-    rows = [ga.BenchRow(128, "ours local[math]", note="fwd+bwd error: RuntimeError: boom"),
-            ga.BenchRow(128, "torch SDPA causal", note="fwd error: RuntimeError: not ours")]
+    rows = [
+        ga.BenchRow(128, "ours local[math]", note="fwd+bwd error: RuntimeError: boom"),
+        ga.BenchRow(128, "torch SDPA causal", note="fwd error: RuntimeError: not ours"),
+    ]
     ok, line = ga.bench_verdict(rows, True, "gpu_attention: PASS - ...")
     assert not ok and "ours local[math]" in line and "not ours" not in line
     assert ga.bench_verdict(rows[1:], True, "x") == (True, "x")

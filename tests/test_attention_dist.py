@@ -7,6 +7,7 @@ parallel configuration is its own test case (one ``pool.run``), covering its mas
 of them use the 8-rank pool (CP degrees below 8 run as DP replicas of the same case), so the
 attention tests start no other pool.
 """
+
 import math
 
 import pytest
@@ -23,8 +24,8 @@ from megatron_video.testing.parallel import video_parallel
 # ------------------------------------------------------------------------------------------
 # First-principles masks (independent of megatron_video.attention.masks)
 # ------------------------------------------------------------------------------------------
-S4, S8 = 32, 48          # sequence lengths on the 4- and 8-rank pools (divisible by 2N)
-WORLD = 8                # the 8-rank pool, one simulated node unless a test says otherwise
+S4, S8 = 32, 48  # sequence lengths on the 4- and 8-rank pools (divisible by 2N)
+WORLD = 8  # the 8-rank pool, one simulated node unless a test says otherwise
 CU = [0, 3, 11, 12, 25, 29]  # uneven packed documents; tokens past 29 are padding
 
 
@@ -49,18 +50,41 @@ def make_mask(kind, S, seed=0):
 # ------------------------------------------------------------------------------------------
 # Rank-side helpers
 # ------------------------------------------------------------------------------------------
-def run_case(groups, S, kind, b, h, hk, d, seed, scheme=None, dtype=torch.float64, stats=None,
-             backend="auto", tile=512):
+def run_case(
+    groups,
+    S,
+    kind,
+    b,
+    h,
+    hk,
+    d,
+    seed,
+    scheme=None,
+    dtype=torch.float64,
+    stats=None,
+    backend="auto",
+    tile=512,
+):
     """Max abs errors (out, dq, dk, dv) of this rank's shard against the oracle, and a NaN flag."""
     q, k, v, dout = random_qkv(b, S, h, hk, d, seed)
-    scale = d ** -0.5 * 1.3
+    scale = d**-0.5 * 1.3
     ref = attention_with_grads(q, k, v, dout, allowed(kind, S, seed), scale)
     mask = make_mask(kind, S, seed)
     scheme = scheme or mask.default_scheme
     shard = lambda x: shard_sequence(x, groups, dim=1, scheme=scheme)  # noqa: E731
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
-    out = dist_attention(ql, kl, vl, groups, mask=mask, softmax_scale=scale, scheme=scheme,
-                         backend=backend, stats=stats, tile=tile)
+    out = dist_attention(
+        ql,
+        kl,
+        vl,
+        groups,
+        mask=mask,
+        softmax_scale=scale,
+        scheme=scheme,
+        backend=backend,
+        stats=stats,
+        tile=tile,
+    )
     (out * shard(dout).to(dtype)).sum().backward()
     got = [out.detach(), ql.grad, kl.grad, vl.grad]
     nan = any(bool(torch.isnan(x).any()) for x in got)
@@ -70,9 +94,17 @@ def run_case(groups, S, kind, b, h, hk, d, seed, scheme=None, dtype=torch.float6
 # ------------------------------------------------------------------------------------------
 # Correctness over degrees, placements, masks, schemes, GQA and batch
 # ------------------------------------------------------------------------------------------
-MASK_SCHEMES = [("full", "contiguous"), ("causal", "zigzag"), ("causal", "contiguous"),
-                ("block_causal", "zigzag"), ("packed", "contiguous"), ("packed_causal", "zigzag"),
-                ("random", "contiguous"), ("dead_rows", "contiguous"), ("dead_rows", "zigzag")]
+MASK_SCHEMES = [
+    ("full", "contiguous"),
+    ("causal", "zigzag"),
+    ("causal", "contiguous"),
+    ("block_causal", "zigzag"),
+    ("packed", "contiguous"),
+    ("packed_causal", "zigzag"),
+    ("random", "contiguous"),
+    ("dead_rows", "contiguous"),
+    ("dead_rows", "zigzag"),
+]
 
 
 def _degree_cases(U, R, placement, S, i0):
@@ -106,34 +138,57 @@ def _degree_id(d):
     return f"u{U}xr{R}-{placement}"
 
 
-DEGREES4 = [(1, 1, "ulysses_inner"), (1, 4, "ulysses_inner"), (4, 1, "ulysses_inner"),
-            (2, 2, "ulysses_inner"), (2, 2, "ring_inner"), (1, 4, "ring_inner"), (4, 1, "ring_inner")]
-DEGREES8 = [(2, 4, "ulysses_inner"), (4, 2, "ulysses_inner"), (2, 4, "ring_inner"), (4, 2, "ring_inner")]
+DEGREES4 = [
+    (1, 1, "ulysses_inner"),
+    (1, 4, "ulysses_inner"),
+    (4, 1, "ulysses_inner"),
+    (2, 2, "ulysses_inner"),
+    (2, 2, "ring_inner"),
+    (1, 4, "ring_inner"),
+    (4, 1, "ring_inner"),
+]
+DEGREES8 = [
+    (2, 4, "ulysses_inner"),
+    (4, 2, "ulysses_inner"),
+    (2, 4, "ring_inner"),
+    (4, 2, "ring_inner"),
+]
 
 
 @pytest.mark.parametrize("index", range(len(DEGREES4)), ids=[_degree_id(d) for d in DEGREES4])
 def test_exact_vs_oracle_cp4_and_below(pool8, index):
-    _assert_results(pool8.run(_degree_cases, *DEGREES4[index], S4, index * len(MASK_SCHEMES)), 1e-10)
+    _assert_results(
+        pool8.run(_degree_cases, *DEGREES4[index], S4, index * len(MASK_SCHEMES)), 1e-10
+    )
 
 
 @pytest.mark.parametrize("index", range(len(DEGREES8)), ids=[_degree_id(d) for d in DEGREES8])
 def test_exact_vs_oracle_cp8(pool8, index):
-    _assert_results(pool8.run(_degree_cases, *DEGREES8[index], S8, index * len(MASK_SCHEMES)), 1e-10)
+    _assert_results(
+        pool8.run(_degree_cases, *DEGREES8[index], S8, index * len(MASK_SCHEMES)), 1e-10
+    )
 
 
 def _gqa_cases(U, R, h, hk):
     """Head counts where H_kv neither divides nor is divisible by U (kv heads enter as lcm(H_kv, U))."""
     out = []
     with video_parallel(U, R, "ulysses_inner", ranks_per_node=WORLD) as groups:
-        for kind, scheme in [("causal", "zigzag"), ("packed_causal", "zigzag"), ("full", "contiguous")]:
+        for kind, scheme in [
+            ("causal", "zigzag"),
+            ("packed_causal", "zigzag"),
+            ("full", "contiguous"),
+        ]:
             S = 8 * U * R
-            errs, nan = run_case(groups, S, kind, 1, h, hk, 4, seed=U + R + h, scheme=scheme, tile=3)
+            errs, nan = run_case(
+                groups, S, kind, 1, h, hk, 4, seed=U + R + h, scheme=scheme, tile=3
+            )
             out.append(((U, R, h, hk, kind), errs, nan))
     return out
 
 
-@pytest.mark.parametrize("U,R,h,hk", [(2, 2, 6, 3), (2, 1, 6, 3), (4, 1, 12, 3), (4, 2, 12, 3),
-                                      (2, 4, 10, 5)])
+@pytest.mark.parametrize(
+    "U,R,h,hk", [(2, 2, 6, 3), (2, 1, 6, 3), (4, 1, 12, 3), (4, 2, 12, 3), (2, 4, 10, 5)]
+)
 def test_gqa_any_head_counts_exact(pool8, U, R, h, hk):
     _assert_results(pool8.run(_gqa_cases, U, R, h, hk), 1e-10)
 
@@ -141,15 +196,22 @@ def test_gqa_any_head_counts_exact(pool8, U, R, h, hk):
 def _low_precision_cases(U, R, placement):
     out = []
     with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
-        for kind, hk, dtype in [("causal", 2, torch.bfloat16), ("dead_rows", 1, torch.bfloat16),
-                                ("block_causal", 4, torch.float32), ("full", 2, torch.float32)]:
+        for kind, hk, dtype in [
+            ("causal", 2, torch.bfloat16),
+            ("dead_rows", 1, torch.bfloat16),
+            ("block_causal", 4, torch.float32),
+            ("full", 2, torch.float32),
+        ]:
             errs, nan = run_case(groups, S4, kind, 2, 4, hk, 16, seed=7, dtype=dtype)
             out.append(((U, R, placement, kind, hk, str(dtype)), errs, nan))
     return out
 
 
-@pytest.mark.parametrize("degree", [(2, 2, "ulysses_inner"), (1, 4, "ulysses_inner"),
-                                    (4, 1, "ring_inner")], ids=_degree_id)
+@pytest.mark.parametrize(
+    "degree",
+    [(2, 2, "ulysses_inner"), (1, 4, "ulysses_inner"), (4, 1, "ring_inner")],
+    ids=_degree_id,
+)
 def test_bf16_and_fp32_fused_kernel(pool8, degree):
     """bf16 within 2.5e-2 and fp32 (CPU flash kernel) within 1e-5 of the float64 oracle."""
     bad = []
@@ -176,7 +238,7 @@ def _runs(ids):
 
 def _tiles(ids, tile):
     """Runs of consecutive ids, each cut into tiles of ``tile`` ids (the last may be shorter)."""
-    return [run[a:a + tile] for run in _runs(ids) for a in range(0, len(run), tile)]
+    return [run[a : a + tile] for run in _runs(ids) for a in range(0, len(run), tile)]
 
 
 def _skip_cases(S, U, R, placement):
@@ -184,45 +246,71 @@ def _skip_cases(S, U, R, placement):
     with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
         # Each ring member's ids during ring attention = the union of its Ulysses group's shards,
         # learnt from the ranks themselves (not from the library's index map).
-        for kind, scheme in [("causal", "zigzag"), ("causal", "contiguous"), ("block_causal", "zigzag"),
-                             ("packed", "contiguous"), ("dead_rows", "zigzag")]:
+        for kind, scheme in [
+            ("causal", "zigzag"),
+            ("causal", "contiguous"),
+            ("block_causal", "zigzag"),
+            ("packed", "contiguous"),
+            ("dead_rows", "zigzag"),
+        ]:
             mine = global_token_ids(groups, S, scheme)
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, (dist.get_rank(), groups.ulysses_ranks, mine))
             shard_of = {g: ids for g, _, ids in everyone}
             ugroup_of = {g: ug for g, ug, _ in everyone}
-            held = [torch.sort(torch.cat([shard_of[m] for m in ugroup_of[g]])).values
-                    for g in groups.ring_ranks]
+            held = [
+                torch.sort(torch.cat([shard_of[m] for m in ugroup_of[g]])).values
+                for g in groups.ring_ranks
+            ]
             allow = allowed(kind, S, seed=3)
             q_ids = held[groups.ring_rank]
             for tile in (3, 512):  # 3 divides no run length; 512 = whole runs
                 exp = dict(steps=0, steps_skipped=0, tiles=0, tiles_skipped=0, tiles_full=0)
                 for kv_ids in held:
-                    cells = [allow[qt][:, kt] for qt in _tiles(q_ids, tile) for kt in _tiles(kv_ids, tile)]
+                    cells = [
+                        allow[qt][:, kt]
+                        for qt in _tiles(q_ids, tile)
+                        for kt in _tiles(kv_ids, tile)
+                    ]
                     exp["steps"] += 1
                     exp["steps_skipped"] += int(not any(bool(c.any()) for c in cells))
                     exp["tiles"] += len(cells)
                     exp["tiles_skipped"] += sum(1 for c in cells if not c.any())
                     exp["tiles_full"] += sum(1 for c in cells if c.all())
                 stats = RingStats()
-                errs, nan = run_case(groups, S, kind, 1, 4, 2, 8, seed=3, scheme=scheme, stats=stats,
-                                     tile=tile)
-                out.append(((U, R, placement, kind, scheme, tile), exp, stats, errs, nan, groups.ring_rank))
+                errs, nan = run_case(
+                    groups, S, kind, 1, 4, 2, 8, seed=3, scheme=scheme, stats=stats, tile=tile
+                )
+                out.append(
+                    ((U, R, placement, kind, scheme, tile), exp, stats, errs, nan, groups.ring_rank)
+                )
     return out
 
 
-@pytest.mark.parametrize("degree", [(1, 4, "ulysses_inner"), (2, 2, "ulysses_inner"),
-                                    (2, 2, "ring_inner")], ids=_degree_id)
+@pytest.mark.parametrize(
+    "degree",
+    [(1, 4, "ulysses_inner"), (2, 2, "ulysses_inner"), (2, 2, "ring_inner")],
+    ids=_degree_id,
+)
 def test_skipped_steps_match_masked_tiles(pool8, degree):
     per_rank = pool8.run(_skip_cases, S4, *degree)
     for rank, results in enumerate(per_rank):
         for case, exp, st, errs, nan, _ in results:
             assert max(errs) < 1e-10 and not nan, (rank, case, errs)
-            got = dict(steps=st.steps, steps_skipped=st.steps_skipped, tiles=st.tiles,
-                       tiles_skipped=st.tiles_skipped, tiles_full=st.tiles_full)
+            got = dict(
+                steps=st.steps,
+                steps_skipped=st.steps_skipped,
+                tiles=st.tiles,
+                tiles_skipped=st.tiles_skipped,
+                tiles_full=st.tiles_full,
+            )
             assert got == exp, (rank, case, got, exp)
-            bwd = dict(steps=st.bwd_steps, steps_skipped=st.bwd_steps_skipped, tiles=st.bwd_tiles,
-                       tiles_skipped=st.bwd_tiles_skipped)
+            bwd = dict(
+                steps=st.bwd_steps,
+                steps_skipped=st.bwd_steps_skipped,
+                tiles=st.bwd_tiles,
+                tiles_skipped=st.bwd_tiles_skipped,
+            )
             assert bwd == {k: exp[k] for k in bwd}, (rank, case, bwd, exp)
             # float64 runs the math kernel: no call ever holds more than one tile pair of scores
             tile = case[-1]
@@ -239,10 +327,14 @@ def test_skipped_steps_match_masked_tiles(pool8, degree):
             # tiles) and 1 of 4 on the diagonal
             # (ring rank R-1 holds chunks R-1 and R, one run of ids, so its grid has fewer tiles)
             st, r = by_case[(1, 4, "ulysses_inner", "causal", "zigzag", 512)]
-            assert (st.steps_skipped, st.tiles, st.tiles_skipped) == ((0, 14, 6) if r < 3 else (0, 7, 3))
+            assert (st.steps_skipped, st.tiles, st.tiles_skipped) == (
+                (0, 14, 6) if r < 3 else (0, 7, 3)
+            )
         if degree == (2, 2, "ulysses_inner"):
             st, r = by_case[(2, 2, "ulysses_inner", "causal", "zigzag", 512)]
-            assert (st.steps_skipped, st.tiles, st.tiles_skipped) == ((0, 6, 2) if r < 1 else (0, 3, 1))
+            assert (st.steps_skipped, st.tiles, st.tiles_skipped) == (
+                (0, 6, 2) if r < 1 else (0, 3, 1)
+            )
 
 
 # ------------------------------------------------------------------------------------------
@@ -263,14 +355,24 @@ def _tracer_cases(U, R, hk):
         with CommTracer() as t:
             out_ = dist_attention(q, k, v, groups, mask=masks.causal(), scheme="zigzag")
             out_.sum().backward()
-        rec = {key: t.bytes(op, direction=dr) for key, (op, dr) in dict(
-            a2a_fwd=("all_to_all", "fwd"), a2a_bwd=("all_to_all", "bwd"), ring_fwd=("send", "fwd"),
-            ring_bwd=("send", "bwd")).items()}
-        rec.update(a2a_inter=t.bytes("all_to_all", intra_node=False),
-                   ring_fwd_inter=t.bytes("send", direction="fwd", intra_node=False),
-                   a2a_calls=t.count("all_to_all"), shape_checks=t.count("shape_check"),
-                   next_on_other_node=(groups.ring_ranks[(groups.ring_rank + 1) % R] // 4
-                                       != dist.get_rank() // 4))
+        rec = {
+            key: t.bytes(op, direction=dr)
+            for key, (op, dr) in dict(
+                a2a_fwd=("all_to_all", "fwd"),
+                a2a_bwd=("all_to_all", "bwd"),
+                ring_fwd=("send", "fwd"),
+                ring_bwd=("send", "bwd"),
+            ).items()
+        }
+        rec.update(
+            a2a_inter=t.bytes("all_to_all", intra_node=False),
+            ring_fwd_inter=t.bytes("send", direction="fwd", intra_node=False),
+            a2a_calls=t.count("all_to_all"),
+            shape_checks=t.count("shape_check"),
+            next_on_other_node=(
+                groups.ring_ranks[(groups.ring_rank + 1) % R] // 4 != dist.get_rank() // 4
+            ),
+        )
         out.append(((U, R, hk, N, b, s_local, h, d, e), rec))
     return out
 
@@ -326,15 +428,23 @@ def _error_cases():
         odd = dist.get_rank() % 4 == 1  # one rank of each CP group (DP = 2)
         for qs in [(1, 8 if odd else 6, 4, 4), (1, 6, 8 if odd else 4, 4)]:
             try:
-                dist_attention(torch.randn(qs), torch.randn(qs), torch.randn(qs), groups,
-                               mask=masks.causal(), scheme="zigzag")
+                dist_attention(
+                    torch.randn(qs),
+                    torch.randn(qs),
+                    torch.randn(qs),
+                    groups,
+                    mask=masks.causal(),
+                    scheme="zigzag",
+                )
                 msgs.append(("differ between ranks", "no error", -1))
             except ValueError as e:
                 msgs.append(("differ between ranks", str(e), 0))
         # Same shapes, but one rank believes in another layout.
         x = torch.randn(1, 6, 4, 4)
         try:
-            dist_attention(x, x, x, groups, mask=masks.causal(), scheme="contiguous" if odd else "zigzag")
+            dist_attention(
+                x, x, x, groups, mask=masks.causal(), scheme="contiguous" if odd else "zigzag"
+            )
             msgs.append(("differ between ranks", "no error", -1))
         except ValueError as e:
             msgs.append(("differ between ranks", str(e), 0))

@@ -6,6 +6,7 @@ runs (zigzag-like) and in arbitrary order; all-masked rows and all-masked blocks
 NaN. The engine's instrumentation (``EngineStats``) bounds every mask and score buffer by one tile
 pair, and an independent recorder on the mask's ``dense`` checks the same from outside.
 """
+
 import pytest
 import torch
 
@@ -44,8 +45,17 @@ def inputs(b, sq, sk, h, hk, d, seed):
     return random_qkv(b, sq, h, hk, d, seed, sk=sk)
 
 
-KINDS = ["full", "causal", "block_causal", "packed", "packed_causal", "packed_block", "dead_rows", "none",
-         "window"]
+KINDS = [
+    "full",
+    "causal",
+    "block_causal",
+    "packed",
+    "packed_causal",
+    "packed_block",
+    "dead_rows",
+    "none",
+    "window",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -57,9 +67,13 @@ def test_local_engine_matches_oracle_with_tiles_that_do_not_divide(kind):
     for dtype, tol in ((F64, 1e-12), (F32, 2e-5)):
         for tile in (1, 4, 7, 16, 512):
             st = RingStats()
-            got = grads(lambda q, k, v: dist_attention(q, k, v, None, mask=make_mask(kind), softmax_scale=scale,
-                                                       tile=tile, stats=st),
-                        *(x.to(dtype) for x in (q, k, v)), dout)
+            got = grads(
+                lambda q, k, v: dist_attention(
+                    q, k, v, None, mask=make_mask(kind), softmax_scale=scale, tile=tile, stats=st
+                ),
+                *(x.to(dtype) for x in (q, k, v)),
+                dout,
+            )
             assert not any(bool(torch.isnan(x).any()) for x in got), (kind, dtype, tile)
             assert max_err(got, ref) < tol, (kind, dtype, tile, max_err(got, ref))
             assert st.max_mask_elements <= tile * tile and st.max_score_elements <= tile * tile
@@ -70,7 +84,9 @@ def test_block_engine_on_arbitrary_id_order(kind):
     """Plan / forward / backward of one block whose ids are runs and scattered ids (as after the
     Ulysses gather), against the oracle restricted to those ids; backward from the global out/lse."""
     g = torch.Generator().manual_seed(5)
-    q_ids = torch.cat([torch.arange(3, 14), torch.randperm(40, generator=g)[:9] + 14, torch.arange(30, 41)])
+    q_ids = torch.cat(
+        [torch.arange(3, 14), torch.randperm(40, generator=g)[:9] + 14, torch.arange(30, 41)]
+    )
     k_ids = torch.cat([torch.arange(0, 9), torch.arange(20, 37), torch.tensor([5, 1])])
     q, k, v, dout = inputs(1, len(q_ids), len(k_ids), 2, 1, 8, seed=11)
     allow = allowed(kind, q_ids, k_ids)
@@ -84,11 +100,26 @@ def test_block_engine_on_arbitrary_id_order(kind):
             dq = torch.zeros(qc.shape, dtype=out.dtype)
             dk = torch.zeros(kc.shape[0], kc.shape[1], qc.shape[2], kc.shape[3], dtype=out.dtype)
             dv = torch.zeros_like(dk)
-            engine.block_backward(dq, dk, dv, dout.transpose(1, 2).to(dtype).contiguous(), qc, kc, vc,
-                                  out.to(dtype), lse.masked_fill(torch.isneginf(lse), float("inf")), plan,
-                                  0.5, backend)
-            got = [out.transpose(1, 2).double(), dq.double(), dk.sum(2, keepdim=True).double(),
-                   dv.sum(2, keepdim=True).double()]
+            engine.block_backward(
+                dq,
+                dk,
+                dv,
+                dout.transpose(1, 2).to(dtype).contiguous(),
+                qc,
+                kc,
+                vc,
+                out.to(dtype),
+                lse.masked_fill(torch.isneginf(lse), float("inf")),
+                plan,
+                0.5,
+                backend,
+            )
+            got = [
+                out.transpose(1, 2).double(),
+                dq.double(),
+                dk.sum(2, keepdim=True).double(),
+                dv.sum(2, keepdim=True).double(),
+            ]
             assert max_err(got, ref) < tol, (kind, backend, tile, max_err(got, ref))
             dead = ~allow.any(-1)
             assert bool(torch.isneginf(lse[0, :, dead]).all())  # rows without keys: lse = -inf
@@ -103,19 +134,28 @@ def test_teacher_forcing_mask_tiles_from_cxx_equal_dense_rule():
     side, frame = order // (F * S), (order % (F * S)) // S
     blk = frame // 2
     qc, kc = side[:, None] == 0, side[None, :] == 0
-    want = torch.where(kc, torch.where(qc, blk[None, :] <= blk[:, None], blk[None, :] < blk[:, None]),
-                       ~qc & (blk[None, :] == blk[:, None]))
+    want = torch.where(
+        kc,
+        torch.where(qc, blk[None, :] <= blk[:, None], blk[None, :] < blk[:, None]),
+        ~qc & (blk[None, :] == blk[:, None]),
+    )
     ids = torch.arange(n)
     assert torch.equal(m.dense(ids, ids), want)
     for tile in (3, 7, 10, 64):
         st = m.tile_status(ids, ids, tile, tile)
         for i in range(st.shape[0]):
             for j in range(st.shape[1]):
-                w = want[i * tile:(i + 1) * tile, j * tile:(j + 1) * tile]
+                w = want[i * tile : (i + 1) * tile, j * tile : (j + 1) * tile]
                 assert int(st[i, j]) == (2 if w.all() else 0 if not w.any() else 1), (tile, i, j)
     q, k, v, dout = inputs(1, n, n, 2, 2, 8, seed=2)
     ref = grads(lambda q, k, v: oracle(q, k, v, want, 0.4), q, k, v, dout)
-    got = grads(lambda q, k, v: dist_attention(q, k, v, None, mask=m, softmax_scale=0.4, tile=6), q, k, v, dout)
+    got = grads(
+        lambda q, k, v: dist_attention(q, k, v, None, mask=m, softmax_scale=0.4, tile=6),
+        q,
+        k,
+        v,
+        dout,
+    )
     assert max_err(got, ref) < 1e-12
 
 
@@ -138,8 +178,13 @@ def test_no_mask_or_score_buffer_exceeds_one_tile_pair():
     for dtype, backend in ((F64, "math"), (F32, "sdpa")):
         rec = _Recorder(lambda a, b: (b <= a) & ((a // 50) % 3 != 1))
         st = RingStats()
-        grads(lambda q, k, v: dist_attention(q, k, v, None, mask=masks.predicate(rec), tile=tile, stats=st,
-                                             backend=backend), *(x.to(dtype) for x in (q, k, v)), dout)
+        grads(
+            lambda q, k, v: dist_attention(
+                q, k, v, None, mask=masks.predicate(rec), tile=tile, stats=st, backend=backend
+            ),
+            *(x.to(dtype) for x in (q, k, v)),
+            dout,
+        )
         assert rec.calls > 0 and rec.largest <= tile * tile, (backend, rec.largest)
         assert 0 < st.max_mask_elements <= tile * tile, (backend, st.max_mask_elements)
         if backend == "math":  # the only kernel that materialises scores
@@ -154,13 +199,16 @@ def test_causal_block_is_one_kernel_call_and_full_rows_merge():
     one call; block-causal rows with the same FULL runs share a call (first-principles counts)."""
     S = 96
     q = torch.randn(1, S, 2, 8)
-    for mask, tile, calls in ((masks.causal(), 16, 1), (masks.full(), 16, 1),
-                              # blocks of 24 tokens, tiles of 6: all tiles FULL or EMPTY; the 4 tile
-                              # rows of block b share the FULL run [0, 24(b+1)) -> 4 calls
-                              (masks.block_causal(24), 6, 4),
-                              # blocks of 6, tiles of 12: 8 tile rows; row i: FULL run [0, 12i) (i > 0)
-                              # and a PARTIAL diagonal tile (2 blocks, not a triangle) -> 7 + 8 calls
-                              (masks.block_causal(6), 12, 15)):
+    for mask, tile, calls in (
+        (masks.causal(), 16, 1),
+        (masks.full(), 16, 1),
+        # blocks of 24 tokens, tiles of 6: all tiles FULL or EMPTY; the 4 tile
+        # rows of block b share the FULL run [0, 24(b+1)) -> 4 calls
+        (masks.block_causal(24), 6, 4),
+        # blocks of 6, tiles of 12: 8 tile rows; row i: FULL run [0, 12i) (i > 0)
+        # and a PARTIAL diagonal tile (2 blocks, not a triangle) -> 7 + 8 calls
+        (masks.block_causal(6), 12, 15),
+    ):
         st = RingStats()
         dist_attention(q, q, q, None, mask=mask, tile=tile, stats=st)
         assert st.kernel_calls == calls, (mask, st)
@@ -184,7 +232,9 @@ def test_zigzag_shard_is_one_causal_call_and_exact(kind):
         dq = torch.zeros(qc.shape)
         dk = torch.zeros(kc.shape)
         dv = torch.zeros_like(dk)
-        engine.block_backward(dq, dk, dv, dout.float().transpose(1, 2), qc, kc, vc, out, lse, plan, 0.5, "sdpa")
+        engine.block_backward(
+            dq, dk, dv, dout.float().transpose(1, 2), qc, kc, vc, out, lse, plan, 0.5, "sdpa"
+        )
         got = [out.transpose(1, 2).double(), dq.double(), dk.double(), dv.double()]
         assert max_err(got, ref) < 2e-5, (tile, max_err(got, ref))
 
@@ -194,7 +244,9 @@ def test_block_forward_without_calls_keeps_accumulators_and_allocates_none():
     plan = engine.plan_for(torch.arange(6), torch.arange(6) + 10, masks.causal(), 4, "sdpa")
     assert not plan.calls  # every key is later than every query
     assert engine.block_forward(None, None, q, q, q, plan, 0.5, "sdpa", fresh=True) == (None, None)
-    out = dist_attention(q, q, q, None, mask=masks.predicate(lambda a, b: (a < 0) & (b < 0)), tile=4)
+    out = dist_attention(
+        q, q, q, None, mask=masks.predicate(lambda a, b: (a < 0) & (b < 0)), tile=4
+    )
     assert torch.equal(out, torch.zeros_like(out))  # all rows masked: zeros, never NaN
 
 
@@ -240,8 +292,15 @@ def test_debug_mode_catches_a_lying_tile_classification(monkeypatch):
     dist_attention(q, q, q, None, mask=masks.causal(), tile=8)  # honest masks pass the check
 
 
-@pytest.mark.parametrize("tile,frag", [(0, "tile (0) must be a positive int"), (-4, "tile (-4)"),
-                                       (True, "tile (True)"), (2.0, "tile (2.0)")])
+@pytest.mark.parametrize(
+    "tile,frag",
+    [
+        (0, "tile (0) must be a positive int"),
+        (-4, "tile (-4)"),
+        (True, "tile (True)"),
+        (2.0, "tile (2.0)"),
+    ],
+)
 def test_bad_tile_raises_naming_tile(tile, frag):
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match=frag.replace("(", r"\(").replace(")", r"\)")):
@@ -249,7 +308,10 @@ def test_bad_tile_raises_naming_tile(tile, frag):
 
 
 def test_tile_must_be_a_multiple_of_the_flex_block_on_cuda():
-    with pytest.raises(ValueError, match=r"tile \(100\) must be a multiple of the 'flex' kernel's block size \(128\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tile \(100\) must be a multiple of the 'flex' kernel's block size \(128\)",
+    ):
         engine.check_tile(100, "flex", torch.device("cuda"))
     assert engine.check_tile(256, "flex", torch.device("cuda")) == 256
     assert engine.check_tile(7, "sdpa", torch.device("cpu")) == 7
@@ -283,12 +345,18 @@ def test_local_attention_cross_lengths_through_the_engine():
     table = torch.rand(sq, sk, generator=g) < 0.5
     table[5] = False  # a row without keys
     qi, ki = torch.arange(sq), torch.arange(sk)
-    for mask, allow in ((None, torch.ones(sq, sk, dtype=torch.bool)), (table, table),
-                        (masks.causal(), allowed("causal", qi, ki))):
+    for mask, allow in (
+        (None, torch.ones(sq, sk, dtype=torch.bool)),
+        (table, table),
+        (masks.causal(), allowed("causal", qi, ki)),
+    ):
         ref = grads(lambda q, k, v: oracle(q, k, v, allow, 0.3), q, k, v, dout)
         for dtype, tol in ((F64, 1e-12), (F32, 2e-5)):
             st = engine.EngineStats()
-            got = grads(lambda q, k, v: local_attention(q, k, v, mask, 0.3, tile=8, stats=st)[0],
-                        *(x.to(dtype) for x in (q, k, v)), dout)
+            got = grads(
+                lambda q, k, v: local_attention(q, k, v, mask, 0.3, tile=8, stats=st)[0],
+                *(x.to(dtype) for x in (q, k, v)),
+                dout,
+            )
             assert max_err(got, ref) < tol, (type(mask).__name__, dtype, max_err(got, ref))
             assert st.max_mask_elements <= 64 and st.max_score_elements <= 64

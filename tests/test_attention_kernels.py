@@ -1,5 +1,6 @@
 """Local kernels with LSE: math / CPU flash (sdpa) / flex against an explicit float64 oracle,
 the per-block backward with global out and lse (the ring identity), GQA, dead rows, errors."""
+
 import functools
 
 import pytest
@@ -24,7 +25,13 @@ def inputs(b=2, sq=7, sk=9, h=4, hk=2, d=8, dtype=torch.float64, seed=0):
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
     allow = torch.rand(sq, sk, generator=g) < 0.6
     allow[2] = False  # a row with no visible key
-    return mk(b, sq, h, d), mk(b, sq if sq == sk else sk, hk, d), mk(b, sk, hk, d), mk(b, sq, h, d), allow
+    return (
+        mk(b, sq, h, d),
+        mk(b, sq if sq == sk else sk, hk, d),
+        mk(b, sk, hk, d),
+        mk(b, sq, h, d),
+        allow,
+    )
 
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2.5e-2}
@@ -64,7 +71,9 @@ def test_blockwise_backward_with_global_lse_is_exact(backend, dtype):
     dq = torch.zeros_like(qd)
     dk, dv = torch.zeros_like(kd), torch.zeros_like(vd)
     for ks in (slice(0, 4), slice(4, 9)):
-        g = attention_backward(dout, q, k[:, ks], v[:, ks], out, lse.detach(), allow[:, ks], 0.5, backend)
+        g = attention_backward(
+            dout, q, k[:, ks], v[:, ks], out, lse.detach(), allow[:, ks], 0.5, backend
+        )
         assert all(not torch.isnan(x).any() for x in g)
         dq += g[0].double()
         dk[:, ks] += g[1].double()
@@ -93,7 +102,10 @@ def test_local_attention_autograd_and_dead_rows():
 def test_dist_attention_single_process_matches_oracle():
     """N = 1 (no groups) runs the same a2a/ring code path with no communication."""
     q, k, v, dout, _ = inputs(sq=10, sk=10, hk=2, seed=3)
-    for mask, allow in ((masks.causal(), torch.ones(10, 10, dtype=torch.bool).tril()), (None, None)):
+    for mask, allow in (
+        (masks.causal(), torch.ones(10, 10, dtype=torch.bool).tril()),
+        (None, None),
+    ):
         a = [x.clone().requires_grad_() for x in (q, k, v)]
         b = [x.clone().requires_grad_() for x in (q, k, v)]
         out = dist_attention(*a, None, mask=mask, softmax_scale=0.3)
@@ -126,20 +138,56 @@ def test_auto_backend_choice():
     assert kernels.resolve_backend("auto", x.bfloat16(), False) == "sdpa"
 
 
-@pytest.mark.parametrize("call,frag", [
-    (lambda: attention_forward(torch.zeros(1, 2, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4)),
-     "q ((1, 2, 4)) must be a 4-D tensor"),
-    (lambda: attention_forward(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4)),
-     "q heads (3) must be divisible by kv heads (2)"),
-    (lambda: attention_forward(torch.zeros(1, 2, 2, 4), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4),
-                               torch.ones(2, 2, dtype=torch.bool)), "must end in (sq, sk) = (2, 3)"),
-    (lambda: attention_forward(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4),
-                               torch.ones(2, 2)), "mask must be None or a bool tensor"),
-    (lambda: attention_forward(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4),
-                               backend="cudnn"), "backend ('cudnn')"),
-    (lambda: attention_forward(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4),
-                               torch.zeros(1, 2, 2, 4).double()), "dtypes"),
-])
+@pytest.mark.parametrize(
+    "call,frag",
+    [
+        (
+            lambda: attention_forward(
+                torch.zeros(1, 2, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4)
+            ),
+            "q ((1, 2, 4)) must be a 4-D tensor",
+        ),
+        (
+            lambda: attention_forward(
+                torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4)
+            ),
+            "q heads (3) must be divisible by kv heads (2)",
+        ),
+        (
+            lambda: attention_forward(
+                torch.zeros(1, 2, 2, 4),
+                torch.zeros(1, 3, 2, 4),
+                torch.zeros(1, 3, 2, 4),
+                torch.ones(2, 2, dtype=torch.bool),
+            ),
+            "must end in (sq, sk) = (2, 3)",
+        ),
+        (
+            lambda: attention_forward(
+                torch.zeros(1, 2, 2, 4),
+                torch.zeros(1, 2, 2, 4),
+                torch.zeros(1, 2, 2, 4),
+                torch.ones(2, 2),
+            ),
+            "mask must be None or a bool tensor",
+        ),
+        (
+            lambda: attention_forward(
+                torch.zeros(1, 2, 2, 4),
+                torch.zeros(1, 2, 2, 4),
+                torch.zeros(1, 2, 2, 4),
+                backend="cudnn",
+            ),
+            "backend ('cudnn')",
+        ),
+        (
+            lambda: attention_forward(
+                torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4).double()
+            ),
+            "dtypes",
+        ),
+    ],
+)
 def test_kernel_errors(call, frag):
     with pytest.raises(ValueError) as e:
         call()

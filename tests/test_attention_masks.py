@@ -1,4 +1,5 @@
 """Masks on global token indices: dense blocks from first principles, block status, errors."""
+
 import pytest
 import torch
 
@@ -26,12 +27,17 @@ DEFINITIONS = {  # mask -> the rule it must follow, one pair at a time
     "causal": (masks.causal(), lambda q, k: k <= q),
     "block_causal": (masks.block_causal(3), lambda q, k: k // 3 <= q // 3),
     "packed": (masks.packed(CU), lambda q, k: _doc(q) == _doc(k) and _doc(q) >= 0),
-    "packed_causal": (masks.packed(CU, inner=masks.causal()),
-                      lambda q, k: _doc(q) == _doc(k) and _doc(q) >= 0 and k <= q),
+    "packed_causal": (
+        masks.packed(CU, inner=masks.causal()),
+        lambda q, k: _doc(q) == _doc(k) and _doc(q) >= 0 and k <= q,
+    ),
     # inner masks see document-relative positions: blocks of 2 restart at each document start
-    "packed_block": (masks.packed(CU, inner=masks.block_causal(2)),
-                     lambda q, k: _doc(q) == _doc(k) and _doc(q) >= 0
-                     and (k - CU[_doc(k)]) // 2 <= (q - CU[_doc(q)]) // 2),
+    "packed_block": (
+        masks.packed(CU, inner=masks.block_causal(2)),
+        lambda q, k: (
+            _doc(q) == _doc(k) and _doc(q) >= 0 and (k - CU[_doc(k)]) // 2 <= (q - CU[_doc(q)]) // 2
+        ),
+    ),
     "predicate": (masks.predicate(lambda q, k: (q + k) % 3 != 0), lambda q, k: (q + k) % 3 != 0),
 }
 
@@ -92,18 +98,25 @@ def test_subclass_with_dense_only():
     assert torch.equal(m.dense(torch.arange(10), torch.arange(10)), t)
 
 
-@pytest.mark.parametrize("call,frag", [
-    (lambda: masks.block_causal(0), "block_tokens (0) must be a positive integer"),
-    (lambda: masks.block_causal(2.5), "block_tokens (2.5)"),
-    (lambda: masks.packed([1, 4]), "must start at 0 and be non-decreasing"),
-    (lambda: masks.packed([0, 4, 2]), "must start at 0 and be non-decreasing"),
-    (lambda: masks.packed([0.0, 2.0]), "1-D integer sequence"),
-    (lambda: masks.packed([0, 2], inner="causal"), "inner ('causal') must be an AttentionMask"),
-    (lambda: masks.predicate(3), "must be callable"),
-    (lambda: masks.predicate(lambda q, k: q > k, default_scheme="x"), "default_scheme ('x')"),
-    (lambda: masks.predicate(lambda q, k: (q - k).float()).dense(torch.arange(2), torch.arange(2)),
-     "must return a bool tensor"),
-])
+@pytest.mark.parametrize(
+    "call,frag",
+    [
+        (lambda: masks.block_causal(0), "block_tokens (0) must be a positive integer"),
+        (lambda: masks.block_causal(2.5), "block_tokens (2.5)"),
+        (lambda: masks.packed([1, 4]), "must start at 0 and be non-decreasing"),
+        (lambda: masks.packed([0, 4, 2]), "must start at 0 and be non-decreasing"),
+        (lambda: masks.packed([0.0, 2.0]), "1-D integer sequence"),
+        (lambda: masks.packed([0, 2], inner="causal"), "inner ('causal') must be an AttentionMask"),
+        (lambda: masks.predicate(3), "must be callable"),
+        (lambda: masks.predicate(lambda q, k: q > k, default_scheme="x"), "default_scheme ('x')"),
+        (
+            lambda: masks.predicate(lambda q, k: (q - k).float()).dense(
+                torch.arange(2), torch.arange(2)
+            ),
+            "must return a bool tensor",
+        ),
+    ],
+)
 def test_mask_errors(call, frag):
     with pytest.raises(ValueError) as e:
         call()

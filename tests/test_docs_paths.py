@@ -2,6 +2,7 @@
 test function after ``::``), every in-repo link and its ``#section``, every fully qualified
 ``megatron_video.`` name; every docs/ page is linked from the README, which stays a front door
 (<= 150 lines)."""
+
 import ast
 import importlib
 import re
@@ -16,9 +17,11 @@ DOCS = [README] + PAGES
 MAX_README_LINES = 150
 
 # a path under one of these roots, optionally followed by ::test_name
-PATH_RE = re.compile(r"(?<![\w./-])((?:docs|tests|benchmarks|examples|megatron_video|csrc|docker"
-                     r"|requirements|\.ci)"
-                     r"(?:/[\w.*-]+)*/?)(?:::(\w+))?")
+PATH_RE = re.compile(
+    r"(?<![\w./-])((?:docs|tests|benchmarks|examples|megatron_video|csrc|docker"
+    r"|requirements|\.ci)"
+    r"(?:/[\w.*-]+)*/?)(?:::(\w+))?"
+)
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
 NAME_RE = re.compile(r"(?<![\w./])megatron_video(?:\.\w+)+")
 CODE_RE = re.compile(r"^```.*?^```", re.M | re.S)
@@ -55,10 +58,15 @@ def test_readme_is_a_front_door():
 
 
 def test_every_docs_page_is_linked_from_the_readme():
-    linked = {Path(m.group(1) or m.group(2)).as_posix().split("#")[0]
-              for m in LINK_RE.finditer(README.read_text())}
-    missing = [p.relative_to(ROOT).as_posix() for p in PAGES
-               if p.relative_to(ROOT).as_posix() not in linked]
+    linked = {
+        Path(m.group(1) or m.group(2)).as_posix().split("#")[0]
+        for m in LINK_RE.finditer(README.read_text())
+    }
+    missing = [
+        p.relative_to(ROOT).as_posix()
+        for p in PAGES
+        if p.relative_to(ROOT).as_posix() not in linked
+    ]
     assert PAGES and not missing, f"docs pages not linked from README.md: {missing}"
 
 
@@ -91,8 +99,9 @@ def test_links_and_their_sections_exist(doc):
     for m in SECTION_RE.finditer(doc.read_text()):  # a section cited by name: README "Section"
         name = "README.md" if m.group(1) == "README" else m.group(1)
         page = ROOT / name if name.startswith(("README", "docs/")) else doc.parent / name
-        if not page.exists() or not any(h.replace("`", "").startswith(m.group(2))
-                                        for h in _headings(page)):
+        if not page.exists() or not any(
+            h.replace("`", "").startswith(m.group(2)) for h in _headings(page)
+        ):
             bad.append(f"{m.group(0)}: no such section")
     assert not bad, f"{doc.name} links to what does not exist: {bad}"
 
@@ -122,9 +131,11 @@ def test_python_examples_parse_and_import_what_exists(doc):
     for code in re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.M | re.S):
         for node in ast.walk(ast.parse(code)):
             ours = isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "megatron_video")
+                "megatron_video"
+            )
             if ours:
                 module = importlib.import_module(node.module)
-                bad += [f"{node.module}.{a.name}" for a in node.names
-                        if not hasattr(module, a.name)]
+                bad += [
+                    f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)
+                ]
     assert not bad, f"{doc.name} examples import what does not exist: {bad}"

@@ -8,6 +8,7 @@ runs step 3 only. Full-size configs, if any, live under ``examples/configs/full/
 validated (parsed, shapes checked). The launcher's console (the logging rank only, per-rank logs)
 is tested once through the command line.
 """
+
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,9 @@ def _demo_data(cfg, folder: Path) -> str:
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 
     d = cfg.data
-    write_procedural_videos(folder / "videos", 8, num_frames=d.num_frames, height=d.height,
-                            width=d.width, seed=d.seed)
+    write_procedural_videos(
+        folder / "videos", 8, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed
+    )
     prepare_dataset(folder / "videos", folder)
     return str(folder)
 
@@ -66,8 +68,8 @@ def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
     if cfg.data.source == "energon":
         overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
     for first, second in pool4.run(_run, str(path), overrides):
-        assert first == (None, [0, 1], 2)    # trained 2 steps, saved the final checkpoint
-        assert second == (2, [2], 3)         # resumed from it, ran step 3 only, saved it
+        assert first == (None, [0, 1], 2)  # trained 2 steps, saved the final checkpoint
+        assert second == (2, [2], 3)  # resumed from it, ran step 3 only, saved it
 
 
 @pytest.mark.parametrize("path", FULL, ids=[p.stem for p in FULL])
@@ -76,8 +78,9 @@ def test_full_size_config_validates(path):
 
     cfg = load_config(path)
     p = cfg.parallel
-    validate(cfg, p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-             * p.context_parallel_size)
+    validate(
+        cfg, p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
 
 
 def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
@@ -86,17 +89,32 @@ def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     the console, the other ranks' output in ``<output>/logs/rank<N>.log``; the expected CPU-only
     warnings once."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_video.training.cli", "train", "--cpu", "--config",
-           str(ROOT / "examples/configs/video_llava.yaml"), "--nproc", "4", "--ranks-per-node", "2",
-           "--output", str(out), "train.steps=2", "train.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_video.training.cli",
+        "train",
+        "--cpu",
+        "--config",
+        str(ROOT / "examples/configs/video_llava.yaml"),
+        "--nproc",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "--output",
+        str(out),
+        "train.steps=2",
+        "train.progress=false",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     logs = {r: (out / "logs" / f"rank{r}.log") for r in (0, 1, 2)}  # rank 3 logs to the console
     assert all(p.is_file() for p in logs.values()), sorted((out / "logs").glob("*"))
     assert console.count("megatron_video CPU mode (no CUDA device)") == 1
-    for p in logs.values():   # nothing hidden: each rank's own log has its warnings
+    for p in logs.values():  # nothing hidden: each rank's own log has its warnings
         assert "megatron_video CPU mode (no CUDA device)" in p.read_text()
-    warned = [ln for ln in console.splitlines()
-              if "Transformer Engine and Apex are not installed" in ln]
-    assert len(warned) == len(set(warned)), warned   # shown once, not once per rank
+    warned = [
+        ln for ln in console.splitlines() if "Transformer Engine and Apex are not installed" in ln
+    ]
+    assert len(warned) == len(set(warned)), warned  # shown once, not once per rank

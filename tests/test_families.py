@@ -1,5 +1,6 @@
 """The model-family registry (training/families/): lookup, registration by keyword, a new family
 by one register call that the config, the model factory and the trainer's hooks then see."""
+
 import dataclasses
 
 import pytest
@@ -27,7 +28,10 @@ def test_built_in_families_are_registered():
         assert spec.name == name and isinstance(spec, FamilySpec)
     assert isinstance(get_family("video_llava"), VideoLLaVAFamily)
     assert {n for n in BUILT_IN if isinstance(get_family(n), DiffusionFamily)} == {
-        "video_dit", "stdit", "ar_dit"}
+        "video_dit",
+        "stdit",
+        "ar_dit",
+    }
     # each family supplies its defaults: the objective, and whether it needs the VAE
     assert [get_family(n).default_objective for n in BUILT_IN] == ["edm", "edm", "flow", "lm"]
     assert [get_family(n).needs_vae for n in BUILT_IN] == [True, True, True, False]
@@ -35,8 +39,11 @@ def test_built_in_families_are_registered():
 
 
 def test_unknown_family_names_it_and_the_registered_ones():
-    with pytest.raises(ValueError, match=r"model.family \('unet'\) must be one of \('video_dit', "
-                                         r"'stdit', 'ar_dit', 'video_llava'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.family \('unet'\) must be one of \('video_dit', "
+        r"'stdit', 'ar_dit', 'video_llava'\)",
+    ):
         get_family("unet")
     with pytest.raises(ValueError, match=r"model.family \(\['ar_dit'\]\) must be one of"):
         get_family(["ar_dit"])
@@ -46,34 +53,50 @@ def test_unknown_family_names_it_and_the_registered_ones():
 
 def _toy_check(config, world_size):
     if config.model.num_layers != 2:
-        raise ValueError(f"model.num_layers ({config.model.num_layers}) must be 2 for model.family "
-                         f"'toy'")
+        raise ValueError(
+            f"model.num_layers ({config.model.num_layers}) must be 2 for model.family 'toy'"
+        )
 
 
 def _toy(**kw):
-    args = dict(name="toy", summary="a test family", objectives=("flow",), layer_type="full",
-                autoregressive=False, model=VideoDiT, check=_toy_check)
+    args = dict(
+        name="toy",
+        summary="a test family",
+        objectives=("flow",),
+        layer_type="full",
+        autoregressive=False,
+        model=VideoDiT,
+        check=_toy_check,
+    )
     return DiffusionFamily(**{**args, **kw})
 
 
 def test_specs_are_built_by_keyword_only():
     with pytest.raises(TypeError):
-        DiffusionFamily("toy", "a test family", ("flow",), True, _toy_check, "full", False, VideoDiT)
-    with pytest.raises(TypeError):   # the base is abstract: a family kind supplies the hooks
+        DiffusionFamily(
+            "toy", "a test family", ("flow",), True, _toy_check, "full", False, VideoDiT
+        )
+    with pytest.raises(TypeError):  # the base is abstract: a family kind supplies the hooks
         FamilySpec(name="toy", summary="", objectives=("flow",), needs_vae=True, check=_toy_check)
     spec = _toy()
-    assert spec.needs_vae and spec.default_objective == "flow"   # DiffusionFamily's own default
+    assert spec.needs_vae and spec.default_objective == "flow"  # DiffusionFamily's own default
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(name=""), r"FamilySpec.name \(''\) must be a non-empty string"),
-    (dict(objectives=()), r"FamilySpec.objectives \(\(\)\) of family 'toy' must be a non-empty "
-                          r"tuple of strings"),
-    (dict(objectives="flow"), r"FamilySpec.objectives \('flow'\) of family 'toy'"),
-    (dict(check=None), r"FamilySpec.check \(None\) of family 'toy' must be callable"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(name=""), r"FamilySpec.name \(''\) must be a non-empty string"),
+        (
+            dict(objectives=()),
+            r"FamilySpec.objectives \(\(\)\) of family 'toy' must be a non-empty "
+            r"tuple of strings",
+        ),
+        (dict(objectives="flow"), r"FamilySpec.objectives \('flow'\) of family 'toy'"),
+        (dict(check=None), r"FamilySpec.check \(None\) of family 'toy' must be callable"),
+    ],
+)
 def test_bad_spec_fields_name_the_field(kw, message):
     with pytest.raises(ValueError, match=message):
         _toy(**kw)
@@ -81,8 +104,11 @@ def test_bad_spec_fields_name_the_field(kw, message):
 
 def test_register_refuses_duplicates_and_non_specs(monkeypatch):
     monkeypatch.setattr(family_spec, "_FAMILIES", dict(family_spec._FAMILIES))
-    with pytest.raises(ValueError, match=r"model.family 'ar_dit' is already registered "
-                                         r"\(DiffusionFamily\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.family 'ar_dit' is already registered "
+        r"\(DiffusionFamily\)",
+    ):
         register_family(_toy(name="ar_dit"))
     with pytest.raises(ValueError, match=r"spec \(dict\) must be a FamilySpec"):
         register_family({"name": "toy"})
@@ -99,16 +125,28 @@ def test_a_new_family_is_one_register_call(monkeypatch):
     assert cfg.objective == "flow"
     assert transformer_config(cfg).layer_type == "stdit"
     assert spec.seq_length(cfg) == spec.sample_layout(cfg, 1).seq_length
-    with pytest.raises(ValueError, match=r"model.num_layers \(4\) must be 2 for model.family 'toy'"):
+    with pytest.raises(
+        ValueError, match=r"model.num_layers \(4\) must be 2 for model.family 'toy'"
+    ):
         validate(load_config(None, ["model.family=toy"]), 1)
-    with pytest.raises(ValueError, match=r"diffusion.objective \('edm'\) must be 'flow' for "
-                                         r"model.family 'toy'$"):
-        validate(load_config(None, ["model.family=toy", "model.num_layers=2",
-                                    "diffusion.objective=edm"]), 1)
+    with pytest.raises(
+        ValueError,
+        match=r"diffusion.objective \('edm'\) must be 'flow' for "
+        r"model.family 'toy'$",
+    ):
+        validate(
+            load_config(
+                None, ["model.family=toy", "model.num_layers=2", "diffusion.objective=edm"]
+            ),
+            1,
+        )
 
 
 def test_ar_dit_explains_its_objective():
-    with pytest.raises(ValueError, match=r"diffusion.objective \('edm'\) must be 'flow' for "
-                                         r"model.family 'ar_dit' \(teacher forcing trains with "
-                                         r"flow matching\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"diffusion.objective \('edm'\) must be 'flow' for "
+        r"model.family 'ar_dit' \(teacher forcing trains with "
+        r"flow matching\)",
+    ):
         validate(load_config(None, ["diffusion.objective=edm"]), 1)

@@ -1,5 +1,6 @@
 """The one VAE halo-window rule (layouts.vae_halo) for arbitrary latent ranges, and its use by
 ops.halo: windows_for_bounds / window_tensors feed halo_scatter and halo_gather directly."""
+
 import pytest
 import torch
 
@@ -33,15 +34,16 @@ def test_ragged_bounds_by_hand(stride, first):
 def test_even_partition_is_the_bounds_case():
     for F, P, h, st in [(8, 4, 2, 4), (12, 3, 1, 2), (6, 1, 0, 4)]:
         n = F // P
-        assert halo_windows(F, P, h, temporal_stride=st) == \
-            windows_for_bounds([(r * n, (r + 1) * n) for r in range(P)], h, st)
+        assert halo_windows(F, P, h, temporal_stride=st) == windows_for_bounds(
+            [(r * n, (r + 1) * n) for r in range(P)], h, st
+        )
 
 
 def test_window_tensors_and_ops_roundtrip():
     """Clips packed back to back: each clip's ranges count from its own start; the windows of each
     clip, cut with ops.halo_scatter and encoded by an exact per-latent 'encoder', gather back."""
     st = 2
-    clips = {0: [(0, 2), (2, 5)], 1: [(0, 1), (1, 3), (3, 4)]}   # ragged, per clip
+    clips = {0: [(0, 2), (2, 5)], 1: [(0, 1), (1, 3), (3, 4)]}  # ragged, per clip
     for bounds in clips.values():
         F = bounds[-1][1]
         metas = windows_for_bounds(bounds, 1, st)

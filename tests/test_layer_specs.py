@@ -8,6 +8,7 @@ DiT layer, and every core attention inside it, must read its own entry on every 
 the last; so must MM-SP's LLaVA language layers. One process (a one-rank gloo group): the layers
 are only built, the config shows CP = 2 (the scheme is chosen at construction).
 """
+
 import ast
 import inspect
 import socket
@@ -43,8 +44,7 @@ def megatron_tp1():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     created_ps = not ps.model_parallel_is_initialized()
     if created_ps:
         initialize_model_parallel(tensor_model_parallel_size=1)
@@ -61,7 +61,7 @@ def test_layer_cp_comm_type_reads_entry_layer_number_minus_one():
     assert [layer_cp_comm_type(cfg, n) for n in range(1, 5)] == COMMS
     assert layer_cp_comm_type(types.SimpleNamespace(cp_comm_type="a2a"), 7) == "a2a"
     assert layer_cp_comm_type(types.SimpleNamespace(cp_comm_type=None), 1) is None
-    assert layer_cp_comm_type(object(), 1) is None    # a config without the field
+    assert layer_cp_comm_type(object(), 1) is None  # a config without the field
     for bad in (0, 5):
         with pytest.raises(ValueError, match=rf"layer_number \({bad}\) must be in \[1, 4\]"):
             layer_cp_comm_type(cfg, bad)
@@ -69,8 +69,11 @@ def test_layer_cp_comm_type_reads_entry_layer_number_minus_one():
     assert core_cp_comm_type(cfg, 2, "p2p") == "p2p"
     assert core_cp_comm_type(cfg, 2, None) is None
     assert core_cp_comm_type(types.SimpleNamespace(cp_comm_type="a2a"), 2, "p2p") == "p2p"
-    with pytest.raises(ValueError, match=r"cp_comm_type \('a2a\+p2p'\) handed to the core "
-                                         r"attention of layer 2 must be .*\('p2p'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cp_comm_type \('a2a\+p2p'\) handed to the core "
+        r"attention of layer 2 must be .*\('p2p'\)",
+    ):
         core_cp_comm_type(cfg, 2, "a2a+p2p")
 
 
@@ -86,9 +89,14 @@ def test_megatron_index_base_is_detected_from_the_installed_transformer_layer():
     base = megatron_cp_comm_type_index_base()
     assert base in (0, 1)
     # what the stock layer hands its attention for the last layer of a full-length list
-    cfg = TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=1,
-                            context_parallel_size=2, cp_comm_type=list(COMMS),
-                            use_cpu_initialization=True)
+    cfg = TransformerConfig(
+        num_layers=4,
+        hidden_size=8,
+        num_attention_heads=1,
+        context_parallel_size=2,
+        cp_comm_type=list(COMMS),
+        use_cpu_initialization=True,
+    )
     seen = {}
 
     class Probe(torch.nn.Module):
@@ -99,13 +107,13 @@ def test_megatron_index_base_is_detected_from_the_installed_transformer_layer():
     subs = TransformerLayerSubmodules(self_attention=Probe)
     groups = types.SimpleNamespace(tp=None, pp=None, cp=None)
     layer = TransformerLayer.__new__(TransformerLayer)
-    if base == 1:   # one entry off, and the last layer reads past the end
+    if base == 1:  # one entry off, and the last layer reads past the end
         with pytest.raises(IndexError):
             TransformerLayer.__init__(layer, cfg, subs, layer_number=4, pg_collection=groups)
     else:
         try:
             TransformerLayer.__init__(layer, cfg, subs, layer_number=4, pg_collection=groups)
-        except Exception:   # noqa: BLE001 -- later slots of the bare spec; the read came first
+        except Exception:  # noqa: BLE001 -- later slots of the bare spec; the read came first
             pass
         assert seen["cp_comm_type"] == COMMS[3]
 
@@ -114,11 +122,24 @@ def _dit_config(**kw):
     from megatron_video.models.video_dit import VideoDiTConfig
 
     return VideoDiTConfig(
-        num_layers=4, hidden_size=16, num_attention_heads=2, kv_channels=8, ffn_hidden_size=32,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, attention_dropout=0.0,
-        context_parallel_size=2, cp_comm_type=list(COMMS), lora_rank=4, **kw)
+        num_layers=4,
+        hidden_size=16,
+        num_attention_heads=2,
+        kv_channels=8,
+        ffn_hidden_size=32,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        attention_dropout=0.0,
+        context_parallel_size=2,
+        cp_comm_type=list(COMMS),
+        lora_rank=4,
+        **kw,
+    )
 
 
 def _cores(module):
@@ -138,14 +159,16 @@ def _spec(family):
     return S.get_stdit_layer_spec(variant, full_attention_layers=(1, 2, 3, 4), lora_rank=4)
 
 
-@pytest.mark.parametrize("family", ["video_dit", "ar_dit", "stdit:hybrid", "stdit:cp_everywhere",
-                                    "stdit:ulysses_everywhere"])
+@pytest.mark.parametrize(
+    "family",
+    ["video_dit", "ar_dit", "stdit:hybrid", "stdit:cp_everywhere", "stdit:ulysses_everywhere"],
+)
 def test_dit_layer_and_core_attention_agree_on_every_layer(megatron_tp1, family):
     from megatron_video.models.dit_layer import VideoTransformerBlock
 
     cfg = _dit_config()
     block = VideoTransformerBlock(cfg, _spec(family), pre_process=True, post_process=False)
-    assert cfg.cp_comm_type == COMMS and type(cfg.cp_comm_type) is list   # restored as given
+    assert cfg.cp_comm_type == COMMS and type(cfg.cp_comm_type) is list  # restored as given
     assert len(block.layers) == 4
     for layer in block.layers:
         want = COMMS[layer.layer_number - 1]

@@ -1,12 +1,23 @@
 """Layers import only downward (docs/architecture.md, "Layers of the code"): a module of layer L
 imports megatron_video modules of layers above L only; and no import cycle, inside a package or
 between packages. Read from the source (AST), no imports."""
+
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_video"
-ORDER = ["compat", "parallel", "ops", "layouts", "attention", "models", "mmsp", "diffusion", "data",
-         "training"]
+ORDER = [
+    "compat",
+    "parallel",
+    "ops",
+    "layouts",
+    "attention",
+    "models",
+    "mmsp",
+    "diffusion",
+    "data",
+    "training",
+]
 # Known upward imports still to be removed (the caption vocabulary lives in data.synthetic).
 KNOWN = {("models/video_dit.py", "data"), ("models/embedders.py", "data")}
 
@@ -42,18 +53,23 @@ def test_layers_import_only_downward():
                 bad.append(f"{'/'.join(rel)}:{line} imports {layer} (below {rel[0]})")
     assert not bad, "\n".join(bad)
     # the cycle this rule removed
-    assert not any(layer == "models" for layer, _ in _imported_layers(ROOT / "layouts" / "stdit.py"))
+    assert not any(
+        layer == "models" for layer, _ in _imported_layers(ROOT / "layouts" / "stdit.py")
+    )
 
 
 def _family_branches(path: Path):
     """Comparisons of a ``family`` value with string literals (``family == "ar_dit"``, ``in (...)``)."""
+
     def is_family(n):
-        return (isinstance(n, ast.Attribute) and n.attr == "family") or (isinstance(n, ast.Name)
-                                                                          and n.id == "family")
+        return (isinstance(n, ast.Attribute) and n.attr == "family") or (
+            isinstance(n, ast.Name) and n.id == "family"
+        )
 
     def is_literal(n):
         return (isinstance(n, ast.Constant) and isinstance(n.value, str)) or (
-            isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(is_literal(e) for e in n.elts))
+            isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(is_literal(e) for e in n.elts)
+        )
 
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Compare):
@@ -67,8 +83,12 @@ def test_family_choices_live_in_one_place():
     "Model families"): no other module of the library or the examples branches on a family's name."""
     examples = Path(__file__).resolve().parents[1] / "examples"
     families = ROOT / "training" / "families"
-    bad = [f"{p}:{line}" for p in sorted([*ROOT.rglob("*.py"), *examples.rglob("*.py")])
-           if families not in p.parents for line in _family_branches(p)]
+    bad = [
+        f"{p}:{line}"
+        for p in sorted([*ROOT.rglob("*.py"), *examples.rglob("*.py")])
+        if families not in p.parents
+        for line in _family_branches(p)
+    ]
     assert not bad, "branches on model.family outside training/families/:\n" + "\n".join(bad)
 
 
@@ -97,7 +117,7 @@ def _import_edges(name: str, path: Path, mods):
     """``(imported module, line)`` for every import of ``path`` (module ``name``) inside the tree."""
     top = next(iter(mods)).split(".")[0]
 
-    def known(mod: str) -> str:   # the module that is loaded: the longest existing prefix
+    def known(mod: str) -> str:  # the module that is loaded: the longest existing prefix
         while mod not in mods and "." in mod:
             mod = mod.rsplit(".", 1)[0]
         return mod
@@ -169,7 +189,7 @@ def _path_through(graph, comp):
     """One import loop through ``comp``: ``a:12 -> b:40 -> a`` (module:line of the import)."""
     start, members = comp[0], set(comp)
     prev, frontier = {start: None}, [start]
-    while frontier:   # breadth first: the shortest way back to start
+    while frontier:  # breadth first: the shortest way back to start
         nxt = []
         for v in frontier:
             for w in graph[v]:
@@ -195,8 +215,11 @@ def test_no_import_cycles_between_modules():
     """No module reaches itself through imports, inside a package or across packages."""
     graph = _graph(ROOT)
     found = {tuple(sorted(_rel(m) for m in comp)): comp for comp in _cycles(graph)}
-    new = [f"{' <-> '.join(k)}: {_path_through(graph, c)}" for k, c in found.items()
-           if k not in KNOWN_CYCLES]
+    new = [
+        f"{' <-> '.join(k)}: {_path_through(graph, c)}"
+        for k, c in found.items()
+        if k not in KNOWN_CYCLES
+    ]
     assert not new, "import cycles:\n" + "\n".join(new)
     stale = sorted(KNOWN_CYCLES - set(found))
     assert not stale, f"KNOWN_CYCLES entries that are no longer cycles (delete them): {stale}"
@@ -219,8 +242,10 @@ def test_no_import_cycles_between_packages():
                 packages.setdefault(package(m), {}).setdefault(package(t), f"{m} imports {t}")
     loops = _cycles(packages)
     assert not loops, "package import cycles:\n" + "\n".join(
-        f"{loop}: " + "; ".join(packages[a][b] for a in loop for b in loop if b in packages.get(a, {}))
-        for loop in loops)
+        f"{loop}: "
+        + "; ".join(packages[a][b] for a in loop for b in loop if b in packages.get(a, {}))
+        for loop in loops
+    )
 
 
 def test_training_config_imports_no_family():
@@ -249,20 +274,25 @@ def test_cycle_check_resolves_relative_and_function_level_imports(tmp_path):
     """The checker itself: `from . import x`, `from .x import y`, `from ..a import b` and imports
     inside functions are edges to the modules they load; a name imported from a package is an
     edge to its __init__."""
-    root = _tree(tmp_path, {
-        "__init__.py": "",
-        "a/__init__.py": "from .impl import thing\n",            # a -> a.impl
-        "a/impl.py": "def f():\n    from ..b import helper\n",  # a.impl -> b.helper (in a function)
-        "b/__init__.py": "",
-        "b/helper.py": "from pkg.a import thing\n",              # b.helper -> a (a name of a)
-        "c/__init__.py": "from . import x, y\n",                 # c -> c.x, c.y
-        "c/x.py": "X = 1\n",
-        "c/y.py": "from .x import X\n",                          # c.y -> c.x
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a/__init__.py": "from .impl import thing\n",  # a -> a.impl
+            "a/impl.py": "def f():\n    from ..b import helper\n",  # a.impl -> b.helper (in a function)
+            "b/__init__.py": "",
+            "b/helper.py": "from pkg.a import thing\n",  # b.helper -> a (a name of a)
+            "c/__init__.py": "from . import x, y\n",  # c -> c.x, c.y
+            "c/x.py": "X = 1\n",
+            "c/y.py": "from .x import X\n",  # c.y -> c.x
+        },
+    )
     graph = _graph(root)
     assert set(graph["pkg.a"]) == {"pkg.a.impl"} and set(graph["pkg.a.impl"]) == {"pkg.b.helper"}
     assert set(graph["pkg.b.helper"]) == {"pkg.a"}
     assert set(graph["pkg.c"]) == {"pkg.c.x", "pkg.c.y"} and set(graph["pkg.c.y"]) == {"pkg.c.x"}
     assert _cycles(graph) == [("pkg.a", "pkg.a.impl", "pkg.b.helper")]
-    assert _path_through(graph, ("pkg.a", "pkg.a.impl", "pkg.b.helper")) == \
-        "pkg.a:1 -> pkg.a.impl:2 -> pkg.b.helper:1 -> pkg.a"
+    assert (
+        _path_through(graph, ("pkg.a", "pkg.a.impl", "pkg.b.helper"))
+        == "pkg.a:1 -> pkg.a.impl:2 -> pkg.b.helper:1 -> pkg.a"
+    )

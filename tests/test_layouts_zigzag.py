@@ -1,4 +1,5 @@
 """Zigzag / contiguous layouts: bijections, inverses and the 2D (Ulysses x ring) index map."""
+
 import pytest
 import torch
 
@@ -32,8 +33,14 @@ def test_shards_partition_the_sequence_and_invert(scheme, N):
     shards = [shard_sequence(x, dim=1, scheme=scheme, cp_rank=c, cp_size=N) for c in range(N)]
     assert torch.equal(unshard_sequence(shards, dim=1, scheme=scheme), x)
     y = torch.randn(S, 5)
-    assert torch.equal(unshard_sequence([shard_sequence(y, dim=0, scheme=scheme, cp_rank=c, cp_size=N)
-                                         for c in range(N)], dim=0, scheme=scheme), y)
+    assert torch.equal(
+        unshard_sequence(
+            [shard_sequence(y, dim=0, scheme=scheme, cp_rank=c, cp_size=N) for c in range(N)],
+            dim=0,
+            scheme=scheme,
+        ),
+        y,
+    )
 
 
 def test_zigzag_first_principles():
@@ -49,6 +56,7 @@ def test_zigzag_first_principles():
 def test_global_token_ids_with_groups_object():
     class G:  # the attributes of VideoParallelGroups that layouts use
         cp_rank, cp_size = 2, 4
+
     assert torch.equal(global_token_ids(G, 32, "zigzag"), zigzag_global_ids(2, 4, 32))
     x = torch.arange(32)
     assert torch.equal(shard_sequence(x, G, dim=0, scheme="contiguous"), torch.arange(16, 24))
@@ -65,7 +73,9 @@ def test_2d_reorder_gives_ring_rank_zigzag_chunks(U, R):
         for u_ranks in ug:
             for me in u_ranks:
                 ring = next(g for g in rg if me in g)
-                gathered, ring_ids = ring_token_ids(cp_ranks, u_ranks, ring, U, R, placement, S, "zigzag")
+                gathered, ring_ids = ring_token_ids(
+                    cp_ranks, u_ranks, ring, U, R, placement, S, "zigzag"
+                )
                 assert sorted(gathered.tolist()) == ring_ids[ring.index(me)].tolist()
                 assert sorted(torch.cat(ring_ids).tolist()) == list(range(S))
                 if placement == "ulysses_inner":
@@ -73,7 +83,8 @@ def test_2d_reorder_gives_ring_rank_zigzag_chunks(U, R):
                     for r, ids in enumerate(ring_ids):
                         late = 2 * R - 1 - r
                         expect = list(range(r * coarse, (r + 1) * coarse)) + list(
-                            range(late * coarse, (late + 1) * coarse))
+                            range(late * coarse, (late + 1) * coarse)
+                        )
                         assert ids.tolist() == expect
 
 
@@ -81,15 +92,21 @@ def test_concat_matches_a2a_order():
     assert concat_global_ids([1, 0], 2, 8, "zigzag").tolist() == [2, 3, 4, 5, 0, 1, 6, 7]
 
 
-@pytest.mark.parametrize("call,frag", [
-    (lambda: zigzag_global_ids(0, 4, 12), "seq_len (12) must be divisible by 2 * cp_size (8)"),
-    (lambda: contiguous_global_ids(0, 4, 10), "seq_len (10) must be divisible by cp_size (4)"),
-    (lambda: shard_global_ids(4, 4, 16, "zigzag"), "cp_rank (4) must be < cp_size (4)"),
-    (lambda: shard_global_ids(0, 4, 16, "spiral"), "scheme ('spiral')"),
-    (lambda: shard_owner(torch.tensor([16]), 4, 16, "zigzag"), "global_ids must lie in [0, seq_len)"),
-    (lambda: shard_sequence(torch.zeros(8), dim=0), "pass either groups"),
-    (lambda: unshard_sequence([torch.zeros(2), torch.zeros(3)], dim=0), "same shape"),
-])
+@pytest.mark.parametrize(
+    "call,frag",
+    [
+        (lambda: zigzag_global_ids(0, 4, 12), "seq_len (12) must be divisible by 2 * cp_size (8)"),
+        (lambda: contiguous_global_ids(0, 4, 10), "seq_len (10) must be divisible by cp_size (4)"),
+        (lambda: shard_global_ids(4, 4, 16, "zigzag"), "cp_rank (4) must be < cp_size (4)"),
+        (lambda: shard_global_ids(0, 4, 16, "spiral"), "scheme ('spiral')"),
+        (
+            lambda: shard_owner(torch.tensor([16]), 4, 16, "zigzag"),
+            "global_ids must lie in [0, seq_len)",
+        ),
+        (lambda: shard_sequence(torch.zeros(8), dim=0), "pass either groups"),
+        (lambda: unshard_sequence([torch.zeros(2), torch.zeros(3)], dim=0), "same shape"),
+    ],
+)
 def test_layout_errors(call, frag):
     with pytest.raises(ValueError, match=None) as e:
         call()

@@ -6,6 +6,7 @@ Acceptance for U2xR2 (``a2a+p2p``), U4xR1 (``a2a``), U1xR4 (``p2p``) and TP2xCP2
 gradient equal the CP=1 run of Megatron's own local spec (``DotProductAttention``, explicit softmax)
 at the same TP. The CP=1 reference is itself held to a float64 oracle in test_attention_megatron.py.
 """
+
 import os
 
 import pytest
@@ -21,9 +22,13 @@ CASES = {
     "u1xr4": (1, 4, None, "p2p"),
     "tp2xcp2": (2, 2, None, "a2a"),
 }
-EXPECTED_UR = {"u2xr2": (2, 2, "ulysses_inner"), "u4xr1": (4, 1, "ulysses_inner"),
-               "u1xr4": (1, 4, "ulysses_inner"), "tp2xcp2": (2, 1, "ulysses_inner"),
-               "explicit_ring_inner": (2, 2, "ring_inner")}
+EXPECTED_UR = {
+    "u2xr2": (2, 2, "ulysses_inner"),
+    "u4xr1": (4, 1, "ulysses_inner"),
+    "u1xr4": (1, 4, "ulysses_inner"),
+    "tp2xcp2": (2, 1, "ulysses_inner"),
+    "explicit_ring_inner": (2, 2, "ring_inner"),
+}
 
 
 def _cut_like_megatron_lm(x, cp_size, cp_rank):
@@ -53,24 +58,38 @@ def _job(tp, cp, hier, comm, use_2d=True, explicit_groups=None):
         model_parallel_cuda_manual_seed(123)
         torch.manual_seed(123)
         config = TransformerConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-            ffn_hidden_size=64, attention_dropout=0.0, hidden_dropout=0.0,
-            tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
-            use_cpu_initialization=True, gradient_accumulation_fusion=False,
-            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=64,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            cp_comm_type=comm,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+        )
         spec = get_gpt_layer_local_spec()
         if use_2d:
             params = {} if explicit_groups is None else {"groups": explicit_groups()}
             spec = with_2d_attention(spec, **params)
-        model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=S,
-                         position_embedding_type="rope")
+        model = GPTModel(
+            config, spec, vocab_size=VOCAB, max_sequence_length=S, position_embedding_type="rope"
+        )
         g = torch.Generator().manual_seed(7)
         tokens = torch.randint(0, VOCAB, (B, S + 1), generator=g)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         pos = torch.arange(S)[None].expand(B, S)
         cp_group, cp_rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
         if cp > 1:
-            inputs, labels, pos = (_cut_like_megatron_lm(x, cp, cp_rank) for x in (inputs, labels, pos))
+            inputs, labels, pos = (
+                _cut_like_megatron_lm(x, cp, cp_rank) for x in (inputs, labels, pos)
+            )
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         losses = []
         for _ in range(STEPS):
@@ -102,8 +121,10 @@ def _explicit_ring_inner():
 
 
 def _references():
-    return {"ref_tp1": _job(1, 1, None, None, use_2d=False),
-            "ref_tp2": _job(2, 1, None, None, use_2d=False)}
+    return {
+        "ref_tp1": _job(1, 1, None, None, use_2d=False),
+        "ref_tp2": _job(2, 1, None, None, use_2d=False),
+    }
 
 
 def _case(name):
@@ -163,7 +184,10 @@ def _bad_setups():
 
 def test_stock_job_bad_cp_settings_raise_on_every_rank(pool8):
     for res in pool8.run(_bad_setups):
-        assert "the all-to-all group" in res["a2a_spans_nodes"] and "spans nodes" in res["a2a_spans_nodes"]
+        assert (
+            "the all-to-all group" in res["a2a_spans_nodes"]
+            and "spans nodes" in res["a2a_spans_nodes"]
+        )
         assert "cp_comm_type ('a2a+p2p') needs two levels" in res["a2a_p2p_without_hcp"]
         assert "cp_comm_type ('all_gather') is not supported" in res["all_gather"]
 
@@ -186,7 +210,12 @@ def _adapter_with_pg_collection():
         cp_ranks = dist.get_process_group_ranks(ps.get_context_parallel_group())
         ug = rg = None
         for base in (0, 4):  # every rank creates every group, in the same order
-            for ranks in ([base, base + 1], [base + 2, base + 3], [base, base + 2], [base + 1, base + 3]):
+            for ranks in (
+                [base, base + 1],
+                [base + 2, base + 3],
+                [base, base + 2],
+                [base + 1, base + 3],
+            ):
                 g = dist.new_group(ranks)
                 owned.append(g)
                 if me in ranks:
@@ -194,12 +223,23 @@ def _adapter_with_pg_collection():
                         ug = g
                     else:
                         rg = g
-        pgc = ProcessGroupCollection(cp=ps.get_context_parallel_group(),
-                                     tp=ps.get_tensor_model_parallel_group(), hcp=[ug, rg])
-        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                                context_parallel_size=4, attention_dropout=0.0, use_cpu_initialization=True)
-        core = DistAttention2D(cfg, 1, AttnMaskType.causal, "self", cp_comm_type="a2a+p2p",
-                               pg_collection=pgc)
+        pgc = ProcessGroupCollection(
+            cp=ps.get_context_parallel_group(),
+            tp=ps.get_tensor_model_parallel_group(),
+            hcp=[ug, rg],
+        )
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            context_parallel_size=4,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+        )
+        core = DistAttention2D(
+            cfg, 1, AttnMaskType.causal, "self", cp_comm_type="a2a+p2p", pg_collection=pgc
+        )
         g = torch.Generator().manual_seed(3)
         S, b = 16, 2
         q = torch.randn(S, b, 4, 8, generator=g, dtype=torch.float64)
@@ -213,13 +253,15 @@ def _adapter_with_pg_collection():
         (out * cut(w)).sum().backward()
         # oracle: explicit causal softmax on the whole sequence (float64, one process)
         fq, fk, fv = (x.clone().requires_grad_() for x in (q, k, v))
-        scores = torch.einsum("sbhd,tbhd->bhst", fq, fk.repeat_interleave(2, 2)) * 8 ** -0.5
+        scores = torch.einsum("sbhd,tbhd->bhst", fq, fk.repeat_interleave(2, 2)) * 8**-0.5
         scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
         ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), fv.repeat_interleave(2, 2))
         ref = ref.reshape(S, b, 32)
         (ref * w).sum().backward()
         errs = [float((out - cut(ref)).abs().max())]
-        errs += [float((a.grad - cut(f.grad)).abs().max()) for a, f in ((lq, fq), (lk, fk), (lv, fv))]
+        errs += [
+            float((a.grad - cut(f.grad)).abs().max()) for a, f in ((lq, fq), (lk, fk), (lv, fv))
+        ]
         vg = core.video_groups()
         return (vg.ulysses_size, vg.ring_size, vg.ulysses_group is ug, vg.ring_group is rg), errs
     finally:

@@ -12,6 +12,7 @@ videos whose frame count does not divide the CP size and a sample without video,
 (three documents over one sequence) and a batch with no video at all. Each rank's encoder sees only
 its frames, and the re-shard is one all-to-all-v forward and one backward with exact byte counts.
 """
+
 import zlib
 
 import pytest
@@ -27,7 +28,9 @@ IMG = -200
 # ---------------------------------------------------------------------------------------------
 # pure maps
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("frames,cp,t", [([5, 6, 4], 4, 1), ([8, 6], 2, 2), ([7], 1, 1), ([9, 4, 5], 3, 1)])
+@pytest.mark.parametrize(
+    "frames,cp,t", [([5, 6, 4], 4, 1), ([8, 6], 2, 2), ([7], 1, 1), ([9, 4, 5], 3, 1)]
+)
 def test_frame_shards_cover_each_unit_once(frames, cp, t):
     sh = L.frame_shards(frames, cp, t)
     units = [f // t for f in frames]
@@ -37,7 +40,7 @@ def test_frame_shards_cover_each_unit_once(frames, cp, t):
     assert max(totals) - min(totals) <= 1, totals  # remainders rotate over the ranks
     start = 0
     for _j, n in enumerate(units):  # every rank holds one contiguous run of every video
-        owners = sh.owner[start:start + n].tolist()
+        owners = sh.owner[start : start + n].tolist()
         assert owners == sorted(owners) and set(owners) == set(range(cp)), owners
         start += n
     for r in range(cp):  # tubelets stay whole: frames come in aligned runs of t
@@ -99,13 +102,28 @@ def test_causal_work_of_zigzag_is_balanced_for_one_sequence():
 # ---------------------------------------------------------------------------------------------
 # multi-rank exactness
 # ---------------------------------------------------------------------------------------------
-SIZES = dict(vocab_size=64, max_sequence_length=128, num_layers=2, hidden_size=32,
-             num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vision_layers=1,
-             vision_hidden_size=16, vision_heads=2, img_size=8, patch_dim=4)
+SIZES = dict(
+    vocab_size=64,
+    max_sequence_length=128,
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=64,
+    vision_layers=1,
+    vision_hidden_size=16,
+    vision_heads=2,
+    img_size=8,
+    patch_dim=4,
+)
 
 # name -> (tp, cp, hierarchical sizes, cp_comm_type)
-CASES = {"u2xr2": (1, 4, [2, 2], "a2a+p2p"), "r4": (1, 4, None, "p2p"),
-         "tp2xcp2": (2, 2, None, "p2p"), "u4": (1, 4, None, "a2a")}
+CASES = {
+    "u2xr2": (1, 4, [2, 2], "a2a+p2p"),
+    "r4": (1, 4, None, "p2p"),
+    "tp2xcp2": (2, 2, None, "p2p"),
+    "u4": (1, 4, None, "a2a"),
+}
 
 
 def _data(name):
@@ -127,8 +145,11 @@ def _data(name):
     images = torch.randn(sum(frames), 3, 8, 8, generator=g, dtype=torch.float64)
     cu = None
     if name == "packed":
-        width = torch.where(ids[0] == IMG, 4 * torch.tensor(
-            [frames[0] if i == 3 else frames[1] for i in range(20)]), torch.ones(20, dtype=torch.long))
+        width = torch.where(
+            ids[0] == IMG,
+            4 * torch.tensor([frames[0] if i == 3 else frames[1] for i in range(20)]),
+            torch.ones(20, dtype=torch.long),
+        )
         start = torch.cat([torch.zeros(1, dtype=torch.long), width.cumsum(0)])
         cu = torch.tensor([0, int(start[8]), int(start[13]), int(start[20])], dtype=torch.int32)
     return images, ids, labels, loss_mask, torch.tensor(frames, dtype=torch.int), cu
@@ -152,7 +173,9 @@ def _full(model, what):
         if what == "grad":
             t = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
             if ps.get_context_parallel_world_size() > 1:
-                comm.all_reduce(t, ps.get_context_parallel_group())  # what DDP's dp_cp reduction sums
+                comm.all_reduce(
+                    t, ps.get_context_parallel_group()
+                )  # what DDP's dp_cp reduction sums
         else:
             t = p.detach().clone()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
@@ -181,16 +204,32 @@ def _step(model, name, cp_group=None):
 
     images, ids, labels, loss_mask, tiles, cu = _data(name)
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-    packed = None if cu is None else PackedSeqParams(
-        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(cu[-1]),
-        max_seqlen_kv=int(cu[-1]))  # RoPE length: the combined sequence (positions are global)
+    packed = (
+        None
+        if cu is None
+        else PackedSeqParams(
+            qkv_format="sbhd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=int(cu[-1]),
+            max_seqlen_kv=int(cu[-1]),
+        )
+    )  # RoPE length: the combined sequence (positions are global)
     model.zero_grad(set_to_none=True)
-    logits, _ = model(images, ids, pos, None, num_image_tiles=tiles, packed_seq_params=packed,
-                      runtime_gather_output=True)
+    logits, _ = model(
+        images,
+        ids,
+        pos,
+        None,
+        num_image_tiles=tiles,
+        packed_seq_params=packed,
+        runtime_gather_output=True,
+    )
     batch = model.last_mmsp_batch if cp_group is not None else None
     lab, mask = model.local_labels(ids, labels, loss_mask, tiles, batch=batch)
-    ce = torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), lab.flatten().clamp(min=0),
-                                           reduction="none").view_as(mask)
+    ce = torch.nn.functional.cross_entropy(
+        logits.double().flatten(0, 1), lab.flatten().clamp(min=0), reduction="none"
+    ).view_as(mask)
     mask = mask.double() * (lab >= 0)
     loss = global_token_loss(ce, mask, cp_group)
     loss.backward()
@@ -216,7 +255,9 @@ def _run(case_names, data_names):
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(3)
     torch.manual_seed(3)
-    ref = {n: video_llava_model(sizes, two_d_attention=(n == "packed")).double() for n in data_names}
+    ref = {
+        n: video_llava_model(sizes, two_d_attention=(n == "packed")).double() for n in data_names
+    }
     _perturb(ref[data_names[0]])
     weights = _full(ref[data_names[0]], "param")
     for n in data_names:
@@ -238,12 +279,18 @@ def _run(case_names, data_names):
                 b = model.last_mmsp_batch
                 r = ps.get_context_parallel_rank()
                 row = SIZES["hidden_size"] * 8
-                out[(case, n)] = (loss, grads, dict(
-                    units=int(b.shards.local_units(r).numel()), total_units=b.shards.total_units,
-                    a2av=(tr.count("all_to_all_v", "fwd"), tr.count("all_to_all_v", "bwd")),
-                    bytes=(tr.bytes("all_to_all_v", "fwd"), tr.bytes("all_to_all_v", "bwd")),
-                    want=row * (sum(b.plan.send_counts) - b.plan.send_counts[r]),
-                    want_bwd=row * (sum(b.plan.recv_counts) - b.plan.recv_counts[r])))
+                out[(case, n)] = (
+                    loss,
+                    grads,
+                    dict(
+                        units=int(b.shards.local_units(r).numel()),
+                        total_units=b.shards.total_units,
+                        a2av=(tr.count("all_to_all_v", "fwd"), tr.count("all_to_all_v", "bwd")),
+                        bytes=(tr.bytes("all_to_all_v", "fwd"), tr.bytes("all_to_all_v", "bwd")),
+                        want=row * (sum(b.plan.send_counts) - b.plan.send_counts[r]),
+                        want_bwd=row * (sum(b.plan.recv_counts) - b.plan.recv_counts[r]),
+                    ),
+                )
         finally:
             destroy_model_parallel()
     dist.barrier()
@@ -266,8 +313,13 @@ def _check(per_rank, cases, data_names):
                 assert set(grads) == set(grads_ref)
                 for k, g in grads_ref.items():
                     scale = float(g.abs().max()) + 1e-30
-                    assert_close(grads[k], g, rtol=1e-7, atol=1e-9 * scale,
-                                 msg=lambda m: f"{case}/{n}/rank{rank} grad {k}: {m}")
+                    assert_close(
+                        grads[k],
+                        g,
+                        rtol=1e-7,
+                        atol=1e-9 * scale,
+                        msg=lambda m: f"{case}/{n}/rank{rank} grad {k}: {m}",
+                    )
                 # ONE all-to-all-v each way (no visual token: nothing needs a gradient back)
                 assert info["a2av"] == (1, int(n != "text_only")), (case, n, info)
                 assert info["bytes"] == (info["want"], info["want_bwd"]), (case, n, info)
@@ -318,9 +370,15 @@ def _a2av_rows():
         except ValueError as e:
             errors[name] = str(e)
         dist.barrier()
-    return dict(y=y.detach(), grad=x.grad, fwd=tr.bytes("all_to_all_v", "fwd"),
-                bwd=tr.bytes("all_to_all_v", "bwd"), calls=tr.count("all_to_all_v"),
-                counts_calls=tr.count("a2a_counts"), errors=errors)
+    return dict(
+        y=y.detach(),
+        grad=x.grad,
+        fwd=tr.bytes("all_to_all_v", "fwd"),
+        bwd=tr.bytes("all_to_all_v", "bwd"),
+        calls=tr.count("all_to_all_v"),
+        counts_calls=tr.count("a2a_counts"),
+        errors=errors,
+    )
 
 
 def test_all_to_all_v_uneven_counts(pool4):
@@ -371,18 +429,26 @@ def _pp_run():
     def step(model, cp_group):
         def fwd(it, m):
             next(it)
-            out, mask = m(images, ids, pos, None, labels=labels, loss_mask=loss_mask,
-                          num_image_tiles=tiles)
+            out, mask = m(
+                images, ids, pos, None, labels=labels, loss_mask=loss_mask, num_image_tiles=tiles
+            )
 
             def loss_func(o):
                 share = global_token_loss(o.double(), mask, cp_group)
                 return share, {"loss": share.detach().clone()}  # the schedule scales share in place
+
             return out, loss_func
 
         model.zero_grad(set_to_none=True)
         return get_forward_backward_func()(
-            forward_step_func=fwd, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=SIZES["max_sequence_length"], micro_batch_size=ids.shape[0], forward_only=False)
+            forward_step_func=fwd,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=SIZES["max_sequence_length"],
+            micro_batch_size=ids.shape[0],
+            forward_only=False,
+        )
 
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(3)
@@ -397,13 +463,16 @@ def _pp_run():
     ps.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2)
     try:
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        model = video_llava_model(sizes, cp=2, cp_comm_type="a2a", pp=2, pre_process=first,
-                                  post_process=last, **f64).double()
+        model = video_llava_model(
+            sizes, cp=2, cp_comm_type="a2a", pp=2, pre_process=first, post_process=last, **f64
+        ).double()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(weights[_stage_name(model, name)])
         losses = step(model, ps.get_context_parallel_group())
-        grads = {_stage_name(model, k): v / 2 for k, v in _full(model, "grad").items()}  # schedule x CP
+        grads = {
+            _stage_name(model, k): v / 2 for k, v in _full(model, "grad").items()
+        }  # schedule x CP
         loss = float(losses[0]["loss"]) if last else None
         if last:
             t = torch.tensor([loss], dtype=torch.float64)
@@ -411,7 +480,9 @@ def _pp_run():
             loss = float(t)
     finally:
         destroy_model_parallel()
-    return dict(ref_loss=ref_loss, ref_grads=ref_grads, loss=loss, grads=grads, first=first, last=last)
+    return dict(
+        ref_loss=ref_loss, ref_grads=ref_grads, loss=loss, grads=grads, first=first, last=last
+    )
 
 
 def test_pipeline_pp2_cp2(pool4):
@@ -423,8 +494,13 @@ def test_pipeline_pp2_cp2(pool4):
             assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
         for k, g in r["grads"].items():
             ref = r["ref_grads"][k]
-            assert_close(g, ref, rtol=1e-5, atol=1e-6 * (float(ref.abs().max()) + 1e-30),
-                         msg=lambda m: f"pp2xcp2 rank{rank} grad {k}: {m}")
+            assert_close(
+                g,
+                ref,
+                rtol=1e-5,
+                atol=1e-6 * (float(ref.abs().max()) + 1e-30),
+                msg=lambda m: f"pp2xcp2 rank{rank} grad {k}: {m}",
+            )
             seen.add(k)
     assert seen == set(per_rank[0]["ref_grads"]), sorted(set(per_rank[0]["ref_grads"]) - seen)
     assert any(k.startswith("vision_model.") for k in seen)

@@ -2,6 +2,7 @@
 
 The multi-rank equivalence of whole models and of CP sampling is in ``test_models_parallel.py``.
 """
+
 import pytest
 import torch
 
@@ -17,12 +18,14 @@ def test_patchify_is_frame_major_and_inverts():
     # token g = f*H'*W' + y*W' + x holds the patch at (2f.., 3y.., 2x..), channel-major inside
     f, y, xx = 1, 1, 2
     g = f * 2 * 4 + y * 4 + xx
-    patch = x[:, :, 2 * f:2 * f + 2, 3 * y:3 * y + 3, 2 * xx:2 * xx + 2]
+    patch = x[:, :, 2 * f : 2 * f + 2, 3 * y : 3 * y + 3, 2 * xx : 2 * xx + 2]
     assert torch.equal(tok[:, g], patch.reshape(2, -1))
     assert torch.equal(unpatchify(tok, (2, 3, 2), (2, 2, 4), 3), x)
     # a rank's frames patchify to its contiguous slice of the global tokens
     assert torch.equal(patchify(x[:, :, 2:4], (2, 3, 2)), tok[:, 8:16])
-    with pytest.raises(ValueError, match=r"latent height \(6\) must be divisible by patch size \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"latent height \(6\) must be divisible by patch size \(4\)"
+    ):
         token_grid((4, 6, 8), (1, 4, 2))
 
 
@@ -47,7 +50,9 @@ def test_edm_denoiser_preconditioning():
     s2 = sig[:, None, None] ** 2
     assert torch.allclose(seen["x_in"], x / torch.sqrt(s2 + 0.25))
     assert torch.allclose(seen["c_noise"], torch.log(sig) / 4)
-    assert torch.allclose(out, 0.25 / (s2 + 0.25) * x + sig[:, None, None] * 0.5 / torch.sqrt(s2 + 0.25))
+    assert torch.allclose(
+        out, 0.25 / (s2 + 0.25) * x + sig[:, None, None] * 0.5 / torch.sqrt(s2 + 0.25)
+    )
 
 
 def test_autoregressive_sampling_matches_block_oracle():
@@ -56,7 +61,7 @@ def test_autoregressive_sampling_matches_block_oracle():
     what the teacher-forcing mask lets a token see)."""
     F, S, nb, C, steps = 6, 2, 2, 3, 4
     lay = BalancedSPLayout(F, S, nb, 1)
-    allow = lay.teacher_forcing_mask().double()                 # attention order == [clean; noisy]
+    allow = lay.teacher_forcing_mask().double()  # attention order == [clean; noisy]
     weights = allow / allow.sum(1, keepdim=True)
 
     def velocity(x, t, cond):
@@ -67,10 +72,10 @@ def test_autoregressive_sampling_matches_block_oracle():
     got = cps.sample_autoregressive(velocity, lay, 0, noise, None, num_steps=steps)
 
     ts = [float(v) for v in torch.linspace(1, 0, steps + 1, dtype=torch.float64)]
-    done = []                                                   # generated blocks, oracle side
+    done = []  # generated blocks, oracle side
     for j in range(F // nb):
         ctx = torch.cat(done, dim=1) if done else noise[:, :0]
-        z = noise[:, j * nb * S:(j + 1) * nb * S].clone()
+        z = noise[:, j * nb * S : (j + 1) * nb * S].clone()
         for i in range(steps):
             # a noisy token of block j sees the clean frames of blocks < j and its own block
             vis = torch.cat([ctx, z], dim=1)

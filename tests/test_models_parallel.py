@@ -17,6 +17,7 @@ weights (every layout starts from the same full weights), and a context-parallel
 PP = 2 x CP = 2: the same step with the reference weights loaded per stage; the replicated
 conditioning embedders have identical gradients on both stages, equal to the reference.
 """
+
 import zlib
 
 import pytest
@@ -34,15 +35,27 @@ FAMILIES = tuple(f for f in family_names() if get_family(f).needs_vae)
 CASES = {
     "reference": dict(),
     # activation recomputation on: it re-runs the layers' collectives in backward
-    "cp4_u2xr2": dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2,
-                      recompute=True),
-    "tp2_cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2, ulysses_size=1,
-                    ring_size=2, ranks_per_node=2),
+    "cp4_u2xr2": dict(
+        context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2, recompute=True
+    ),
+    "tp2_cp2": dict(
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        ulysses_size=1,
+        ring_size=2,
+        ranks_per_node=2,
+    ),
     # data x context parallel through Megatron's DDP: 2 data-parallel replicas of CP = 2
     "dp2_cp2": dict(context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2),
     # the other placement: ring groups inside the all-to-all stride (one node of 4)
-    "cp4_ring_inner": dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=4,
-                           placement="ring_inner", ring_balance=False),
+    "cp4_ring_inner": dict(
+        context_parallel_size=4,
+        ulysses_size=2,
+        ring_size=2,
+        ranks_per_node=4,
+        placement="ring_inner",
+        ring_balance=False,
+    ),
 }
 
 
@@ -67,7 +80,10 @@ def _full(trainer, what: str) -> dict:
     out = {}
     for name, p in trainer.model.named_parameters():
         t = (p.main_grad if what == "grad" else p).detach().clone().float()
-        if getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+        if (
+            getattr(p, "tensor_model_parallel", False)
+            and ps.get_tensor_model_parallel_world_size() > 1
+        ):
             t = comm.all_gather_cat(t, ps.get_tensor_model_parallel_group(), dim=p.partition_dim)
         out[_global_name(trainer, name)] = t
     return out
@@ -112,13 +128,22 @@ def _run_cases(family: str, tmp: str, cases: dict) -> dict:
             if ref_init is None:
                 ref_init = init
             # pipeline stages build different layer subsets from the RNG stream: use the reference's
-            _load_full(trainer, _perturbed(ref_init if trainer.tcfg.pipeline_model_parallel_size > 1
-                                           else init))
+            _load_full(
+                trainer,
+                _perturbed(ref_init if trainer.tcfg.pipeline_model_parallel_size > 1 else init),
+            )
             loss = trainer.forward_backward(0)
-            sample = trainer.sample_tokens(1) if trainer.tcfg.pipeline_model_parallel_size == 1 else None
-            out[label] = dict(loss=loss, params=init, grads=_full(trainer, "grad"), sample=sample,
-                              stage=int(trainer.first_stage) + 2 * int(trainer.last_stage),
-                              cp_rank=trainer.cp_rank)
+            sample = (
+                trainer.sample_tokens(1) if trainer.tcfg.pipeline_model_parallel_size == 1 else None
+            )
+            out[label] = dict(
+                loss=loss,
+                params=init,
+                grads=_full(trainer, "grad"),
+                sample=sample,
+                stage=int(trainer.first_stage) + 2 * int(trainer.last_stage),
+                cp_rank=trainer.cp_rank,
+            )
         finally:
             trainer.close()
     return out
@@ -141,8 +166,13 @@ def _check_close(got: dict, ref: dict, what: str, label: str):
     assert set(got) == set(ref), (label, sorted(set(got) ^ set(ref)))
     for name, value in ref.items():
         scale = float(value.abs().max()) + 1e-8
-        assert_close(got[name], value, rtol=2e-4, atol=2e-5 * scale,
-                     msg=lambda m: f"{label} {what} {name}: {m}")
+        assert_close(
+            got[name],
+            value,
+            rtol=2e-4,
+            atol=2e-5 * scale,
+            msg=lambda m: f"{label} {what} {name}: {m}",
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,11 +187,18 @@ def test_step_matches_single_rank(pool4, vae_dir, family):
         for label in ("cp4_u2xr2", "tp2_cp2", "dp2_cp2", "cp4_ring_inner"):
             got = res[label]
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (family, label, rank)
-            _check_close(got["params"], ref["params"], "initial weight", f"{family}/{label}/rank{rank}")
+            _check_close(
+                got["params"], ref["params"], "initial weight", f"{family}/{label}/rank{rank}"
+            )
             _check_close(got["grads"], ref["grads"], "gradient", f"{family}/{label}/rank{rank}")
             # context-parallel sampling (partition, denoise in parallel, gather) == one rank
-            assert_close(got["sample"], ref["sample"], rtol=1e-4, atol=1e-4,
-                         msg=lambda m: f"{family}/{label} sample: {m}")
+            assert_close(
+                got["sample"],
+                ref["sample"],
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda m: f"{family}/{label} sample: {m}",
+            )
     assert sorted(r["cp4_u2xr2"]["cp_rank"] for r in per_rank) == [0, 1, 2, 3]
     assert sorted(r["dp2_cp2"]["cp_rank"] for r in per_rank) == [0, 0, 1, 1]
     assert sorted(r["cp4_ring_inner"]["cp_rank"] for r in per_rank) == [0, 1, 2, 3]
@@ -169,9 +206,16 @@ def test_step_matches_single_rank(pool4, vae_dir, family):
 
 @pytest.mark.parametrize("family", ["video_dit", "ar_dit"])
 def test_pipeline_parallel_embedders(pool4, vae_dir, family):
-    cases = {"reference": {},
-             "pp2_cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2, ulysses_size=2,
-                             ring_size=1, ranks_per_node=4)}
+    cases = {
+        "reference": {},
+        "pp2_cp2": dict(
+            pipeline_model_parallel_size=2,
+            context_parallel_size=2,
+            ulysses_size=2,
+            ring_size=1,
+            ranks_per_node=4,
+        ),
+    }
     per_rank = pool4.run(_run_cases, family, vae_dir, cases)
     ref = per_rank[0]["reference"]
     embedder_grads = {}
@@ -185,9 +229,15 @@ def test_pipeline_parallel_embedders(pool4, vae_dir, family):
             assert got["loss"] is None
         # every parameter this stage holds: the single-rank gradient (initial weights differ by
         # stage, so the common weights are the reference's)
-        _check_close(got["grads"], {n: ref["grads"][n] for n in got["grads"]}, "gradient",
-                     f"{family}/pp2/rank{rank}")
-        emb = {n: g for n, g in got["grads"].items() if n.startswith(("t_embedder.", "text_embedder."))}
+        _check_close(
+            got["grads"],
+            {n: ref["grads"][n] for n in got["grads"]},
+            "gradient",
+            f"{family}/pp2/rank{rank}",
+        )
+        emb = {
+            n: g for n, g in got["grads"].items() if n.startswith(("t_embedder.", "text_embedder."))
+        }
         assert emb and all(float(g.abs().max()) > 0 for n, g in emb.items() if "t_embedder" in n)
         embedder_grads.setdefault("first" if first else "last", []).append(emb)
     # identical (not merely close) replicated-embedder gradients on the two stages

@@ -1,4 +1,5 @@
 """megatron_video.ops with the extension forced on, forced off, and absent."""
+
 import os
 import subprocess
 import sys
@@ -26,7 +27,9 @@ def test_env_switch_forces_either_path(monkeypatch):
     ids = TokenIds(pos=torch.arange(7))
     ref = ops.block_mask_status(ids, ids, "causal", 3, 2)
     if not _has_extension():
-        assert os.environ.get("MEGATRON_VIDEO_BUILD_EXT") == "0", "megatron_video._C should have been built"
+        assert os.environ.get("MEGATRON_VIDEO_BUILD_EXT") == "0", (
+            "megatron_video._C should have been built"
+        )
         monkeypatch.setenv(ENV_VAR, "extension")
         with pytest.raises(RuntimeError, match="cannot be imported"):
             ops.dense_mask(ids, ids, "causal")
@@ -72,5 +75,7 @@ def test_package_works_without_extension():
         print("OK")
     """)
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr

@@ -1,4 +1,5 @@
 """CUDA kernels against the CPU references (run by benchmarks/gpu_check.sh on a GPU machine)."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,7 +23,9 @@ from megatron_video.testing.strategies import DTYPES, LAYOUTS, bits, halo_case, 
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run benchmarks/gpu_check.sh)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (run benchmarks/gpu_check.sh)"
+    ),
 ]
 SETTINGS = settings(max_examples=10, deadline=None, database=None)
 
@@ -33,7 +36,10 @@ def on_cuda(ids: TokenIds) -> TokenIds:
 
 def test_cuda_kernels_are_built():
     import megatron_video._C as ext
-    assert ext.has_cuda(), "megatron_video._C was built without CUDA kernels; rebuild with nvcc available"
+
+    assert ext.has_cuda(), (
+        "megatron_video._C was built without CUDA kernels; rebuild with nvcc available"
+    )
     assert active_backend("cuda") == "extension"
 
 
@@ -59,16 +65,22 @@ def test_halo_cuda_grid_stride_paths():
     assert torch.equal(got.buffer.cpu(), halo_scatter_reference(video, [[0, 5], [4, 9]]).buffer)
     odd = torch.randint(0, 255, (3, 7, 13, 3, 5), dtype=torch.uint8)
     got = halo_scatter(odd.cuda(), [[0, 3], [2, 13], [5, 6]], layout="btchw")
-    assert torch.equal(got.buffer.cpu(), halo_scatter_reference(odd, [[0, 3], [2, 13], [5, 6]], "btchw").buffer)
+    assert torch.equal(
+        got.buffer.cpu(), halo_scatter_reference(odd, [[0, 3], [2, 13], [5, 6]], "btchw").buffer
+    )
 
 
 @SETTINGS
 @given(case=mask_case())
 def test_masks_cuda_equal_reference(case):
     q, k, rule, qb, kb = case
-    assert torch.equal(dense_mask(on_cuda(q), on_cuda(k), rule).cpu(), dense_mask_reference(q, k, rule))
-    assert torch.equal(block_mask_status(on_cuda(q), on_cuda(k), rule, qb, kb).cpu(),
-                       block_mask_status_reference(q, k, rule, qb, kb))
+    assert torch.equal(
+        dense_mask(on_cuda(q), on_cuda(k), rule).cpu(), dense_mask_reference(q, k, rule)
+    )
+    assert torch.equal(
+        block_mask_status(on_cuda(q), on_cuda(k), rule, qb, kb).cpu(),
+        block_mask_status_reference(q, k, rule, qb, kb),
+    )
 
 
 def test_masks_cuda_model_size():
@@ -76,5 +88,9 @@ def test_masks_cuda_model_size():
     ids = rank_major_teacher_forcing_ids(P, F, S, nb)
     for rule in RULES:
         ref = block_mask_status_reference(ids, ids, rule, 128, 64)
-        assert torch.equal(block_mask_status(on_cuda(ids), on_cuda(ids), rule, 128, 64).cpu(), ref), rule
-        assert torch.equal(dense_mask(on_cuda(ids), on_cuda(ids), rule).cpu(), dense_mask_reference(ids, ids, rule))
+        assert torch.equal(
+            block_mask_status(on_cuda(ids), on_cuda(ids), rule, 128, 64).cpu(), ref
+        ), rule
+        assert torch.equal(
+            dense_mask(on_cuda(ids), on_cuda(ids), rule).cpu(), dense_mask_reference(ids, ids, rule)
+        )

@@ -1,4 +1,5 @@
 """Halo scatter / gather: the C++ extension equals the references bit for bit; oracles for both."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -47,10 +48,16 @@ def test_gather_restores_global_latents(layout, dtype, data):
     """Ranks encode [throw-away] + halo + kept latents; gathering with `drop` gives the global video."""
     _, windows, drop, bounds, halo = data.draw(halo_case(layout, dtype))
     F = bounds[-1][1]
-    Cl, h, w = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    Cl, h, w = (
+        data.draw(st.integers(1, 4)),
+        data.draw(st.integers(1, 3)),
+        data.draw(st.integers(1, 3)),
+    )
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     tdim = 2 if layout == "bcthw" else 1
-    full = torch.randn((2, Cl, F, h, w) if layout == "bcthw" else (2, F, Cl, h, w), generator=g).to(dtype)
+    full = torch.randn((2, Cl, F, h, w) if layout == "bcthw" else (2, F, Cl, h, w), generator=g).to(
+        dtype
+    )
     latents = []
     for (ls, le), d in zip(bounds, drop.tolist()):
         halo_start = max(0, ls - halo)
@@ -93,25 +100,47 @@ def test_halo_windows_rule():
     windows, drop = _halo_windows([(0, 2), (2, 4), (4, 6), (6, 8)], halo=2)
     assert windows.tolist() == [[0, 5], [0, 13], [4, 21], [12, 29]]
     assert drop.tolist() == [0, 2, 3, 3]
-    for (s, e), d, (ls, le) in zip(windows.tolist(), drop.tolist(), [(0, 2), (2, 4), (4, 6), (6, 8)]):
+    for (s, e), d, (ls, le) in zip(
+        windows.tolist(), drop.tolist(), [(0, 2), (2, 4), (4, 6), (6, 8)]
+    ):
         encoded = (e - s - 1) // 4 + 1  # latents a causal VAE makes from the window
         assert encoded == d + (le - ls)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [[0, 3]], layout="bhwct"), r"layout \('bhwct'\)"),
-    (lambda: halo_scatter(torch.zeros(2, 5, 2, 2), [[0, 3]]), r"video \(\(2, 5, 2, 2\)\) must be a 5-D"),
-    (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [[3, 3]]), r"windows\[0\] \(\[3, 3\)\)"),
-    (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [[0, 6]]), r"end <= T \(5\)"),
-    (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [0, 3]), r"windows \(shape \(2,\)"),
-    (lambda: halo_gather([torch.zeros(1, 2, 3, 2, 2)], [4]), r"drop\[0\] \(4\) must be in \[0, frames"),
-    (lambda: halo_gather([torch.zeros(1, 2, 3, 2, 2), torch.zeros(1, 3, 3, 2, 2)], [0, 0]),
-     r"latents\[1\] \(\(1, 3, 3, 2, 2\)"),
-    (lambda: halo_gather([torch.zeros(1, 2, 3, 2, 2)], [0, 1]), r"drop \(shape \(2,\)"),
-    (lambda: halo_gather_packed(torch.zeros(10), [(1, 1, 3, 1, 1)], [0]), r"buffer \(10 elements\)"),
-    (lambda: _halo_windows([(2, 2)], 1), r"latent_bounds\[0\]"),
-    (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2, requires_grad=True), [[0, 3]]), r"video \(requires_grad=True\)"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [[0, 3]], layout="bhwct"),
+            r"layout \('bhwct'\)",
+        ),
+        (
+            lambda: halo_scatter(torch.zeros(2, 5, 2, 2), [[0, 3]]),
+            r"video \(\(2, 5, 2, 2\)\) must be a 5-D",
+        ),
+        (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [[3, 3]]), r"windows\[0\] \(\[3, 3\)\)"),
+        (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [[0, 6]]), r"end <= T \(5\)"),
+        (lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2), [0, 3]), r"windows \(shape \(2,\)"),
+        (
+            lambda: halo_gather([torch.zeros(1, 2, 3, 2, 2)], [4]),
+            r"drop\[0\] \(4\) must be in \[0, frames",
+        ),
+        (
+            lambda: halo_gather([torch.zeros(1, 2, 3, 2, 2), torch.zeros(1, 3, 3, 2, 2)], [0, 0]),
+            r"latents\[1\] \(\(1, 3, 3, 2, 2\)",
+        ),
+        (lambda: halo_gather([torch.zeros(1, 2, 3, 2, 2)], [0, 1]), r"drop \(shape \(2,\)"),
+        (
+            lambda: halo_gather_packed(torch.zeros(10), [(1, 1, 3, 1, 1)], [0]),
+            r"buffer \(10 elements\)",
+        ),
+        (lambda: _halo_windows([(2, 2)], 1), r"latent_bounds\[0\]"),
+        (
+            lambda: halo_scatter(torch.zeros(1, 2, 5, 2, 2, requires_grad=True), [[0, 3]]),
+            r"video \(requires_grad=True\)",
+        ),
+    ],
+)
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -1,5 +1,6 @@
 """Mask construction: the C++ extension equals the references exactly; the references equal the
 rules written out pair by pair; the FlexAttention BlockMask equals the dense mask."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -84,7 +85,7 @@ def test_flex_block_mask_equals_dense(case):
     def tiles(num, idx):  # which [q tile, k tile] the fields list
         out = torch.zeros(nq, nk, dtype=torch.bool)
         for i in range(nq):
-            out[i, idx[0, 0, i, :num[0, 0, i]].long()] = True
+            out[i, idx[0, 0, i, : num[0, 0, i]].long()] = True
         return out
 
     partial = tiles(bm.kv_num_blocks, bm.kv_indices)
@@ -97,9 +98,11 @@ def test_flex_block_mask_equals_dense(case):
     assert torch.equal(grow(full) | (grow(partial) & mod), dense)
     # flex_attention (eager, CPU) against explicit softmax attention, on rows that see a key.
     g = torch.Generator().manual_seed(0)
-    x_q, x_k, x_v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (lq, lk, lk))
+    x_q, x_k, x_v = (
+        torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (lq, lk, lk)
+    )
     out = flex_attention(x_q, x_k, x_v, block_mask=bm)
-    scores = (x_q @ x_k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~dense, float("-inf"))
+    scores = (x_q @ x_k.transpose(-1, -2) / 8**0.5).masked_fill(~dense, float("-inf"))
     ref = torch.softmax(scores, -1).nan_to_num(0.0) @ x_v
     rows = dense.any(1)
     assert torch.allclose(out[:, :, rows], ref[:, :, rows], atol=1e-10)
@@ -109,7 +112,10 @@ def test_fields_layout_by_hand():
     status = torch.tensor([[2, 1, 0, 1], [0, 0, 0, 0], [1, 2, 2, 1]], dtype=torch.uint8)
     f = flex_block_fields(status)
     assert f.kv_num_blocks.tolist() == [[[2, 0, 2]]]
-    assert f.kv_indices[0, 0, 0, :2].tolist() == [1, 3] and f.kv_indices[0, 0, 2, :2].tolist() == [0, 3]
+    assert f.kv_indices[0, 0, 0, :2].tolist() == [1, 3] and f.kv_indices[0, 0, 2, :2].tolist() == [
+        0,
+        3,
+    ]
     assert f.full_kv_num_blocks.tolist() == [[[1, 0, 2]]]
     assert f.full_kv_indices[0, 0, 2, :2].tolist() == [1, 2]
     assert all(t.dtype == torch.int32 for t in f)
@@ -120,14 +126,25 @@ def test_balanced_sp_order_is_permuted_single_gpu_mask():
     """Rank-major teacher-forcing mask == single-GPU [clean; noisy] mask under the permutation."""
     P, F, S, nb = 4, 8, 3, 2
     frame = torch.arange(F).repeat_interleave(S)
-    single = TokenIds.from_frames(frame.repeat(2), nb, side=torch.arange(2).repeat_interleave(F * S))
+    single = TokenIds.from_frames(
+        frame.repeat(2), nb, side=torch.arange(2).repeat_interleave(F * S)
+    )
     per = F * S // P
-    perm = torch.cat([torch.cat([torch.arange(r * per, (r + 1) * per),
-                                 F * S + torch.arange(r * per, (r + 1) * per)]) for r in range(P)])
+    perm = torch.cat(
+        [
+            torch.cat(
+                [torch.arange(r * per, (r + 1) * per), F * S + torch.arange(r * per, (r + 1) * per)]
+            )
+            for r in range(P)
+        ]
+    )
     rank_major = TokenIds(side=single.side[perm], block=single.block[perm])
     want = dense_oracle(single, single, "teacher_forcing")[perm][:, perm]
     assert torch.equal(dense_mask(rank_major, rank_major, "teacher_forcing"), want)
-    assert torch.equal(block_mask_status(rank_major, rank_major, "teacher_forcing", 6, 4), status_oracle(want, 6, 4))
+    assert torch.equal(
+        block_mask_status(rank_major, rank_major, "teacher_forcing", 6, 4),
+        status_oracle(want, 6, 4),
+    )
 
 
 def test_packed_documents_causal_within_doc():
@@ -137,7 +154,9 @@ def test_packed_documents_causal_within_doc():
     want = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     assert torch.equal(dense_mask(ids, ids, "causal"), want)
     assert torch.equal(dense_mask(ids, ids, "full"), doc[:, None] == doc[None, :])
-    assert block_mask_status(ids, ids, "causal", 4, 4).tolist() == status_oracle(want, 4, 4).tolist()
+    assert (
+        block_mask_status(ids, ids, "causal", 4, 4).tolist() == status_oracle(want, 4, 4).tolist()
+    )
 
 
 def test_large_structured_tiles_equal_reference():
@@ -149,26 +168,65 @@ def test_large_structured_tiles_equal_reference():
         assert torch.equal(got, block_mask_status_reference(ids, ids, rule, 128, 128)), rule
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: dense_mask(TokenIds(pos=torch.arange(3)), TokenIds(pos=torch.arange(3)), "sliding"),
-     r"rule \('sliding'\) must be one of"),
-    (lambda: dense_mask(TokenIds(block=torch.arange(3)), TokenIds(block=torch.arange(3)), "causal"),
-     r"q.pos \(None\) is required"),
-    (lambda: dense_mask(TokenIds(side=torch.tensor([0, 2]), block=torch.arange(2)),
-                        TokenIds(side=torch.tensor([0, 1]), block=torch.arange(2)), "teacher_forcing"),
-     r"q.side \(values \[0, 2\]\) must be 0 \(clean\) or 1"),
-    (lambda: dense_mask(TokenIds(pos=torch.arange(3), doc=torch.zeros(3, dtype=torch.long)),
-                        TokenIds(pos=torch.arange(3)), "causal"), r"doc \(q: True, k: False\)"),
-    (lambda: dense_mask(TokenIds(pos=torch.arange(3), block=torch.arange(4)), TokenIds(pos=torch.arange(3)),
-                        "causal"), r"q.pos \(length 3"),
-    (lambda: dense_mask(TokenIds(pos=torch.arange(3.0)), TokenIds(pos=torch.arange(3)), "causal"),
-     r"q.pos \(torch.Size\(\[3\]\)\) must be a 1-D integer"),
-    (lambda: block_mask_status(TokenIds(pos=torch.arange(3)), TokenIds(pos=torch.arange(3)), "causal", 0, 4),
-     r"q_block \(0\) must be a positive int"),
-    (lambda: TokenIds.from_frames(torch.arange(4), 0), r"frames_per_block \(0\)"),
-    (lambda: TokenIds.from_frames(torch.tensor([-1, 0]), 2), r"frame \(min -1\) must be >= 0"),
-    (lambda: flex_block_fields(torch.zeros(3)), r"status \(torch.Size\(\[3\]\)\) must be a 2-D"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: dense_mask(
+                TokenIds(pos=torch.arange(3)), TokenIds(pos=torch.arange(3)), "sliding"
+            ),
+            r"rule \('sliding'\) must be one of",
+        ),
+        (
+            lambda: dense_mask(
+                TokenIds(block=torch.arange(3)), TokenIds(block=torch.arange(3)), "causal"
+            ),
+            r"q.pos \(None\) is required",
+        ),
+        (
+            lambda: dense_mask(
+                TokenIds(side=torch.tensor([0, 2]), block=torch.arange(2)),
+                TokenIds(side=torch.tensor([0, 1]), block=torch.arange(2)),
+                "teacher_forcing",
+            ),
+            r"q.side \(values \[0, 2\]\) must be 0 \(clean\) or 1",
+        ),
+        (
+            lambda: dense_mask(
+                TokenIds(pos=torch.arange(3), doc=torch.zeros(3, dtype=torch.long)),
+                TokenIds(pos=torch.arange(3)),
+                "causal",
+            ),
+            r"doc \(q: True, k: False\)",
+        ),
+        (
+            lambda: dense_mask(
+                TokenIds(pos=torch.arange(3), block=torch.arange(4)),
+                TokenIds(pos=torch.arange(3)),
+                "causal",
+            ),
+            r"q.pos \(length 3",
+        ),
+        (
+            lambda: dense_mask(
+                TokenIds(pos=torch.arange(3.0)), TokenIds(pos=torch.arange(3)), "causal"
+            ),
+            r"q.pos \(torch.Size\(\[3\]\)\) must be a 1-D integer",
+        ),
+        (
+            lambda: block_mask_status(
+                TokenIds(pos=torch.arange(3)), TokenIds(pos=torch.arange(3)), "causal", 0, 4
+            ),
+            r"q_block \(0\) must be a positive int",
+        ),
+        (lambda: TokenIds.from_frames(torch.arange(4), 0), r"frames_per_block \(0\)"),
+        (lambda: TokenIds.from_frames(torch.tensor([-1, 0]), 2), r"frame \(min -1\) must be >= 0"),
+        (
+            lambda: flex_block_fields(torch.zeros(3)),
+            r"status \(torch.Size\(\[3\]\)\) must be a 2-D",
+        ),
+    ],
+)
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -1,4 +1,5 @@
 """Foundation: U x R groups from Megatron's parallel state, traced autograd communication."""
+
 import os
 
 import pytest
@@ -22,11 +23,15 @@ def expected_groups(world, tp, cp, U, placement):
         for d in range(dp):
             g = lambda c: t + tp * (c + cp * d)  # noqa: E731
             for r in range(R):
-                ranks = [g(r * U + u if placement == "ulysses_inner" else u * R + r) for u in range(U)]
+                ranks = [
+                    g(r * U + u if placement == "ulysses_inner" else u * R + r) for u in range(U)
+                ]
                 for x in ranks:
                     ulysses[x] = ranks
             for u in range(U):
-                ranks = [g(r * U + u if placement == "ulysses_inner" else u * R + r) for r in range(R)]
+                ranks = [
+                    g(r * U + u if placement == "ulysses_inner" else u * R + r) for r in range(R)
+                ]
                 for x in ranks:
                     ring[x] = ranks
     return ulysses, ring
@@ -57,9 +62,17 @@ def _membership(tp, cp, U, placement, hier, rpn):
         dist.all_reduce(x, group=g.ulysses_group)
         y = torch.ones(1)
         dist.all_reduce(y, group=g.ring_group)
-        return dict(ulysses=g.ulysses_ranks, ring=g.ring_ranks, cp=g.cp_ranks, u=g.ulysses_rank,
-                    r=g.ring_rank, c=g.cp_rank, reused=g.reused_megatron_groups,
-                    usum=int(x.item()), rsum=int(y.item()))
+        return dict(
+            ulysses=g.ulysses_ranks,
+            ring=g.ring_ranks,
+            cp=g.cp_ranks,
+            u=g.ulysses_rank,
+            r=g.ring_rank,
+            c=g.cp_rank,
+            reused=g.reused_megatron_groups,
+            usum=int(x.item()),
+            rsum=int(y.item()),
+        )
 
 
 def _check_membership(results, config, world):
@@ -79,20 +92,32 @@ def _check_membership(results, config, world):
 
 CONFIGS_4 = [
     # tp, cp, U, placement, hierarchical sizes, ranks_per_node
-    (1, 2, 1, "ulysses_inner", None, 4), (1, 2, 2, "ulysses_inner", None, 2),
-    (1, 4, 1, "ulysses_inner", None, 2), (1, 4, 2, "ulysses_inner", None, 2),
-    (1, 4, 4, "ulysses_inner", None, 4), (1, 4, 2, "ulysses_inner", [2, 2], 2),
-    (1, 4, 2, "ring_inner", None, 4), (1, 4, 2, "ring_inner", [2, 2], 4),
-    (2, 2, 1, "ulysses_inner", None, 2), (2, 2, 2, "ulysses_inner", None, 4),
-    (2, 2, 2, "ring_inner", None, 4), (1, 2, 2, "ring_inner", None, 2),
+    (1, 2, 1, "ulysses_inner", None, 4),
+    (1, 2, 2, "ulysses_inner", None, 2),
+    (1, 4, 1, "ulysses_inner", None, 2),
+    (1, 4, 2, "ulysses_inner", None, 2),
+    (1, 4, 4, "ulysses_inner", None, 4),
+    (1, 4, 2, "ulysses_inner", [2, 2], 2),
+    (1, 4, 2, "ring_inner", None, 4),
+    (1, 4, 2, "ring_inner", [2, 2], 4),
+    (2, 2, 1, "ulysses_inner", None, 2),
+    (2, 2, 2, "ulysses_inner", None, 4),
+    (2, 2, 2, "ring_inner", None, 4),
+    (1, 2, 2, "ring_inner", None, 2),
 ]
 CONFIGS_8 = [
-    (1, 8, 2, "ulysses_inner", None, 4), (1, 8, 4, "ulysses_inner", [4, 2], 4),
-    (1, 8, 2, "ulysses_inner", [2, 4], 4), (1, 8, 8, "ulysses_inner", None, 8),
-    (1, 8, 1, "ring_inner", None, 4), (1, 8, 2, "ring_inner", [4, 2], 8),
-    (2, 4, 2, "ulysses_inner", [2, 2], 4), (2, 4, 4, "ulysses_inner", None, 8),
-    (2, 4, 2, "ring_inner", None, 8), (1, 4, 2, "ulysses_inner", [2, 2], 4),
-    (2, 2, 2, "ulysses_inner", None, 4), (1, 2, 2, "ring_inner", None, 4),
+    (1, 8, 2, "ulysses_inner", None, 4),
+    (1, 8, 4, "ulysses_inner", [4, 2], 4),
+    (1, 8, 2, "ulysses_inner", [2, 4], 4),
+    (1, 8, 8, "ulysses_inner", None, 8),
+    (1, 8, 1, "ring_inner", None, 4),
+    (1, 8, 2, "ring_inner", [4, 2], 8),
+    (2, 4, 2, "ulysses_inner", [2, 2], 4),
+    (2, 4, 4, "ulysses_inner", None, 8),
+    (2, 4, 2, "ring_inner", None, 8),
+    (1, 4, 2, "ulysses_inner", [2, 2], 4),
+    (2, 2, 2, "ulysses_inner", None, 4),
+    (1, 2, 2, "ring_inner", None, 4),
 ]
 
 
@@ -121,16 +146,33 @@ INVALID_CASES = [
     (dict(context_parallel_size=4), dict(ulysses_size=2, placement="bogus"), {}, "placement"),
     (dict(context_parallel_size=4), dict(ulysses_size=2, ranks_per_node=3), {}, "ranks_per_node"),
     (dict(context_parallel_size=4), dict(ulysses_size=2, ranks_per_node=0), {}, "ranks_per_node"),
-    (dict(context_parallel_size=4), dict(ulysses_size=2), {"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE"),
+    (
+        dict(context_parallel_size=4),
+        dict(ulysses_size=2),
+        {"LOCAL_WORLD_SIZE": "two"},
+        "LOCAL_WORLD_SIZE",
+    ),
     # Ulysses group across nodes: TP*U = 4 > 2 ranks per node
-    (dict(tensor_model_parallel_size=2, context_parallel_size=2), dict(ulysses_size=2, ranks_per_node=2),
-     {}, "ulysses_size"),
+    (
+        dict(tensor_model_parallel_size=2, context_parallel_size=2),
+        dict(ulysses_size=2, ranks_per_node=2),
+        {},
+        "ulysses_size",
+    ),
     # ring-inner placement puts the a2a group across nodes when CP spans two nodes
-    (dict(context_parallel_size=4), dict(ulysses_size=2, placement="ring_inner", ranks_per_node=2), {},
-     "ulysses_size"),
+    (
+        dict(context_parallel_size=4),
+        dict(ulysses_size=2, placement="ring_inner", ranks_per_node=2),
+        {},
+        "ulysses_size",
+    ),
     # Megatron's hierarchical groups disagree with U x R
-    (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[4, 1]), dict(ulysses_size=2), {},
-     "hierarchical_context_parallel_sizes"),
+    (
+        dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[4, 1]),
+        dict(ulysses_size=2),
+        {},
+        "hierarchical_context_parallel_sizes",
+    ),
 ]
 
 
@@ -158,8 +200,9 @@ def _invalid_config(mkw, vkw, env, name):
     return message, g.ulysses_size * g.ring_size
 
 
-@pytest.mark.parametrize("i", range(len(INVALID_CASES)),
-                         ids=[f"{c[3]}-{i}" for i, c in enumerate(INVALID_CASES)])
+@pytest.mark.parametrize(
+    "i", range(len(INVALID_CASES)), ids=[f"{c[3]}-{i}" for i, c in enumerate(INVALID_CASES)]
+)
 def test_invalid_configurations_raise_value_error_naming_parameter(pool4, i):
     assert len(INVALID_CASES) >= 8
     for (name, msg), cp in pool4.run(_invalid_config, *INVALID_CASES[i]):
@@ -177,12 +220,14 @@ class _WrongRingShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         from megatron_video.parallel.comm import RingExchange
+
         ctx.group = group
         return RingExchange([x], group, 1).wait()[0]
 
     @staticmethod
     def backward(ctx, grad):
         from megatron_video.parallel.comm import RingExchange
+
         return RingExchange([grad], ctx.group, 1).wait()[0], None
 
 
@@ -224,7 +269,9 @@ def _comm_checks(gradcheck=True):
     x = torch.arange(world * 6, dtype=torch.float64).reshape(world, 6) + 100 * rank
     y = all_to_all(x, group, scatter_dim=0, gather_dim=1)
     full = all_gather_cat(x.unsqueeze(0), group, dim=0)  # [world(src), world(chunk), 6]
-    res["content"] = torch.equal(y, torch.cat([full[j, rank:rank + 1] for j in range(world)], dim=1))
+    res["content"] = torch.equal(
+        y, torch.cat([full[j, rank : rank + 1] for j in range(world)], dim=1)
+    )
 
     # gradcheck (float64) of the autograd all-to-all and ring exchange. gradcheck perturbs inputs
     # on all ranks at once, so the checked function must be global: a replicated input X (every
@@ -260,29 +307,52 @@ def _comm_checks(gradcheck=True):
     (y2 * wp).sum().backward()
     res["permuted"] = torch.equal(y1, y2) and torch.equal(fused.grad, plain.grad)
     if gradcheck:
+
         def f_perm(x):
             local = copy_to_group(x, group)[rank]
-            return gather_from_group(all_to_all(local, group, 1, 0, scatter_index=ps[:world].argsort(),
-                                                gather_index=pg[:world].argsort()) * (rank + 1), group, dim=0)
+            return gather_from_group(
+                all_to_all(
+                    local,
+                    group,
+                    1,
+                    0,
+                    scatter_index=ps[:world].argsort(),
+                    gather_index=pg[:world].argsort(),
+                )
+                * (rank + 1),
+                group,
+                dim=0,
+            )
 
         xq = torch.randn(world, 1, world, 2, dtype=torch.float64, generator=gs, requires_grad=True)
         res["gradcheck_perm"] = torch.autograd.gradcheck(f_perm, (xq,))
     # a wrong backward must be caught by the same check (the test can fail)
     if gradcheck:
-        def f_wrong(x):
-            return gather_from_group(_WrongRingShift.apply(copy_to_group(x, group)[rank], group), group, 0)
 
-        res["gradcheck_catches_bug"] = not torch.autograd.gradcheck(f_wrong, (xr,), raise_exception=False)
-    res["ring_value"] = torch.equal(ring_shift(torch.full((2,), float(rank)), group, 1),
-                                    torch.full((2,), float((rank - 1) % world)))
+        def f_wrong(x):
+            return gather_from_group(
+                _WrongRingShift.apply(copy_to_group(x, group)[rank], group), group, 0
+            )
+
+        res["gradcheck_catches_bug"] = not torch.autograd.gradcheck(
+            f_wrong, (xr,), raise_exception=False
+        )
+    res["ring_value"] = torch.equal(
+        ring_shift(torch.full((2,), float(rank)), group, 1),
+        torch.full((2,), float((rank - 1) % world)),
+    )
 
     # tracer: exact call and byte counts
     with CommTracer() as t:
         x = torch.randn(world * 4, 5, 7, dtype=torch.float32, requires_grad=True)
         y = all_to_all(x, group, scatter_dim=0, gather_dim=1, tag="t.a2a")
         y.sum().backward()
-        ex = RingExchange([torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(11, dtype=torch.float64)],
-                          group, shift=1, tag="t.ring")
+        ex = RingExchange(
+            [torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(11, dtype=torch.float64)],
+            group,
+            shift=1,
+            tag="t.ring",
+        )
         ex.wait()
         buf = torch.ones(10, dtype=torch.float32)
         all_reduce(buf, group, tag="t.ar")
@@ -292,8 +362,11 @@ def _comm_checks(gradcheck=True):
         a2a_bwd=(t.count("all_to_all", "bwd"), t.bytes("all_to_all", "bwd")),
         send=(t.count("send"), t.bytes("send")),
         ar=(t.count("all_reduce"), t.bytes("all_reduce")),
-        expect_a2a=nb * (world - 1) // world, expect_send=3 * 5 * 2 + 11 * 8, expect_ar=40 * (world - 1) // world,
-        intra_a2a=t.count("all_to_all", intra_node=True), table=t.table(),
+        expect_a2a=nb * (world - 1) // world,
+        expect_send=3 * 5 * 2 + 11 * 8,
+        expect_ar=40 * (world - 1) // world,
+        intra_a2a=t.count("all_to_all", intra_node=True),
+        table=t.table(),
     )
     # shape mismatch between ranks is detected before a collective, on every rank
     bad = torch.zeros(2, 3 + (rank == 1))
@@ -332,7 +405,9 @@ def test_comm_roundtrip_gradcheck_and_tracer(pool4):
         assert res["mismatch"] is not None and "differ between ranks" in res["mismatch"]
         assert res["indivisible"] is not None and "divisible" in res["indivisible"]
         assert res["bad_index"] is not None and res["bad_index"].startswith("gather_index (")
-        assert "permutation of 8 positions" in res["bad_index"], res["bad_index"]  # [4, 2] -> gather 2 * 4
+        assert "permutation of 8 positions" in res["bad_index"], res[
+            "bad_index"
+        ]  # [4, 2] -> gather 2 * 4
 
 
 def test_comm_world8(pool8):

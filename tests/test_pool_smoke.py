@@ -6,6 +6,7 @@ from megatron_video.testing import RankError
 
 def _rank_and_env():
     import os
+
     return dist.get_rank(), os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]
 
 
@@ -33,6 +34,7 @@ def test_pool_runs_and_reports(pool4):
 
 def test_pool_reraises_rank_traceback():
     from megatron_video.testing import WorkerPool
+
     with WorkerPool(2) as pool:
         with pytest.raises(RankError, match="boom on rank 1"):
             pool.run(_fail_on_rank1)
@@ -42,6 +44,7 @@ def test_pool_reraises_rank_traceback():
 
 def test_pool_times_out_instead_of_hanging():
     from megatron_video.testing import WorkerPool
+
     with WorkerPool(2, timeout=8, gloo_timeout=60) as pool:
         with pytest.raises(RankError, match="did not finish"):
             pool.run(_hang_unless_rank0)

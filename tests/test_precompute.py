@@ -1,5 +1,6 @@
 """`megatron-video precompute`: an energon dataset -> latent shards (SP-folded halo windows), read
 back weights-only and used by training's shard source."""
+
 import io
 import tarfile
 
@@ -21,15 +22,30 @@ def setup(tmp_path_factory):
     prepare_dataset(root / "src", root / "ds")
     torch.manual_seed(0)
     vae = CausalVideoVAE(3, 4, 8)
-    torch.save({"state_dict": vae.state_dict(), "latent_scale": 0.5,
-                "key": {"latent_channels": 4, "base_channels": 8}}, root / "vae.pt")
-    cfg = load_config(None, [f"data.path={root / 'ds'}", "data.source=energon", f"vae.weights={root / 'vae.pt'}",
-                             "vae.base_channels=8", "vae.latent_channels=4"])
+    torch.save(
+        {
+            "state_dict": vae.state_dict(),
+            "latent_scale": 0.5,
+            "key": {"latent_channels": 4, "base_channels": 8},
+        },
+        root / "vae.pt",
+    )
+    cfg = load_config(
+        None,
+        [
+            f"data.path={root / 'ds'}",
+            "data.source=energon",
+            f"vae.weights={root / 'vae.pt'}",
+            "vae.base_channels=8",
+            "vae.latent_channels=4",
+        ],
+    )
     return root, cfg, vae.eval()
 
 
 def _decode(path):
     import av
+
     with av.open(str(path)) as c:
         x = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in c.decode(video=0)])
     return (x.float() / 127.5 - 1).permute(3, 0, 1, 2)
@@ -47,11 +63,23 @@ def test_precomputed_latents_equal_full_encoding(setup, sp):
         with torch.no_grad():
             ref = vae.encode(_decode(root / "src" / src)[None])[0]
         assert s["latent"].shape == (4, 8, 4, 4)
-        assert torch.allclose(s["latent"], ref, atol=1e-5, rtol=0)   # float32, SP-folded windows
-        assert s["meta"]["sp_size"] == sp and s["caption"] == (root / "src" / src).with_suffix(".txt").read_text()
+        assert torch.allclose(s["latent"], ref, atol=1e-5, rtol=0)  # float32, SP-folded windows
+        assert (
+            s["meta"]["sp_size"] == sp
+            and s["caption"] == (root / "src" / src).with_suffix(".txt").read_text()
+        )
     # training reads the form: the shard source keeps this rank's latent frames, scaled
-    tcfg = load_config(None, ["data.source=shards", f"data.shards={out}", f"vae.weights={root / 'vae.pt'}",
-                              "vae.base_channels=8", "vae.latent_channels=4", "train.micro_batch_size=1"])
+    tcfg = load_config(
+        None,
+        [
+            "data.source=shards",
+            f"data.shards={out}",
+            f"vae.weights={root / 'vae.pt'}",
+            "vae.base_channels=8",
+            "vae.latent_channels=4",
+            "train.micro_batch_size=1",
+        ],
+    )
     bm = BatchMaker(tcfg, vae=None, latent_scale=0.5, cp_rank=0, cp_size=1, dp_rank=0, dp_size=1)
     mb = bm.micro_batch(0, 0)
     assert mb.clean is not None and torch.isfinite(mb.clean).all()
@@ -61,6 +89,7 @@ def test_latent_pth_entries_are_weights_only(setup, tmp_path):
     class Evil:
         def __reduce__(self):
             return (print, ("pwned",))
+
     buf = io.BytesIO()
     torch.save({"latent": torch.zeros(1), "x": Evil()}, buf)
     shard = tmp_path / "evil.tar"

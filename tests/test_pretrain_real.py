@@ -8,6 +8,7 @@ same weights), save at 10 -> resume equals the uninterrupted run, TP2 x CP2 equa
 evaluation runs. The documented lines' required flags and the model's ``pg_collection`` are
 checked in every environment.
 """
+
 import importlib.util
 import os
 import re
@@ -26,12 +27,19 @@ SHIM = ROOT / "megatron_video" / "testing" / "megatron_training_cpu.py"
 HAVE_TRAINING = importlib.util.find_spec("megatron.training") is not None
 real = pytest.mark.skipif(
     not HAVE_TRAINING,
-    reason="megatron.training not available (megatron-core 0.16.1 wheel ships no megatron/training/)")
+    reason="megatron.training not available (megatron-core 0.16.1 wheel ships no megatron/training/)",
+)
 # what megatron-core 0.19's pretrain() needs on every launch line (docs/launch.md)
-REQUIRED_FLAGS = ("--eval-interval", "--tokenizer-type", "--vocab-size", "--seq-length",
-                  "--micro-batch-size", "--train-iters")
+REQUIRED_FLAGS = (
+    "--eval-interval",
+    "--tokenizer-type",
+    "--vocab-size",
+    "--seq-length",
+    "--micro-batch-size",
+    "--train-iters",
+)
 REQUIRED_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-MEGATRON_SEED = 1234   # Megatron-LM's --seed default (the documented lines do not set it)
+MEGATRON_SEED = 1234  # Megatron-LM's --seed default (the documented lines do not set it)
 
 
 def launch_blocks(text: str) -> dict:
@@ -60,10 +68,10 @@ BLOCKS = launch_blocks(DOC.read_text())
 def test_documented_lines_carry_what_pretrain_requires(name):
     tokens = BLOCKS[name]
     check_launch_line(tokens)
-    for flag in REQUIRED_FLAGS:   # the check bites: each flag dropped is named
+    for flag in REQUIRED_FLAGS:  # the check bites: each flag dropped is named
         i = tokens.index(flag)
         with pytest.raises(ValueError, match=re.escape(flag)):
-            check_launch_line(tokens[:i] + tokens[i + 2:])
+            check_launch_line(tokens[:i] + tokens[i + 2 :])
     with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         check_launch_line(tokens[1:])
     assert {"cpu", "scaled", "tp2cp2", "stdit", "ar_dit"} <= set(BLOCKS)
@@ -83,23 +91,40 @@ def _provider_model():
 
     warnings.filterwarnings("ignore")
     cfg = load_config(str(ROOT / "examples/configs/video_dit_cp.yaml"))
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
-                              hierarchical_context_parallel_sizes=[2, 2])
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+    )
     try:
         m = cfg.model
         base = TransformerConfig(
-            num_layers=m.num_layers, hidden_size=m.hidden_size,
-            num_attention_heads=m.num_attention_heads, context_parallel_size=4,
-            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            context_parallel_size=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
             gradient_accumulation_fusion=False,
-            bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-            persist_layer_norm=False, apply_rope_fusion=False)
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+        )
         entry = MegatronLMEntry("examples/pretrain_video_dit.py", ("video_dit",))
         model = entry.model_provider(True, True, config=base, video_config=cfg)
         pgc = getattr(model, "pg_collection", "missing")
         has_pgc = importlib.util.find_spec("megatron.core.process_groups_config") is not None
-        ok_pgc = (pgc.cp is ps.get_context_parallel_group() and pgc.tp is
-                  ps.get_tensor_model_parallel_group()) if has_pgc else True
+        ok_pgc = (
+            (
+                pgc.cp is ps.get_context_parallel_group()
+                and pgc.tp is ps.get_tensor_model_parallel_group()
+            )
+            if has_pgc
+            else True
+        )
         on_cpu = model.cuda() is model and next(model.parameters()).device == torch.device("cpu")
         return has_pgc, ok_pgc, on_cpu
     finally:
@@ -113,15 +138,17 @@ def test_dit_provider_model_carries_pg_collection(pool4):
     for has_pgc, ok_pgc, on_cpu in pool4.run(_provider_model):
         assert ok_pgc and on_cpu
         if HAVE_TRAINING:
-            assert has_pgc   # megatron-core 0.19 has ProcessGroupCollection
+            assert has_pgc  # megatron-core 0.19 has ProcessGroupCollection
 
 
 # ------------------------------------------------------------------------------------------------
 # the real pretrain() runs
 # ------------------------------------------------------------------------------------------------
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| loss: ([0-9.Ee+-]+) \|")
-_EVAL = re.compile(r"validation loss at iteration (\d+)( on (?:validation|test) set)? \| "
-                   r"loss value: ([0-9.Ee+-]+)")
+_EVAL = re.compile(
+    r"validation loss at iteration (\d+)( on (?:validation|test) set)? \| "
+    r"loss value: ([0-9.Ee+-]+)"
+)
 
 
 def _free_port() -> int:
@@ -139,8 +166,14 @@ def _command(name: str, out: Path, *extra: str):
         env[k] = v
     assert tokens[0] == "torchrun"
     script = next(i for i, t in enumerate(tokens) if t.endswith(".py"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", *tokens[1:script], str(SHIM),
-           *tokens[script:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *tokens[1:script],
+        str(SHIM),
+        *tokens[script:],
+    ]
     if name not in ("dit", "llava"):
         cmd += BLOCKS[name]
     scaled = [str(out) if t == "OUT" else t for t in BLOCKS["scaled"]]
@@ -149,8 +182,14 @@ def _command(name: str, out: Path, *extra: str):
 
 def _run(name: str, out: Path, *extra: str) -> dict:
     cmd, env = _command(name, out, *extra)
-    env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "TORCH_GLOO_LAZY_INIT": "1", "PET_MASTER_PORT": str(_free_port())}
+    env = {
+        **os.environ,
+        **env,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_GLOO_LAZY_INIT": "1",
+        "PET_MASTER_PORT": str(_free_port()),
+    }
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     text = proc.stdout + proc.stderr
@@ -182,7 +221,7 @@ def test_dit_cp4_trains_and_evaluates(dit_cp4):
     _falls(dit_cp4["losses"], 20)
     evals = dit_cp4["evals"]
     assert [i for i, final, _ in evals if not final] == [10, 20]  # --eval-interval 10
-    assert sum(final for _, final, _ in evals) == 2               # validation and test sets
+    assert sum(final for _, final, _ in evals) == 2  # validation and test sets
 
 
 def _our_first_step(config_path, overrides):
@@ -241,7 +280,15 @@ def test_llava_cp4_trains_and_evaluates(tmp_path):
 @real
 @pytest.mark.parametrize("family", ["stdit", "ar_dit"])
 def test_other_dit_families(family, tmp_path):
-    run = _run(family, tmp_path / "run", "--train-iters", "5", "--save-interval", "5",
-               "--eval-interval", "5")
+    run = _run(
+        family,
+        tmp_path / "run",
+        "--train-iters",
+        "5",
+        "--save-interval",
+        "5",
+        "--eval-interval",
+        "5",
+    )
     _falls(run["losses"], 5)
     assert sum(final for _, final, _ in run["evals"]) == 2

@@ -4,6 +4,7 @@ atomic saves, non-finite steps, bitwise reruns, dead and hung ranks (docs/reliab
 Oracle for resharding: the same-layout continuation of the run that wrote the checkpoint (its
 next two losses; the second one depends on the restored Adam moments and LR schedule).
 """
+
 import math
 import os
 import pickle
@@ -19,11 +20,21 @@ from megatron_video.testing.configs import tiny_config
 CP4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
 OTHER_LAYOUTS = {
     "dp2_cp2_u2": dict(context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2),
-    "tp2_cp2_r2": dict(tensor_model_parallel_size=2, context_parallel_size=2, ulysses_size=1, ring_size=2,
-                       ranks_per_node=2),
+    "tp2_cp2_r2": dict(
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        ulysses_size=1,
+        ring_size=2,
+        ranks_per_node=2,
+    ),
     "cp4_ring_inner": dict(CP4, placement="ring_inner", ranks_per_node=4, ring_balance=False),
-    "pp2_cp2_u2": dict(pipeline_model_parallel_size=2, context_parallel_size=2, ulysses_size=2, ring_size=1,
-                       ranks_per_node=2),
+    "pp2_cp2_u2": dict(
+        pipeline_model_parallel_size=2,
+        context_parallel_size=2,
+        ulysses_size=2,
+        ring_size=1,
+        ranks_per_node=2,
+    ),
 }
 
 
@@ -52,7 +63,7 @@ def vae_dir(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 def _reshard(tmp):
     out = {}
-    t = _trainer(tmp, "reshard_src", **CP4)                       # DP1 x CP4 (U2 x R2)
+    t = _trainer(tmp, "reshard_src", **CP4)  # DP1 x CP4 (U2 x R2)
     try:
         for s in range(2):
             t.train_step(s)
@@ -107,14 +118,16 @@ def test_resume_under_another_layout(pool4, vae_dir):
         for name in OTHER_LAYOUTS:
             losses, gbs, dp = r[name]
             assert gbs == r["gbs"] == 4
-            if losses[0] is None:        # a first pipeline stage: no loss here
+            if losses[0] is None:  # a first pipeline stage: no loss here
                 assert name.startswith("pp")
                 continue
             for a, b in zip(same, losses):
                 assert math.isfinite(a) and abs(a - b) <= 1e-5 * abs(a), (name, same, losses)
     assert res[0]["dp2_cp2_u2"][2] == 2
-    steps, losses = zip(*res[3]["run"])             # the logging rank's metrics of the resumed job
-    assert steps == (2, 3) and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(res[3]["same"], losses))
+    steps, losses = zip(*res[3]["run"])  # the logging rank's metrics of the resumed job
+    assert steps == (2, 3) and all(
+        abs(a - b) <= 1e-5 * abs(a) for a, b in zip(res[3]["same"], losses)
+    )
     msgs = pool4.run(_refuse_shape, vae_dir)
     for m in msgs:
         assert "different model shape" in m and "model.hidden_size: checkpoint 48 vs job 32" in m, m
@@ -148,7 +161,7 @@ def _checkpoint_failures(tmp):
     from megatron_video.training import checkpoint as ckpt
 
     out = {}
-    t = _trainer(tmp, "ckfail")                                   # DP4
+    t = _trainer(tmp, "ckfail")  # DP4
     d = t.checkpoint_dir
     rank0 = dist.get_rank() == 0
     try:
@@ -162,6 +175,7 @@ def _checkpoint_failures(tmp):
         def crashing_save(state, path, *a, **k):
             Path(path, "__partial_0.distcp").write_bytes(b"half")
             raise RuntimeError("simulated crash while saving")
+
         dist_checkpointing.save = crashing_save
         try:
             with pytest.raises(RuntimeError, match="simulated crash"):
@@ -169,11 +183,16 @@ def _checkpoint_failures(tmp):
         finally:
             dist_checkpointing.save = real_save
         dist.barrier()
-        out["after_crash"] = (ckpt.latest_step(d), (d / "iter_0000002").exists(),
-                              (d / "iter_0000002.partial").exists())
+        out["after_crash"] = (
+            ckpt.latest_step(d),
+            (d / "iter_0000002").exists(),
+            (d / "iter_0000002.partial").exists(),
+        )
         out["resumed_step"] = t.load()
-        out["restored"] = all(torch.equal(before[k], v) for k, v in t.model.state_dict().items() if k in before)
-        t.save(2)                                                 # the next save clears the partial one
+        out["restored"] = all(
+            torch.equal(before[k], v) for k, v in t.model.state_dict().items() if k in before
+        )
+        t.save(2)  # the next save clears the partial one
         out["after_save"] = (ckpt.latest_step(d), (d / "iter_0000002.partial").exists())
         # a truncated tensor file
         p2 = d / "iter_0000002"
@@ -193,7 +212,10 @@ def _checkpoint_failures(tmp):
                 else:
                     torch.save({"step": _Payload(str(sentinel))}, p3 / name)
                 m = json.loads((p3 / "manifest.json").read_text())
-                m["files"][name] = {"bytes": (p3 / name).stat().st_size, "sha256": ckpt._sha256(p3 / name)}
+                m["files"][name] = {
+                    "bytes": (p3 / name).stat().st_size,
+                    "sha256": ckpt._sha256(p3 / name),
+                }
                 (p3 / "manifest.json").write_text(json.dumps(m))
             dist.barrier()
             out[name] = _raises(lambda: t.load())
@@ -211,12 +233,17 @@ def _checkpoint_failures(tmp):
 
 def test_atomic_save_corrupt_and_unsafe_checkpoints(pool4, vae_dir):
     for r in pool4.run(_checkpoint_failures, vae_dir):
-        assert r["after_crash"] == (1, False, True)   # the tracker still names the complete one
+        assert r["after_crash"] == (1, False, True)  # the tracker still names the complete one
         assert r["resumed_step"] == 1 and r["restored"]
         assert r["after_save"] == (2, False)
-        assert "is corrupt" in r["truncated"] and "does not match the manifest" in r["truncated"] \
-            or "refused on another rank" in r["truncated"], r["truncated"]
-        assert "not a valid tensor index" in r[".metadata"] and "posix.system" in r[".metadata"], r[".metadata"]
+        assert (
+            "is corrupt" in r["truncated"]
+            and "does not match the manifest" in r["truncated"]
+            or "refused on another rank" in r["truncated"]
+        ), r["truncated"]
+        assert "not a valid tensor index" in r[".metadata"] and "posix.system" in r[".metadata"], r[
+            ".metadata"
+        ]
         assert "not weights-only" in r["common.pt"], r["common.pt"]
         assert not r[".metadata_executed"] and not r["common.pt_executed"]
         assert "latest_checkpointed_iteration.txt" in r["tracker"] and "'release'" in r["tracker"]
@@ -232,7 +259,7 @@ def _nonfinite(tmp, policy):
 
     from megatron_video.training.trainer import NonFiniteError
 
-    t = _trainer(tmp, f"nan_{policy}")                             # DP4: rank 2 alone sees the NaN
+    t = _trainer(tmp, f"nan_{policy}")  # DP4: rank 2 alone sees the NaN
     t.config.train.steps, t.config.train.save = 4, True
     t.config.train.nonfinite_policy = "skip" if policy.startswith("skip") else policy
     t.config.train.max_skipped_steps = 1 if policy == "skip1" else 10
@@ -247,39 +274,52 @@ def _nonfinite(tmp, policy):
     def poisoned_loss(out, mb):
         value = loss(out, mb)
         return value * float("nan") if rank == 2 and state["step"] == 1 else value
+
     forward_backward = t.forward_backward
 
-    def poisoned_grad(step):          # step 2: a finite loss, one infinite gradient on rank 1 only
+    def poisoned_grad(step):  # step 2: a finite loss, one infinite gradient on rank 1 only
         loss = forward_backward(step)
         if rank == 1 and step == 2:
             next(iter(t.model.parameters())).main_grad.view(-1)[0] = float("inf")
         return loss
+
     t.train_step, t.objective.loss, t.forward_backward = tracking_step, poisoned_loss, poisoned_grad
     try:
         if policy in ("stop", "skip1"):
             with pytest.raises(NonFiniteError) as e:
                 t.run()
-            metrics = json.loads((Path(t.config.output) / "metrics.json").read_text()) if t.is_logger else None
+            metrics = (
+                json.loads((Path(t.config.output) / "metrics.json").read_text())
+                if t.is_logger
+                else None
+            )
             from megatron_video.training import checkpoint as ckpt
+
             return str(e.value), metrics, ckpt.latest_step(t.checkpoint_dir)
         metrics = t.run()
-        return metrics.get("nonfinite_steps"), [(h["loss"], h["nonfinite"], h["skipped_total"])
-                                               for h in metrics.get("history", [])]
+        return metrics.get("nonfinite_steps"), [
+            (h["loss"], h["nonfinite"], h["skipped_total"]) for h in metrics.get("history", [])
+        ]
     finally:
         t.close()
 
 
 def test_nonfinite_skip_and_stop(pool4, vae_dir):
     for r, (count, history) in enumerate(pool4.run(_nonfinite, vae_dir, "skip")):
-        if r != 3:                                  # the logging rank writes the metrics
+        if r != 3:  # the logging rank writes the metrics
             continue
         assert count == 2
         assert [h[1] for h in history] == [False, True, True, False]
         assert [h[2] for h in history] == [0, 1, 2, 2]
-        assert math.isnan(history[1][0]) and all(math.isfinite(h[0]) for h in (history[0], *history[2:]))
+        assert math.isnan(history[1][0]) and all(
+            math.isfinite(h[0]) for h in (history[0], *history[2:])
+        )
     for r, (msg, metrics, latest) in enumerate(pool4.run(_nonfinite, vae_dir, "stop")):
-        assert msg.startswith("step 1: non-finite loss or gradient") and "nonfinite_policy is 'stop'" in msg
-        assert "iter_0000001" in msg and latest == 1   # the state before the bad step
+        assert (
+            msg.startswith("step 1: non-finite loss or gradient")
+            and "nonfinite_policy is 'stop'" in msg
+        )
+        assert "iter_0000001" in msg and latest == 1  # the state before the bad step
         if r == 3:
             assert metrics["nonfinite_steps"] == 1 and metrics["steps"] == 2
     # skip with max_skipped_steps=1: the first bad step passes, the second in a row stops the job
@@ -299,7 +339,7 @@ def _faulty_train(config, heartbeat):
 
     rank = int(os.environ["RANK"])
     Path(config.output).mkdir(parents=True, exist_ok=True)
-    helper = subprocess.Popen(["sleep", "600"])          # like the checkpoint writer's helpers
+    helper = subprocess.Popen(["sleep", "600"])  # like the checkpoint writer's helpers
     Path(config.output, f"pid{rank}").write_text(f"{os.getpid()} {helper.pid}")
     fault = Path(config.output, "fault").read_text()
 
@@ -309,6 +349,7 @@ def _faulty_train(config, heartbeat):
             if fault == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(3600)
+
     train(config, heartbeat=beat)
 
 
@@ -324,7 +365,7 @@ def _gone(pid: int) -> bool:
 def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
     from megatron_video.training.launch import launch
 
-    cfg = tiny_config("ar_dit", vae_dir, ranks_per_node=2)        # DP4
+    cfg = tiny_config("ar_dit", vae_dir, ranks_per_node=2)  # DP4
     cfg.output = str(tmp_path / fault)
     cfg.train.steps, cfg.train.rank_timeout_s = 4, 15.0
     Path(cfg.output).mkdir()
@@ -337,14 +378,19 @@ def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
     if fault == "die":
         # Racy under load: a peer may raise on the broken gloo connection (exit 1) before the
         # launcher sees rank 2's SIGKILL; either way the job ends, non-zero, naming a rank.
-        assert ((code == 128 + signal.SIGKILL and "rank 2 exited with code -9 at step 1" in err)
-                or (code == 1 and "exited with code 1" in err)), err[-2000:]
+        assert (code == 128 + signal.SIGKILL and "rank 2 exited with code -9 at step 1" in err) or (
+            code == 1 and "exited with code 1" in err
+        ), err[-2000:]
     else:
-        assert code == 1 and "rank(s) [2] made no progress for 15 s" in err and "at step 1" in err, err[-2000:]
+        assert (
+            code == 1 and "rank(s) [2] made no progress for 15 s" in err and "at step 1" in err
+        ), err[-2000:]
         assert took < 240
     time.sleep(0.5)
     pids = [int(p) for r in range(4) for p in Path(cfg.output, f"pid{r}").read_text().split()]
-    assert len(pids) == 8 and all(_gone(p) for p in pids), "no rank or helper may outlive the launcher"
+    assert len(pids) == 8 and all(_gone(p) for p in pids), (
+        "no rank or helper may outlive the launcher"
+    )
 
 
 def test_torchrun_process_group_timeout_is_the_rank_timeout(monkeypatch):
@@ -357,6 +403,7 @@ def test_torchrun_process_group_timeout_is_the_rank_timeout(monkeypatch):
     def fake_init(timeout_s):
         seen.append(timeout_s)
         raise RuntimeError("stop here")
+
     monkeypatch.setattr(trainer, "init_distributed", fake_init)
     cfg = tiny_config("ar_dit", "/nonexistent")
     cfg.train.rank_timeout_s = 42.0

@@ -7,6 +7,7 @@ so it shares no layout or communication code with the layer. Compared: outputs, 
 (hidden states, conditioning, text) and parameter gradients summed over ranks; plus the traced
 communication per block and AdaLN-zero identity at initialisation.
 """
+
 import functools
 
 import pytest
@@ -31,8 +32,8 @@ def _oracle_b(video, rank, P):
     b, t, n = video.shape[:3]
     m = -(-n // P)
     out = torch.zeros((b, m, t) + tuple(video.shape[3:]), dtype=video.dtype)
-    chunk = video[:, :, rank * m:(rank + 1) * m].transpose(1, 2)
-    out[:, :chunk.shape[1]] = chunk
+    chunk = video[:, :, rank * m : (rank + 1) * m].transpose(1, 2)
+    out[:, : chunk.shape[1]] = chunk
     return out
 
 
@@ -44,14 +45,20 @@ def _transition_cases():
     groups = {2: pairs[me // 2], 4: dist.new_group(list(range(world)))}
     for P, group in groups.items():
         r = dist.get_rank(group)
-        for t, n, extra, dtype in [(P, 6, (), torch.float64), (2 * P, 5, (3,), torch.float64),
-                                   (P, 3, (2, 2), torch.bfloat16), (2 * P, 8, (4,), torch.float32),
-                                   (P, 1, (), torch.float64)]:
+        for t, n, extra, dtype in [
+            (P, 6, (), torch.float64),
+            (2 * P, 5, (3,), torch.float64),
+            (P, 3, (2, 2), torch.bfloat16),
+            (2 * P, 8, (4,), torch.float32),
+            (P, 1, (), torch.float64),
+        ]:
             gen = torch.Generator().manual_seed(1000 * P + 10 * t + n)  # same video on every rank
             video = torch.randn((2, t, n) + extra, generator=gen).to(dtype)
             tl = t // P
-            xa = video[:, r * tl:(r + 1) * tl].clone().requires_grad_(True)
-            weight = torch.randn(_oracle_b(video, r, P).shape, generator=gen.manual_seed(r)).to(dtype)
+            xa = video[:, r * tl : (r + 1) * tl].clone().requires_grad_(True)
+            weight = torch.randn(_oracle_b(video, r, P).shape, generator=gen.manual_seed(r)).to(
+                dtype
+            )
             with CommTracer() as tr:
                 xb = frames_to_positions(xa, group, t, n)
                 back = positions_to_frames(xb.detach(), group, t, n)
@@ -62,26 +69,38 @@ def _transition_cases():
             for q in range(P):
                 wq = torch.randn(weight.shape, generator=gen.manual_seed(q)).to(dtype)
                 k = min(m, max(0, n - q * m))
-                gfull[:, :, q * m:q * m + k] += wq[:, :k].transpose(1, 2)
-            results.append(dict(
-                case=(P, t, n, extra, str(dtype)),
-                b_ok=torch.equal(xb.detach(), _oracle_b(video, r, P)),
-                roundtrip_ok=torch.equal(back, xa.detach()),
-                grad_ok=torch.equal(xa.grad, gfull[:, r * tl:(r + 1) * tl]),
-                # one per transition forward; the backward of frames_to_positions is one more
-                a2a=(tr.count("all_to_all", "fwd", tag="stdit.frames_to_positions"),
-                     tr.count("all_to_all", "fwd", tag="stdit.positions_to_frames"),
-                     tr.count("all_to_all", "bwd", tag="stdit.frames_to_positions"),
-                     tr.count("all_to_all")),
-                p2p=tr.count("send")))
+                gfull[:, :, q * m : q * m + k] += wq[:, :k].transpose(1, 2)
+            results.append(
+                dict(
+                    case=(P, t, n, extra, str(dtype)),
+                    b_ok=torch.equal(xb.detach(), _oracle_b(video, r, P)),
+                    roundtrip_ok=torch.equal(back, xa.detach()),
+                    grad_ok=torch.equal(xa.grad, gfull[:, r * tl : (r + 1) * tl]),
+                    # one per transition forward; the backward of frames_to_positions is one more
+                    a2a=(
+                        tr.count("all_to_all", "fwd", tag="stdit.frames_to_positions"),
+                        tr.count("all_to_all", "fwd", tag="stdit.positions_to_frames"),
+                        tr.count("all_to_all", "bwd", tag="stdit.frames_to_positions"),
+                        tr.count("all_to_all"),
+                    ),
+                    p2p=tr.count("send"),
+                )
+            )
         # images: sharded by sample, no communication
         img = torch.randn(2, 1, 5, 3)
         with CommTracer() as tr:
             ib = frames_to_positions(img, group, 1, 5)
             ia = positions_to_frames(ib, group, 1, 5)
-        results.append(dict(case=(P, "image"), b_ok=torch.equal(ib, img.transpose(1, 2)),
-                            roundtrip_ok=torch.equal(ia, img), grad_ok=True,
-                            a2a=(0, 0, 0, tr.count("all_to_all")), p2p=len(tr.events)))
+        results.append(
+            dict(
+                case=(P, "image"),
+                b_ok=torch.equal(ib, img.transpose(1, 2)),
+                roundtrip_ok=torch.equal(ia, img),
+                grad_ok=True,
+                a2a=(0, 0, 0, tr.count("all_to_all")),
+                p2p=len(tr.events),
+            )
+        )
     # errors: wrong local shape (ValueError before any collective); shapes differing across ranks
     errors = []
     try:
@@ -129,13 +148,14 @@ def oracle_block(P, x, c, ctx, ctx_mask, thw, has_full, hkv):
     b, t, n, _ = x.shape
     g = H // hkv
     subs = (["full"] if has_full else []) + ["spatial", "cross", "temporal", "mlp"]
-    mods = (F.silu(c) @ P["modulation.linear_down.weight"].T) @ P["modulation.linear_up.weight"].T \
-        + P["modulation.linear_up.bias"]
+    mods = (F.silu(c) @ P["modulation.linear_down.weight"].T) @ P[
+        "modulation.linear_up.weight"
+    ].T + P["modulation.linear_up.bias"]
     mods = mods.chunk(3 * len(subs), dim=-1)
-    angles = rope_3d_angles(thw, HD)                                    # [t*n, HD/2]
+    angles = rope_3d_angles(thw, HD)  # [t*n, HD/2]
 
     def qkv(pre, y):
-        m = (y.reshape(b, t * n, D) @ P[pre + ".linear_qkv.weight"].T + P[pre + ".linear_qkv.bias"])
+        m = y.reshape(b, t * n, D) @ P[pre + ".linear_qkv.weight"].T + P[pre + ".linear_qkv.bias"]
         m = m.view(b, t * n, hkv, g + 2, HD)
         q, k, v = m[..., :g, :].reshape(b, t * n, H, HD), m[..., g, :], m[..., g + 1, :]
         q = apply_rope(_rms(q, P[pre + ".q_layernorm.weight"]), angles)
@@ -143,26 +163,33 @@ def oracle_block(P, x, c, ctx, ctx_mask, thw, has_full, hkv):
         return q, k, v
 
     def proj(pre, o):
-        return o.reshape(b, t, n, H * HD) @ P[pre + ".linear_proj.weight"].T + P[pre + ".linear_proj.bias"]
+        return (
+            o.reshape(b, t, n, H * HD) @ P[pre + ".linear_proj.weight"].T
+            + P[pre + ".linear_proj.bias"]
+        )
 
     for i, name in enumerate(subs):
-        shift, scale, gate = (m[:, None, None, :] for m in mods[3 * i:3 * i + 3])
+        shift, scale, gate = (m[:, None, None, :] for m in mods[3 * i : 3 * i + 3])
         y = F.layer_norm(x, (D,), eps=1e-5) * (1 + scale) + shift
         if name == "full":
             out = proj("full_attention", _softmax_attention(*qkv("full_attention", y)))
-        elif name == "spatial":   # each frame on its own
+        elif name == "spatial":  # each frame on its own
             q, k, v = (z.reshape(b * t, n, z.shape[2], HD) for z in qkv("spatial_attention", y))
             out = proj("spatial_attention", _softmax_attention(q, k, v))
         elif name == "temporal":  # each position on its own
-            q, k, v = (z.reshape(b, t, n, z.shape[2], HD).transpose(1, 2).reshape(b * n, t, z.shape[2], HD)
-                       for z in qkv("temporal_attention", y))
+            q, k, v = (
+                z.reshape(b, t, n, z.shape[2], HD).transpose(1, 2).reshape(b * n, t, z.shape[2], HD)
+                for z in qkv("temporal_attention", y)
+            )
             o = _softmax_attention(q, k, v).reshape(b, n, t, H, HD).transpose(1, 2)
             out = proj("temporal_attention", o)
         elif name == "cross":
             pre = "cross_attention"
-            q = (y.reshape(b, t * n, D) @ P[pre + ".linear_q.weight"].T + P[pre + ".linear_q.bias"])
+            q = y.reshape(b, t * n, D) @ P[pre + ".linear_q.weight"].T + P[pre + ".linear_q.bias"]
             q = _rms(q.view(b, t * n, H, HD), P[pre + ".q_layernorm.weight"])
-            kv = (ctx @ P[pre + ".linear_kv.weight"].T + P[pre + ".linear_kv.bias"]).view(b, L, hkv, 2, HD)
+            kv = (ctx @ P[pre + ".linear_kv.weight"].T + P[pre + ".linear_kv.bias"]).view(
+                b, L, hkv, 2, HD
+            )
             k, v = _rms(kv[..., 0, :], P[pre + ".k_layernorm.weight"]), kv[..., 1, :]
             out = proj(pre, _softmax_attention(q, k, v, ctx_mask[:, None, None, :]))
         else:
@@ -182,11 +209,25 @@ def _config(hkv, **kw):
     kw.setdefault("num_layers", 1)
     kw.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
     return TransformerConfig(
-        **kw, hidden_size=D, num_attention_heads=H, num_query_groups=hkv, kv_channels=HD,
-        ffn_hidden_size=FFN, use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, qk_layernorm=True, add_bias_linear=True,
-        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5)
+        **kw,
+        hidden_size=D,
+        num_attention_heads=H,
+        num_query_groups=hkv,
+        kv_channels=HD,
+        ffn_hidden_size=FFN,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        qk_layernorm=True,
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_epsilon=1e-5,
+    )
 
 
 def _inputs(case):
@@ -197,7 +238,7 @@ def _inputs(case):
     c = torch.randn(b, D, generator=gen, dtype=torch.float64)
     ctx = torch.randn(b, L, DC, generator=gen, dtype=torch.float64)
     ctx_mask = torch.ones(b, L, dtype=torch.bool)
-    ctx_mask[0, 3:] = False                       # padded text in sample 0
+    ctx_mask[0, 3:] = False  # padded text in sample 0
     upstream = torch.randn(b, t, h * w, D, generator=gen, dtype=torch.float64)
     return x, c, ctx, ctx_mask, upstream
 
@@ -210,15 +251,22 @@ def _build(case):
 
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    spec = get_stdit_layer_spec(case["variant"], full_attention_layers=(1,) if case["full"] else (),
-                                lora_rank=LORA, context_dim=DC)
+    spec = get_stdit_layer_spec(
+        case["variant"],
+        full_attention_layers=(1,) if case["full"] else (),
+        lora_rank=LORA,
+        context_dim=DC,
+    )
     layer = build_module(spec, config=_config(case["hkv"]), layer_number=1)
     if case.get("perturb", True):
         # random parameters everywhere (so no gradient is trivially zero), drawn at full size and
         # sliced to this TP rank's shard: every TP degree gets the same full weights
         from megatron.core import parallel_state as ps
 
-        tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        tp_size, tp_rank = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+        )
         gen = torch.Generator().manual_seed(99)
         with torch.no_grad():
             for name, p in layer.named_parameters():
@@ -226,7 +274,9 @@ def _build(case):
                 shape = list(p.shape)
                 if sharded:
                     shape[p.partition_dim] *= tp_size
-                full = (1.0 if name.endswith("layernorm.weight") else 0.0) + 0.3 * torch.randn(shape, generator=gen)
+                full = (1.0 if name.endswith("layernorm.weight") else 0.0) + 0.3 * torch.randn(
+                    shape, generator=gen
+                )
                 p.copy_(full.chunk(tp_size, dim=p.partition_dim)[tp_rank] if sharded else full)
     return layer.to(case["dtype"])
 
@@ -240,34 +290,47 @@ def _run_block(layer, case, groups_rank, cp_size):
     x, c, ctx, ctx_mask, up = _inputs(case)
     geo = VideoGeometry(case["t"], case["h"], case["w"])
     r, P = groups_rank, cp_size
-    if geo.is_image:   # images: this rank's samples
+    if geo.is_image:  # images: this rank's samples
         k = case["b"] // P
         sl = slice(r * k, (r + 1) * k)
         x, c, ctx, ctx_mask, up = x[sl], c[sl], ctx[sl], ctx_mask[sl], up[sl]
-    else:              # layout A: this rank's frames
+    else:  # layout A: this rank's frames
         tl = case["t"] // P
-        x, up = x[:, r * tl:(r + 1) * tl], up[:, r * tl:(r + 1) * tl]
+        x, up = x[:, r * tl : (r + 1) * tl], up[:, r * tl : (r + 1) * tl]
     b = x.shape[0]
     hidden = x.reshape(b, -1, D).transpose(0, 1).to(dtype).requires_grad_(True)
     cond = c.to(dtype).requires_grad_(True)
     text = ctx.transpose(0, 1).to(dtype).requires_grad_(True)
     with CommTracer() as tr:
-        out = layer(hidden, params=DiTParams(conditioning=cond, geometry=geo), context=text,
-                    context_mask=ctx_mask)
-        out, ctx_out = out if isinstance(out, tuple) else (out, text)  # a layer returns (h, context)
+        out = layer(
+            hidden,
+            params=DiTParams(conditioning=cond, geometry=geo),
+            context=text,
+            context_mask=ctx_mask,
+        )
+        out, ctx_out = (
+            out if isinstance(out, tuple) else (out, text)
+        )  # a layer returns (h, context)
         (out * up.reshape(b, -1, D).transpose(0, 1).to(dtype)).sum().backward()
     grads = {n: p.grad.double().clone() for n, p in layer.named_parameters()}
     comm = {
-        "a2a_fwd": tr.count("all_to_all", "fwd"), "a2a_bwd": tr.count("all_to_all", "bwd"),
+        "a2a_fwd": tr.count("all_to_all", "fwd"),
+        "a2a_bwd": tr.count("all_to_all", "bwd"),
         "transition_fwd": tr.count("all_to_all", "fwd", tag="stdit."),
         "transition_bwd": tr.count("all_to_all", "bwd", tag="stdit."),
         "p2p": tr.count("send"),
         "tags": sorted({e.tag for e in tr.events if e.op == "all_to_all"}),
     }
-    return dict(out=out.detach().double().transpose(0, 1), dx=hidden.grad.double().transpose(0, 1),
-                dc=cond.grad.double(), dctx=text.grad.double().transpose(0, 1), grads=grads,
-                comm=comm, ctx_same=ctx_out is text,
-                params={n: p.detach().double().clone() for n, p in layer.named_parameters()})
+    return dict(
+        out=out.detach().double().transpose(0, 1),
+        dx=hidden.grad.double().transpose(0, 1),
+        dc=cond.grad.double(),
+        dctx=text.grad.double().transpose(0, 1),
+        grads=grads,
+        comm=comm,
+        ctx_same=ctx_out is text,
+        params={n: p.detach().double().clone() for n, p in layer.named_parameters()},
+    )
 
 
 def _cp4_case(case):
@@ -287,8 +350,18 @@ def _cp4_stack_and_errors():
         return _layer_errors(), stack
 
 
-STACK_CASE = dict(name="transformer_block", variant="hybrid", full=False, t=4, h=2, w=3, b=2, hkv=H,
-                  dtype=torch.float64, seed=11)
+STACK_CASE = dict(
+    name="transformer_block",
+    variant="hybrid",
+    full=False,
+    t=4,
+    h=2,
+    w=3,
+    b=2,
+    hkv=H,
+    dtype=torch.float64,
+    seed=11,
+)
 
 
 def _transformer_block_case(groups, recompute):
@@ -302,15 +375,27 @@ def _transformer_block_case(groups, recompute):
 
     model_parallel_cuda_manual_seed(1234)
     # recompute True: every layer checkpointed ("uniform"); "block": the first layer only
-    extra = dict(recompute_granularity="full", recompute_num_layers=1,
-                 recompute_method="block" if recompute == "block" else "uniform") if recompute else {}
+    extra = (
+        dict(
+            recompute_granularity="full",
+            recompute_num_layers=1,
+            recompute_method="block" if recompute == "block" else "uniform",
+        )
+        if recompute
+        else {}
+    )
     cfg = _config(H, num_layers=2, **extra)
-    spec = get_stdit_layer_spec("hybrid", full_attention_layers=(2,), lora_rank=LORA, context_dim=DC)
+    spec = get_stdit_layer_spec(
+        "hybrid", full_attention_layers=(2,), lora_rank=LORA, context_dim=DC
+    )
     block = VideoTransformerBlock(cfg, spec, post_layer_norm=False)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in block.named_parameters():
-            p.copy_((1.0 if name.endswith("layernorm.weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=gen))
+            p.copy_(
+                (1.0 if name.endswith("layernorm.weight") else 0.0)
+                + 0.3 * torch.randn(p.shape, generator=gen)
+            )
     block = block.double().train()
     return _run_block(block, STACK_CASE, groups.cp_rank, groups.cp_size)
 
@@ -325,11 +410,11 @@ def _layer_errors():
     layer = _build(good)
     hidden, cond = torch.zeros(6, 2, D, dtype=torch.float64), torch.zeros(2, D, dtype=torch.float64)
     attempts = [
-        dict(params=DiTParams(cond, VideoGeometry(6, 2, 3))),   # t % P != 0
-        dict(params=DiTParams(cond, VideoGeometry(8, 2, 3))),   # wrong s
-        dict(params=DiTParams(cond)),                           # no geometry
-        dict(params=None),                                      # no params
-        dict(params=DiTParams(None, VideoGeometry(4, 2, 3))),   # no conditioning
+        dict(params=DiTParams(cond, VideoGeometry(6, 2, 3))),  # t % P != 0
+        dict(params=DiTParams(cond, VideoGeometry(8, 2, 3))),  # wrong s
+        dict(params=DiTParams(cond)),  # no geometry
+        dict(params=None),  # no params
+        dict(params=DiTParams(None, VideoGeometry(4, 2, 3))),  # no conditioning
         # the old convention: conditioning in Megatron's attention_mask slot is refused
         dict(params=DiTParams(cond, VideoGeometry(4, 2, 3)), attention_mask=cond),
     ]
@@ -365,7 +450,7 @@ def _tp2_cp2_case(case):
     from megatron_video.models.dit_blocks import DiTSelfAttention
 
     cfg = _config(H)
-    cfg.qk_layernorm = False   # Megatron would not sum the QK-norm gradients over TP
+    cfg.qk_layernorm = False  # Megatron would not sum the QK-norm gradients over TP
     try:
         DiTSelfAttention(cfg)
     except ValueError as e:
@@ -380,7 +465,10 @@ def _single_process_cases(cases):
     from megatron_video.compat import initialize_model_parallel
 
     initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
-    return [_run_block(_build(case), case, 0, 1) for case in cases[dist.get_rank()::dist.get_world_size()]]
+    return [
+        _run_block(_build(case), case, 0, 1)
+        for case in cases[dist.get_rank() :: dist.get_world_size()]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,18 +476,97 @@ def _single_process_cases(cases):
 # ---------------------------------------------------------------------------------------------
 F64, BF16 = torch.float64, torch.bfloat16
 CASES = [
-    dict(name="hybrid_padded", variant="hybrid", full=False, t=4, h=2, w=3, b=2, hkv=H, dtype=F64, seed=1),
-    dict(name="hybrid_full_gqa", variant="hybrid", full=True, t=8, h=2, w=2, b=2, hkv=2, dtype=F64, seed=2),
-    dict(name="hybrid_full_bf16", variant="hybrid", full=True, t=4, h=2, w=3, b=2, hkv=H, dtype=BF16, seed=3),
-    dict(name="hybrid_images", variant="hybrid", full=True, t=1, h=2, w=3, b=4, hkv=H, dtype=F64, seed=4),
-    dict(name="cp_everywhere", variant="cp_everywhere", full=True, t=4, h=2, w=3, b=2, hkv=H, dtype=F64, seed=5),
-    dict(name="ulysses_everywhere", variant="ulysses_everywhere", full=True, t=4, h=2, w=3, b=2, hkv=H,
-         dtype=F64, seed=6),
-    dict(name="hybrid_init", variant="hybrid", full=True, t=4, h=2, w=3, b=2, hkv=H, dtype=F64, seed=7,
-         perturb=False),
+    dict(
+        name="hybrid_padded",
+        variant="hybrid",
+        full=False,
+        t=4,
+        h=2,
+        w=3,
+        b=2,
+        hkv=H,
+        dtype=F64,
+        seed=1,
+    ),
+    dict(
+        name="hybrid_full_gqa",
+        variant="hybrid",
+        full=True,
+        t=8,
+        h=2,
+        w=2,
+        b=2,
+        hkv=2,
+        dtype=F64,
+        seed=2,
+    ),
+    dict(
+        name="hybrid_full_bf16",
+        variant="hybrid",
+        full=True,
+        t=4,
+        h=2,
+        w=3,
+        b=2,
+        hkv=H,
+        dtype=BF16,
+        seed=3,
+    ),
+    dict(
+        name="hybrid_images",
+        variant="hybrid",
+        full=True,
+        t=1,
+        h=2,
+        w=3,
+        b=4,
+        hkv=H,
+        dtype=F64,
+        seed=4,
+    ),
+    dict(
+        name="cp_everywhere",
+        variant="cp_everywhere",
+        full=True,
+        t=4,
+        h=2,
+        w=3,
+        b=2,
+        hkv=H,
+        dtype=F64,
+        seed=5,
+    ),
+    dict(
+        name="ulysses_everywhere",
+        variant="ulysses_everywhere",
+        full=True,
+        t=4,
+        h=2,
+        w=3,
+        b=2,
+        hkv=H,
+        dtype=F64,
+        seed=6,
+    ),
+    dict(
+        name="hybrid_init",
+        variant="hybrid",
+        full=True,
+        t=4,
+        h=2,
+        w=3,
+        b=2,
+        hkv=H,
+        dtype=F64,
+        seed=7,
+        perturb=False,
+    ),
 ]
-SINGLE = [c for c in CASES if c["name"] in ("hybrid_padded", "hybrid_full_gqa", "hybrid_images",
-                                             "hybrid_full_bf16")]
+SINGLE = [
+    c
+    for c in CASES
+    if c["name"] in ("hybrid_padded", "hybrid_full_gqa", "hybrid_images", "hybrid_full_bf16")
+]
 
 
 def _oracle(case, params):
@@ -423,7 +590,9 @@ def _close(a, b, case, what, bf16_reference=None, partials=None):
     oracle as the same block run in bf16 on one process (``bf16_reference``), i.e. distributing adds
     no error beyond bf16's own; outputs and input gradients also within 3% outright."""
     if case["dtype"] == torch.float64:
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{case['name']} {what}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{case['name']} {what}: {m}"
+        )
         return
     err = _rel(a, b)
     if bf16_reference is not None:
@@ -437,7 +606,8 @@ def _close(a, b, case, what, bf16_reference=None, partials=None):
             extra = 4 * 2.0**-8 * size.item()
         assert err <= 2 * ref_err + 1e-2 + extra, (
             f"{case['name']} {what}: error {err:.3g} vs one-process bf16 {ref_err:.3g} "
-            f"(+ {extra:.3g} for the per-rank rounding of the partials)")
+            f"(+ {extra:.3g} for the per-rank rounding of the partials)"
+        )
     if "grad of" not in what:
         assert err < 3e-2, f"{case['name']} {what}: relative error {err:.3g}"
 
@@ -447,22 +617,48 @@ def _check_against_oracle(case, per_rank, cat_dim, single=None):
     ref_out, ref_dx, ref_dc, ref_dctx, ref_grads = _oracle(case, per_rank[0]["params"])
     image = case["t"] == 1
     sr = single or {}
-    _close(torch.cat([r["out"] for r in per_rank], dim=cat_dim), _flat(ref_out), case, "output", sr.get("out"))
-    _close(torch.cat([r["dx"] for r in per_rank], dim=cat_dim), _flat(ref_dx), case, "input grad", sr.get("dx"))
+    _close(
+        torch.cat([r["out"] for r in per_rank], dim=cat_dim),
+        _flat(ref_out),
+        case,
+        "output",
+        sr.get("out"),
+    )
+    _close(
+        torch.cat([r["dx"] for r in per_rank], dim=cat_dim),
+        _flat(ref_dx),
+        case,
+        "input grad",
+        sr.get("dx"),
+    )
     if image:  # conditioning and text are per sample: each rank's own samples
-        _close(torch.cat([r["dc"] for r in per_rank]), ref_dc, case, "conditioning grad", sr.get("dc"))
-        _close(torch.cat([r["dctx"] for r in per_rank]), ref_dctx, case, "text grad", sr.get("dctx"))
-    else:      # replicated inputs: partial gradients summed over ranks
+        _close(
+            torch.cat([r["dc"] for r in per_rank]), ref_dc, case, "conditioning grad", sr.get("dc")
+        )
+        _close(
+            torch.cat([r["dctx"] for r in per_rank]), ref_dctx, case, "text grad", sr.get("dctx")
+        )
+    else:  # replicated inputs: partial gradients summed over ranks
         _close(sum(r["dc"] for r in per_rank), ref_dc, case, "conditioning grad", sr.get("dc"))
         _close(sum(r["dctx"] for r in per_rank), ref_dctx, case, "text grad", sr.get("dctx"))
     assert set(ref_grads) == set(per_rank[0]["grads"])
     for name, ref in ref_grads.items():
-        _close(sum(r["grads"][name] for r in per_rank), ref, case, f"grad of {name}",
-               sr.get("grads", {}).get(name), partials=[r["grads"][name] for r in per_rank])
+        _close(
+            sum(r["grads"][name] for r in per_rank),
+            ref,
+            case,
+            f"grad of {name}",
+            sr.get("grads", {}).get(name),
+            partials=[r["grads"][name] for r in per_rank],
+        )
         # (one-frame temporal attention ignores q and k: their norms' gradients are truly zero)
-        trivially_zero = case["t"] == 1 and name.startswith("temporal_attention.") and "layernorm" in name
+        trivially_zero = (
+            case["t"] == 1 and name.startswith("temporal_attention.") and "layernorm" in name
+        )
         if case.get("perturb", True) and case["dtype"] == torch.float64 and not trivially_zero:
-            assert ref.abs().max() > 1e-6, f"{case['name']}: oracle grad of {name} is zero; weak test"
+            assert ref.abs().max() > 1e-6, (
+                f"{case['name']}: oracle grad of {name} is zero; weak test"
+            )
 
 
 def _flat(x):
@@ -483,7 +679,7 @@ def test_stdit_block_single_process_matches_oracle(single):
 
 
 def test_stdit_transformer_block_and_layer_errors_on_4_ranks(pool4):
-    out = pool4.run(_cp4_stack_and_errors)       # U=2 x R=2 over 2 simulated nodes
+    out = pool4.run(_cp4_stack_and_errors)  # U=2 x R=2 over 2 simulated nodes
     for errors in (o[0] for o in out):
         assert len(errors) == 6, errors
         assert "num_frames (6) must be divisible by cp_size (4)" in errors[0]
@@ -497,7 +693,7 @@ def test_stdit_transformer_block_and_layer_errors_on_4_ranks(pool4):
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4, single, case):
-    per_rank = pool4.run(_cp4_case, case)       # U=2 x R=2 over 2 simulated nodes
+    per_rank = pool4.run(_cp4_case, case)  # U=2 x R=2 over 2 simulated nodes
     cat_dim = 0 if case["t"] == 1 else 1
     if case.get("perturb", True):
         _check_against_oracle(case, per_rank, cat_dim, single.get(case["name"]))
@@ -507,7 +703,7 @@ def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4, single, cas
     for r in per_rank:
         assert r["ctx_same"]
         comm = r["comm"]
-        if case["t"] == 1:   # images run data-parallel over the CP group: no communication
+        if case["t"] == 1:  # images run data-parallel over the CP group: no communication
             assert comm["a2a_fwd"] == comm["a2a_bwd"] == comm["p2p"] == 0, (case["name"], comm)
         elif case["variant"] == "hybrid":
             # exactly 2 all-to-alls per block forward and backward outside the full attention,
@@ -517,7 +713,9 @@ def test_stdit_block_on_4_ranks_matches_single_process_oracle(pool4, single, cas
             assert comm["a2a_fwd"] == comm["a2a_bwd"] == 2 + full, (case["name"], comm)
             if not case["full"]:
                 assert comm["p2p"] == 0 and comm["tags"] == [
-                    "stdit.frames_to_positions", "stdit.positions_to_frames"], comm
+                    "stdit.frames_to_positions",
+                    "stdit.positions_to_frames",
+                ], comm
         elif case["variant"] == "ulysses_everywhere":  # 4 per attention x 3 attentions
             assert comm["a2a_fwd"] == comm["a2a_bwd"] == 12 and comm["p2p"] == 0, comm
             assert comm["transition_fwd"] == 0
@@ -530,8 +728,10 @@ def _check_transformer_block(stacks):
     """Layer 1 (no full attention) then layer 2 (with): oracle applied twice; recompute identical."""
     plain = [s[False] for s in stacks]
     params = plain[0]["params"]
-    layer_params = [{k[len(f"layers.{i}."):]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
-                    for i in range(2)]
+    layer_params = [
+        {k[len(f"layers.{i}.") :]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
+        for i in range(2)
+    ]
     assert any(k.startswith("full_attention.") for k in layer_params[1])
     assert not any(k.startswith("full_attention.") for k in layer_params[0])
     x, c, ctx, ctx_mask, up = _inputs(STACK_CASE)
@@ -542,7 +742,7 @@ def _check_transformer_block(stacks):
     thw = torch.stack([gidx // n, (gidx % n) // w, gidx % w], -1)
     y = x
     for i in range(2):
-        Pi = {k[len(f"layers.{i}."):]: v for k, v in P.items() if k.startswith(f"layers.{i}.")}
+        Pi = {k[len(f"layers.{i}.") :]: v for k, v in P.items() if k.startswith(f"layers.{i}.")}
         y = oracle_block(Pi, y, c, ctx, ctx_mask, thw, i == 1, H)
     (y * up).sum().backward()
     case = STACK_CASE
@@ -552,13 +752,14 @@ def _check_transformer_block(stacks):
     _close(sum(r["dctx"] for r in plain), ctx.grad, case, "block text grad")
     for name, p in P.items():
         _close(sum(r["grads"][name] for r in plain), p.grad, case, f"block grad of {name}")
-    for s in stacks:   # full activation recompute (uniform or block) changes nothing
+    for s in stacks:  # full activation recompute (uniform or block) changes nothing
         for rc in (True, "block"):
             for key in ("out", "dx", "dc", "dctx"):
                 torch.testing.assert_close(s[rc][key], s[False][key], rtol=1e-12, atol=1e-12)
             for name in P:
-                torch.testing.assert_close(s[rc]["grads"][name], s[False]["grads"][name],
-                                           rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(
+                    s[rc]["grads"][name], s[False]["grads"][name], rtol=1e-12, atol=1e-12
+                )
 
 
 def test_stdit_block_tp2_cp2_matches_oracle(pool4):
@@ -570,21 +771,24 @@ def test_stdit_block_tp2_cp2_matches_oracle(pool4):
     per_cp = []
     for c in sorted(by_cp):
         a, b = sorted(by_cp[c], key=lambda r: r["tp_rank"])
-        for key in ("out", "dx", "dc", "dctx"):   # activations are replicated over TP
+        for key in ("out", "dx", "dc", "dctx"):  # activations are replicated over TP
             assert torch.equal(a[key], b[key]), (c, key)
         grads = {}
         for n in a["grads"]:
             if n in a["sharded"]:
-                grads[n] = a["grads"][n]          # gathered over TP already
+                grads[n] = a["grads"][n]  # gathered over TP already
             elif "q_layernorm" in n or "k_layernorm" in n:
-                grads[n] = a["grads"][n] + b["grads"][n]   # per-head partials; Megatron sums over TP
+                grads[n] = a["grads"][n] + b["grads"][n]  # per-head partials; Megatron sums over TP
             else:
                 torch.testing.assert_close(a["grads"][n], b["grads"][n], rtol=1e-12, atol=1e-12)
                 grads[n] = a["grads"][n]
         per_cp.append(dict(a, grads=grads))
     assert len(per_cp) == 2 and "mlp.linear_fc1.weight" in per_cp[0]["sharded"]
-    assert all("config.qk_layernorm (False) must be True when tensor_model_parallel_size (2)"
-               in r.get("qk_error", "") for r in out)
+    assert all(
+        "config.qk_layernorm (False) must be True when tensor_model_parallel_size (2)"
+        in r.get("qk_error", "")
+        for r in out
+    )
     _check_against_oracle(case, per_cp, 1)
 
 

@@ -2,6 +2,7 @@
 
 The communicating A<->B transitions are tested on gloo ranks in ``tests/test_stdit.py`` (one pool).
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,8 +45,10 @@ def test_index_maps_match_first_principles_and_invert(P, tl, n):
         seen_a += ia.tolist()
         seen_b += ib[real].tolist()
     assert sorted(seen_a) == list(range(t * n)) == sorted(seen_b)  # each layout is a partition
-    assert L.padded_positions(n, P) - n == sum((L.layout_b_indices(r, t, n, P) < 0).sum().item()
-                                               for r in range(P)) // t
+    assert (
+        L.padded_positions(n, P) - n
+        == sum((L.layout_b_indices(r, t, n, P) < 0).sum().item() for r in range(P)) // t
+    )
 
 
 def test_shard_helpers_follow_the_index_maps():

@@ -6,6 +6,7 @@ tokens. A tiny plain-torch DiT (patch-token embed, time conditioning by adaLN, t
 attention through an injected function) is run once through the oracle and once per SP rank with
 ``dist_attention``; loss, per-rank predictions and SP-summed parameter gradients must agree.
 """
+
 import math
 
 import pytest
@@ -21,7 +22,7 @@ from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.testing.masks import teacher_forcing_oracle
 from megatron_video.testing.parallel import video_parallel
 
-B, F, S, NB, D_IN = 2, 8, 4, 2, 6          # batch, latent frames, tokens/frame, frames/block, token dim
+B, F, S, NB, D_IN = 2, 8, 4, 2, 6  # batch, latent frames, tokens/frame, frames/block, token dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ def rope(x, pos):
     """Rotary embedding over head_dim pairs by the temporal position of each token."""
     d = x.shape[-1]
     freqs = 1.0 / (100.0 ** (torch.arange(0, d, 2, dtype=x.dtype) / d))
-    ang = pos.to(x.dtype)[:, None] * freqs[None, :]                      # [L, d/2]
+    ang = pos.to(x.dtype)[:, None] * freqs[None, :]  # [L, d/2]
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
@@ -112,6 +113,7 @@ def dense_attention(allow):
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
         p = torch.softmax(s.masked_fill(~allow, float("-inf")), dim=-1)
         return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
     return fn
 
 
@@ -120,12 +122,14 @@ def oracle_loss_and_grads():
     clean, noise, t_blocks = make_data()
     model.attention = dense_attention(oracle_mask())
     frame = torch.arange(F).repeat_interleave(S)
-    t_tok = t_blocks[:, frame // NB]                                     # [B, F*S]
+    t_tok = t_blocks[:, frame // NB]  # [B, F*S]
     noisy = (1 - t_tok[..., None]) * clean + t_tok[..., None] * noise
     x = torch.cat([clean, noisy], dim=1)
     t = torch.cat([torch.zeros_like(t_tok), t_tok], dim=1)
-    pred = model(x, t, frame_positions=frame.repeat(2), token_ids=torch.arange(2 * F * S), mask=None)
-    loss = ((pred[:, F * S:] - (noise - clean)) ** 2).mean()             # mean over all loss tokens
+    pred = model(
+        x, t, frame_positions=frame.repeat(2), token_ids=torch.arange(2 * F * S), mask=None
+    )
+    loss = ((pred[:, F * S :] - (noise - clean)) ** 2).mean()  # mean over all loss tokens
     loss.backward()
     return loss.detach(), pred.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -175,9 +179,13 @@ def test_objective_validation():
     lay = BalancedSPLayout(F, S, NB, 1)
     obj = TeacherForcingObjective(lay)
     clean, noise, t_blocks = make_data()
-    with pytest.raises(ValueError, match=r"clean shape \(\(2, 16, 6\)\) must be \[B, F/P\*S = 32, D\]"):
+    with pytest.raises(
+        ValueError, match=r"clean shape \(\(2, 16, 6\)\) must be \[B, F/P\*S = 32, D\]"
+    ):
         obj(make_model(), clean[:, :16], noise=noise, block_timesteps=t_blocks)
-    with pytest.raises(ValueError, match=r"block_timesteps shape \(\(2, 3\)\) must be \[B, F/nb\] = \[2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"block_timesteps shape \(\(2, 3\)\) must be \[B, F/nb\] = \[2, 4\]"
+    ):
         obj(make_model(), clean, noise=noise, block_timesteps=t_blocks[:, :3])
     with pytest.raises(ValueError, match=r"requires layout.sp_size == 1, got 4"):
         TeacherForcingObjective(BalancedSPLayout(F, S, NB, 4))
@@ -194,7 +202,9 @@ def test_sampled_draws_and_local_frames():
     assert bool(((out.block_timesteps > 0) & (out.block_timesteps < 1)).all())
     lay4 = BalancedSPLayout(F, S, NB, 4, ring_size=2)
     for r in range(4):
-        want = torch.cat([clean[:, f * S:(f + 1) * S] for f in lay4.rank_frames(r).tolist()], dim=1)
+        want = torch.cat(
+            [clean[:, f * S : (f + 1) * S] for f in lay4.rank_frames(r).tolist()], dim=1
+        )
         assert torch.equal(local_frame_tokens(lay4, r, clean), want)
 
 
@@ -209,26 +219,45 @@ def _sp_case(U, R, balance, rpn):
         lay = BalancedSPLayout(F, S, NB, U * R, ring_size=R, ring_balance=balance)
         obj = TeacherForcingObjective(lay, groups)
         model = make_model()
-        model.attention = lambda q, k, v, mask: dist_attention(q, k, v, groups, mask=mask,
-                                                               scheme="contiguous")
+        model.attention = lambda q, k, v, mask: dist_attention(
+            q, k, v, groups, mask=mask, scheme="contiguous"
+        )
         clean, noise, t_blocks = make_data()
         r = groups.cp_rank
         with CommTracer() as tr:
-            out = obj(model, local_frame_tokens(lay, r, clean), noise=local_frame_tokens(lay, r, noise),
-                      block_timesteps=t_blocks)
+            out = obj(
+                model,
+                local_frame_tokens(lay, r, clean),
+                noise=local_frame_tokens(lay, r, noise),
+                block_timesteps=t_blocks,
+            )
             out.loss.backward()
-        grads = {n: comm.all_reduce(p.grad.clone(), groups.cp_group) for n, p in model.named_parameters()}
+        grads = {
+            n: comm.all_reduce(p.grad.clone(), groups.cp_group) for n, p in model.named_parameters()
+        }
         # sampled timesteps: SP rank 0's draw everywhere, whatever each rank's generator says
-        t_sampled = obj.sample_block_timesteps(B, torch.Generator().manual_seed(100 + r), torch.float64)
-        return dict(rank=r, loss=out.loss_value, share=out.loss.detach(), pred=out.prediction.detach(),
-                    ids=lay.local_global_ids(r), n=out.num_loss_tokens, grads=grads,
-                    a2a=tr.count("all_to_all"), ring=tr.count("send"), t_sampled=t_sampled)
+        t_sampled = obj.sample_block_timesteps(
+            B, torch.Generator().manual_seed(100 + r), torch.float64
+        )
+        return dict(
+            rank=r,
+            loss=out.loss_value,
+            share=out.loss.detach(),
+            pred=out.prediction.detach(),
+            ids=lay.local_global_ids(r),
+            n=out.num_loss_tokens,
+            grads=grads,
+            a2a=tr.count("all_to_all"),
+            ring=tr.count("send"),
+            t_sampled=t_sampled,
+        )
 
 
 # (U, R, ring_balance, ranks_per_node): pure Ulysses in one node; 2 nodes x 2 with and without
 # ring balancing; a pure ring
-@pytest.mark.parametrize("U,R,bal,rpn", [(4, 1, False, 4), (2, 2, True, 2), (2, 2, False, 2),
-                                         (1, 4, False, 1)])
+@pytest.mark.parametrize(
+    "U,R,bal,rpn", [(4, 1, False, 4), (2, 2, True, 2), (2, 2, False, 2), (1, 4, False, 1)]
+)
 def test_sp4_equals_sp1(pool4, oracle, U, R, bal, rpn):
     loss_ref, pred_ref, grads_ref = oracle
     per_rank = pool4.run(_sp_case, U, R, bal, rpn)

@@ -1,6 +1,7 @@
 """``megatron_video.testing``: the float64 oracles against torch's attention, the mask oracles
 against their rules, ``model_parallel`` set-up and tear-down, and the rules on test imports (no
 test module imports another; nothing outside ``megatron_video.testing`` imports it)."""
+
 import ast
 import socket
 import subprocess
@@ -22,8 +23,12 @@ def test_oracle_equals_sdpa_and_zeroes_dead_rows():
     allow = torch.rand(7, 9, generator=torch.Generator().manual_seed(1)) < 0.6
     allow[:, 0] = True
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
-        v.repeat_interleave(2, 2).transpose(1, 2), attn_mask=allow, scale=0.3).transpose(1, 2)
+        q.transpose(1, 2),
+        k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2),
+        attn_mask=allow,
+        scale=0.3,
+    ).transpose(1, 2)
     out, lse = softmax_attention(q, k, v, allow, 0.3, return_lse=True)
     assert out.dtype == torch.float64 and (out - ref).abs().max() < 1e-12
     allow[3] = False  # a row with no visible key: zeros, -inf, zero gradients, never NaN
@@ -32,8 +37,9 @@ def test_oracle_equals_sdpa_and_zeroes_dead_rows():
     assert torch.equal(out[:, 3], torch.zeros_like(out[:, 3])) and torch.isneginf(lse[..., 3]).all()
     assert torch.equal(dq[:, 3], torch.zeros_like(dq[:, 3]))
     assert not any(bool(t.isnan().any()) for t in (out, dq, dk, dv))
-    sb = softmax_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allow, 0.3,
-                           layout="sbhd")
+    sb = softmax_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allow, 0.3, layout="sbhd"
+    )
     assert (sb - out.transpose(0, 1).reshape(7, 2, 32)).abs().max() < 1e-12
     with pytest.raises(ValueError, match=r"layout \('bhsd'\)"):
         softmax_attention(q, k, v, layout="bhsd")
@@ -69,8 +75,9 @@ def test_model_parallel_sets_up_and_destroys_even_on_error():
 
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     try:
         with model_parallel(seed=3):
             assert ps.model_parallel_is_initialized()
@@ -87,12 +94,20 @@ def test_model_parallel_sets_up_and_destroys_even_on_error():
 
 
 def test_testing_imports_without_pytest_or_megatron():
-    code = ("import sys; import megatron_video.testing, megatron_video.testing.oracles, "
-            "megatron_video.testing.masks, megatron_video.testing.parallel, "
-            "megatron_video.testing.configs; "
-            "print(sorted(m for m in ('pytest', 'megatron', 'hypothesis') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys; import megatron_video.testing, megatron_video.testing.oracles, "
+        "megatron_video.testing.masks, megatron_video.testing.parallel, "
+        "megatron_video.testing.configs; "
+        "print(sorted(m for m in ('pytest', 'megatron', 'hypothesis') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
@@ -106,11 +121,19 @@ def _imports(path):
 
 def test_no_test_module_imports_another_and_only_testing_imports_testing():
     local = {p.stem for p in (ROOT / "tests").glob("*.py")}
-    bad = [(p.name, m) for p in sorted((ROOT / "tests").glob("*.py")) for m in _imports(p)
-           if m.split(".")[0] in local | {"tests"}]
+    bad = [
+        (p.name, m)
+        for p in sorted((ROOT / "tests").glob("*.py"))
+        for m in _imports(p)
+        if m.split(".")[0] in local | {"tests"}
+    ]
     assert not bad, f"test modules import other test modules (use megatron_video.testing): {bad}"
     pkg = ROOT / "megatron_video"
-    users = [(str(p.relative_to(ROOT)), m) for p in sorted(pkg.rglob("*.py"))
-             if "testing" not in p.relative_to(pkg).parts for m in _imports(p)
-             if m == "megatron_video.testing" or m.startswith("megatron_video.testing.")]
+    users = [
+        (str(p.relative_to(ROOT)), m)
+        for p in sorted(pkg.rglob("*.py"))
+        if "testing" not in p.relative_to(pkg).parts
+        for m in _imports(p)
+        if m == "megatron_video.testing" or m.startswith("megatron_video.testing.")
+    ]
     assert not users, f"library modules import megatron_video.testing: {users}"

@@ -1,4 +1,5 @@
 """Training configuration: YAML + overrides, and validation errors that name the field."""
+
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def test_shipped_configs_are_valid_on_4_ranks(path):
     cfg = load_config(path)
     if cfg.vae.weights is not None:  # relative to the YAML file, resolved on load
         assert Path(cfg.vae.weights).is_absolute()
-        cfg.vae.weights = None       # the shipped weights file is checked by the demo itself
+        cfg.vae.weights = None  # the shipped weights file is checked by the demo itself
     validate(cfg, 4)
     assert cfg.parallel.context_parallel_size == 4 and cfg.parallel.ranks_per_node == 2
 
@@ -34,65 +35,133 @@ def test_demo_config_is_the_issue_layout():
 
 
 def test_overrides_and_roundtrip(tmp_path):
-    cfg = load_config(None, ["train.steps=7", "vae.lr=2e-3", "model.patch_size=[1, 2, 2]",
-                             "parallel.ranks_per_node=2", "output=/tmp/x", "model.rope_theta=null"])
+    cfg = load_config(
+        None,
+        [
+            "train.steps=7",
+            "vae.lr=2e-3",
+            "model.patch_size=[1, 2, 2]",
+            "parallel.ranks_per_node=2",
+            "output=/tmp/x",
+            "model.rope_theta=null",
+        ],
+    )
     assert cfg.train.steps == 7 and cfg.vae.lr == 0.002 and isinstance(cfg.vae.lr, float)
-    assert cfg.model.patch_size == [1, 2, 2] and cfg.output == "/tmp/x" and cfg.model.rope_theta is None
+    assert (
+        cfg.model.patch_size == [1, 2, 2]
+        and cfg.output == "/tmp/x"
+        and cfg.model.rope_theta is None
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config_to_dict(cfg)))
     assert load_config(path) == cfg
     assert token_grid_of(cfg) == (8, 2, 2)
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"modle": {}}, r"unknown section\(s\) \['modle'\]"),
-    ({"train": {"stepz": 3}}, r"train: unknown field\(s\) \['stepz'\]"),
-    ({"vae": {"lr": "fast"}}, r"vae.lr \('fast'\) must be a number"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"modle": {}}, r"unknown section\(s\) \['modle'\]"),
+        ({"train": {"stepz": 3}}, r"train: unknown field\(s\) \['stepz'\]"),
+        ({"vae": {"lr": "fast"}}, r"vae.lr \('fast'\) must be a number"),
+    ],
+)
 def test_unknown_or_mistyped_keys(data, message):
     with pytest.raises(ValueError, match=message):
         config_from_dict(data)
 
 
 def test_bad_override_syntax():
-    with pytest.raises(ValueError, match=r"override \('train.steps'\) must look like section.key=value"):
+    with pytest.raises(
+        ValueError, match=r"override \('train.steps'\) must look like section.key=value"
+    ):
         load_config(None, ["train.steps"])
     with pytest.raises(ValueError, match=r"config \('nope.yaml'\) must be an existing YAML file"):
         load_config("nope.yaml")
 
 
-AR4 = ["parallel.context_parallel_size=4", "parallel.ulysses_size=2", "parallel.ring_size=2",
-       "parallel.ranks_per_node=2"]
+AR4 = [
+    "parallel.context_parallel_size=4",
+    "parallel.ulysses_size=2",
+    "parallel.ring_size=2",
+    "parallel.ranks_per_node=2",
+]
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["data.num_frames=30"], 1, r"data.num_frames \(30\) must be 1 \+ 4k"),
-    (["data.height=36"], 1, r"data.height \(36\) must be divisible by 8"),
-    (AR4[:1], 4, r"parallel.ulysses_size \* parallel.ring_size \(1 \* 1 = 1\) must equal "
-                 r"parallel.context_parallel_size \(4\)"),
-    (AR4 + ["model.num_attention_heads=3", "model.hidden_size=96"], 4,
-     r"model.num_attention_heads \(3\) / parallel.tensor_model_parallel_size \(1\) must be divisible "
-     r"by parallel.ulysses_size \(2\)"),
-    (AR4 + ["model.frames_per_block=4"], 4, r"num_latent_frames \(8\) must be divisible by sp_size \(4\) "
-                                            r"\* frames_per_block \(4\)"),
-    (AR4, 6, r"world size \(6\) must be divisible"),
-    (AR4 + ["parallel.ranks_per_node=1"], 4, r"parallel.ulysses_size \(2\) x tensor_model_parallel_size "
-                                             r"\(1\) must be <= parallel.ranks_per_node \(1\)"),
-    (["model.family=video_dit", "data.num_frames=25"] + AR4, 4,
-     r"data.num_frames \(25 raw -> 7 latent -> 7 token frames"),
-    (["model.family=stdit", "model.stdit_full_attention_layers=[9]"], 1,
-     r"model.stdit_full_attention_layers \(\[9\]\) must lie in \[1, model.num_layers \(4\)\]"),
-    (["model.family=ar_dit", "diffusion.objective=edm"], 1, r"diffusion.objective \('edm'\) must be 'flow'"),
-    (["model.family=ar_dit", "model.patch_size=[2, 1, 1]"], 1, r"model.patch_size\[0\] \(2\) must be 1"),
-    (["model.num_layers=3", "parallel.pipeline_model_parallel_size=2", "train.sample=false"], 2,
-     r"model.num_layers \(3\) must be divisible by parallel.pipeline_model_parallel_size \(2\)"),
-    (["parallel.pipeline_model_parallel_size=2"], 2, r"train.sample \(True\) is not supported"),
-    (["train.global_batch_size=3", "train.micro_batch_size=2"], 1,
-     r"train.global_batch_size \(3\) must be divisible by train.micro_batch_size \(2\)"),
-    (["train.bf16=true"], 1, r"train.bf16 \(True\) needs a GPU"),
-    (["model.hidden_size=42"], 1, r"model.hidden_size \(42\) must be divisible by model.num_attention_heads"),
-    (["vae.weights=/nonexistent.pt"], 1, r"vae.weights \('/nonexistent.pt'\) must be an existing file"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["data.num_frames=30"], 1, r"data.num_frames \(30\) must be 1 \+ 4k"),
+        (["data.height=36"], 1, r"data.height \(36\) must be divisible by 8"),
+        (
+            AR4[:1],
+            4,
+            r"parallel.ulysses_size \* parallel.ring_size \(1 \* 1 = 1\) must equal "
+            r"parallel.context_parallel_size \(4\)",
+        ),
+        (
+            AR4 + ["model.num_attention_heads=3", "model.hidden_size=96"],
+            4,
+            r"model.num_attention_heads \(3\) / parallel.tensor_model_parallel_size \(1\) must be divisible "
+            r"by parallel.ulysses_size \(2\)",
+        ),
+        (
+            AR4 + ["model.frames_per_block=4"],
+            4,
+            r"num_latent_frames \(8\) must be divisible by sp_size \(4\) "
+            r"\* frames_per_block \(4\)",
+        ),
+        (AR4, 6, r"world size \(6\) must be divisible"),
+        (
+            AR4 + ["parallel.ranks_per_node=1"],
+            4,
+            r"parallel.ulysses_size \(2\) x tensor_model_parallel_size "
+            r"\(1\) must be <= parallel.ranks_per_node \(1\)",
+        ),
+        (
+            ["model.family=video_dit", "data.num_frames=25"] + AR4,
+            4,
+            r"data.num_frames \(25 raw -> 7 latent -> 7 token frames",
+        ),
+        (
+            ["model.family=stdit", "model.stdit_full_attention_layers=[9]"],
+            1,
+            r"model.stdit_full_attention_layers \(\[9\]\) must lie in \[1, model.num_layers \(4\)\]",
+        ),
+        (
+            ["model.family=ar_dit", "diffusion.objective=edm"],
+            1,
+            r"diffusion.objective \('edm'\) must be 'flow'",
+        ),
+        (
+            ["model.family=ar_dit", "model.patch_size=[2, 1, 1]"],
+            1,
+            r"model.patch_size\[0\] \(2\) must be 1",
+        ),
+        (
+            ["model.num_layers=3", "parallel.pipeline_model_parallel_size=2", "train.sample=false"],
+            2,
+            r"model.num_layers \(3\) must be divisible by parallel.pipeline_model_parallel_size \(2\)",
+        ),
+        (["parallel.pipeline_model_parallel_size=2"], 2, r"train.sample \(True\) is not supported"),
+        (
+            ["train.global_batch_size=3", "train.micro_batch_size=2"],
+            1,
+            r"train.global_batch_size \(3\) must be divisible by train.micro_batch_size \(2\)",
+        ),
+        (["train.bf16=true"], 1, r"train.bf16 \(True\) needs a GPU"),
+        (
+            ["model.hidden_size=42"],
+            1,
+            r"model.hidden_size \(42\) must be divisible by model.num_attention_heads",
+        ),
+        (
+            ["vae.weights=/nonexistent.pt"],
+            1,
+            r"vae.weights \('/nonexistent.pt'\) must be an existing file",
+        ),
+    ],
+)
 def test_validation_names_the_field(overrides, world, message):
     with pytest.raises(ValueError, match=message):
         validate(load_config(None, overrides), world)

@@ -5,6 +5,7 @@
   the ring-balanced Balanced SP layout; the injected noise is the rank's slice of one draw.
 * WebDataset shards of the same clips give the same micro-batches as the procedural source.
 """
+
 import pytest
 import torch
 
@@ -16,11 +17,14 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _config(family, tmp, **data):
-    return config_from_dict(dict(
-        model=dict(family=family, frames_per_block=1, num_layers=2, hidden_size=48),
-        data=dict(dict(num_frames=17, height=16, width=16, num_samples=16), **data),
-        vae=dict(base_channels=4, cache_dir=str(tmp)),
-        train=dict(micro_batch_size=2, seed=11)))
+    return config_from_dict(
+        dict(
+            model=dict(family=family, frames_per_block=1, num_layers=2, hidden_size=48),
+            data=dict(dict(num_frames=17, height=16, width=16, num_samples=16), **data),
+            vae=dict(base_channels=4, cache_dir=str(tmp)),
+            train=dict(micro_batch_size=2, seed=11),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +36,21 @@ def vae():
 
 
 def _maker(cfg, vae, cp_rank, cp_size, layout=None):
-    return BatchMaker(cfg, vae=vae, latent_scale=1.7, cp_rank=cp_rank, cp_size=cp_size, dp_rank=0,
-                      dp_size=1, layout=layout)
+    return BatchMaker(
+        cfg,
+        vae=vae,
+        latent_scale=1.7,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        dp_rank=0,
+        dp_size=1,
+        layout=layout,
+    )
 
 
 @pytest.mark.parametrize("family, ring", [("video_dit", 1), ("ar_dit", 1), ("ar_dit", 2)])
 def test_rank_latents_are_slices_of_the_full_encoding(vae, tmp_path, family, ring):
-    cfg = _config(family, tmp_path, num_frames=13)             # 4 latent frames of 2 x 2
+    cfg = _config(family, tmp_path, num_frames=13)  # 4 latent frames of 2 x 2
     F, _, _ = latent_shape(cfg)
     P = 4
     S = token_grid_of(cfg)[1] * token_grid_of(cfg)[2]
@@ -48,8 +60,11 @@ def test_rank_latents_are_slices_of_the_full_encoding(vae, tmp_path, family, rin
     for r in range(P):
         layout = BalancedSPLayout(F, S, 1, P, ring_size=ring) if family == "ar_dit" else None
         mb = _maker(cfg, vae, r, P, layout).micro_batch(step=3, microbatch=0)
-        ids = (layout.local_global_ids(r)[:layout.local_len // 2] if layout is not None
-               else torch.arange(r * F * S // P, (r + 1) * F * S // P))
+        ids = (
+            layout.local_global_ids(r)[: layout.local_len // 2]
+            if layout is not None
+            else torch.arange(r * F * S // P, (r + 1) * F * S // P)
+        )
         seen.append(ids)
         assert torch.allclose(mb.clean, full.clean[:, ids], rtol=0, atol=1e-5), r
         assert torch.equal(mb.noise, full.noise[:, ids])
@@ -64,19 +79,28 @@ def test_shards_give_the_procedural_batches(vae, tmp_path):
 
     cfg = _config("video_dit", tmp_path, num_frames=13)
     d = cfg.data
-    ds = ProceduralVideoDataset(d.num_samples, num_frames=d.num_frames, height=d.height, width=d.width,
-                                seed=d.seed)
-    write_shards(({"video": ds[i]["video"], "caption": ds[i]["caption"], "key": f"s{i}"}
-                  for i in range(8)), tmp_path / "shards", samples_per_shard=3)
-    shard_cfg = _config("video_dit", tmp_path, num_frames=13, source="shards",
-                        shards=str(tmp_path / "shards"))
+    ds = ProceduralVideoDataset(
+        d.num_samples, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed
+    )
+    write_shards(
+        ({"video": ds[i]["video"], "caption": ds[i]["caption"], "key": f"s{i}"} for i in range(8)),
+        tmp_path / "shards",
+        samples_per_shard=3,
+    )
+    shard_cfg = _config(
+        "video_dit", tmp_path, num_frames=13, source="shards", shards=str(tmp_path / "shards")
+    )
     for step in (0, 1, 3):
         a = _maker(cfg, vae, 0, 1).micro_batch(step, 0)
         b = _maker(shard_cfg, vae, 0, 1).micro_batch(step, 0)
         assert a.captions == b.captions
         assert torch.allclose(a.clean, b.clean, rtol=0, atol=1e-6) and torch.equal(a.noise, b.noise)
-    bad = _config("video_dit", tmp_path, num_frames=17, source="shards", shards=str(tmp_path / "shards"))
-    with pytest.raises(ValueError, match=r"video shape \(3, 13, 16, 16\) must be \[3, data.num_frames=17"):
+    bad = _config(
+        "video_dit", tmp_path, num_frames=17, source="shards", shards=str(tmp_path / "shards")
+    )
+    with pytest.raises(
+        ValueError, match=r"video shape \(3, 13, 16, 16\) must be \[3, data.num_frames=17"
+    ):
         _maker(bad, vae, 0, 1).micro_batch(0, 0)
 
 
@@ -90,13 +114,21 @@ def _dp_partition(tmp, source):
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    cfg = tiny_config("ar_dit", tmp, context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2)
+    cfg = tiny_config(
+        "ar_dit", tmp, context_parallel_size=2, ulysses_size=2, ring_size=1, ranks_per_node=2
+    )
     if source == "shards":
         cfg.data.source, cfg.data.shards = "shards", f"{tmp}/dp_shards"
     t = Trainer(cfg, progress=False)
     try:
-        seen = {step: [c for m in range(t.num_microbatches) for c in t.batches.micro_batch(step, m).captions]
-                for step in range(3)}
+        seen = {
+            step: [
+                c
+                for m in range(t.num_microbatches)
+                for c in t.batches.micro_batch(step, m).captions
+            ]
+            for step in range(3)
+        }
         return t.dp_rank, t.cp_rank, t.global_batch, seen
     finally:
         t.close()
@@ -115,11 +147,16 @@ def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
     cfg = tiny_config("ar_dit", tmp)
     ensure_vae(cfg, progress=False)
     d = cfg.data
-    ds = ProceduralVideoDataset(16, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed)
+    ds = ProceduralVideoDataset(
+        16, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed
+    )
     expected = None
     if source == "shards":
-        write_shards(({"video": ds[i]["video"], "caption": f"clip {i}", "key": f"s{i}"} for i in range(16)),
-                     f"{tmp}/dp_shards", samples_per_shard=5)
+        write_shards(
+            ({"video": ds[i]["video"], "caption": f"clip {i}", "key": f"s{i}"} for i in range(16)),
+            f"{tmp}/dp_shards",
+            samples_per_shard=5,
+        )
     res = pool4.run(_dp_partition, tmp, source)
     gbs = res[0][2]
     assert gbs == 4 and sorted((r[0], r[1]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -9,6 +9,7 @@
   that tried to form the group would hang instead of exiting.
 * ``megatron-video demo`` end to end with tiny sizes: 4 spawned ranks, outputs written.
 """
+
 import json
 import math
 import os
@@ -23,7 +24,9 @@ from megatron_video.testing.configs import load_example, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "megatron_video.training.cli"]
-AR_CP4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2, recompute=True)
+AR_CP4 = dict(
+    context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2, recompute=True
+)
 
 
 def _config(tmp, output):
@@ -47,14 +50,16 @@ def _resume_and_repeat(tmp):
     cfg.train.save_interval = 2
     t = Trainer(cfg, progress=False)
     try:
-        metrics = t.run()                      # collective; only the logging rank returns metrics
+        metrics = t.run()  # collective; only the logging rank returns metrics
         losses["a"] = [h["loss"] for h in metrics["history"]] if t.is_logger else None
     finally:
         t.close()
     # a fresh trainer resumes from step 2 and runs step index 2
     t = Trainer(_config(tmp, f"{tmp}/run_b"), progress=False)
     try:
-        step = ckpt.load_checkpoint(f"{tmp}/run_a/checkpoints", t.model, t.optimizer, t.scheduler, step=2)
+        step = ckpt.load_checkpoint(
+            f"{tmp}/run_a/checkpoints", t.model, t.optimizer, t.scheduler, step=2
+        )
         losses["resumed"] = (step, t.train_step(step)["loss"])
         lr = t.optimizer.param_groups[0]["lr"]
     finally:
@@ -79,7 +84,7 @@ def vae_dir(tmp_path_factory):
 
 def test_resume_bitwise_and_same_seed(pool4, vae_dir):
     per_rank = pool4.run(_resume_and_repeat, vae_dir)
-    logger = per_rank[3][0]                    # the last rank writes the metrics
+    logger = per_rank[3][0]  # the last rank writes the metrics
     a, (step, resumed), c = logger["a"], logger["resumed"], logger["c"]
     assert len(a) == 3 and step == 2
     assert resumed == a[2], "step 3 after resume must be bitwise identical"
@@ -96,36 +101,71 @@ def _cli(args, env_extra=None, timeout=120):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env.update(env_extra or {})
-    return subprocess.run(CLI + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        CLI + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("override, field", [
-    ("data.num_frames=30", "data.num_frames (30)"),
-    ("parallel.ulysses_size=4", "parallel.ulysses_size * parallel.ring_size (4 * 2 = 8)"),
-    ("model.num_attention_heads=3", "model.num_attention_heads (3) / parallel.tensor_model_parallel_size"),
-    ("model.frames_per_block=3", "model.frames_per_block (3)"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("data.num_frames=30", "data.num_frames (30)"),
+        ("parallel.ulysses_size=4", "parallel.ulysses_size * parallel.ring_size (4 * 2 = 8)"),
+        (
+            "model.num_attention_heads=3",
+            "model.num_attention_heads (3) / parallel.tensor_model_parallel_size",
+        ),
+        ("model.frames_per_block=3", "model.frames_per_block (3)"),
+    ],
+)
 def test_bad_config_fails_before_collectives(override, field, tmp_path):
     # one rank of a 4-rank torchrun job whose peers never start: forming the group would hang
     env = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    r = _cli(["train", "--config", "examples/configs/demo.yaml", "--output", str(tmp_path), override],
-             env_extra=env, timeout=60)
+    r = _cli(
+        ["train", "--config", "examples/configs/demo.yaml", "--output", str(tmp_path), override],
+        env_extra=env,
+        timeout=60,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert field in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "metrics.json").exists()
 
 
 def test_bad_nproc_layout_fails(tmp_path):
-    r = _cli(["train", "--config", "examples/configs/demo.yaml", "--nproc", "6", "--output", str(tmp_path)])
+    r = _cli(
+        [
+            "train",
+            "--config",
+            "examples/configs/demo.yaml",
+            "--nproc",
+            "6",
+            "--output",
+            str(tmp_path),
+        ]
+    )
     assert r.returncode == 2 and "world size (6)" in r.stderr, r.stderr[-2000:]
 
 
 def test_short_demo_run(tmp_path):
     out = tmp_path / "demo"
     # the shipped VAE (examples/vae/demo_vae.pt) of the real demo; a tiny DiT on smaller frames
-    r = _cli(["demo", "--cpu", "--output", str(out), "train.steps=2", "model.num_layers=2", "model.hidden_size=48",
-              "diffusion.sample_steps=1", "train.progress=false",
-              "data.height=16", "data.width=16", "train.warmup_steps=1"], timeout=240)
+    r = _cli(
+        [
+            "demo",
+            "--cpu",
+            "--output",
+            str(out),
+            "train.steps=2",
+            "model.num_layers=2",
+            "model.hidden_size=48",
+            "diffusion.sample_steps=1",
+            "train.progress=false",
+            "data.height=16",
+            "data.width=16",
+            "train.warmup_steps=1",
+        ],
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["world_size"] == 4
@@ -144,10 +184,20 @@ def _entry_args(mod, yaml_path, **megatron):
     import argparse
 
     args = mod.add_video_args(argparse.ArgumentParser()).parse_args(
-        ["--video-config", str(yaml_path), "--video-override", "train.seed=5"])
-    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
-                hierarchical_context_parallel_sizes=[2, 2], micro_batch_size=1, global_batch_size=1,
-                seed=5, num_layers=2, hidden_size=48, num_attention_heads=4)
+        ["--video-config", str(yaml_path), "--video-override", "train.seed=5"]
+    )
+    base = dict(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+        micro_batch_size=1,
+        global_batch_size=1,
+        seed=5,
+        num_layers=2,
+        hidden_size=48,
+        num_attention_heads=4,
+    )
     for k, v in {**base, **megatron}.items():
         setattr(args, k, v)
     return args
@@ -172,12 +222,25 @@ def _megatron_cli_config(cfg):
 
     m = cfg.model
     return TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, normalization="RMSNorm", init_method_std=0.011,
-        qk_layernorm=True, add_bias_linear=True, hidden_dropout=0.0, attention_dropout=0.0,
-        context_parallel_size=4, use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False)
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        normalization="RMSNorm",
+        init_method_std=0.011,
+        qk_layernorm=True,
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        context_parallel_size=4,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
 
 
 def _pretrain_entry_step(yaml_path):
@@ -191,14 +254,21 @@ def _pretrain_entry_step(yaml_path):
     warnings.filterwarnings("ignore")
     mod = load_example()
     cfg = mod.video_config_from_args(_entry_args(mod, yaml_path, seq_length=32), world_size=4)
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
-                              hierarchical_context_parallel_sizes=[2, 2])
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+    )
     try:
         base = _megatron_cli_config(cfg)
         model = mod.model_provider(True, True, config=base, video_config=cfg)
         mc = model.config
         # Megatron-LM's choices reach the model unchanged; only the video fields are added
-        assert (mc.normalization, mc.init_method_std, mc.layernorm_epsilon) == ("RMSNorm", 0.011, 1e-5)
+        assert (mc.normalization, mc.init_method_std, mc.layernorm_epsilon) == (
+            "RMSNorm",
+            0.011,
+            1e-5,
+        )
         assert mc.lora_rank == cfg.model.lora_rank and mc.in_channels == cfg.vae.latent_channels
         assert mc.params_dtype == torch.float32 and not mc.bf16
         train, valid, test = mod.train_valid_test_datasets_provider([8, 0, 0])
@@ -220,13 +290,17 @@ def test_megatron_lm_entry_providers(pool4, vae_dir):
     p = cfg.parallel
     assert (p.context_parallel_size, p.ulysses_size, p.ring_size) == (4, 2, 2)
     assert cfg.train.seed == 5 and mod.sequence_length(cfg) == 32
-    with pytest.raises(ValueError, match=r"--seq-length \(7\) must be the model's tokens per sample \(32\)"):
+    with pytest.raises(
+        ValueError, match=r"--seq-length \(7\) must be the model's tokens per sample \(32\)"
+    ):
         mod.video_config_from_args(_entry_args(mod, yaml_path, seq_length=7))
-    with pytest.raises(ValueError, match=r"--hidden-size \(64\) must equal the video config's value \(48\)"):
+    with pytest.raises(
+        ValueError, match=r"--hidden-size \(64\) must equal the video config's value \(48\)"
+    ):
         mod.video_config_from_args(_entry_args(mod, yaml_path, hidden_size=64))
     results = pool4.run(_pretrain_entry_step, str(yaml_path))  # written once, here
     losses = {r[0] for r in results}
-    assert len(losses) == 1 and math.isfinite(losses.pop())   # the CP-reduced loss, same everywhere
+    assert len(losses) == 1 and math.isfinite(losses.pop())  # the CP-reduced loss, same everywhere
     assert all(r[1] > 0 and r[2] == 8 and r[3] is None and not r[4] for r in results)
 
 
@@ -236,21 +310,42 @@ def test_megatron_lm_entry_calls_both_pretrain_signatures(entry):
     mod = load_example(entry)
     calls = []
 
-    def pretrain_017(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                     process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):
+    def pretrain_017(
+        train_valid_test_dataset_provider,
+        model_provider,
+        model_type,
+        forward_step_func,
+        process_non_loss_data_func=None,
+        extra_args_provider=None,
+        args_defaults={},
+    ):
         calls.append(("0.17", model_provider, forward_step_func, extra_args_provider))
 
-    def pretrain_018(cfg_container, train_valid_test_dataset_provider, model_provider, model_type,
-                     forward_step_func, process_non_loss_data_func=None):
+    def pretrain_018(
+        cfg_container,
+        train_valid_test_dataset_provider,
+        model_provider,
+        model_type,
+        forward_step_func,
+        process_non_loss_data_func=None,
+    ):
         calls.append(("0.18", cfg_container, model_provider, forward_step_func))
 
-    def pretrain_019(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
-                     model_provider=None, process_non_loss_data_func=None):
+    def pretrain_019(
+        cfg_container,
+        train_valid_test_dataset_provider,
+        model_type,
+        forward_step_func,
+        model_provider=None,
+        process_non_loss_data_func=None,
+    ):
         calls.append(("0.19", cfg_container, model_provider, forward_step_func))
 
     parsed = []
 
-    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    def parse_and_validate_args(
+        extra_args_provider=None, ignore_unknown_args=False, args_defaults={}
+    ):
         parsed.append(extra_args_provider)
         return "ARGS"
 

@@ -9,6 +9,7 @@
   Megatron-LM's CLI would + ``forward_step`` + loss give the trainer's loss for the same batch and
   weights (the ``pretrain()`` call of each signature: ``test_training_run.py``).
 """
+
 import math
 from pathlib import Path
 
@@ -52,8 +53,16 @@ def _train(tmp):
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    cfg = load_config(str(YAML), ["train.steps=40", "train.progress=false", "train.tensorboard=false",
-                                  "train.save=false", f"output={tmp}/run"])
+    cfg = load_config(
+        str(YAML),
+        [
+            "train.steps=40",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "train.save=false",
+            f"output={tmp}/run",
+        ],
+    )
     t = Trainer(cfg, progress=False)
     try:
         assert t.vae is None
@@ -85,11 +94,24 @@ def _llava_args(mod, *overrides, **megatron):
     import argparse
 
     args = mod.add_video_args(argparse.ArgumentParser()).parse_args(
-        ["--video-config", str(YAML), "--video-override", *overrides])
-    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=4,
-                hierarchical_context_parallel_sizes=[2, 2], micro_batch_size=4, global_batch_size=4,
-                seed=1234, num_layers=2, hidden_size=64, num_attention_heads=4,
-                group_query_attention=True, num_query_groups=2, ffn_hidden_size=256, seq_length=48)
+        ["--video-config", str(YAML), "--video-override", *overrides]
+    )
+    base = dict(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+        micro_batch_size=4,
+        global_batch_size=4,
+        seed=1234,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        seq_length=48,
+    )
     for k, v in {**base, **megatron}.items():
         setattr(args, k, v)
     return args
@@ -102,11 +124,24 @@ def _llava_cli_config():
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
-        init_method_std=0.011, hidden_dropout=0.0, attention_dropout=0.0, context_parallel_size=4,
-        cp_comm_type="a2a+p2p", use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False)
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        init_method_std=0.011,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        context_parallel_size=4,
+        cp_comm_type="a2a+p2p",
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
 
 
 def _entry_vs_trainer(tmp):
@@ -121,27 +156,45 @@ def _entry_vs_trainer(tmp):
 
     warnings.filterwarnings("ignore")
     # the trainer's loss of step 0 (megatron-video train's objective, schedule and config)
-    cfg = load_config(str(YAML), ["train.steps=1", "train.progress=false", "train.tensorboard=false",
-                                  "train.save=false", f"output={tmp}/run"])
+    cfg = load_config(
+        str(YAML),
+        [
+            "train.steps=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "train.save=false",
+            f"output={tmp}/run",
+        ],
+    )
     t = Trainer(cfg, progress=False)
     try:
         trainer_loss = t.forward_backward(0)
-        weights = {k: v.detach().clone() for k, v in t.model.state_dict().items()
-                   if isinstance(v, torch.Tensor)}
+        weights = {
+            k: v.detach().clone()
+            for k, v in t.model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
     finally:
         t.close()
     # the entry: Megatron-LM's CLI config, its providers, the same batch (positions 0..3) and weights
     mod = load_example("pretrain_video_llava")
     vcfg = mod.video_config_from_args(_llava_args(mod), world_size=4)
-    initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4,
-                              hierarchical_context_parallel_sizes=[2, 2])
+    initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+    )
     try:
         base = _llava_cli_config()
         model = mod.model_provider(True, True, config=base, video_config=vcfg)
         lm, vision = model.language_model.config, model.vision_model.config
         # Megatron-LM's config is the LLM's unchanged; the encoder's sizes are the YAML's
         assert lm is base and lm.init_method_std == 0.011
-        assert (vision.hidden_size, vision.num_layers, vision.params_dtype) == (32, 1, torch.float32)
+        assert (vision.hidden_size, vision.num_layers, vision.params_dtype) == (
+            32,
+            1,
+            torch.float32,
+        )
         missing, unexpected = model.load_state_dict(weights, strict=False)
         assert not [k for k in missing if "_extra_state" not in k] and not unexpected
         train, valid, test = mod.train_valid_test_datasets_provider([8, 0, 0])
@@ -156,12 +209,22 @@ def _entry_vs_trainer(tmp):
         import dataclasses
 
         def linear_dtypes(m):
-            return {n.split(".")[0]: {p.dtype for k, p in m.named_parameters()
-                                      if k.startswith(n.split(".")[0]) and ".linear_" in k}
-                    for n in ("language_model", "vision_model", "vision_projection")}
+            return {
+                n.split(".")[0]: {
+                    p.dtype
+                    for k, p in m.named_parameters()
+                    if k.startswith(n.split(".")[0]) and ".linear_" in k
+                }
+                for n in ("language_model", "vision_model", "vision_projection")
+            }
 
-        half = mod.model_provider(True, True, config=dataclasses.replace(
-            base, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16))
+        half = mod.model_provider(
+            True,
+            True,
+            config=dataclasses.replace(
+                base, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16
+            ),
+        )
         assert half.vision_model.config.bf16 and half.vision_projection.config.bf16
         assert set(map(frozenset, linear_dtypes(half).values())) == {frozenset({torch.bfloat16})}
         assert set(map(frozenset, linear_dtypes(model).values())) == {frozenset({torch.float32})}
@@ -179,11 +242,23 @@ def test_megatron_lm_entry_flag_checks():
     assert mod.sequence_length(cfg) == 48 and cfg.train.micro_batch_size == 4
     bad = [
         (dict(seq_length=45), r"--seq-length \(45\) must be the model's tokens per sample \(48\)"),
-        (dict(hidden_size=128), r"--hidden-size \(128\) must equal the video config's value \(64\)"),
-        (dict(num_query_groups=4), r"--num-query-groups \(4; with --group-query-attention\) must equal"),
-        (dict(group_query_attention=False), r"--num-query-groups \(4; with --group-query-attention\)"),
-        (dict(ffn_hidden_size=170), r"--ffn-hidden-size \(170\) must equal the video config's value "
-                                    r"\(256\)"),
+        (
+            dict(hidden_size=128),
+            r"--hidden-size \(128\) must equal the video config's value \(64\)",
+        ),
+        (
+            dict(num_query_groups=4),
+            r"--num-query-groups \(4; with --group-query-attention\) must equal",
+        ),
+        (
+            dict(group_query_attention=False),
+            r"--num-query-groups \(4; with --group-query-attention\)",
+        ),
+        (
+            dict(ffn_hidden_size=170),
+            r"--ffn-hidden-size \(170\) must equal the video config's value "
+            r"\(256\)",
+        ),
     ]
     for megatron, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -196,23 +271,33 @@ def test_megatron_lm_entry_flag_checks():
     family = get_family("video_llava")
     base = _llava_cli_config()
     assert family.megatron_lm_config(base, cfg) is base
-    with pytest.raises(ValueError, match=r"TransformerConfig.num_query_groups \(4; --num-query-groups\) "
-                                         r"must equal the video config's value \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"TransformerConfig.num_query_groups \(4; --num-query-groups\) "
+        r"must equal the video config's value \(2\)",
+    ):
         family.megatron_lm_config(dataclasses.replace(base, num_query_groups=4), cfg)
-    with pytest.raises(ValueError, match=r"base \(dict\) must be a megatron.core TransformerConfig"):
+    with pytest.raises(
+        ValueError, match=r"base \(dict\) must be a megatron.core TransformerConfig"
+    ):
         family.megatron_lm_config({}, cfg)
     args = _llava_args(mod)
     args.video_config = str(ROOT / "examples" / "configs" / "video_dit_cp.yaml")
-    with pytest.raises(ValueError, match=r"model.family \('video_dit'\) must be one of \('video_llava',\) "
-                                         r"for examples/pretrain_video_llava.py"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.family \('video_dit'\) must be one of \('video_llava',\) "
+        r"for examples/pretrain_video_llava.py",
+    ):
         mod.video_config_from_args(args)
 
 
 def test_megatron_lm_entry_matches_trainer_loss(pool4, tmp_path):
     res = pool4.run(_entry_vs_trainer, str(tmp_path))
-    trainer_loss = res[-1][0]   # the trainer's logging rank
+    trainer_loss = res[-1][0]  # the trainer's logging rank
     assert math.isfinite(trainer_loss)
     for _, entry_loss, grads, n, valid in res:
-        assert abs(entry_loss - trainer_loss) < 1e-6 * max(1.0, abs(trainer_loss)), (entry_loss,
-                                                                                       trainer_loss)
+        assert abs(entry_loss - trainer_loss) < 1e-6 * max(1.0, abs(trainer_loss)), (
+            entry_loss,
+            trainer_loss,
+        )
         assert grads > 0 and n == 8 and valid is None

@@ -1,4 +1,5 @@
 """VAE halo windows, the small causal video VAE, and raw-frame windows to ranks."""
+
 import pytest
 import torch
 import torch.nn.functional as Fn
@@ -42,10 +43,10 @@ def test_halo_windows_rule_by_hand():
     # F=8, P=4, h=2: rank r keeps [2r, 2r+2)
     w = halo_windows(8, 4, 2)
     assert [(x.raw_start, x.raw_end, x.pseudo, x.drop) for x in w] == [
-        (0, 5, 0, 0),      # ls=0: [0, 1+4*1)
-        (0, 13, 0, 2),     # ls=2, halo_start=0: [0, 1+4*3), drop 2
-        (4, 21, 1, 3),     # ls=4, halo_start=2: [4*(2-1), 1+4*5), drop 1+2
-        (12, 29, 1, 3),    # ls=6, halo_start=4: [4*3, 1+4*7)
+        (0, 5, 0, 0),  # ls=0: [0, 1+4*1)
+        (0, 13, 0, 2),  # ls=2, halo_start=0: [0, 1+4*3), drop 2
+        (4, 21, 1, 3),  # ls=4, halo_start=2: [4*(2-1), 1+4*5), drop 1+2
+        (12, 29, 1, 3),  # ls=6, halo_start=4: [4*3, 1+4*7)
     ]
     w = halo_windows(8, 2, 0)  # no halo: the window still carries the throw-away first frame
     assert [(x.raw_start, x.raw_end, x.drop) for x in w] == [(0, 13, 0), (12, 29, 1)]
@@ -62,10 +63,12 @@ def test_halo_windows_partition_and_lengths(first):
             for h in range(0, 6):
                 ws = halo_windows(F, P, h, causal_first_frame=first)
                 kept = [f for w in ws for f in range(w.latent_start, w.latent_end)]
-                assert kept == list(range(F))             # kept ranges partition [0, F)
+                assert kept == list(range(F))  # kept ranges partition [0, F)
                 for w in ws:
                     assert w.halo_start == max(0, w.latent_start - h)
-                    assert 0 <= w.raw_start < w.raw_end <= num_raw_frames(F, causal_first_frame=first)
+                    assert (
+                        0 <= w.raw_start < w.raw_end <= num_raw_frames(F, causal_first_frame=first)
+                    )
                     # the window encodes to exactly drop + kept latents under the temporal rule
                     lat = (w.num_raw - 1) // 4 + 1 if first else w.num_raw // 4
                     assert lat == w.num_window_latents
@@ -74,11 +77,15 @@ def test_halo_windows_partition_and_lengths(first):
 
 
 def test_halo_window_validation():
-    with pytest.raises(ValueError, match=r"num_latent_frames \(10\) must be divisible by sp_size \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"num_latent_frames \(10\) must be divisible by sp_size \(4\)"
+    ):
         halo_windows(10, 4, 2)
     with pytest.raises(ValueError, match=r"halo_latents \(-1\) must be a non-negative integer"):
         halo_windows(8, 4, -1)
-    with pytest.raises(ValueError, match=r"latent_end \(3\) must be an integer > latent_start \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"latent_end \(3\) must be an integer > latent_start \(3\)"
+    ):
         halo_window(3, 3, 1)
 
 
@@ -88,8 +95,11 @@ def test_halo_window_validation():
 def test_default_halo_comes_from_the_encoder(vae):
     assert halo_windows(8, 4, encoder=vae.encoder) == halo_windows(8, 4, 2)
     assert halo_windows(8, 4, 3, encoder=vae.encoder) == halo_windows(8, 4, 3)
-    with pytest.raises(ValueError, match=r"halo_latents \(1\) must be >= the encoder's temporal receptive "
-                                         r"field \(2 latents\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"halo_latents \(1\) must be >= the encoder's temporal receptive "
+        r"field \(2 latents\)",
+    ):
         halo_windows(8, 4, 1, encoder=vae.encoder)
     with pytest.raises(ValueError, match=r"halo_latents \(None\) needs an encoder"):
         halo_windows(8, 4)
@@ -102,7 +112,7 @@ def test_receptive_field_from_the_conv_stack(vae):
     # conv_in k3 | down1 k2 s2 | res k3 | down2 k2 s2 | down3 k1 | conv_out k1
     assert ops == [(3, 1, 2), (2, 2, 1), (3, 1, 2), (2, 2, 1), (1, 1, 0), (1, 1, 0)]
     assert temporal_lookback(ops) == (2 + 1 + 2 * 2 + 1 * 2, 4)
-    assert temporal_receptive_field(vae.encoder) == 2          # ceil(9/4) - 1
+    assert temporal_receptive_field(vae.encoder) == 2  # ceil(9/4) - 1
     assert temporal_receptive_field(vae.encoder, causal_first_frame=False) == 2  # ceil((9-3)/4)
     with pytest.raises(ValueError, match=r"temporal_stride \(2\) differs from the encoder's total"):
         temporal_receptive_field(vae.encoder, temporal_stride=2)
@@ -110,7 +120,9 @@ def test_receptive_field_from_the_conv_stack(vae):
 
 def test_receptive_field_rejects_undeclared_temporal_convs():
     bad = nn.Sequential(CausalConv3d(3, 4), nn.Conv3d(4, 4, (3, 1, 1)))
-    with pytest.raises(ValueError, match=r"nn.Conv3d with temporal kernel 3 / stride 1 is not a declared"):
+    with pytest.raises(
+        ValueError, match=r"nn.Conv3d with temporal kernel 3 / stride 1 is not a declared"
+    ):
         temporal_receptive_field(bad)
     with pytest.raises(ValueError, match=r"declares no causal temporal ops"):
         temporal_receptive_field(nn.Linear(2, 2))
@@ -120,9 +132,9 @@ def _max_halo_error(encoder, x, F, P, h, first=True):
     full = encoder(x)
     err = 0.0
     for w in halo_windows(F, P, h, causal_first_frame=first):
-        out = encoder(w.slice_raw(x))[:, :, w.drop:]
+        out = encoder(w.slice_raw(x))[:, :, w.drop :]
         assert out.shape[2] == w.num_kept
-        err = max(err, (out - full[:, :, w.latent_start:w.latent_end]).abs().max().item())
+        err = max(err, (out - full[:, :, w.latent_start : w.latent_end]).abs().max().item())
     return err
 
 
@@ -133,10 +145,12 @@ def test_halo_exactness_float64(vae):
         x = video(F, seed=F)
         full = vae.encoder(x)
         for P in (2, 4):
-            for hh in ((h, h + 1) if F == 12 else (h,)):
+            for hh in (h, h + 1) if F == 12 else (h,):
                 for w in halo_windows(F, P, hh):
                     out = encode_with_halo(vae.encoder, w.slice_raw(x), w)
-                    assert torch.allclose(out, full[:, :, w.latent_start:w.latent_end], rtol=0, atol=1e-10)
+                    assert torch.allclose(
+                        out, full[:, :, w.latent_start : w.latent_end], rtol=0, atol=1e-10
+                    )
 
 
 @torch.no_grad()
@@ -151,9 +165,12 @@ def test_derived_halo_is_tight(vae):
 @torch.no_grad()
 def test_too_small_halo_rejected(vae):
     x = video(8)
-    for w in halo_windows(8, 4, 1):   # even rank 0, whose window starts at frame 0, refuses
-        with pytest.raises(ValueError, match=r"halo_latents \(1\) must be >= the encoder's temporal "
-                                             r"receptive field \(2 latents\)"):
+    for w in halo_windows(8, 4, 1):  # even rank 0, whose window starts at frame 0, refuses
+        with pytest.raises(
+            ValueError,
+            match=r"halo_latents \(1\) must be >= the encoder's temporal "
+            r"receptive field \(2 latents\)",
+        ):
             encode_with_halo(vae.encoder, w.slice_raw(x), w)
     w = halo_windows(8, 4, 2)[2]
     with pytest.raises(ValueError, match=r"window has 16 frames along dim 2"):
@@ -176,7 +193,9 @@ def test_halo_exactness_without_first_frame_rule(vae):
     enc = _NoFirstFrame(vae.encoder)
     h = temporal_receptive_field(enc, causal_first_frame=False)
     F = 12
-    x = torch.randn(1, 3, 4 * F, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(
+        1, 3, 4 * F, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
     for P in (2, 4):
         assert _max_halo_error(enc, x, F, P, h, first=False) <= 1e-10
     assert _max_halo_error(enc, x, F, 4, h - 1, first=False) > 1e-6
@@ -186,10 +205,10 @@ def test_halo_exactness_without_first_frame_rule(vae):
 def test_ring_balanced_rank_latents(vae):
     """Ranks with two segments (ring balancing) encode each with its halo: exactly their frames."""
     F = 16
-    lay = BalancedSPLayout(F, 4, 2, 4, ring_size=2)             # P=4, U=2, R=2
+    lay = BalancedSPLayout(F, 4, 2, 4, ring_size=2)  # P=4, U=2, R=2
     x = video(F, seed=5)
     full = vae.encoder(x)
-    lay3 = BalancedSPLayout(24, 1, 1, 6, ring_size=2)           # U=3: a rank straddles two chunks
+    lay3 = BalancedSPLayout(24, 1, 1, 6, ring_size=2)  # U=3: a rank straddles two chunks
     x3 = video(24, seed=6)
     full3 = vae.encoder(x3)
     for layout, xx, ff in ((lay, x, full), (lay3, x3, full3)):
@@ -232,7 +251,9 @@ def test_vae_input_validation(vae):
         vae.encode(torch.zeros(1, 3, 8, 16, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"frame size \(12x16\) must be divisible by 8"):
         vae.encode(torch.zeros(1, 3, 5, 12, 16, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"video shape \(\(1, 2, 5, 16, 16\)\) must be \[B, 3, T, H, W\]"):
+    with pytest.raises(
+        ValueError, match=r"video shape \(\(1, 2, 5, 16, 16\)\) must be \[B, 3, T, H, W\]"
+    ):
         vae.encode(torch.zeros(1, 2, 5, 16, 16, dtype=torch.float64))
 
 
@@ -259,6 +280,7 @@ def _scatter_case():
     import torch.distributed as dist
 
     from megatron_video.parallel import CommTracer
+
     me = dist.get_rank()
     F, P, h = 8, 4, 2
     full = video(F, seed=7).float()

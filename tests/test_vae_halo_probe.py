@@ -1,5 +1,6 @@
 """Halos derived from an encoder's behaviour (layouts.vae_halo.probe_halo): diffusers' Wan VAE at a
 tiny random config, undeclared copies of the project's encoder, callables, the cache, bad encoders."""
+
 import copy
 
 import pytest
@@ -19,15 +20,21 @@ from megatron_video.layouts.vae_halo import (
 )
 from megatron_video.models.vae import CausalVideoEncoder
 
-HW = 8   # spatial size of the probe and the clips (the Wan VAE downsamples 8x: 1x1 latents)
+HW = 8  # spatial size of the probe and the clips (the Wan VAE downsamples 8x: 1x1 latents)
 
 
 @pytest.fixture(scope="module")
 def wan():
-    diffusers = pytest.importorskip("diffusers")   # a requirement: present in both test envs
+    diffusers = pytest.importorskip("diffusers")  # a requirement: present in both test envs
     torch.manual_seed(0)
-    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                                     attn_scales=[], temperal_downsample=[False, True, True])
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+    )
     return vae.eval()
 
 
@@ -40,8 +47,8 @@ def _max_err(encode, x, F, P, h):
     full = encode(x)
     err = 0.0
     for w in halo_windows(F, P, h):
-        out = encode(w.slice_raw(x))[:, :, w.drop:]
-        err = max(err, (out - full[:, :, w.latent_start:w.latent_end]).abs().max().item())
+        out = encode(w.slice_raw(x))[:, :, w.drop :]
+        err = max(err, (out - full[:, :, w.latent_start : w.latent_end]).abs().max().item())
     return err
 
 
@@ -49,15 +56,15 @@ def test_wan_vae_halo_exact_and_smallest(wan):
     """The Wan 2.1 VAE architecture declares nothing; the probed halo makes every rank's windowed
     encoding equal the full-video encoding in float64, and one latent less does not."""
     assert wan.dtype == torch.float32
-    encode = lambda x: wan.encode(x).latent_dist.mean   # noqa: E731 (the callable form users write)
+    encode = lambda x: wan.encode(x).latent_dist.mean  # noqa: E731 (the callable form users write)
     vae_halo._HALO_CACHE.clear()
     probe = probe_halo(encode, spatial=(HW, HW))
     h = probe.halo
-    assert wan.dtype == torch.float32                   # the probe restored the weights' dtype
-    assert probe.verified_from == h                     # the gradient look-back alone was exact
+    assert wan.dtype == torch.float32  # the probe restored the weights' dtype
+    assert probe.verified_from == h  # the gradient look-back alone was exact
     assert h == vae_halo.halo_for_lookback(probe.lookback, 4)
     assert encoder_halo(encode, spatial=(HW, HW)) == h
-    F = 48                                              # windows of ranks >= 1 start after frame 0
+    F = 48  # windows of ranks >= 1 start after frame 0
     x = _clip(F, 1)
     wan.double()
     try:
@@ -68,12 +75,17 @@ def test_wan_vae_halo_exact_and_smallest(wan):
                 assert any(w.raw_start > 0 for w in ws)
                 for w in ws:
                     got = encode_with_halo(encode, w.slice_raw(x), w)
-                    assert torch.allclose(got, full[:, :, w.latent_start:w.latent_end], rtol=0, atol=1e-10)
+                    assert torch.allclose(
+                        got, full[:, :, w.latent_start : w.latent_end], rtol=0, atol=1e-10
+                    )
                 got = encode_rank_latents(encode, [ws[-1].slice_raw(x)], [ws[-1]])
-                assert torch.allclose(got, full[:, :, ws[-1].latent_start:], rtol=0, atol=1e-10)
-            assert _max_err(encode, x, F, 2, h - 1) > 1e-10    # smallest: one less is inexact
-            with pytest.raises(ValueError, match=rf"halo_latents \({h - 1}\) must be >= the encoder's "
-                                                 rf"temporal receptive field \({h} latents\)"):
+                assert torch.allclose(got, full[:, :, ws[-1].latent_start :], rtol=0, atol=1e-10)
+            assert _max_err(encode, x, F, 2, h - 1) > 1e-10  # smallest: one less is inexact
+            with pytest.raises(
+                ValueError,
+                match=rf"halo_latents \({h - 1}\) must be >= the encoder's "
+                rf"temporal receptive field \({h} latents\)",
+            ):
                 w = halo_windows(F, 2, h - 1)[1]
                 encode_with_halo(encode, w.slice_raw(x), w)
     finally:
@@ -118,13 +130,13 @@ def test_probe_cached_per_configuration_and_declared_fast_path(monkeypatch):
     torch.manual_seed(0)
     a, b = _undeclared(CausalVideoEncoder(3, 4, 8)), _undeclared(CausalVideoEncoder(3, 4, 8))
     assert encoder_halo(a) == encoder_halo(b) == encoder_halo(lambda x: a(x)) == 2
-    assert len(calls) == 2           # module config once, the callable once
-    assert encoder_halo(CausalVideoEncoder(3, 4, 8)) == 2 and len(calls) == 2   # declared: no probe
+    assert len(calls) == 2  # module config once, the callable once
+    assert encoder_halo(CausalVideoEncoder(3, 4, 8)) == 2 and len(calls) == 2  # declared: no probe
     assert encoder_halo(_undeclared(CausalVideoEncoder(3, 4, 16))) == 2 and len(calls) == 3
 
 
 def test_probe_rejects_bad_encoders():
-    sym = nn.Conv3d(3, 4, 3, padding=1)                     # sees the future
+    sym = nn.Conv3d(3, 4, 3, padding=1)  # sees the future
     with pytest.raises(ValueError, match="not causal in time"):
         probe_halo(lambda x: sym(x)[:, :, ::4], causal_first_frame=True)
     with pytest.raises(ValueError, match=r"produced 29 latents for 29 raw frames"):

@@ -5,6 +5,7 @@ CP, MLP, AdaLN-LoRA modulation), local and TE variants, and ``with_2d_attention`
 No process group is needed: specs are plain data. The TE variant is only constructed as a tree
 (TransformerEngine is not installed here); building modules from it is refused on CPU.
 """
+
 import subprocess
 import sys
 
@@ -36,9 +37,11 @@ from megatron_video.models.video_dit import (
 
 
 def _specs(backend="local"):
-    return {"video_dit": get_video_dit_layer_spec(8, backend=backend),
-            "stdit": get_stdit_layer_spec("hybrid", (1,), 8, backend=backend),
-            "ar_dit": get_ar_dit_layer_spec(8, backend=backend)}
+    return {
+        "video_dit": get_video_dit_layer_spec(8, backend=backend),
+        "stdit": get_stdit_layer_spec("hybrid", (1,), 8, backend=backend),
+        "ar_dit": get_ar_dit_layer_spec(8, backend=backend),
+    }
 
 
 def _attentions(name, spec):
@@ -56,7 +59,7 @@ def _mlp_linears(mlp):
     if isinstance(mlp, ModuleSpec):
         assert mlp.module is MLP
         sub = mlp.submodules
-    else:   # functools.partial(MLP.as_mlp_submodule, submodules=...) (megatron-core >= 0.19)
+    else:  # functools.partial(MLP.as_mlp_submodule, submodules=...) (megatron-core >= 0.19)
         assert mlp.func.__self__ is MLP
         sub = mlp.keywords["submodules"]
     return sub.linear_fc1, sub.linear_fc2
@@ -67,9 +70,11 @@ def test_layer_specs_declare_megatron_submodules(backend):
     if backend == "local":
         from megatron.core.tensor_parallel import ColumnParallelLinear as col
         from megatron.core.tensor_parallel import RowParallelLinear as row
+
         norm = AdaLNNorm
-    else:   # the classes, looked up only when a TE spec is asked for
+    else:  # the classes, looked up only when a TE spec is asked for
         from megatron.core.extensions import transformer_engine as te
+
         col, row, norm = te.TEColumnParallelLinear, te.TERowParallelLinear, te.TENorm
     layers = {"video_dit": VideoDiTLayer, "stdit": STDiTLayer, "ar_dit": ARDiTLayer}
     for name, spec in _specs(backend).items():
@@ -86,7 +91,7 @@ def test_layer_specs_declare_megatron_submodules(backend):
         for attn in full + local:
             assert attn.module is DiTSelfAttention
             assert (attn.submodules.linear_qkv, attn.submodules.linear_proj) == (col, row)
-        for attn in full:   # sequence-wide: 2D attention on the contiguous CP split
+        for attn in full:  # sequence-wide: 2D attention on the contiguous CP split
             assert attn.submodules.core_attention.module is DistAttention2D
             assert attn.submodules.core_attention.params == {"scheme": "contiguous"}
         for attn in local:  # rows of one frame / one position, cut by the layer: no CP
@@ -108,7 +113,7 @@ def test_with_2d_attention_swaps_only_the_sequence_wide_core(backend):
     for name, spec in _specs(backend).items():
         swapped = with_2d_attention(spec, backend="math")
         full, local = _attentions(name, swapped)
-        for attn in full:   # the spec's own parameters (the DiT token layout) are kept
+        for attn in full:  # the spec's own parameters (the DiT token layout) are kept
             core = attn.submodules.core_attention
             assert core.module is DistAttention2D
             assert core.params == {"scheme": "contiguous", "backend": "math"}
@@ -116,7 +121,9 @@ def test_with_2d_attention_swaps_only_the_sequence_wide_core(backend):
             assert attn.submodules.core_attention.module is LocalDotProductAttention
             assert attn.submodules.core_attention is not before.submodules.core_attention  # a copy
         # the original is untouched; an explicit parameter overrides the spec's
-        assert _attentions(name, spec)[0][0].submodules.core_attention.params == {"scheme": "contiguous"}
+        assert _attentions(name, spec)[0][0].submodules.core_attention.params == {
+            "scheme": "contiguous"
+        }
         zig = with_2d_attention(spec, scheme="zigzag")
         assert _attentions(name, zig)[0][0].submodules.core_attention.params == {"scheme": "zigzag"}
         # cross-attention is never touched
@@ -126,8 +133,9 @@ def test_with_2d_attention_swaps_only_the_sequence_wide_core(backend):
 def test_te_spec_is_not_reachable_on_cpu_by_default():
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    cfg = VideoDiTConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
-                         use_cpu_initialization=True)
+    cfg = VideoDiTConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True
+    )
     assert cfg.layer_backend == "local"
     assert layer_spec_for(cfg).submodules.input_layernorm is AdaLNNorm
     cfg.layer_backend = "te"
@@ -159,6 +167,7 @@ def test_model_modules_do_not_import_transformer_engine_classes():
         "assert not looked, looked\n"
         "v.get_video_dit_layer_spec(backend='te')\n"
         "assert 'TEColumnParallelLinear' in looked, looked\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -9,6 +9,7 @@ same spec at the same TP, within the fp32 tolerances of tests/test_megatron_stoc
 layers are themselves held to float64 oracles in tests/test_stdit.py and tests/test_dit_blocks.py.
 The U x R each layer's core attention derived from Megatron is checked too.
 """
+
 import zlib
 
 import torch
@@ -31,13 +32,31 @@ def _config(family, tp, cp, comm):
     from megatron_video.models.video_dit import VideoDiTConfig
 
     return VideoDiTConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-        ffn_hidden_size=64, lora_rank=4, in_channels=C, patch_size=(1, 1, 1), text_max_len=L,
-        layer_type="stdit" if family == "stdit" else "full", stdit_full_attention_layers=(1,),
-        attention_dropout=0.0, hidden_dropout=0.0, qk_layernorm=True, add_bias_linear=True,
-        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=64,
+        lora_rank=4,
+        in_channels=C,
+        patch_size=(1, 1, 1),
+        text_max_len=L,
+        layer_type="stdit" if family == "stdit" else "full",
+        stdit_full_attention_layers=(1,),
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        qk_layernorm=True,
+        add_bias_linear=True,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        cp_comm_type=comm,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+    )
 
 
 def _spec(family, config, use_2d):
@@ -68,7 +87,9 @@ def _perturb(model):
             if sharded:
                 shape[p.partition_dim] *= tp
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            full = 0.2 * torch.randn(shape, generator=g) + (1.0 if name.endswith("layernorm.weight") else 0.0)
+            full = 0.2 * torch.randn(shape, generator=g) + (
+                1.0 if name.endswith("layernorm.weight") else 0.0
+            )
             p.copy_(full.chunk(tp, dim=p.partition_dim)[r] if sharded else full)
 
 
@@ -98,8 +119,12 @@ def _loss(family, model, cp, cp_rank, groups):
     layout = BalancedSPLayout(F, geo.positions, 1, cp)
     objective = TeacherForcingObjective(layout, groups)
     fn = lambda x, t, **kw: model(x, t, caption_ids=ids, caption_mask=mask, geometry=geo, **kw)  # noqa: E731
-    res = objective(fn, local_frame_tokens(layout, cp_rank, clean),
-                    noise=local_frame_tokens(layout, cp_rank, noise), block_timesteps=t_blocks)
+    res = objective(
+        fn,
+        local_frame_tokens(layout, cp_rank, clean),
+        noise=local_frame_tokens(layout, cp_rank, noise),
+        block_timesteps=t_blocks,
+    )
     return res.loss
 
 
@@ -168,11 +193,16 @@ def test_video_families_as_stock_megatron_jobs_match_cp1(pool8):
                     ref_tp_rank, ref_loss, ref_grads, _ = res[(family, use_2d, f"ref_tp{tp}")]
                     tp_rank, loss, grads, ur = res[(family, use_2d, name)]
                     assert tp_rank == ref_tp_rank and ur == EXPECTED_UR[name], (label, ur)
-                    assert abs(loss - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (label, loss, ref_loss)
+                    assert abs(loss - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (
+                        label,
+                        loss,
+                        ref_loss,
+                    )
                     assert grads.keys() == ref_grads.keys()
                     nonzero = 0
-                    assert [n for n, g in grads.items() if g is None] == \
-                        [n for n, g in ref_grads.items() if g is None], label
+                    assert [n for n, g in grads.items() if g is None] == [
+                        n for n, g in ref_grads.items() if g is None
+                    ], label
                     grads = {n: g for n, g in grads.items() if g is not None}
                     for n, g in grads.items():
                         scale = float(ref_grads[n].abs().max())
@@ -182,4 +212,6 @@ def test_video_families_as_stock_megatron_jobs_match_cp1(pool8):
                     assert nonzero >= 0.9 * len(grads), (label, nonzero, len(grads))
         # the spec and its with_2d_attention copy build the same model: same CP=1 loss
         for family in FAMILIES:
-            assert abs(res[(family, False, "ref_tp1")][1] - res[(family, True, "ref_tp1")][1]) < 1e-6
+            assert (
+                abs(res[(family, False, "ref_tp1")][1] - res[(family, True, "ref_tp1")][1]) < 1e-6
+            )

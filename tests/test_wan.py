@@ -6,6 +6,7 @@ and on 4 gloo ranks at U2 x R2 (``a2a+p2p``), U4, R4 and TP2 x CP2, for T2V, I2V
 image branch) and per-token timesteps; every layout equals our own CP = 1 run to 1e-10 in float64.
 Swapping two RoPE axes or dropping the TP sum of the q / k norm makes the comparison fail.
 """
+
 import contextlib
 import functools
 import math
@@ -18,7 +19,7 @@ import torch.distributed as dist
 pytest.importorskip("diffusers")
 
 TOL = 1e-5
-B, C, F, H, W = 2, 4, 4, 4, 6          # latent; tokens (4, 2, 3) = 24 under patch (1, 2, 2)
+B, C, F, H, W = 2, 4, 4, 4, 6  # latent; tokens (4, 2, 3) = 24 under patch (1, 2, 2)
 TEXT_DIM, IMAGE_DIM, D = 32, 24, 64
 KINDS = ("t2v", "i2v", "per_token")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -26,7 +27,7 @@ LAYOUTS = {  # name: (tp, cp, cp_comm_type, hierarchical sizes, ranks per simula
     "u2xr2": (1, 4, "a2a+p2p", [2, 2], 2),
     "u4": (1, 4, "a2a", None, 4),
     "r4": (1, 4, "p2p", None, 2),
-    "tp2xcp2": (2, 2, "p2p", None, 2),   # TP inside a node, the CP ring across the two
+    "tp2xcp2": (2, 2, "p2p", None, 2),  # TP inside a node, the CP ring across the two
 }
 
 
@@ -38,9 +39,20 @@ def diffusers_model(kind: str, dtype):
     torch.manual_seed(0)
     extra = dict(image_dim=IMAGE_DIM, added_kv_proj_dim=D) if kind == "i2v" else {}
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=C,
-        out_channels=C, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=96, num_layers=2,
-        cross_attn_norm=True, eps=1e-6, rope_max_seq_len=64, **extra)
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=C,
+        out_channels=C,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=96,
+        num_layers=2,
+        cross_attn_norm=True,
+        eps=1e-6,
+        rope_max_seq_len=64,
+        **extra,
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,11 +68,15 @@ def inputs(kind: str, dtype):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(B, C, F, H, W, generator=gen, dtype=torch.float64)
     tokens = F * (H // 2) * (W // 2)
-    t = (torch.rand(B, tokens, generator=gen, dtype=torch.float64) * 1000 if kind == "per_token"
-         else torch.tensor([999.0, 321.5], dtype=torch.float64))
+    t = (
+        torch.rand(B, tokens, generator=gen, dtype=torch.float64) * 1000
+        if kind == "per_token"
+        else torch.tensor([999.0, 321.5], dtype=torch.float64)
+    )
     text = torch.randn(B, 512 if kind == "i2v" else 7, TEXT_DIM, generator=gen, dtype=torch.float64)
-    image = (torch.randn(B, 5, IMAGE_DIM, generator=gen, dtype=torch.float64) if kind == "i2v"
-             else None)
+    image = (
+        torch.randn(B, 5, IMAGE_DIM, generator=gen, dtype=torch.float64) if kind == "i2v" else None
+    )
     up = torch.randn(B, C, F, H, W, generator=gen, dtype=torch.float64)
     cast = [v if v is None else v.to(dtype).requires_grad_(True) for v in (x, t, text, image)]
     return cast, up.to(dtype)
@@ -92,8 +108,14 @@ def errors(got: dict, want: dict) -> dict:
     return {k: rel(got[k], want[k]) for k in want}
 
 
-def _sinusoid_float64(timesteps, embedding_dim, flip_sin_to_cos=False, downscale_freq_shift=1,
-                      scale=1, max_period=10000):
+def _sinusoid_float64(
+    timesteps,
+    embedding_dim,
+    flip_sin_to_cos=False,
+    downscale_freq_shift=1,
+    scale=1,
+    max_period=10000,
+):
     """diffusers' ``get_timestep_embedding`` computed in float64 instead of fp32."""
     half = embedding_dim // 2
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float64)
@@ -114,11 +136,15 @@ def reference(kind: str, dtype_name: str, float64_sinusoid: bool = False) -> dic
 
     dtype = DTYPES[dtype_name]
     model = diffusers_model(kind, dtype)
-    patch = (mock.patch.object(embeddings, "get_timestep_embedding", _sinusoid_float64)
-             if float64_sinusoid else contextlib.nullcontext())
+    patch = (
+        mock.patch.object(embeddings, "get_timestep_embedding", _sinusoid_float64)
+        if float64_sinusoid
+        else contextlib.nullcontext()
+    )
     with patch:
-        return run(lambda x, t, text, image: model(x, t, text, image, return_dict=False)[0],
-                   kind, dtype)
+        return run(
+            lambda x, t, text, image: model(x, t, text, image, return_dict=False)[0], kind, dtype
+        )
 
 
 def diffusers_errors(got: dict, kind: str, dtype_name: str) -> dict:
@@ -147,8 +173,7 @@ def megatron_1():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     created_ps = not ps.model_parallel_is_initialized()
     if created_ps:
         initialize_model_parallel(tensor_model_parallel_size=1)
@@ -197,8 +222,11 @@ def _rank_case(layout: str, kind: str, dtype_name: str, drop_tp_sum: bool = Fals
     from megatron_video.models.wan import model as wan_model
 
     tp, cp, comm_type, hier, _ = LAYOUTS[layout]
-    initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                              hierarchical_context_parallel_sizes=hier)
+    initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=hier,
+    )
     model_parallel_cuda_manual_seed(0)
     if drop_tp_sum:
         wan_model.tp_sum = lambda x, group: x

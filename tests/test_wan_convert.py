@@ -2,6 +2,7 @@
 bit-identical and loads in ``WanTransformer3DModel.from_pretrained``; bad keys, shapes and config
 fields are refused by name; keys diffusers ignores are ignored; the mapping covers exactly
 diffusers' keys for every config variant."""
+
 import json
 import sys
 from pathlib import Path
@@ -21,9 +22,18 @@ def _model(**extra):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
-               out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2,
-               rope_max_seq_len=64)
+    cfg = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=96,
+        num_layers=2,
+        rope_max_seq_len=64,
+    )
     return WanTransformer3DModel(**{**cfg, **extra})
 
 
@@ -48,7 +58,7 @@ def _load_pretrained(path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_is_bit_identical_and_loads_in_diffusers(tmp_path, monkeypatch, dtype):
     model = _model(**I2V).to(dtype)
-    src = _folder(tmp_path, model, max_shard_size="60KB")       # a sharded index folder
+    src = _folder(tmp_path, model, max_shard_size="60KB")  # a sharded index folder
     assert list(src.glob("*.index.json"))
     step_dir = diffusers_to_checkpoint(src, tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "0"
@@ -67,12 +77,13 @@ def test_keys_diffusers_ignores_are_ignored(tmp_path):
     src = _folder(tmp_path, _model(**I2V))
     f = next(src.glob("*.safetensors"))
     sd = load_file(str(f))
-    sd["blocks.0.attn2.norm_added_q.weight"] = torch.ones(64)   # some I2V checkpoints have it
+    sd["blocks.0.attn2.norm_added_q.weight"] = torch.ones(64)  # some I2V checkpoints have it
     save_file(sd, str(f))
     diffusers_to_checkpoint(src, tmp_path / "ckpt")
     back = checkpoint_to_diffusers(tmp_path / "ckpt", tmp_path / "back")
     assert "blocks.0.attn2.norm_added_q.weight" not in load_file(
-        str(back / "diffusion_pytorch_model.safetensors"))
+        str(back / "diffusion_pytorch_model.safetensors")
+    )
 
 
 def _edit(src, fn):
@@ -82,12 +93,20 @@ def _edit(src, fn):
     save_file(sd, str(f))
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda sd: sd.__setitem__("blocks.0.attn1.extra.weight", torch.ones(2)),
-     "unknown key 'blocks.0.attn1.extra.weight'"),
-    (lambda sd: sd.pop("blocks.1.ffn.net.2.bias"), "missing key 'blocks.1.ffn.net.2.bias'"),
-    (lambda sd: sd.__setitem__("proj_out.bias", torch.ones(3)), "key 'proj_out.bias' has shape"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (
+            lambda sd: sd.__setitem__("blocks.0.attn1.extra.weight", torch.ones(2)),
+            "unknown key 'blocks.0.attn1.extra.weight'",
+        ),
+        (lambda sd: sd.pop("blocks.1.ffn.net.2.bias"), "missing key 'blocks.1.ffn.net.2.bias'"),
+        (
+            lambda sd: sd.__setitem__("proj_out.bias", torch.ones(3)),
+            "key 'proj_out.bias' has shape",
+        ),
+    ],
+)
 def test_bad_weights_are_refused_by_key(tmp_path, edit, match):
     src = _folder(tmp_path, _model())
     _edit(src, edit)
@@ -123,14 +142,19 @@ def test_checkpoint_config_must_match_its_weights(tmp_path):
 
     path = meta_file.parent
     (path / "manifest.json").write_text(json.dumps({"files": _manifest(path)}))
-    with pytest.raises(ValueError, match=r"key 'decoder\.layers\.mlp\.linear_fc1.*\(config does "
-                                         r"not match"):
+    with pytest.raises(
+        ValueError,
+        match=r"key 'decoder\.layers\.mlp\.linear_fc1.*\(config does "
+        r"not match",
+    ):
         checkpoint_to_diffusers(tmp_path / "ckpt", tmp_path / "back")
 
 
-@pytest.mark.parametrize("extra", [{}, I2V, dict(I2V, pos_embed_seq_len=10),
-                                   dict(cross_attn_norm=False)],
-                         ids=["t2v", "i2v", "flf2v", "no_cross_attn_norm"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, I2V, dict(I2V, pos_embed_seq_len=10), dict(cross_attn_norm=False)],
+    ids=["t2v", "i2v", "flf2v", "no_cross_attn_norm"],
+)
 def test_mapping_covers_diffusers_keys_both_ways(extra):
     from megatron_video.models.wan.interop import full_diffusers_config
     from megatron_video.models.wan.mapping import mapping_table, to_diffusers, to_megatron
@@ -138,11 +162,22 @@ def test_mapping_covers_diffusers_keys_both_ways(extra):
 
     model = _model(**extra)
     full = full_diffusers_config(dict(model.config))
-    cfg = WanConfig(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
-                    ffn_hidden_size=96, patch_size=(1, 2, 2), in_channels=4, out_channels=4,
-                    text_dim=32, freq_dim=32, cross_attn_norm=full["cross_attn_norm"],
-                    image_dim=full["image_dim"], added_kv_proj_dim=full["added_kv_proj_dim"],
-                    pos_embed_seq_len=full["pos_embed_seq_len"])
+    cfg = WanConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        kv_channels=16,
+        ffn_hidden_size=96,
+        patch_size=(1, 2, 2),
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        cross_attn_norm=full["cross_attn_norm"],
+        image_dim=full["image_dim"],
+        added_kv_proj_dim=full["added_kv_proj_dim"],
+        pos_embed_seq_len=full["pos_embed_seq_len"],
+    )
     sd = model.state_dict()
     assert sorted(k for e in mapping_table(cfg) for k in e.diffusers) == sorted(sd)
     ours = to_megatron(sd, cfg, full)

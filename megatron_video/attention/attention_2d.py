@@ -4,6 +4,7 @@
 ring attention (``attention.ring``) -> inverse all-to-all. The layout is explicit (``scheme=``); the
 plans it implies are built once and kept (``attention.plans``). Map: ``docs/architecture.md``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,9 +35,11 @@ def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=
     wrong under a guessed one (``mask.default_scheme`` is only the layout that balances the mask).
     """
     if mask is not None and not isinstance(mask, AttentionMask):
-        raise ValueError(f"mask ({type(mask).__name__}) must be None or a megatron_video.attention."
-                         f"masks.AttentionMask (build one with masks.full/causal/block_causal/packed/"
-                         f"predicate)")
+        raise ValueError(
+            f"mask ({type(mask).__name__}) must be None or a megatron_video.attention."
+            f"masks.AttentionMask (build one with masks.full/causal/block_causal/packed/"
+            f"predicate)"
+        )
     if scheme is None:
         cp_size = 1 if groups is None else groups.cp_size
         if cp_size == 1 or mask is None or mask.position_independent:
@@ -45,15 +48,23 @@ def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=
             f"scheme (None) must be given for mask {mask!r} over {cp_size} CP ranks: pass "
             f"scheme='zigzag' or 'contiguous', the layout q, k, v were cut with (e.g. by "
             f"layouts.shard_sequence(x, groups, dim=1, scheme=...)); this mask's balanced layout is "
-            f"{mask.default_scheme!r}")
+            f"{mask.default_scheme!r}"
+        )
     if scheme not in SCHEMES:
         raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} or None")
     return scheme
 
 
-def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_ranks: Sequence[int],
-                   ulysses_size: int, ring_size: int, placement: str, seq_len: int,
-                   scheme: str) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def ring_token_ids(
+    cp_ranks: Sequence[int],
+    ulysses_ranks: Sequence[int],
+    ring_ranks: Sequence[int],
+    ulysses_size: int,
+    ring_size: int,
+    placement: str,
+    seq_len: int,
+    scheme: str,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Pure index map of the 2D layout (ranks are global ranks, lists in group-rank order).
 
     Returns ``(gathered, ring_ids)``: the global ids of this rank's sequence right after the Ulysses
@@ -72,13 +83,22 @@ def ring_token_ids(cp_ranks: Sequence[int], ulysses_ranks: Sequence[int], ring_r
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(cp_ranks: tuple, ulysses_ranks: tuple, ring_ranks: tuple, ulysses_size: int, ring_size: int,
-            placement: str, seq_len: int, scheme: str):
+def _layout(
+    cp_ranks: tuple,
+    ulysses_ranks: tuple,
+    ring_ranks: tuple,
+    ulysses_size: int,
+    ring_size: int,
+    placement: str,
+    seq_len: int,
+    scheme: str,
+):
     """``(ring_ids, order, inverse)``: ``ring_token_ids``' ring ids and the sort permutation of the
     gathered ids (None when sorted) with its inverse; a pure function of integers, memoised
     (callers never modify the tensors)."""
-    gathered, ring_ids = ring_token_ids(cp_ranks, ulysses_ranks, ring_ranks, ulysses_size, ring_size,
-                                        placement, seq_len, scheme)
+    gathered, ring_ids = ring_token_ids(
+        cp_ranks, ulysses_ranks, ring_ranks, ulysses_size, ring_size, placement, seq_len, scheme
+    )
     order = torch.argsort(gathered)
     if torch.equal(order, torch.arange(order.numel())):
         return tuple(ring_ids), None, None
@@ -99,14 +119,18 @@ _PROBED = PlanCache(256)  # masks whose ``dense`` passed the probe below (by val
 
 def _probe_mask(mask: AttentionMask) -> None:
     """A bad predicate must fail here, not inside the ring with P2P in flight (once per mask)."""
+
     def probe():
         one = torch.zeros(1, dtype=torch.long)
         m = mask.dense(one, one)
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (1, 1):
-            raise ValueError(f"mask ({mask!r}).dense(q_ids, k_ids) must return a bool tensor "
-                             f"[len(q_ids), len(k_ids)] (got {type(m).__name__} "
-                             f"{getattr(m, 'dtype', '')} {tuple(getattr(m, 'shape', ()))})")
+            raise ValueError(
+                f"mask ({mask!r}).dense(q_ids, k_ids) must return a bool tensor "
+                f"[len(q_ids), len(k_ids)] (got {type(m).__name__} "
+                f"{getattr(m, 'dtype', '')} {tuple(getattr(m, 'shape', ()))})"
+            )
         return True
+
     _PROBED.get(mask, probe)
 
 
@@ -118,36 +142,51 @@ def _local_ids(s: int) -> tuple:
 def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
-                             f"[b, s_local, heads, head_dim]")
+            raise ValueError(
+                f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
+                f"[b, s_local, heads, head_dim]"
+            )
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, s_local and "
-                         f"head_dim")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, s_local and head_dim"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes ({q.dtype}, {k.dtype}, {v.dtype}) must be equal")
     if softmax_scale is not None and (not isinstance(softmax_scale, Real) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale ({softmax_scale!r}) must be None or a positive number")
     if backend != "auto" and backend not in kernels.available_backends():
-        raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {kernels.available_backends()}")
+        raise ValueError(
+            f"backend ({backend!r}) must be 'auto' or one of {kernels.available_backends()}"
+        )
     if tile is not None:
         engine.check_tile(tile, engine.engine_backend(backend, q), q.device)
     U = 1 if groups is None else groups.ulysses_size
     N = 1 if groups is None else groups.cp_size
     check_heads(q.shape[2], k.shape[2], U)
     if scheme == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"s_local ({q.shape[1]}) must be even for scheme 'zigzag' (each CP rank "
-                         f"holds two of 2*cp_size = {2 * N} chunks)")
+        raise ValueError(
+            f"s_local ({q.shape[1]}) must be even for scheme 'zigzag' (each CP rank "
+            f"holds two of 2*cp_size = {2 * N} chunks)"
+        )
     check_seq_len(q.shape[1] * N, N, scheme)
     if mask is not None:
         _probe_mask(mask)
 
 
-def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=None,
-                   mask: Optional[AttentionMask] = None, softmax_scale: Optional[float] = None,
-                   scheme: Optional[str] = None, backend: str = "auto",
-                   stats: Optional[RingStats] = None, tile: Optional[int] = None) -> torch.Tensor:
+def dist_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups=None,
+    mask: Optional[AttentionMask] = None,
+    softmax_scale: Optional[float] = None,
+    scheme: Optional[str] = None,
+    backend: str = "auto",
+    stats: Optional[RingStats] = None,
+    tile: Optional[int] = None,
+) -> torch.Tensor:
     """Exact context-parallel attention over the U x R groups of ``groups``.
 
     ``q [b, s_local, h, d]``, ``k, v [b, s_local, h_kv, d]`` laid out by
@@ -174,14 +213,25 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
     else:
         U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
         ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
-        layout_key = (tuple(groups.cp_ranks), tuple(groups.ulysses_ranks), tuple(groups.ring_ranks),
-                      U, R, groups.placement, q.shape[1] * N, scheme)
+        layout_key = (
+            tuple(groups.cp_ranks),
+            tuple(groups.ulysses_ranks),
+            tuple(groups.ring_ranks),
+            U,
+            R,
+            groups.placement,
+            q.shape[1] * N,
+            scheme,
+        )
         ring_ids, order, inverse = _layout_on(layout_key, str(q.device))
         if N > 1:
             # The scheme rides along as the length of an empty tensor: ranks that disagree on the
             # layout would otherwise silently compute garbage.
-            check_same_shape({"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
-                             groups.cp_group, "dist_attention")
+            check_same_shape(
+                {"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
+                groups.cp_group,
+                "dist_attention",
+            )
 
     # Every ring rank's tokens sorted by global id: a permutation riding on the Ulysses all-to-all's
     # unpacking copy (a local one without Ulysses). A mask that ignores positions gives the same
@@ -196,10 +246,20 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups=Non
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
 
     kernel = engine.engine_backend(backend, q)
-    plan = RingPlan(group=rg, ring_rank=ring_rank, ring_size=R, ids=ring_ids, mask=mask,
-                    softmax_scale=scale, backend=kernel, stats=stats,
-                    tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device),
-                    ids_key=layout_key, device=str(q.device), release_kv=U > 1 or order is not None)
+    plan = RingPlan(
+        group=rg,
+        ring_rank=ring_rank,
+        ring_size=R,
+        ids=ring_ids,
+        mask=mask,
+        softmax_scale=scale,
+        backend=kernel,
+        stats=stats,
+        tile=tile if tile is not None else engine.choose_tile(mask, kernel, q.device),
+        ids_key=layout_key,
+        device=str(q.device),
+        release_kv=U > 1 or order is not None,
+    )
     out = ring_attention(q, k, v, plan)
 
     if U > 1:

@@ -5,6 +5,7 @@ groups them into kernel calls; ``block_forward`` / ``block_backward`` run them w
 merged through the log-sum-exp. Plans are host data, built once and reused (``attention.plans``).
 Package map: ``docs/architecture.md``.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,17 +20,34 @@ from . import kernels
 from .masks import AttentionMask, is_lower_triangle
 from .plans import PLANS
 
-__all__ = ["DEFAULT_TILE", "DEBUG_ENV", "EngineStats", "Call", "BlockPlan", "check_tile",
-           "choose_tile", "kernel_block_size", "id_runs", "increasing_spans", "run_tiles",
-           "plan_block", "plan_for",
-           "cached_plan", "block_forward", "block_backward", "local_attention"]
+__all__ = [
+    "DEFAULT_TILE",
+    "DEBUG_ENV",
+    "EngineStats",
+    "Call",
+    "BlockPlan",
+    "check_tile",
+    "choose_tile",
+    "kernel_block_size",
+    "id_runs",
+    "increasing_spans",
+    "run_tiles",
+    "plan_block",
+    "plan_for",
+    "cached_plan",
+    "block_forward",
+    "block_backward",
+    "local_attention",
+]
 
 DEFAULT_TILE = 512
 # PARTIAL tile masks a plan keeps (host, and one copy per device on first use); past it they are
 # evaluated per call. Elements (bools) per plan.
 MASK_CACHE_ELEMENTS = 1 << 24
 DEBUG_ENV = "MEGATRON_VIDEO_CHECK_MASKS"
-CAUSAL = 3  # a call kind: PARTIAL tile whose mask is exactly the lower triangle (kernel's causal flag)
+CAUSAL = (
+    3  # a call kind: PARTIAL tile whose mask is exactly the lower triangle (kernel's causal flag)
+)
 
 
 @dataclass
@@ -91,7 +109,9 @@ def check_tile(tile, backend: str = "auto", device: torch.device = _CPU) -> int:
         raise ValueError(f"tile ({tile!r}) must be a positive int (tokens per tile side)")
     blk = kernel_block_size(backend, device)
     if tile % blk:
-        raise ValueError(f"tile ({tile}) must be a multiple of the {backend!r} kernel's block size ({blk})")
+        raise ValueError(
+            f"tile ({tile}) must be a multiple of the {backend!r} kernel's block size ({blk})"
+        )
     return tile
 
 
@@ -163,7 +183,7 @@ class BlockPlan:
     tile: int
     counts: dict = field(default_factory=lambda: {EMPTY: 0, PARTIAL: 0, FULL: 0})
     status: Optional[torch.Tensor] = None  # uint8 [q tiles, k tiles]
-    flex: Optional[object] = None          # a FlexAttention BlockMask, built on first use
+    flex: Optional[object] = None  # a FlexAttention BlockMask, built on first use
     # PARTIAL calls, by index in ``calls``: host masks (within MASK_CACHE_ELEMENTS) and rows without
     # any key (only where there are such rows), both found at planning time; device copies by
     # (kind, index, device) on first use, so running a plan never reads device data on the host
@@ -181,8 +201,9 @@ class BlockPlan:
             self._on_device[key] = host.to(device)
         return self._on_device[key]
 
-    def tile_mask(self, call: Call, device, stats: Optional["EngineStats"] = None,
-                  index: Optional[int] = None) -> Optional[torch.Tensor]:
+    def tile_mask(
+        self, call: Call, device, stats: Optional["EngineStats"] = None, index: Optional[int] = None
+    ) -> Optional[torch.Tensor]:
         """Bool mask of a PARTIAL call (lower triangle for CAUSAL, None for FULL); ``index`` (its
         position in ``calls``) reads the plan's kept mask."""
         if call.kind == FULL:
@@ -211,18 +232,24 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "0").strip() not in ("", "0", "false", "False")
 
 
-def _check_tile_verdict(mask: AttentionMask, qi: torch.Tensor, ki: torch.Tensor, st: int,
-                        stats: Optional[EngineStats]) -> None:
+def _check_tile_verdict(
+    mask: AttentionMask, qi: torch.Tensor, ki: torch.Tensor, st: int, stats: Optional[EngineStats]
+) -> None:
     d = mask.dense(qi, ki)
     if stats is not None:
         stats._mask(d.numel())
-    ok = {EMPTY: not bool(d.any()), FULL: bool(d.all()),
-          PARTIAL: bool(d.any()) and not bool(d.all())}[st]
+    ok = {
+        EMPTY: not bool(d.any()),
+        FULL: bool(d.all()),
+        PARTIAL: bool(d.any()) and not bool(d.all()),
+    }[st]
     if not ok:
         name = {EMPTY: "EMPTY", FULL: "FULL", PARTIAL: "PARTIAL"}[st]
-        raise ValueError(f"mask ({mask!r}) classifies the tile q ids [{int(qi[0])}..{int(qi[-1])}] x "
-                         f"k ids [{int(ki[0])}..{int(ki[-1])}] as {name}, but its dense form disagrees "
-                         f"(tile_status / block_status must agree with dense)")
+        raise ValueError(
+            f"mask ({mask!r}) classifies the tile q ids [{int(qi[0])}..{int(qi[-1])}] x "
+            f"k ids [{int(ki[0])}..{int(ki[-1])}] as {name}, but its dense form disagrees "
+            f"(tile_status / block_status must agree with dense)"
+        )
 
 
 def _status_grid(q_ids, k_ids, mask, tile, stats, debug):
@@ -242,8 +269,10 @@ def _status_grid(q_ids, k_ids, mask, tile, stats, debug):
         rows.append(torch.cat(cols, dim=1))
     status = torch.cat(rows, dim=0)
     if tuple(status.shape) != (nq, nk):
-        raise ValueError(f"mask ({mask!r}).tile_status returned shape {tuple(status.shape)}, expected "
-                         f"({nq}, {nk}) tiles")
+        raise ValueError(
+            f"mask ({mask!r}).tile_status returned shape {tuple(status.shape)}, expected "
+            f"({nq}, {nk}) tiles"
+        )
     if debug:
         for i, (qa, qe) in enumerate(q_tiles):
             for j, (ka, ke) in enumerate(k_tiles):
@@ -251,9 +280,15 @@ def _status_grid(q_ids, k_ids, mask, tile, stats, debug):
     return q_tiles, k_tiles, status
 
 
-def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask], tile: int,
-               merge: bool = True, stats: Optional[EngineStats] = None,
-               debug: Optional[bool] = None) -> BlockPlan:
+def plan_block(
+    q_ids: torch.Tensor,
+    k_ids: torch.Tensor,
+    mask: Optional[AttentionMask],
+    tile: int,
+    merge: bool = True,
+    stats: Optional[EngineStats] = None,
+    debug: Optional[bool] = None,
+) -> BlockPlan:
     """The kernel calls for queries ``q_ids`` x keys ``k_ids`` (global ids, 1-D), pure but for ``stats``.
 
     ``merge`` groups FULL tiles into larger calls (fused kernels, whose memory does not grow with
@@ -272,14 +307,16 @@ def plan_block(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[Attentio
     def partial_kind(i: int, j: int) -> int:
         """CAUSAL when the PARTIAL tile's mask is exactly the lower triangle, else PARTIAL."""
         if (i, j) not in kinds:
-            qi, ki = q_ids[q_tiles[i][0]:q_tiles[i][1]], k_ids[k_tiles[j][0]:k_tiles[j][1]]
+            qi, ki = q_ids[q_tiles[i][0] : q_tiles[i][1]], k_ids[k_tiles[j][0] : k_tiles[j][1]]
             if stats is not None:  # rule masks decide on identities; others evaluate this one tile
                 stats._mask(qi.numel() * ki.numel())
             low = bool(mask.lower_triangle(qi, ki))
             if low and debug and not is_lower_triangle(mask.dense(qi, ki)):
-                raise ValueError(f"mask ({mask!r}).lower_triangle says the tile q ids [{int(qi[0])}.."
-                                 f"{int(qi[-1])}] x k ids [{int(ki[0])}..{int(ki[-1])}] is the lower "
-                                 f"triangle, but its dense form disagrees")
+                raise ValueError(
+                    f"mask ({mask!r}).lower_triangle says the tile q ids [{int(qi[0])}.."
+                    f"{int(qi[-1])}] x k ids [{int(ki[0])}..{int(ki[-1])}] is the lower "
+                    f"triangle, but its dense form disagrees"
+                )
             kinds[i, j] = CAUSAL if low else PARTIAL
         return kinds[i, j]
 
@@ -362,15 +399,23 @@ def _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind) 
     for (qa, qe), (i0, i1) in zip(q_sp, q_ti):
         for (ka, ke), (j0, j1) in zip(k_sp, k_ti):
             n = i1 - i0
-            if qe - qa != ke - ka or n < 2 or j1 - j0 != n or not torch.equal(q_ids[qa:qe], k_ids[ka:ke]):
+            if (
+                qe - qa != ke - ka
+                or n < 2
+                or j1 - j0 != n
+                or not torch.equal(q_ids[qa:qe], k_ids[ka:ke])
+            ):
                 continue  # not the same ids (identical ids give identical tiles), or a single tile
             sub = work[i0:i1, j0:j1]
             below = torch.ones(n, n, dtype=torch.bool).tril(-1)
             if not (bool((sub[below] == FULL).all()) and bool((sub[below.T] == EMPTY).all())):
                 continue
-            if not all(int(sub[t, t]) == PARTIAL and partial_kind(i0 + t, j0 + t) == CAUSAL
-                       or (int(sub[t, t]) == FULL and q_tiles[i0 + t][1] - q_tiles[i0 + t][0] == 1)
-                       for t in range(n)):
+            if not all(
+                int(sub[t, t]) == PARTIAL
+                and partial_kind(i0 + t, j0 + t) == CAUSAL
+                or (int(sub[t, t]) == FULL and q_tiles[i0 + t][1] - q_tiles[i0 + t][0] == 1)
+                for t in range(n)
+            ):
                 continue
             plan.calls.append(Call(slice(qa, qe), slice(ka, ke), CAUSAL))
             work[i0:i1, j0:j1] = EMPTY
@@ -380,7 +425,9 @@ def _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind) 
 # Kernels on [b, h, s, d] views (q, k, v already expanded to q's heads)
 # ----------------------------------------------------------------------------------------------
 def _bias(m: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))[None, None]
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))[
+        None, None
+    ]
 
 
 def _fwd_sdpa(q, k, v, call, m, scale):
@@ -388,14 +435,18 @@ def _fwd_sdpa(q, k, v, call, m, scale):
     bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
     if not q.is_cuda:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
     if bias is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
         return out, lse
     if bias is not None:
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
-                                                                     scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )[:2]
     return out, lse[..., : q.shape[2]]
 
 
@@ -404,17 +455,20 @@ def _bwd_sdpa(do, q, k, v, o, lse, call, m, scale):
     bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
     if not q.is_cuda:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, o, lse, 0.0, causal, attn_mask=bias, scale=scale)
+            do, q, k, v, o, lse, 0.0, causal, attn_mask=bias, scale=scale
+        )
     if bias is None and q.dtype in (torch.float16, torch.bfloat16):
         sq, sk = q.shape[2], k.shape[2]
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale)
+            do, q, k, v, o, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale
+        )
     if bias is not None:
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        do, q, k, v, bias, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+        do, q, k, v, bias, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale
+    )[:3]
 
 
 def _fwd_math(q, k, v, call, m, scale):
@@ -438,8 +492,11 @@ def _bwd_math(do, q, k, v, o, lse, call, m, scale):
     dp = torch.einsum("bhqd,bhkd->bhqk", do_, v.to(acc))
     delta = (do_ * o.to(acc)).sum(-1)
     ds = p * (dp - delta[..., None])
-    return (torch.einsum("bhqk,bhkd->bhqd", ds, k.to(acc)) * scale,
-            torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale, dv)
+    return (
+        torch.einsum("bhqk,bhkd->bhqd", ds, k.to(acc)) * scale,
+        torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale,
+        dv,
+    )
 
 
 def _merge(out_acc, lse_acc, o, lse):
@@ -464,12 +521,17 @@ def _flex_block_mask(plan: BlockPlan, device):
     from torch.nn.attention.flex_attention import BlockMask
 
     from ..ops.masks import flex_block_fields
+
     if plan.flex is None:
         qi, ki = plan.q_ids.to(device), plan.k_ids.to(device)
         mod = plan.mask.mask_mod(qi, ki) if plan.mask is not None else None
         fields = flex_block_fields(plan.status.to(device))
-        plan.flex = BlockMask.from_kv_blocks(*fields, BLOCK_SIZE=(plan.tile, plan.tile), mask_mod=mod,
-                                             seq_lengths=(qi.numel(), ki.numel()))
+        plan.flex = BlockMask.from_kv_blocks(
+            *fields,
+            BLOCK_SIZE=(plan.tile, plan.tile),
+            mask_mod=mod,
+            seq_lengths=(qi.numel(), ki.numel()),
+        )
     return plan.flex
 
 
@@ -480,7 +542,9 @@ def _flex_plan(q_ids, k_ids, mask, tile, stats) -> BlockPlan:
         nq, nk = -(-q_ids.numel() // tile), -(-k_ids.numel() // tile)
         status = torch.full((nq, nk), FULL, dtype=torch.uint8)
     else:
-        status = torch.as_tensor(mask.tile_status(q_ids, k_ids, tile, tile), dtype=torch.uint8).cpu()
+        status = torch.as_tensor(
+            mask.tile_status(q_ids, k_ids, tile, tile), dtype=torch.uint8
+        ).cpu()
     plan = BlockPlan(calls=[], q_ids=q_ids, k_ids=k_ids, mask=mask, tile=tile, status=status)
     for value in (EMPTY, PARTIAL, FULL):
         plan.counts[value] = int((status == value).sum())
@@ -489,10 +553,18 @@ def _flex_plan(q_ids, k_ids, mask, tile, stats) -> BlockPlan:
     return plan
 
 
-def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tensor], q: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, backend: str,
-                  stats: Optional[EngineStats] = None,
-                  fresh: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def block_forward(
+    out_acc: Optional[torch.Tensor],
+    lse_acc: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    scale: float,
+    backend: str,
+    stats: Optional[EngineStats] = None,
+    fresh: bool = False,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Attention of ``q [b, sq, h, d]`` over ``k, v [b, sk, hk, d]`` merged into the accumulators
     ``out_acc [b, h, sq, d]`` and ``lse_acc [b, h, sq]`` (accumulation dtype, in place); returns
     the accumulators.
@@ -509,10 +581,12 @@ def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tenso
     h = q.shape[2]
     if backend == "flex":
         from .kernels import _compiled_flex
+
         qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
         bm = _flex_block_mask(plan, q.device)
-        o, lse = _compiled_flex(q.device.type)(qt, kt, vt, block_mask=bm, scale=scale,
-                                               enable_gqa=k.shape[2] != h, return_lse=True)
+        o, lse = _compiled_flex(q.device.type)(
+            qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=k.shape[2] != h, return_lse=True
+        )
         if out_acc is None:
             out_acc, lse_acc = accumulators(q)
         _merge(out_acc, lse_acc, o, lse.to(lse_acc.dtype))  # flex: -inf on rows without keys
@@ -525,8 +599,11 @@ def block_forward(out_acc: Optional[torch.Tensor], lse_acc: Optional[torch.Tenso
     for index, c in enumerate(plan.calls):
         if backend == "math" and stats is not None:
             stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
-        m = (plan.tile_mask(c, q.device, stats, index) if (c.kind == PARTIAL or backend == "math")
-             else None)
+        m = (
+            plan.tile_mask(c, q.device, stats, index)
+            if (c.kind == PARTIAL or backend == "math")
+            else None
+        )
         o, lse = fwd(qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], c, m, scale)
         lse = lse.to(acc_dtype)
         dead = plan.dead_rows(index, q.device) if c.kind == PARTIAL else None
@@ -553,25 +630,40 @@ def _grad_zeros(x: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.zeros(b, s, heads, d, dtype=kernels.accumulation_dtype(x.dtype), device=x.device)
 
 
-def _accumulate(acc: Optional[torch.Tensor], rows: slice, g: torch.Tensor, like: torch.Tensor,
-                heads: int) -> torch.Tensor:
+def _accumulate(
+    acc: Optional[torch.Tensor], rows: slice, g: torch.Tensor, like: torch.Tensor, heads: int
+) -> torch.Tensor:
     """``acc[:, rows] += g`` (``g [b, h, n, d]``); a missing ``acc`` becomes ``g`` itself when ``g``
     covers every row in the accumulation dtype (no zero fill, no copy), else zeros first."""
     g = g.transpose(1, 2)
     if acc is None:
-        if rows.start == 0 and rows.stop == like.shape[1] and g.dtype == kernels.accumulation_dtype(
-                like.dtype):
+        if (
+            rows.start == 0
+            and rows.stop == like.shape[1]
+            and g.dtype == kernels.accumulation_dtype(like.dtype)
+        ):
             return g
         acc = _grad_zeros(like, heads)
     acc[:, rows] += g
     return acc
 
 
-def block_backward(dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor],
-                   dv_acc: Optional[torch.Tensor], dout: torch.Tensor, q: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   plan: BlockPlan, scale: float, backend: str,
-                   stats: Optional[EngineStats] = None, fresh: bool = False):
+def block_backward(
+    dq_acc: Optional[torch.Tensor],
+    dk_acc: Optional[torch.Tensor],
+    dv_acc: Optional[torch.Tensor],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: BlockPlan,
+    scale: float,
+    backend: str,
+    stats: Optional[EngineStats] = None,
+    fresh: bool = False,
+):
     """Accumulate this block's ``dq [b, sq, h, d]`` and ``dk, dv [b, sk, h, d]`` (expanded heads,
     accumulation dtype) given the GLOBAL ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` of the rows
     (``lse = +inf`` on rows without any visible key, so their gradients are zero); returns the
@@ -594,10 +686,22 @@ def block_backward(dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     bwd = _bwd_math if backend == "math" else _bwd_sdpa
     for index, c in enumerate(plan.calls):
-        m = (plan.tile_mask(c, q.device, stats, index) if (c.kind == PARTIAL or backend == "math")
-             else None)
-        g = bwd(dout[:, :, c.q], qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], out[:, :, c.q],
-                lse[:, :, c.q], c, m, scale)
+        m = (
+            plan.tile_mask(c, q.device, stats, index)
+            if (c.kind == PARTIAL or backend == "math")
+            else None
+        )
+        g = bwd(
+            dout[:, :, c.q],
+            qt[:, :, c.q],
+            kt[:, :, c.k],
+            vt[:, :, c.k],
+            out[:, :, c.q],
+            lse[:, :, c.q],
+            c,
+            m,
+            scale,
+        )
         dq_acc = _accumulate(dq_acc, c.q, g[0], q, h)
         dk_acc = _accumulate(dk_acc, c.k, g[1], k, h)
         dv_acc = _accumulate(dv_acc, c.k, g[2], v, h)
@@ -612,17 +716,21 @@ def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
     ``d lse_block = w * rowsum(dout * (out_block - out))`` (the LSE merge's derivative).
     """
     from .kernels import _compiled_flex
+
     h = q.shape[2]
     with torch.enable_grad():
         qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
         bm = _flex_block_mask(plan, q.device)
-        o, lb = _compiled_flex(q.device.type)(qt, kt, vt, block_mask=bm, scale=scale,
-                                              enable_gqa=k.shape[2] != h, return_lse=True)
+        o, lb = _compiled_flex(q.device.type)(
+            qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=k.shape[2] != h, return_lse=True
+        )
         glob = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
         w = torch.exp(lb.detach().to(glob.dtype) - glob)
         w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
         g_o = (w[..., None] * dout.to(w.dtype)).to(o.dtype)
-        g_l = (w * (dout.to(w.dtype) * (o.detach().to(w.dtype) - out.to(w.dtype))).sum(-1)).to(lb.dtype)
+        g_l = (w * (dout.to(w.dtype) * (o.detach().to(w.dtype) - out.to(w.dtype))).sum(-1)).to(
+            lb.dtype
+        )
         dq, dk, dv = torch.autograd.grad((o, lb), (qt, kt, vt), (g_o, g_l), allow_unused=True)
     hk = k.shape[2]
     dq_acc += dq.transpose(1, 2).to(dq_acc.dtype)
@@ -638,8 +746,14 @@ def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
         dv_acc.view(*dv_acc.shape[:2], hk, rep, dv_acc.shape[-1])[:, :, :, 0] += dv
 
 
-def plan_for(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask], tile: int,
-             backend: str, stats: Optional[EngineStats] = None) -> BlockPlan:
+def plan_for(
+    q_ids: torch.Tensor,
+    k_ids: torch.Tensor,
+    mask: Optional[AttentionMask],
+    tile: int,
+    backend: str,
+    stats: Optional[EngineStats] = None,
+) -> BlockPlan:
     """The plan a backend runs: fixed tiles over the block for ``"flex"``, run tiles otherwise."""
     t0 = time.perf_counter()
     if backend == "flex":
@@ -651,9 +765,17 @@ def plan_for(q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionM
     return plan
 
 
-def cached_plan(ids_key, q_ids: torch.Tensor, k_ids: torch.Tensor, mask: Optional[AttentionMask],
-                tile: int, backend: str, device, stats: Optional[EngineStats] = None,
-                cache: bool = True) -> BlockPlan:
+def cached_plan(
+    ids_key,
+    q_ids: torch.Tensor,
+    k_ids: torch.Tensor,
+    mask: Optional[AttentionMask],
+    tile: int,
+    backend: str,
+    device,
+    stats: Optional[EngineStats] = None,
+    cache: bool = True,
+) -> BlockPlan:
     """``plan_for`` through the plan cache: ``ids_key`` (hashable) must determine ``q_ids`` and
     ``k_ids``; ``cache=False`` builds without keeping (a mask that lives for one call)."""
     debug = _debug()
@@ -672,12 +794,16 @@ def engine_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in ("math", "sdpa", "flex", "flash_attn"):
         raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {kernels.BACKENDS}")
     if backend not in kernels.available_backends():
-        raise ValueError(f"backend ({backend!r}) is not available here (available: "
-                         f"{kernels.available_backends()})")
+        raise ValueError(
+            f"backend ({backend!r}) is not available here (available: "
+            f"{kernels.available_backends()})"
+        )
     if backend == "flash_attn":  # torch's flash kernel runs the unmasked fp16/bf16 calls on CUDA
         return "sdpa"
     if backend == "flex" and not q.is_cuda:
-        return "sdpa"  # FlexAttention has no backward on CPU; same tiles through the CPU flash kernel
+        return (
+            "sdpa"  # FlexAttention has no backward on CPU; same tiles through the CPU flash kernel
+        )
     return backend
 
 
@@ -685,9 +811,10 @@ def accumulators(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Zero ``out [b, h, s, d]`` and ``-inf`` ``lse [b, h, s]`` in the accumulation dtype."""
     b, s, h, d = q.shape
     acc = kernels.accumulation_dtype(q.dtype)
-    return (torch.zeros(b, h, s, d, dtype=acc, device=q.device),
-            torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device))
-
+    return (
+        torch.zeros(b, h, s, d, dtype=acc, device=q.device),
+        torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device),
+    )
 
 
 class _EngineAttention(torch.autograd.Function):
@@ -709,19 +836,46 @@ class _EngineAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         hk, h = k.shape[2], q.shape[2]
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        dq, dk, dv = block_backward(None, None, None, dout.transpose(1, 2).to(q.dtype), q, k, v,
-                                    out, lse, ctx.plan, ctx.scale, ctx.backend, ctx.stats,
-                                    fresh=True)
+        dq, dk, dv = block_backward(
+            None,
+            None,
+            None,
+            dout.transpose(1, 2).to(q.dtype),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ctx.plan,
+            ctx.scale,
+            ctx.backend,
+            ctx.stats,
+            fresh=True,
+        )
         dq = _grad_zeros(q, h) if dq is None else dq
         dk = _grad_zeros(k, h) if dk is None else dk
         dv = _grad_zeros(v, h) if dv is None else dv
-        return (dq.to(q.dtype), kernels._reduce_kv(dk, hk).to(k.dtype), kernels._reduce_kv(dv, hk).to(v.dtype),
-                None, None, None, None)
+        return (
+            dq.to(q.dtype),
+            kernels._reduce_kv(dk, hk).to(k.dtype),
+            kernels._reduce_kv(dv, hk).to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
-                    softmax_scale: Optional[float] = None, backend: str = "auto", tile: Optional[int] = None,
-                    stats: Optional[EngineStats] = None):
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    tile: Optional[int] = None,
+    stats: Optional[EngineStats] = None,
+):
     """Autograd-aware single-process attention through the engine: ``(out [b, sq, h, d], lse [b, h, sq])``.
 
     ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]`` (any ``sk``, e.g. cross-attention); ``mask`` is None,
@@ -738,13 +892,26 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None
     if one_call:
         mask = from_dense(mask, copy=False)  # lives for this call only: its plan is not kept
     elif mask is not None and not isinstance(mask, AttentionMask):
-        raise ValueError(f"mask ({type(mask).__name__}) must be None, an AttentionMask or a bool tensor")
+        raise ValueError(
+            f"mask ({type(mask).__name__}) must be None, an AttentionMask or a bool tensor"
+        )
     kernel = engine_backend(backend, q)
-    tile = choose_tile(mask, kernel, q.device) if tile is None else check_tile(tile, kernel, q.device)
+    tile = (
+        choose_tile(mask, kernel, q.device) if tile is None else check_tile(tile, kernel, q.device)
+    )
     scale = kernels._scale(softmax_scale, q.shape[-1])
     sq, sk = q.shape[1], k.shape[1]
-    plan = cached_plan(("local", sq, sk), torch.arange(sq), torch.arange(sk), mask, tile, kernel,
-                       q.device, stats, cache=not one_call)
+    plan = cached_plan(
+        ("local", sq, sk),
+        torch.arange(sq),
+        torch.arange(sk),
+        mask,
+        tile,
+        kernel,
+        q.device,
+        stats,
+        cache=not one_call,
+    )
     if stats is not None:
         stats._plan("fwd", plan)
     return _EngineAttention.apply(q, k, v, plan, scale, kernel, stats)

@@ -4,6 +4,7 @@ its own) and ``dense_local_attention``, their autograd wrapper for a dense ``[b,
 Layouts ``q [b, sq, h, d]``, ``k, v [b, sk, h_kv, d]``; backends: ``BACKENDS``, ``"auto"`` chosen by
 ``resolve_backend``. Rows with no visible key give ``out = 0`` and ``lse = -inf`` (never NaN).
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,15 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["BACKENDS", "available_backends", "resolve_backend", "attention_forward",
-           "attention_backward", "dense_local_attention", "accumulation_dtype"]
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "resolve_backend",
+    "attention_forward",
+    "attention_backward",
+    "dense_local_attention",
+    "accumulation_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +82,16 @@ def resolve_backend(backend: str, q: torch.Tensor, masked: bool) -> str:
         if q.dtype == torch.float64:
             name, why = "math", "float64 inputs"
         elif not q.is_cuda:
-            name, why = (("sdpa", "CPU flash kernel with LSE") if _has_cpu_flash()
-                         else ("math", "no CPU flash kernel"))
-        elif not masked and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_func() is not None:
+            name, why = (
+                ("sdpa", "CPU flash kernel with LSE")
+                if _has_cpu_flash()
+                else ("math", "no CPU flash kernel")
+            )
+        elif (
+            not masked
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and _flash_attn_func() is not None
+        ):
             name, why = "flash_attn", "CUDA, unmasked fp16/bf16 block"
         elif _flex() is not None:
             name, why = "flex", "CUDA with masks"
@@ -87,7 +102,9 @@ def resolve_backend(backend: str, q: torch.Tensor, masked: bool) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend ({backend!r}) must be 'auto' or one of {BACKENDS}")
     if backend not in available_backends():
-        raise ValueError(f"backend ({backend!r}) is not available here (available: {available_backends()})")
+        raise ValueError(
+            f"backend ({backend!r}) is not available here (available: {available_backends()})"
+        )
     if backend == "flash_attn" and (masked or q.dtype not in (torch.float16, torch.bfloat16)):
         # flash-attn takes no arbitrary mask: masked (or fp32) blocks of a ring use the auto choice
         return resolve_backend("auto", q, masked)
@@ -105,8 +122,10 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _check(q, k, v, mask) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
-                             f"[b, s, heads, head_dim]")
+            raise ValueError(
+                f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
+                f"[b, s, heads, head_dim]"
+            )
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     b, sq, h, d = q.shape
@@ -117,12 +136,20 @@ def _check(q, k, v, mask) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes ({q.dtype}, {k.dtype}, {v.dtype}) must be equal")
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() not in (2, 4):
-            raise ValueError(f"mask must be None or a bool tensor [sq, sk] or [b, h, sq, sk] (got "
-                             f"{getattr(mask, 'dtype', type(mask).__name__)} "
-                             f"{tuple(getattr(mask, 'shape', ()))})")
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.dtype != torch.bool
+            or mask.dim() not in (2, 4)
+        ):
+            raise ValueError(
+                f"mask must be None or a bool tensor [sq, sk] or [b, h, sq, sk] (got "
+                f"{getattr(mask, 'dtype', type(mask).__name__)} "
+                f"{tuple(getattr(mask, 'shape', ()))})"
+            )
         if tuple(mask.shape[-2:]) != (sq, k.shape[1]):
-            raise ValueError(f"mask shape {tuple(mask.shape)} must end in (sq, sk) = ({sq}, {k.shape[1]})")
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)} must end in (sq, sk) = ({sq}, {k.shape[1]})"
+            )
 
 
 def _mask4(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -191,17 +218,23 @@ def _math_bwd(dout, q, k, v, out, lse, m4, scale):
 # ----------------------------------------------------------------------------------------------
 def _sdpa_fwd(q, k, v, m4, scale):
     h = q.shape[2]
-    qt, kt, vt = q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2)
+    qt, kt, vt = (
+        q.transpose(1, 2),
+        _expand_kv(k, h).transpose(1, 2),
+        _expand_kv(v, h).transpose(1, 2),
+    )
     bias = _bias(m4, q.dtype)
     if q.is_cuda:
         if bias is not None:
             bias = bias.expand(q.shape[0], h, q.shape[1], k.shape[1])
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qt, kt, vt, bias, True, 0.0, False, scale=scale)[:2]
+            qt, kt, vt, bias, True, 0.0, False, scale=scale
+        )[:2]
         lse = lse[..., : q.shape[1]]  # the kernel pads the LSE's sequence dim
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qt, kt, vt, 0.0, False, attn_mask=bias, scale=scale)
+            qt, kt, vt, 0.0, False, attn_mask=bias, scale=scale
+        )
     out = out.transpose(1, 2)
     lse = lse.to(accumulation_dtype(q.dtype))
     dead = _dead_rows(m4)
@@ -217,9 +250,17 @@ def _sdpa_cpu_bwd(dout, q, k, v, out, lse, m4, scale):
     acc = accumulation_dtype(q.dtype)
     t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        t(dout.to(q.dtype)), t(q), t(_expand_kv(k, h)), t(_expand_kv(v, h)), t(out.to(q.dtype)),
+        t(dout.to(q.dtype)),
+        t(q),
+        t(_expand_kv(k, h)),
+        t(_expand_kv(v, h)),
+        t(out.to(q.dtype)),
         lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous(),
-        0.0, False, attn_mask=_bias(m4, q.dtype), scale=scale)
+        0.0,
+        False,
+        attn_mask=_bias(m4, q.dtype),
+        scale=scale,
+    )
     dq, dk, dv = (x.transpose(1, 2).to(acc) for x in (dq, dk, dv))
     return dq, _reduce_kv(dk, hk), _reduce_kv(dv, hk)
 
@@ -239,15 +280,26 @@ def _flex_fwd(q, k, v, m4, scale):
     block_mask = None
     if m4 is not None:
         dense = m4.expand(q.shape[0], h, q.shape[1], k.shape[1])
-        block_mask = create_block_mask(lambda b, hh, qi, ki: dense[b, hh, qi, ki], q.shape[0], h,
-                                       q.shape[1], k.shape[1], device=q.device)
+        block_mask = create_block_mask(
+            lambda b, hh, qi, ki: dense[b, hh, qi, ki],
+            q.shape[0],
+            h,
+            q.shape[1],
+            k.shape[1],
+            device=q.device,
+        )
     with warnings.catch_warnings():  # eager (uncompiled) flex on CPU is expected, not a mistake
         warnings.simplefilter("ignore", UserWarning)
         # detached: our own autograd function owns the backward (flex has none on CPU)
         out, lse = _compiled_flex(q.device.type)(
-            q.detach().transpose(1, 2), k.detach().transpose(1, 2), v.detach().transpose(1, 2),
-            block_mask=block_mask, scale=scale,
-            enable_gqa=k.shape[2] != h, return_lse=True)
+            q.detach().transpose(1, 2),
+            k.detach().transpose(1, 2),
+            v.detach().transpose(1, 2),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=k.shape[2] != h,
+            return_lse=True,
+        )
     out, lse = out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
     dead = _dead_rows(m4)
     if dead is not None:
@@ -258,8 +310,9 @@ def _flex_fwd(q, k, v, m4, scale):
 
 
 def _flash_attn_fwd(q, k, v, m4, scale):
-    out, lse, _ = _flash_attn_func()(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False,
-                                    return_attn_probs=True)
+    out, lse, _ = _flash_attn_func()(
+        q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False, return_attn_probs=True
+    )
     return out, lse.float()
 
 

@@ -5,6 +5,7 @@ A mask answers "may query ``q`` attend key ``k``?" for global ids, per tile: ``t
 Masks are values: frozen after construction, equal and hashed by their content (identity for
 subclasses that do not define ``_value``), so a mask keys the plan cache (``attention.plans``).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
@@ -14,14 +15,30 @@ import torch
 from ..ops import masks as _ops
 from ..ops.rules import EMPTY, FULL, PARTIAL
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "AttentionMask", "RuleMask", "full", "causal", "block_causal",
-           "packed", "predicate", "from_dense", "VideoRows", "video_rows", "is_lower_triangle"]
+__all__ = [
+    "EMPTY",
+    "PARTIAL",
+    "FULL",
+    "AttentionMask",
+    "RuleMask",
+    "full",
+    "causal",
+    "block_causal",
+    "packed",
+    "predicate",
+    "from_dense",
+    "VideoRows",
+    "video_rows",
+    "is_lower_triangle",
+]
 
 
 def is_lower_triangle(m: torch.Tensor) -> bool:
     """True iff the bool tile ``m`` is square and exactly its lower triangle (``j <= i``)."""
     n = m.shape[0]
-    return m.shape[1] == n and torch.equal(m, torch.ones(n, n, dtype=torch.bool, device=m.device).tril())
+    return m.shape[1] == n and torch.equal(
+        m, torch.ones(n, n, dtype=torch.bool, device=m.device).tril()
+    )
 
 
 def _tile_edges(n: int, tile: int):
@@ -53,8 +70,10 @@ class AttentionMask(metaclass=_Frozen):
 
     def __setattr__(self, name, value):
         if getattr(self, "_frozen", False):
-            raise AttributeError(f"{self!r}.{name}: masks are immutable values (they key the plan "
-                                 f"cache); build a new mask instead")
+            raise AttributeError(
+                f"{self!r}.{name}: masks are immutable values (they key the plan "
+                f"cache); build a new mask instead"
+            )
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name):
@@ -91,7 +110,9 @@ class AttentionMask(metaclass=_Frozen):
             return EMPTY
         return FULL if bool(d.all()) else PARTIAL
 
-    def tile_status(self, q_ids: torch.Tensor, k_ids: torch.Tensor, q_tile: int, k_tile: int) -> torch.Tensor:
+    def tile_status(
+        self, q_ids: torch.Tensor, k_ids: torch.Tensor, q_tile: int, k_tile: int
+    ) -> torch.Tensor:
         """uint8 ``[ceil(len(q_ids)/q_tile), ceil(len(k_ids)/k_tile)]`` of tile verdicts (one tile at a time)."""
         qe, ke = _tile_edges(q_ids.numel(), q_tile), _tile_edges(k_ids.numel(), k_tile)
         out = torch.empty(len(qe), len(ke), dtype=torch.uint8)
@@ -111,8 +132,10 @@ class AttentionMask(metaclass=_Frozen):
 
     def mask_mod(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Callable:
         """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``."""
+
         def mod(b, h, qi, ki):
             return self.dense(q_ids[qi].reshape(1), k_ids[ki].reshape(1)).reshape(())
+
         return mod
 
 
@@ -163,7 +186,9 @@ class _Full(RuleMask):
         return torch.ones(len(q_ids), len(k_ids), dtype=torch.bool, device=q_ids.device)
 
     def tile_status(self, q_ids, k_ids, q_tile, k_tile):
-        return torch.full((-(-q_ids.numel() // q_tile), -(-k_ids.numel() // k_tile)), FULL, dtype=torch.uint8)
+        return torch.full(
+            (-(-q_ids.numel() // q_tile), -(-k_ids.numel() // k_tile)), FULL, dtype=torch.uint8
+        )
 
     def _value(self):
         return ()
@@ -211,22 +236,30 @@ class _Packed(RuleMask):
     def __init__(self, cu_seqlens, inner: Optional[AttentionMask] = None):
         cu = torch.as_tensor(cu_seqlens)
         if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens ({cu_seqlens!r}) must be a 1-D integer sequence of at "
-                             f"least 2 offsets")
+            raise ValueError(
+                f"cu_seqlens ({cu_seqlens!r}) must be a 1-D integer sequence of at least 2 offsets"
+            )
         cu = cu.long().cpu().clone()  # its own copy: the caller may change theirs
         if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens ({cu.tolist()}) must start at 0 and be non-decreasing")
         if inner is not None and not isinstance(inner, AttentionMask):
             raise ValueError(f"inner ({inner!r}) must be an AttentionMask or None")
-        self._cu = tuple(cu.tolist())   # the content (hashable); the tensor below is private
+        self._cu = tuple(cu.tolist())  # the content (hashable); the tensor below is private
         self._cu_t = cu
         self.inner = inner
         # Causal-like inner masks inherit the zigzag balance.
         self.default_scheme = inner.default_scheme if inner is not None else "contiguous"
         # Inner masks that are rules become one rule with documents (C++ tile status); any other
         # inner mask is evaluated one tile at a time.
-        self.rule = ("full" if inner is None else "causal" if isinstance(inner, _Causal)
-                     else "block_causal" if isinstance(inner, _BlockCausal) else None)
+        self.rule = (
+            "full"
+            if inner is None
+            else "causal"
+            if isinstance(inner, _Causal)
+            else "block_causal"
+            if isinstance(inner, _BlockCausal)
+            else None
+        )
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -248,7 +281,9 @@ class _Packed(RuleMask):
         doc = torch.where(doc >= 0, doc, torch.full_like(doc, -1 if role == "q" else -2))
         rel = ids - cu[doc.clamp(min=0)]  # document-relative position
         if self.rule == "block_causal":
-            return _ops.TokenIds(doc=doc, block=torch.div(rel, self.inner.block_tokens, rounding_mode="floor"))
+            return _ops.TokenIds(
+                doc=doc, block=torch.div(rel, self.inner.block_tokens, rounding_mode="floor")
+            )
         return _ops.TokenIds(doc=doc, pos=rel)
 
     def tile_status(self, q_ids, k_ids, q_tile, k_tile):
@@ -291,9 +326,13 @@ class _Packed(RuleMask):
 class _Predicate(AttentionMask):
     def __init__(self, fn: Callable, default_scheme: str = "contiguous"):
         if not callable(fn):
-            raise ValueError(f"fn ({fn!r}) must be callable as fn(q_idx [sq,1], k_idx [1,sk]) -> bool")
+            raise ValueError(
+                f"fn ({fn!r}) must be callable as fn(q_idx [sq,1], k_idx [1,sk]) -> bool"
+            )
         if default_scheme not in ("zigzag", "contiguous"):
-            raise ValueError(f"default_scheme ({default_scheme!r}) must be 'zigzag' or 'contiguous'")
+            raise ValueError(
+                f"default_scheme ({default_scheme!r}) must be 'zigzag' or 'contiguous'"
+            )
         self.fn = fn
         self.default_scheme = default_scheme
 
@@ -301,8 +340,10 @@ class _Predicate(AttentionMask):
         m = self.fn(q_ids[:, None], k_ids[None, :])
         shape = (len(q_ids), len(k_ids))
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
-            raise ValueError(f"predicate fn must return a bool tensor (got "
-                             f"{type(m).__name__} {getattr(m, 'dtype', '')})")
+            raise ValueError(
+                f"predicate fn must return a bool tensor (got "
+                f"{type(m).__name__} {getattr(m, 'dtype', '')})"
+            )
         return m.expand(shape)
 
     def _value(self):
@@ -373,8 +414,10 @@ def video_rows(positions: int, pattern: str) -> VideoRows:
 class _Dense(AttentionMask):
     def __init__(self, table: torch.Tensor, copy: bool = True):
         if not isinstance(table, torch.Tensor) or table.dtype != torch.bool or table.dim() != 2:
-            raise ValueError(f"table ({getattr(table, 'dtype', type(table).__name__)} "
-                             f"{tuple(getattr(table, 'shape', ()))}) must be a 2-D bool tensor [sq, sk]")
+            raise ValueError(
+                f"table ({getattr(table, 'dtype', type(table).__name__)} "
+                f"{tuple(getattr(table, 'shape', ()))}) must be a 2-D bool tensor [sq, sk]"
+            )
         # a private copy (the caller's table may change, this one not); ``copy=False`` only for a
         # mask that lives for one call (``engine.local_attention``)
         self._table = table.clone() if copy else table

@@ -31,6 +31,7 @@ positions are global; what ``mmsp.MMSPLLaVAModel`` uses for packed samples). ``a
 is exact: Megatron divides the scores by the layer number and multiplies it back inside its softmax,
 so the softmax sees ``softmax_scale`` either way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,35 +57,57 @@ __all__ = ["DistAttention2D", "UlyssesAttention", "LocalDotProductAttention"]
 class DistAttention2D(MegatronModule):
     """Exact 2D context-parallel core attention with Megatron's core-attention interface."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None,
-                 mask: Optional[masks_mod.AttentionMask] = None, scheme: str = "zigzag",
-                 backend: str = "auto", groups: Optional[VideoParallelGroups] = None, **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        mask: Optional[masks_mod.AttentionMask] = None,
+        scheme: str = "zigzag",
+        backend: str = "auto",
+        groups: Optional[VideoParallelGroups] = None,
+        **kwargs,
+    ):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
-            raise ValueError(f"attention_dropout ({dropout}) must be 0 for DistAttention2D (dropout on "
-                             f"attention probabilities is not part of the exact ring)")
+            raise ValueError(
+                f"attention_dropout ({dropout}) must be 0 for DistAttention2D (dropout on "
+                f"attention probabilities is not part of the exact ring)"
+            )
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"softmax_type ({config.softmax_type!r}) must be 'vanilla' for DistAttention2D")
+            raise ValueError(
+                f"softmax_type ({config.softmax_type!r}) must be 'vanilla' for DistAttention2D"
+            )
         if getattr(config, "window_size", None) is not None:
-            raise ValueError(f"window_size ({config.window_size}) is not supported by DistAttention2D; "
-                             f"pass a masks.predicate(...) as the spec's mask instead")
+            raise ValueError(
+                f"window_size ({config.window_size}) is not supported by DistAttention2D; "
+                f"pass a masks.predicate(...) as the spec's mask instead"
+            )
         if attention_type != "self":
-            raise ValueError(f"attention_type ({attention_type!r}) must be 'self' (cross-attention to a "
-                             f"short context does not use CP)")
+            raise ValueError(
+                f"attention_type ({attention_type!r}) must be 'self' (cross-attention to a "
+                f"short context does not use CP)"
+            )
         if mask is not None and not isinstance(mask, masks_mod.AttentionMask):
             raise ValueError(f"mask ({mask!r}) must be None or a megatron_video AttentionMask")
         if scheme not in SCHEMES:
             raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} (the CP token layout)")
         if groups is not None and not isinstance(groups, VideoParallelGroups):
-            raise ValueError(f"groups ({type(groups).__name__}) must be None or the "
-                             f"VideoParallelGroups of init_video_parallel(...)")
+            raise ValueError(
+                f"groups ({type(groups).__name__}) must be None or the "
+                f"VideoParallelGroups of init_video_parallel(...)"
+            )
         self.layer_number = max(1, layer_number)
         # the layer's entry of a list-valued config.cp_comm_type (compat.cp_comm_type)
-        self.cp_comm_type = check_cp_comm_type(core_cp_comm_type(config, self.layer_number,
-                                                                 cp_comm_type))
+        self.cp_comm_type = check_cp_comm_type(
+            core_cp_comm_type(config, self.layer_number, cp_comm_type)
+        )
         self.pg_collection = pg_collection
         self.attn_mask_type = attn_mask_type
         self.mask, self.scheme, self.backend = mask, scheme, backend
@@ -114,45 +137,73 @@ class DistAttention2D(MegatronModule):
         if packed_seq_params is not None:
             return masks_mod.packed(packed_seq_params.cu_seqlens_q.cpu(), inner=inner)
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
-            raise ValueError(f"attn_mask_type ({mask_type}) needs a dense attention_mask, which "
-                             f"DistAttention2D does not take; give the spec a megatron_video "
-                             f"AttentionMask (params={{'mask': ...}})")
+            raise ValueError(
+                f"attn_mask_type ({mask_type}) needs a dense attention_mask, which "
+                f"DistAttention2D does not take; give the spec a megatron_video "
+                f"AttentionMask (params={{'mask': ...}})"
+            )
         return inner
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         if attention_bias is not None:
-            raise ValueError(f"attention_bias ({type(attention_bias).__name__} "
-                             f"{tuple(getattr(attention_bias, 'shape', ()))}) is not supported by "
-                             f"DistAttention2D: it must be None (express the bias-free mask as a "
-                             f"megatron_video AttentionMask on global token ids)")
+            raise ValueError(
+                f"attention_bias ({type(attention_bias).__name__} "
+                f"{tuple(getattr(attention_bias, 'shape', ()))}) is not supported by "
+                f"DistAttention2D: it must be None (express the bias-free mask as a "
+                f"megatron_video AttentionMask on global token ids)"
+            )
         groups = self.video_groups()
         cp = groups.cp_size if groups is not None else 1
         if cp != self.config.context_parallel_size:
-            raise ValueError(f"config.context_parallel_size ({self.config.context_parallel_size}) "
-                             f"must equal the size of the CP group Megatron set up ({cp}): call "
-                             f"initialize_model_parallel(context_parallel_size=...) before the "
-                             f"forward")
+            raise ValueError(
+                f"config.context_parallel_size ({self.config.context_parallel_size}) "
+                f"must equal the size of the CP group Megatron set up ({cp}): call "
+                f"initialize_model_parallel(context_parallel_size=...) before the "
+                f"forward"
+            )
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed_seq_params is not None:
             cu_q, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
             sbhd = packed_seq_params.qkv_format == "sbhd"
-            if (not (thd or sbhd) or (thd and cp > 1)
-                    or (padded is not None and not torch.equal(padded, cu_q))
-                    or not torch.equal(cu_q, packed_seq_params.cu_seqlens_kv)):
-                raise ValueError(f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, "
-                                 f"context_parallel_size {cp}): supported are qkv_format 'thd' at "
-                                 f"context_parallel_size 1 and 'sbhd' (documents on the global, "
-                                 f"unsharded sequence, any CP size), both without padding and with "
-                                 f"cu_seqlens_q == cu_seqlens_kv; or give the spec a "
-                                 f"masks.packed(...) mask")
+            if (
+                not (thd or sbhd)
+                or (thd and cp > 1)
+                or (padded is not None and not torch.equal(padded, cu_q))
+                or not torch.equal(cu_q, packed_seq_params.cu_seqlens_kv)
+            ):
+                raise ValueError(
+                    f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, "
+                    f"context_parallel_size {cp}): supported are qkv_format 'thd' at "
+                    f"context_parallel_size 1 and 'sbhd' (documents on the global, "
+                    f"unsharded sequence, any CP size), both without padding and with "
+                    f"cu_seqlens_q == cu_seqlens_kv; or give the spec a "
+                    f"masks.packed(...) mask"
+                )
         mask = self._mask(attn_mask_type, packed_seq_params, attention_mask)
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = query[None], key[None], value[None]
-        else:    # Megatron's [s, b, h, d] -> [b, s, h, d]
+        else:  # Megatron's [s, b, h, d] -> [b, s, h, d]
             q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        out = dist_attention(q, k, v, groups, mask=mask, softmax_scale=self.softmax_scale,
-                             scheme=self.scheme, backend=self.backend)
+        out = dist_attention(
+            q,
+            k,
+            v,
+            groups,
+            mask=mask,
+            softmax_scale=self.softmax_scale,
+            scheme=self.scheme,
+            backend=self.backend,
+        )
         if thd:
             return out[0].reshape(out.shape[1], -1)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
@@ -165,40 +216,67 @@ class UlyssesAttention(DistAttention2D):
     ``masks.VideoRows`` mask (spatial / temporal attention) the gathered whole sequence is cut into
     its rows (frames / positions) and attended row by row, as a Ulysses implementation would."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         groups = self.video_groups()
-        if (not isinstance(attention_mask, masks_mod.VideoRows) or groups is None
-                or groups.cp_size == 1 or attention_bias is not None or packed_seq_params is not None):
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params, **kwargs)
+        if (
+            not isinstance(attention_mask, masks_mod.VideoRows)
+            or groups is None
+            or groups.cp_size == 1
+            or attention_bias is not None
+            or packed_seq_params is not None
+        ):
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type,
+                attention_bias,
+                packed_seq_params,
+                **kwargs,
+            )
         if self.scheme != "contiguous":
             raise ValueError(f"scheme ({self.scheme!r}) must be 'contiguous' for video rows")
         P, group = groups.cp_size, groups.cp_group
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))     # [b, s_local, h, d]
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s_local, h, d]
         s_local = q.shape[1]
         check_heads(q.shape[2], k.shape[2], P)
         check_same_shape({"q": q, "k": k, "v": v}, group, "UlyssesAttention")
-        q = seq_to_heads(q, group, "ulysses.q")                         # [b, S, h/P, d]
+        q = seq_to_heads(q, group, "ulysses.q")  # [b, S, h/P, d]
         k = seq_to_heads(prepare_kv(k, P), group, "ulysses.k")
         v = seq_to_heads(prepare_kv(v, P), group, "ulysses.v")
         b, S, _, d = q.shape
         n = attention_mask.positions
         if S % n:
-            raise ValueError(f"sequence length ({S}) must be a multiple of the mask's positions ({n})")
+            raise ValueError(
+                f"sequence length ({S}) must be a multiple of the mask's positions ({n})"
+            )
         t = S // n
 
         def rows(x):
             if attention_mask.pattern == "spatial":
                 return x.reshape(b * t, n, x.shape[2], d)
-            return x.reshape(b, t, n, x.shape[2], d).transpose(1, 2).reshape(b * n, t, x.shape[2], d)
+            return (
+                x.reshape(b, t, n, x.shape[2], d).transpose(1, 2).reshape(b * n, t, x.shape[2], d)
+            )
 
-        o = local_attention(rows(q), rows(k), rows(v), None, self.softmax_scale,
-                            backend=self.backend)[0]
+        o = local_attention(
+            rows(q), rows(k), rows(v), None, self.softmax_scale, backend=self.backend
+        )[0]
         h = o.shape[2]
         if attention_mask.pattern == "temporal":
             o = o.reshape(b, n, t, h, d).transpose(1, 2)
-        o = heads_to_seq(o.reshape(b, S, h, d), group, "ulysses.out")   # [b, s_local, h, d]
+        o = heads_to_seq(o.reshape(b, S, h, d), group, "ulysses.out")  # [b, s_local, h, d]
         return o.transpose(0, 1).reshape(s_local, b, -1)
 
     def video_groups(self) -> Optional[VideoParallelGroups]:
@@ -206,11 +284,18 @@ class UlyssesAttention(DistAttention2D):
             g = resolve_video_groups(self._groups, self.pg_collection, self.cp_comm_type)
             if g is not None and g.ring_size > 1:
                 me = g.cp_ranks[g.cp_rank]
-                g = dataclasses.replace(g, ulysses_group=g.cp_group, ring_group=None,
-                                        ulysses_size=g.cp_size, ring_size=1,
-                                        ulysses_ranks=list(g.cp_ranks), ring_ranks=[me],
-                                        ulysses_rank=g.cp_rank, ring_rank=0,
-                                        placement="ulysses_inner")
+                g = dataclasses.replace(
+                    g,
+                    ulysses_group=g.cp_group,
+                    ring_group=None,
+                    ulysses_size=g.cp_size,
+                    ring_size=1,
+                    ulysses_ranks=list(g.cp_ranks),
+                    ring_ranks=[me],
+                    ulysses_rank=g.cp_rank,
+                    ring_rank=0,
+                    placement="ulysses_inner",
+                )
             self._groups, self._resolved = g, True
         return self._groups
 
@@ -224,22 +309,43 @@ class LocalDotProductAttention(MegatronModule):
     ``attn_mask_type``; an ``AttentionMask`` as ``attention_mask`` is applied on local positions.
     """
 
-    def __init__(self, config, layer_number: int = 1, attn_mask_type=None,
-                 attention_type: str = "self", attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, backend: str = "auto", **kwargs):
+    def __init__(
+        self,
+        config,
+        layer_number: int = 1,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        backend: str = "auto",
+        **kwargs,
+    ):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
-            raise ValueError(f"attention_dropout ({dropout}) must be 0 for LocalDotProductAttention")
+            raise ValueError(
+                f"attention_dropout ({dropout}) must be 0 for LocalDotProductAttention"
+            )
         self.attn_mask_type, self.backend = attn_mask_type, backend
-        self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
-                              else softmax_scale)
+        self.softmax_scale = (
+            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        )
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("attention_bias and packed_seq_params must be None for "
-                             "LocalDotProductAttention")
+            raise ValueError(
+                "attention_bias and packed_seq_params must be None for LocalDotProductAttention"
+            )
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         mask = None

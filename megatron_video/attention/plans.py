@@ -3,6 +3,7 @@ and the backward. A key holds only what determines a plan without reading device
 (or the local block's lengths), the mask (an immutable value), the tile, the kernel family, the
 device and the debug flag; anything that changes gives a new key, hence a fresh plan.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -2,6 +2,7 @@
 all-to-all each way, each the other's backward. Index maps: ``megatron_video.layouts.stdit``; kept
 here, beside the other communicating layout code, so that ``layouts`` stays pure.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,12 +15,20 @@ __all__ = ["frames_to_positions", "positions_to_frames"]
 
 def _check_dims(x: torch.Tensor, name: str, expected: tuple, what: str) -> None:
     if x.dim() < 3 or tuple(x.shape[1:3]) != expected:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}; {what} expects [b, {expected[0]}, "
-                         f"{expected[1]}, ...]")
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}; {what} expects [b, {expected[0]}, "
+            f"{expected[1]}, ...]"
+        )
 
 
-def frames_to_positions(x: torch.Tensor, group, num_frames: int, num_positions: int,
-                        tag: str = "stdit.frames_to_positions", check_shapes: bool = True) -> torch.Tensor:
+def frames_to_positions(
+    x: torch.Tensor,
+    group,
+    num_frames: int,
+    num_positions: int,
+    tag: str = "stdit.frames_to_positions",
+    check_shapes: bool = True,
+) -> torch.Tensor:
     """Layout A ``[b, t/P, n, ...]`` -> layout B ``[b, ceil(n/P), t, ...]`` over ``group``.
 
     ``check_shapes`` agrees on shapes across the group first (one small all-gather), so a
@@ -28,13 +37,18 @@ def frames_to_positions(x: torch.Tensor, group, num_frames: int, num_positions: 
     P = group_size(group)
     check_stdit_divisibility(num_frames, P)
     tl = frames_per_rank(num_frames, P)
-    _check_dims(x, "x", (tl, num_positions), f"frames_to_positions (num_frames={num_frames}, "
-                f"num_positions={num_positions}, cp_size={P})")
+    _check_dims(
+        x,
+        "x",
+        (tl, num_positions),
+        f"frames_to_positions (num_frames={num_frames}, "
+        f"num_positions={num_positions}, cp_size={P})",
+    )
     if num_frames == 1 or P == 1:
         return x.transpose(1, 2)
     if check_shapes:
         check_same_shape({"x": x}, group, where="frames_to_positions")
-    y = x.transpose(1, 2)                                   # [b, n, t/P, ...]
+    y = x.transpose(1, 2)  # [b, n, t/P, ...]
     pad = positions_per_rank(num_positions, P) * P - num_positions
     if pad:
         y = torch.cat([y, y.new_zeros((y.shape[0], pad) + tuple(y.shape[2:]))], dim=1)
@@ -42,17 +56,28 @@ def frames_to_positions(x: torch.Tensor, group, num_frames: int, num_positions: 
     return all_to_all(y, group, scatter_dim=1, gather_dim=2, tag=tag)
 
 
-def positions_to_frames(x: torch.Tensor, group, num_frames: int, num_positions: int,
-                        tag: str = "stdit.positions_to_frames", check_shapes: bool = True) -> torch.Tensor:
+def positions_to_frames(
+    x: torch.Tensor,
+    group,
+    num_frames: int,
+    num_positions: int,
+    tag: str = "stdit.positions_to_frames",
+    check_shapes: bool = True,
+) -> torch.Tensor:
     """Layout B ``[b, ceil(n/P), t, ...]`` -> layout A ``[b, t/P, n, ...]``; inverse of the above."""
     P = group_size(group)
     check_stdit_divisibility(num_frames, P)
     m = num_positions if num_frames == 1 else positions_per_rank(num_positions, P)
-    _check_dims(x, "x", (m, num_frames), f"positions_to_frames (num_frames={num_frames}, "
-                f"num_positions={num_positions}, cp_size={P})")
+    _check_dims(
+        x,
+        "x",
+        (m, num_frames),
+        f"positions_to_frames (num_frames={num_frames}, "
+        f"num_positions={num_positions}, cp_size={P})",
+    )
     if num_frames == 1 or P == 1:
         return x.transpose(1, 2)
     if check_shapes:
         check_same_shape({"x": x}, group, where="positions_to_frames")
-    y = all_to_all(x, group, scatter_dim=2, gather_dim=1, tag=tag)   # [b, P*m, t/P, ...]
+    y = all_to_all(x, group, scatter_dim=2, gather_dim=1, tag=tag)  # [b, P*m, t/P, ...]
     return y[:, :num_positions].transpose(1, 2)

@@ -3,6 +3,7 @@
 GQA with any head counts: kv heads enter the all-to-all as ``lcm(H_kv, U)`` heads (each repeated
 ``lcm / H_kv`` times when ``U`` does not divide ``H_kv``); autograd sums the replicas' gradients.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,13 @@ __all__ = ["check_heads", "kv_heads_for_a2a", "seq_to_heads", "heads_to_seq", "p
 def check_heads(num_heads: int, num_kv_heads: int, ulysses_size: int) -> None:
     """Raise ``ValueError`` unless the head counts work with a Ulysses group of ``ulysses_size``."""
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+        )
     if num_heads % ulysses_size:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by ulysses_size ({ulysses_size})")
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by ulysses_size ({ulysses_size})"
+        )
 
 
 def kv_heads_for_a2a(num_kv_heads: int, ulysses_size: int) -> int:
@@ -42,7 +47,9 @@ def seq_to_heads(x: torch.Tensor, group, tag: str = "ulysses", order=None) -> to
     return all_to_all(x, group, scatter_dim=2, gather_dim=1, tag=tag, gather_index=order)
 
 
-def heads_to_seq(x: torch.Tensor, group, tag: str = "ulysses", order=None, inverse=None) -> torch.Tensor:
+def heads_to_seq(
+    x: torch.Tensor, group, tag: str = "ulysses", order=None, inverse=None
+) -> torch.Tensor:
     """Inverse of ``seq_to_heads``: ``[b, U*s_local, h/U, d] -> [b, s_local, h, d]``; with the
     same ``order``, ``x`` is in that order (it is undone on the packing copy; ``inverse`` =
     ``argsort(order)`` if the caller has it)."""

@@ -6,6 +6,7 @@ layer of the full-length list its config requires. ``megatron_cp_comm_type_index
 which (by running the installed ``TransformerLayer``), ``megatron_reads_layer_cp_comm_type`` makes
 it read 0.19's entry. Design: docs/architecture.md, "Groups".
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,21 +15,27 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-__all__ = ["layer_cp_comm_type", "core_cp_comm_type", "megatron_cp_comm_type_index_base",
-           "megatron_reads_layer_cp_comm_type"]
+__all__ = [
+    "layer_cp_comm_type",
+    "core_cp_comm_type",
+    "megatron_cp_comm_type_index_base",
+    "megatron_reads_layer_cp_comm_type",
+]
 
 
 def layer_cp_comm_type(config, layer_number: int) -> Optional[str]:
     """The ``cp_comm_type`` of 1-based (global) layer ``layer_number``: ``config.cp_comm_type``
     itself, or its entry ``layer_number - 1`` when it is a list (megatron-core 0.19's rule)."""
     comm = getattr(config, "cp_comm_type", None)
-    comm = getattr(comm, "unshifted", comm)   # inside megatron_reads_layer_cp_comm_type
+    comm = getattr(comm, "unshifted", comm)  # inside megatron_reads_layer_cp_comm_type
     if not isinstance(comm, list):
         return comm
     if not 1 <= layer_number <= len(comm):
-        raise ValueError(f"layer_number ({layer_number}) must be in [1, {len(comm)}] for the "
-                         f"list-valued config.cp_comm_type ({comm!r}): layers are 1-based and "
-                         f"read entry layer_number - 1")
+        raise ValueError(
+            f"layer_number ({layer_number}) must be in [1, {len(comm)}] for the "
+            f"list-valued config.cp_comm_type ({comm!r}): layers are 1-based and "
+            f"read entry layer_number - 1"
+        )
     return comm[layer_number - 1]
 
 
@@ -46,7 +53,8 @@ def core_cp_comm_type(config, layer_number: int, given: Optional[str]) -> Option
             f"cp_comm_type ({given!r}) handed to the core attention of layer {layer_number} must "
             f"be config.cp_comm_type[layer_number - 1] ({mine!r}); this megatron-core's "
             f"TransformerLayer reads entry layer_number - 1 + "
-            f"{megatron_cp_comm_type_index_base()}: give cp_comm_type as one string")
+            f"{megatron_cp_comm_type_index_base()}: give cp_comm_type as one string"
+        )
     return given
 
 
@@ -80,20 +88,28 @@ def megatron_cp_comm_type_index_base() -> Optional[int]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=1,
-                                   context_parallel_size=2, cp_comm_type=["p2p", "p2p"],
-                                   use_cpu_initialization=True)
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=8,
+            num_attention_heads=1,
+            context_parallel_size=2,
+            cp_comm_type=["p2p", "p2p"],
+            use_cpu_initialization=True,
+        )
         config.cp_comm_type = _RaiseOnRead(config.cp_comm_type)
         layer = TransformerLayer.__new__(TransformerLayer)
         groups = types.SimpleNamespace(tp=None, pp=None, cp=None)
         try:
-            TransformerLayer.__init__(layer, config, TransformerLayerSubmodules(), layer_number=1,
-                                      pg_collection=groups)
+            TransformerLayer.__init__(
+                layer, config, TransformerLayerSubmodules(), layer_number=1, pg_collection=groups
+            )
         except _Read as read:
             return int(read.args[0]) - (layer.layer_number - 1)
         except Exception as e:  # noqa: BLE001 -- the probe itself no longer fits this Megatron
-            raise RuntimeError(f"cannot tell which cp_comm_type entry this megatron-core's "
-                               f"TransformerLayer reads (probe failed: {e!r})") from e
+            raise RuntimeError(
+                f"cannot tell which cp_comm_type entry this megatron-core's "
+                f"TransformerLayer reads (probe failed: {e!r})"
+            ) from e
     return None
 
 
@@ -103,14 +119,19 @@ def megatron_reads_layer_cp_comm_type(config):
     entry. With megatron-core 0.16.1 (index base 1) ``config.cp_comm_type`` shows a list shifted by
     one; restored on exit. Nothing changes for a string, for CP 1 or with 0.19."""
     comm = config.cp_comm_type
-    base = (megatron_cp_comm_type_index_base()
-            if isinstance(comm, list) and comm and config.context_parallel_size > 1 else 0)
+    base = (
+        megatron_cp_comm_type_index_base()
+        if isinstance(comm, list) and comm and config.context_parallel_size > 1
+        else 0
+    )
     if not base:
         yield
         return
     if base != 1:
-        raise RuntimeError(f"this megatron-core's TransformerLayer reads cp_comm_type entry "
-                           f"layer_number - 1 + {base}; only offsets 0 and 1 are known")
+        raise RuntimeError(
+            f"this megatron-core's TransformerLayer reads cp_comm_type entry "
+            f"layer_number - 1 + {base}; only offsets 0 and 1 are known"
+        )
     config.cp_comm_type = _ShiftedForMegatron(comm)
     try:
         yield

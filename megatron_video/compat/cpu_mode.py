@@ -3,6 +3,7 @@ and only when asked (:func:`ensure_cpu_mode`, idempotent). Design: docs/architec
 "CPU mode"; what is patched and why is listed below and in ``MODULES_USING_CUDA`` /
 ``FUNCTION_PATCHES``.
 """
+
 from __future__ import annotations
 
 # Megatron-Core assumes CUDA in a few places that the CPU tests and the embedded-default job need.
@@ -58,38 +59,65 @@ import torch
 from . import cpu_functions
 from .cpu_torch import CPU_TORCH
 
-__all__ = ["MODULES_USING_CUDA", "FUNCTION_PATCHES", "Patch", "applied_patches", "cpu_mode_active",
-           "ensure_cpu_mode"]
+__all__ = [
+    "MODULES_USING_CUDA",
+    "FUNCTION_PATCHES",
+    "Patch",
+    "applied_patches",
+    "cpu_mode_active",
+    "ensure_cpu_mode",
+]
 
 # (module, why its CUDA uses matter on CPU). Missing modules (other Megatron versions) are skipped.
 MODULES_USING_CUDA: Tuple[Tuple[str, str], ...] = (
-    ("megatron.core.tensor_parallel.random",
-     "RNG tracker: torch.cuda.get_rng_state / manual_seed in add() and model_parallel_cuda_manual_seed"),
-    ("megatron.core.tensor_parallel.layers",
-     "weights without use_cpu_initialization and sequence-parallel buffers on current_device()"),
-    ("megatron.core.tensor_parallel.mappings",
-     "sequence-parallel gather / reduce-scatter outputs on current_device()"),
-    ("megatron.core.utils",
-     "GlobalMemoryBuffer (DotProductAttention, sequence parallel) on current_device()"),
+    (
+        "megatron.core.tensor_parallel.random",
+        "RNG tracker: torch.cuda.get_rng_state / manual_seed in add() and model_parallel_cuda_manual_seed",
+    ),
+    (
+        "megatron.core.tensor_parallel.layers",
+        "weights without use_cpu_initialization and sequence-parallel buffers on current_device()",
+    ),
+    (
+        "megatron.core.tensor_parallel.mappings",
+        "sequence-parallel gather / reduce-scatter outputs on current_device()",
+    ),
+    (
+        "megatron.core.utils",
+        "GlobalMemoryBuffer (DotProductAttention, sequence parallel) on current_device()",
+    ),
     ("megatron.core.transformer.utils", "default causal mask built with device='cuda'"),
-    ("megatron.core.distributed.param_and_grad_buffer", "DDP param / grad buffers on current_device(); current_stream() before grad sync (>= 0.19)"),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "DDP param / grad buffers on current_device(); current_stream() before grad sync (>= 0.19)",
+    ),
     ("megatron.core.distributed.distributed_data_parallel", "synchronize / empty_cache"),
     ("megatron.core.optimizer.optimizer", "found_inf / scale tensors with device='cuda'"),
     ("megatron.core.optimizer.clip_grads", "grad-norm and zero-count accumulators on 'cuda'"),
-    ("megatron.core.pipeline_parallel.p2p_communication",
-     "P2P shape / receive buffers on current_device(), synchronize"),
+    (
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "P2P shape / receive buffers on current_device(), synchronize",
+    ),
     ("megatron.core.pipeline_parallel.schedules", "token counter with device='cuda'"),
-    ("megatron.core.models.common.embeddings.rotary_pos_embedding",
-     "inv_freq moved to current_device() on first forward"),
-    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
-     "synchronize after non-blocking device-to-host copies (save)"),
-    ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
-     "save verification flags on 'cuda' / current_device()"),
+    (
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "inv_freq moved to current_device() on first forward",
+    ),
+    (
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "synchronize after non-blocking device-to-host copies (save)",
+    ),
+    (
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "save verification flags on 'cuda' / current_device()",
+    ),
     ("megatron.core.dist_checkpointing.strategies.fully_parallel", "synchronize (load / save)"),
     ("megatron.core.dist_checkpointing.tensor_aware_state_dict", "synchronize (load)"),
     ("megatron.core.dist_checkpointing.exchange_utils", "exchange buffers on 'cuda' (load)"),
-    ("megatron.core.models.multimodal.llava_model",
-     "empty sound embeddings on current_device() in LLaVAModel.forward (>= 0.19)"),
+    (
+        "megatron.core.models.multimodal.llava_model",
+        "empty sound embeddings on current_device() in LLaVAModel.forward (>= 0.19)",
+    ),
 )
 
 _RNG = "megatron.core.tensor_parallel.random"
@@ -98,15 +126,31 @@ _ROPE = "megatron.core.models.common.embeddings"
 FUNCTION_PATCHES: Tuple[Tuple[str, str, Callable], ...] = (
     (_RNG, "_get_cuda_rng_state", cpu_functions.get_rng_state),
     (_RNG, "_set_cuda_rng_state", cpu_functions.set_rng_state),
-    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
-     cpu_functions.clip_grad_by_total_norm_fp32),
-    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
-     cpu_functions.clip_grad_by_total_norm_fp32),
-    (f"{_ROPE}.rope_utils", "get_pos_emb_on_this_cp_rank", cpu_functions.get_pos_emb_on_this_cp_rank),
-    (f"{_ROPE}.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
-     cpu_functions.get_pos_emb_on_this_cp_rank),
-    (f"{_ROPE}.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
-     cpu_functions.get_pos_emb_on_this_cp_rank),
+    (
+        "megatron.core.optimizer.clip_grads",
+        "clip_grad_by_total_norm_fp32",
+        cpu_functions.clip_grad_by_total_norm_fp32,
+    ),
+    (
+        "megatron.core.optimizer.optimizer",
+        "clip_grad_by_total_norm_fp32",
+        cpu_functions.clip_grad_by_total_norm_fp32,
+    ),
+    (
+        f"{_ROPE}.rope_utils",
+        "get_pos_emb_on_this_cp_rank",
+        cpu_functions.get_pos_emb_on_this_cp_rank,
+    ),
+    (
+        f"{_ROPE}.rotary_pos_embedding",
+        "get_pos_emb_on_this_cp_rank",
+        cpu_functions.get_pos_emb_on_this_cp_rank,
+    ),
+    (
+        f"{_ROPE}.yarn_rotary_pos_embedding",
+        "get_pos_emb_on_this_cp_rank",
+        cpu_functions.get_pos_emb_on_this_cp_rank,
+    ),
 )
 
 # Wrapped (arguments passed through unchanged) so that they leave the CPU generator as they found it.
@@ -154,8 +198,9 @@ class _DropForkWarning(logging.Filter):
 
 def _same_parameters(original, replacement) -> bool:
     try:
-        return (list(inspect.signature(original).parameters)
-                == list(inspect.signature(replacement).parameters))
+        return list(inspect.signature(original).parameters) == list(
+            inspect.signature(replacement).parameters
+        )
     except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
         return False
 
@@ -202,7 +247,9 @@ def _activate(cuda_available: bool) -> bool:
         if original is None:
             continue
         if not _same_parameters(original, replacement):
-            warnings.warn(f"CPU mode: {name}.{attr} has an unexpected signature; not patched", stacklevel=2)
+            warnings.warn(
+                f"CPU mode: {name}.{attr} has an unexpected signature; not patched", stacklevel=2
+            )
             continue
         setattr(module, attr, replacement)
         _applied.append(Patch(name, attr, f"compat.cpu_functions.{replacement.__name__}"))
@@ -218,7 +265,13 @@ def _activate(cuda_available: bool) -> bool:
     _LOG.warning(
         "megatron_video CPU mode (no CUDA device): %d Megatron attributes replaced (listed at DEBUG "
         "level of this logger and by compat.cpu_mode.applied_patches()); log records %r of logger %s "
-        "are dropped (on CPU the forked generator is the CPU one)", len(_applied), _FORK_WARNING, _RNG)
-    _LOG.debug("megatron_video CPU mode replaced: %s",
-               ", ".join(f"{p.module}.{p.attribute} -> {p.replacement}" for p in _applied))
+        "are dropped (on CPU the forked generator is the CPU one)",
+        len(_applied),
+        _FORK_WARNING,
+        _RNG,
+    )
+    _LOG.debug(
+        "megatron_video CPU mode replaced: %s",
+        ", ".join(f"{p.module}.{p.attribute} -> {p.replacement}" for p in _applied),
+    )
     return True

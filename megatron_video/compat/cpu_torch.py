@@ -2,6 +2,7 @@
 (``compat.cpu_mode``; docs/architecture.md, "CPU mode"): ``torch.cuda`` on the CPU and CUDA
 tensor factories allocating on the CPU; everything else forwarded to the real ``torch``.
 """
+
 from __future__ import annotations
 
 # Megatron-Core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``
@@ -28,8 +29,22 @@ import torch
 __all__ = ["CPU_TORCH", "CpuCuda", "CpuTorch", "to_cpu_device"]
 
 # Factories that Megatron calls with a CUDA device (found by grepping megatron/core).
-_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like",
-              "ones_like", "empty_like", "full_like", "rand", "randn", "randint")
+_FACTORIES = (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand",
+    "randn",
+    "randint",
+)
 
 
 def to_cpu_device(device):
@@ -85,8 +100,9 @@ _CPU_STREAM = CpuStream()
 class CpuCuda:
     """``torch.cuda`` as seen by a patched Megatron module on a machine without a GPU."""
 
-    random = types.SimpleNamespace(get_rng_state=_get_rng_state, set_rng_state=_set_rng_state,
-                                   manual_seed=_manual_seed)
+    random = types.SimpleNamespace(
+        get_rng_state=_get_rng_state, set_rng_state=_set_rng_state, manual_seed=_manual_seed
+    )
     get_rng_state = staticmethod(_get_rng_state)
     set_rng_state = staticmethod(_set_rng_state)
     manual_seed = staticmethod(_manual_seed)

@@ -4,6 +4,7 @@ Arguments are checked against the installed Megatron's signatures and dataclass 
 call works on every version that has the feature. Config helpers hold the known-good CPU settings so
 that callers do not repeat them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,16 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-__all__ = ["accepted_kwargs", "accepts_var_kwargs", "call_with_accepted_kwargs",
-           "cpu_optimizer_config_kwargs", "cpu_transformer_config_kwargs",
-           "device_transformer_config_kwargs", "gpu_transformer_config_kwargs",
-           "initialize_model_parallel"]
+__all__ = [
+    "accepted_kwargs",
+    "accepts_var_kwargs",
+    "call_with_accepted_kwargs",
+    "cpu_optimizer_config_kwargs",
+    "cpu_transformer_config_kwargs",
+    "device_transformer_config_kwargs",
+    "gpu_transformer_config_kwargs",
+    "initialize_model_parallel",
+]
 
 # Values that mean "feature off": an unknown argument at one of these can be dropped safely.
 _NEUTRAL = (None, False, 1)
@@ -40,8 +47,10 @@ def accepted_kwargs(target, kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], Dic
     names, var_kw = _parameter_names(target)
     if var_kw:
         return dict(kwargs), {}
-    return ({k: v for k, v in kwargs.items() if k in names},
-            {k: v for k, v in kwargs.items() if k not in names})
+    return (
+        {k: v for k, v in kwargs.items() if k in names},
+        {k: v for k, v in kwargs.items() if k not in names},
+    )
 
 
 def _is_neutral(value) -> bool:
@@ -59,7 +68,8 @@ def call_with_accepted_kwargs(fn: Callable, *args, **kwargs):
         if not _is_neutral(value):
             raise ValueError(
                 f"{name} ({value!r}) is not supported by this megatron-core's "
-                f"{getattr(fn, '__qualname__', fn)}; it may only be omitted or None/False/1")
+                f"{getattr(fn, '__qualname__', fn)}; it may only be omitted or None/False/1"
+            )
     return fn(*args, **accepted)
 
 
@@ -118,9 +128,15 @@ def gpu_transformer_config_kwargs(**overrides) -> Dict[str, Any]:
     from megatron.core.transformer import TransformerConfig
 
     te_or_apex = _importable("transformer_engine") or _importable("apex")
-    gpu = dict(use_cpu_initialization=False, gradient_accumulation_fusion=te_or_apex,
-               bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True,
-               persist_layer_norm=te_or_apex, apply_rope_fusion=te_or_apex)
+    gpu = dict(
+        use_cpu_initialization=False,
+        gradient_accumulation_fusion=te_or_apex,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        masked_softmax_fusion=True,
+        persist_layer_norm=te_or_apex,
+        apply_rope_fusion=te_or_apex,
+    )
     base, _ = accepted_kwargs(TransformerConfig, gpu)
     return {**base, **overrides}
 
@@ -136,6 +152,8 @@ def cpu_optimizer_config_kwargs(**overrides) -> Dict[str, Any]:
     """``OptimizerConfig`` kwargs for CPU: fp32, and no distributed optimizer (GPU-only)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    base, _ = accepted_kwargs(OptimizerConfig, dict(bf16=False, fp16=False, params_dtype=torch.float32,
-                                                    use_distributed_optimizer=False))
+    base, _ = accepted_kwargs(
+        OptimizerConfig,
+        dict(bf16=False, fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False),
+    )
     return {**base, **overrides}

@@ -1,4 +1,5 @@
 """Parallel-state teardown that also clears what some Megatron versions forget."""
+
 import torch.distributed as dist
 
 

@@ -2,6 +2,7 @@
 prepare``), per-rank frame-range loading of this CP rank's halo windows (``VideoWindowTaskEncoder``,
 ``video_window_loader``), and the loader state as JSON (``state_to_json`` / ``state_from_json``).
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,9 +18,16 @@ import torch
 
 from ..layouts.vae_halo import HaloWindow
 
-__all__ = ["VIDEO_EXTENSIONS", "probe_video", "prepare_dataset", "write_procedural_videos",
-           "VideoWindowTaskEncoder", "video_window_loader", "state_to_json",
-           "state_from_json"]
+__all__ = [
+    "VIDEO_EXTENSIONS",
+    "probe_video",
+    "prepare_dataset",
+    "write_procedural_videos",
+    "VideoWindowTaskEncoder",
+    "video_window_loader",
+    "state_to_json",
+    "state_from_json",
+]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
 log = logging.getLogger("megatron_video.data")
@@ -42,7 +50,9 @@ def probe_video(data: Union[bytes, str, Path], name: str = "") -> Dict:
             n = sum(1 for p in c.demux(s) if p.size)
             fps = float(s.average_rate) if s.average_rate else 0.0
             w, h = s.codec_context.width, s.codec_context.height
-    except Exception as e:   # PyAV raises its own error types (some are ValueErrors) for broken files
+    except (
+        Exception
+    ) as e:  # PyAV raises its own error types (some are ValueErrors) for broken files
         if str(e).startswith("video "):
             raise
         raise ValueError(f"video {name or src!r} is unreadable: {type(e).__name__}: {e}") from None
@@ -58,10 +68,15 @@ def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("video"), str) \
-                    or not isinstance(rec.get("caption"), str):
-                raise ValueError(f"manifest {manifest} line {n + 1} ({line[:80]!r}) must be a JSON object "
-                                 f"with string fields 'video' and 'caption'")
+            if (
+                not isinstance(rec, dict)
+                or not isinstance(rec.get("video"), str)
+                or not isinstance(rec.get("caption"), str)
+            ):
+                raise ValueError(
+                    f"manifest {manifest} line {n + 1} ({line[:80]!r}) must be a JSON object "
+                    f"with string fields 'video' and 'caption'"
+                )
             out.append((src / rec["video"], rec["caption"]))
         return out
     out = []
@@ -72,16 +87,23 @@ def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
         elif js.is_file():
             cap = json.loads(js.read_text()).get("caption")
             if not isinstance(cap, str):
-                raise ValueError(f"caption file {js} must hold {{\"caption\": <string>}}")
+                raise ValueError(f'caption file {js} must hold {{"caption": <string>}}')
         else:
-            raise ValueError(f"video {f} has no caption: add {txt.name} or {js.name}, or pass a JSONL "
-                             f"manifest")
+            raise ValueError(
+                f"video {f} has no caption: add {txt.name} or {js.name}, or pass a JSONL manifest"
+            )
         out.append((f, cap))
     return out
 
 
-def prepare_dataset(src: Union[str, Path], dst: Union[str, Path], *, manifest: Optional[Union[str, Path]] = None,
-                    samples_per_shard: int = 64, progress: bool = False) -> Dict:
+def prepare_dataset(
+    src: Union[str, Path],
+    dst: Union[str, Path],
+    *,
+    manifest: Optional[Union[str, Path]] = None,
+    samples_per_shard: int = 64,
+    progress: bool = False,
+) -> Dict:
     """Turn the videos + captions under ``src`` into an energon dataset at ``dst``.
     Returns a summary: ``{"samples", "shards", "skipped": [(file, reason)], "videos": [meta...]}``.
 
@@ -133,18 +155,28 @@ def prepare_dataset(src: Union[str, Path], dst: Union[str, Path], *, manifest: O
             writer.close()
     if not shards:
         raise ValueError(f"no readable video under {src} (skipped: {skipped[:3]})")
-    BaseWebdatasetFactory.prepare_dataset(dst, shards, split_parts_ratio=[("train", 1.0)],
-                                          shuffle_seed=None, workers=1)
+    BaseWebdatasetFactory.prepare_dataset(
+        dst, shards, split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=1
+    )
     (dst / ".nv-meta" / "dataset.yaml").write_text(
-        "__module__: megatron.energon\n__class__: CrudeWebdataset\n")
+        "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+    )
     summary = {"samples": n, "shards": shards, "skipped": skipped, "videos": metas}
     (dst / ".nv-meta" / "megatron_video.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def write_procedural_videos(out_dir: Union[str, Path], num_videos: int, *, num_frames: int = 29,
-                            height: int = 32, width: int = 32, seed: int = 0, fps: int = 8,
-                            gop: int = 8) -> List[Path]:
+def write_procedural_videos(
+    out_dir: Union[str, Path],
+    num_videos: int,
+    *,
+    num_frames: int = 29,
+    height: int = 32,
+    width: int = 32,
+    seed: int = 0,
+    fps: int = 8,
+    gop: int = 8,
+) -> List[Path]:
     """The embedded procedural clips (``data.synthetic``) as real mp4 files (H.264 via PyAV, a key
     frame every ``gop`` frames so frame-range decoding can seek) with sidecar ``.txt`` captions."""
     import av
@@ -153,17 +185,24 @@ def write_procedural_videos(out_dir: Union[str, Path], num_videos: int, *, num_f
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ds = ProceduralVideoDataset(num_videos, num_frames=num_frames, height=height, width=width, seed=seed)
+    ds = ProceduralVideoDataset(
+        num_videos, num_frames=num_frames, height=height, width=width, seed=seed
+    )
     paths = []
     for i in range(num_videos):
         s = ds[i]
-        frames = ((s["video"].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)   # [3, T, H, W]
+        frames = ((s["video"].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [3, T, H, W]
         p = out / f"clip{i:06d}.mp4"
         with av.open(str(p), "w") as c:
             st = c.add_stream("libx264", rate=fps)
             st.width, st.height, st.pix_fmt = width, height, "yuv444p"
-            st.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0", "qp": "0",
-                          "bf": "0"}
+            st.options = {
+                "g": str(gop),
+                "keyint_min": str(gop),
+                "sc_threshold": "0",
+                "qp": "0",
+                "bf": "0",
+            }
             for t in range(frames.shape[1]):
                 img = frames[:, t].permute(1, 2, 0).contiguous().numpy()
                 for pkt in st.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
@@ -198,7 +237,7 @@ def _define_sample():
 _VWS = None
 
 
-def __getattr__(name):   # VideoWindowSample is defined lazily (energon is imported on use)
+def __getattr__(name):  # VideoWindowSample is defined lazily (energon is imported on use)
     global _VWS
     if name == "VideoWindowSample":
         if _VWS is None:
@@ -216,10 +255,11 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
         s = max(height / h, width / w)
         nh, nw = max(height, round(h * s)), max(width, round(w * s))
         if (nh, nw) != (h, w):
-            x = torch.nn.functional.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False,
-                                                antialias=True)
+            x = torch.nn.functional.interpolate(
+                x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True
+            )
         top, left = (nh - height) // 2, (nw - width) // 2
-        x = x[:, :, top:top + height, left:left + width]
+        x = x[:, :, top : top + height, left : left + width]
     return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
 
 
@@ -248,7 +288,9 @@ def _make_task_encoder_class():
                 raise ValueError("windows ([]) must hold this rank's halo windows")
             need = max(w.raw_end for w in windows)
             if need > num_frames:
-                raise ValueError(f"windows reach raw frame {need}; must lie in num_frames ({num_frames})")
+                raise ValueError(
+                    f"windows reach raw frame {need}; must lie in num_frames ({num_frames})"
+                )
             self.windows, self.num_frames = list(windows), int(num_frames)
             self.height, self.width = int(height), int(width)
             self.skipped = 0
@@ -265,27 +307,44 @@ def _make_task_encoder_class():
             try:
                 ext = next(e for e in VIDEO_EXTENSIONS if e in sample)
                 if int(meta.get("num_frames", self.num_frames)) < self.num_frames:
-                    raise ValueError(f"{meta.get('num_frames')} frames, training clips need {self.num_frames}")
+                    raise ValueError(
+                        f"{meta.get('num_frames')} frames, training clips need {self.num_frames}"
+                    )
                 dec = sample[ext]
                 # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
-                clips, _ = dec.get_video_clips([(w.raw_start, w.raw_end - 1) for w in self.windows],
-                                               video_unit="frames")
-                if len(clips) != len(self.windows) or any(c.shape[0] != w.num_raw
-                                                          for c, w in zip(clips, self.windows)):
-                    raise ValueError(f"decoded {[int(c.shape[0]) for c in clips]} frames for windows "
-                                     f"{[w.window for w in self.windows]} (truncated file?)")
+                clips, _ = dec.get_video_clips(
+                    [(w.raw_start, w.raw_end - 1) for w in self.windows], video_unit="frames"
+                )
+                if len(clips) != len(self.windows) or any(
+                    c.shape[0] != w.num_raw for c, w in zip(clips, self.windows)
+                ):
+                    raise ValueError(
+                        f"decoded {[int(c.shape[0]) for c in clips]} frames for windows "
+                        f"{[w.window for w in self.windows]} (truncated file?)"
+                    )
                 windows = [_resize_crop(c, self.height, self.width) for c in clips]
             except SkipSample:
                 raise
             except Exception as e:
                 self.skipped += 1
-                log.warning("skipped sample %s (file %s): %s: %s [%d skipped so far]", key, src,
-                            type(e).__name__, e, self.skipped)
+                log.warning(
+                    "skipped sample %s (file %s): %s: %s [%d skipped so far]",
+                    key,
+                    src,
+                    type(e).__name__,
+                    e,
+                    self.skipped,
+                )
                 raise SkipSample() from None
             n = sum(c.shape[0] for c in clips)
             self.decoded_frames += n
-            return VideoWindowSample(**basic_sample_keys(sample), windows=windows,
-                                     caption=str(meta.get("caption", "")), decoded_frames=n, meta=meta)
+            return VideoWindowSample(
+                **basic_sample_keys(sample),
+                windows=windows,
+                caption=str(meta.get("caption", "")),
+                decoded_frames=n,
+                meta=meta,
+            )
 
         def batch(self, samples):
             return list(samples)
@@ -300,7 +359,7 @@ class _Lazy:
     cls = None
 
 
-def VideoWindowTaskEncoder(*args, **kwargs):   # noqa: N802 (a class, built on first use)
+def VideoWindowTaskEncoder(*args, **kwargs):  # noqa: N802 (a class, built on first use)
     """See ``_make_task_encoder_class`` (energon is imported on first use).
 
     It decodes ONLY the raw frames of this rank's halo windows (``layouts.vae_halo``: its share of
@@ -315,9 +374,19 @@ def VideoWindowTaskEncoder(*args, **kwargs):   # noqa: N802 (a class, built on f
     return _Lazy.cls(*args, **kwargs)
 
 
-def video_window_loader(path: Union[str, Path], windows: Sequence[HaloWindow], *, num_frames: int,
-                        height: int, width: int, batch_size: int, dp_rank: int, dp_size: int,
-                        seed: int = 0, shuffle_buffer_size: Optional[int] = None):
+def video_window_loader(
+    path: Union[str, Path],
+    windows: Sequence[HaloWindow],
+    *,
+    num_frames: int,
+    height: int,
+    width: int,
+    batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int = 0,
+    shuffle_buffer_size: Optional[int] = None,
+):
     """``(loader, task_encoder)``: energon's savable loader of this rank's windows, sharded over the
     pure DP group (``dp_rank`` of ``dp_size``; CP ranks of a replica pass the same ``dp_rank``).
 
@@ -328,12 +397,21 @@ def video_window_loader(path: Union[str, Path], windows: Sequence[HaloWindow], *
 
     path = Path(path)
     if not (path / ".nv-meta" / "dataset.yaml").is_file():
-        raise ValueError(f"data.path ({str(path)!r}) must be an energon dataset (run `megatron-video "
-                         f"prepare SRC {path}`)")
+        raise ValueError(
+            f"data.path ({str(path)!r}) must be an energon dataset (run `megatron-video "
+            f"prepare SRC {path}`)"
+        )
     te = VideoWindowTaskEncoder(windows, num_frames, height, width)
     wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=0, seed_offset=seed)
-    ds = get_train_dataset(path, worker_config=wc, batch_size=batch_size, shuffle_buffer_size=shuffle_buffer_size,
-                           max_samples_per_sequence=None, task_encoder=te, repeat=True)
+    ds = get_train_dataset(
+        path,
+        worker_config=wc,
+        batch_size=batch_size,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=None,
+        task_encoder=te,
+        repeat=True,
+    )
     loader = get_savable_loader(ds, watchdog_timeout_seconds=None)
     return loader, te
 
@@ -345,7 +423,10 @@ def _enc(x):
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, torch.Tensor):
-        return {"__tensor__": x.detach().cpu().tolist(), "dtype": str(x.dtype).replace("torch.", "")}
+        return {
+            "__tensor__": x.detach().cpu().tolist(),
+            "dtype": str(x.dtype).replace("torch.", ""),
+        }
     if isinstance(x, np.ndarray):
         return {"__ndarray__": x.tolist(), "dtype": str(x.dtype)}
     if isinstance(x, np.generic):
@@ -354,8 +435,10 @@ def _enc(x):
         return {"__bytes__": base64.b64encode(bytes(x)).decode()}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         cls = type(x)
-        return {"__dataclass__": f"{cls.__module__}:{cls.__qualname__}",
-                "fields": {f.name: _enc(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+        return {
+            "__dataclass__": f"{cls.__module__}:{cls.__qualname__}",
+            "fields": {f.name: _enc(getattr(x, f.name)) for f in dataclasses.fields(x)},
+        }
     if isinstance(x, dict):
         cls = type(x)
         d = {"__dict__": [[_enc(k), _enc(v)] for k, v in x.items()]}
@@ -366,8 +449,10 @@ def _enc(x):
         return {"__tuple__": [_enc(v) for v in x]}
     if isinstance(x, list):
         return [_enc(v) for v in x]
-    raise ValueError(f"loader state holds a {type(x).__module__}.{type(x).__qualname__}, which has no "
-                     f"JSON form (not saved)")
+    raise ValueError(
+        f"loader state holds a {type(x).__module__}.{type(x).__qualname__}, which has no "
+        f"JSON form (not saved)"
+    )
 
 
 def state_to_json(state) -> str:
@@ -386,7 +471,9 @@ def _allowed(name: str):
 
     mod, _, qual = name.partition(":")
     if not (mod == "megatron.energon" or mod.startswith("megatron.energon.")) or "<" in qual:
-        raise ValueError(f"loader state names class {name!r}; only megatron.energon classes are allowed")
+        raise ValueError(
+            f"loader state names class {name!r}; only megatron.energon classes are allowed"
+        )
     obj = importlib.import_module(mod)
     for part in qual.split("."):
         obj = getattr(obj, part)

@@ -2,6 +2,7 @@
 (``plan_packing``, ``pack_sequence``), and ``pack_tokens`` / ``unpack_tokens``, exact inverses that
 move per-sample tensors in and out. The packed layout is described on ``PackedSequence``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,15 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["PackedSample", "PackedSequence", "plan_packing", "pack_sequence", "pack_sequences",
-           "pack_tokens", "unpack_tokens"]
+__all__ = [
+    "PackedSample",
+    "PackedSequence",
+    "plan_packing",
+    "pack_sequence",
+    "pack_sequences",
+    "pack_tokens",
+    "unpack_tokens",
+]
 
 _STRATEGIES = ("first_fit_decreasing", "sequential")
 
@@ -76,16 +84,20 @@ def _check_counts(token_counts: Sequence[int], tokens_per_frame) -> list[int]:
         tokens_per_frame = [int(tokens_per_frame)] * len(counts)
     tpf = [int(t) for t in tokens_per_frame]
     if len(tpf) != len(counts):
-        raise ValueError(f"tokens_per_frame has {len(tpf)} entries; must match token_counts ({len(counts)})")
+        raise ValueError(
+            f"tokens_per_frame has {len(tpf)} entries; must match token_counts ({len(counts)})"
+        )
     for i, (c, t) in enumerate(zip(counts, tpf)):
         if t < 1 or c % t:
-            raise ValueError(f"token_counts[{i}] ({c}) must be a multiple of tokens_per_frame[{i}] "
-                             f"({t}) >= 1")
+            raise ValueError(
+                f"token_counts[{i}] ({c}) must be a multiple of tokens_per_frame[{i}] ({t}) >= 1"
+            )
     return tpf
 
 
-def plan_packing(token_counts: Sequence[int], capacity: int,
-                 strategy: str = "first_fit_decreasing") -> list[list[int]]:
+def plan_packing(
+    token_counts: Sequence[int], capacity: int, strategy: str = "first_fit_decreasing"
+) -> list[list[int]]:
     """Group sample indices into packs of at most ``capacity`` tokens.
 
     ``first_fit_decreasing`` fills best (largest first, ties by index); ``sequential`` keeps data order
@@ -120,9 +132,14 @@ def plan_packing(token_counts: Sequence[int], capacity: int,
     return packs
 
 
-def pack_sequence(order: Sequence[int], token_counts: Sequence[int], *,
-                  tokens_per_frame: Union[int, Sequence[int], None] = None, pad_multiple: int = 1,
-                  pad_to: Optional[int] = None) -> PackedSequence:
+def pack_sequence(
+    order: Sequence[int],
+    token_counts: Sequence[int],
+    *,
+    tokens_per_frame: Union[int, Sequence[int], None] = None,
+    pad_multiple: int = 1,
+    pad_to: Optional[int] = None,
+) -> PackedSequence:
     """Layout of the samples ``order`` (indices into ``token_counts``) packed in that order.
 
     Padded to the next multiple of ``pad_multiple``, or to exactly ``pad_to`` (a multiple of it) for
@@ -141,8 +158,10 @@ def pack_sequence(order: Sequence[int], token_counts: Sequence[int], *,
     total = -(-used // pad_multiple) * pad_multiple
     if pad_to is not None:
         if pad_to % pad_multiple or pad_to < used:
-            raise ValueError(f"pad_to ({pad_to}) must be a multiple of pad_multiple ({pad_multiple}) and "
-                             f">= the packed length ({used})")
+            raise ValueError(
+                f"pad_to ({pad_to}) must be a multiple of pad_multiple ({pad_multiple}) and "
+                f">= the packed length ({used})"
+            )
         total = pad_to
     samples, ids, pos, frames, spatial, bounds = [], [], [], [], [], [0]
     for i in order:
@@ -162,32 +181,60 @@ def pack_sequence(order: Sequence[int], token_counts: Sequence[int], *,
         frames.append(torch.zeros(pad, dtype=torch.long))
         spatial.append(torch.zeros(pad, dtype=torch.long))
         bounds.append(total)
-    return PackedSequence(tuple(samples), total, pad, torch.tensor(bounds, dtype=torch.int32),
-                          torch.cat(ids).long(), torch.cat(pos), torch.cat(frames), torch.cat(spatial))
+    return PackedSequence(
+        tuple(samples),
+        total,
+        pad,
+        torch.tensor(bounds, dtype=torch.int32),
+        torch.cat(ids).long(),
+        torch.cat(pos),
+        torch.cat(frames),
+        torch.cat(spatial),
+    )
 
 
-def pack_sequences(token_counts: Sequence[int], capacity: int, *,
-                   tokens_per_frame: Union[int, Sequence[int], None] = None, pad_multiple: int = 1,
-                   pad_to_capacity: bool = False,
-                   strategy: str = "first_fit_decreasing") -> list[PackedSequence]:
+def pack_sequences(
+    token_counts: Sequence[int],
+    capacity: int,
+    *,
+    tokens_per_frame: Union[int, Sequence[int], None] = None,
+    pad_multiple: int = 1,
+    pad_to_capacity: bool = False,
+    strategy: str = "first_fit_decreasing",
+) -> list[PackedSequence]:
     """Plan packs (``plan_packing``) and lay each out (``pack_sequence``). ``capacity`` must be a
     multiple of ``pad_multiple`` so padding never exceeds it."""
     if pad_multiple < 1 or capacity % pad_multiple:
-        raise ValueError(f"capacity ({capacity}) must be a multiple of pad_multiple ({pad_multiple}) >= 1")
-    return [pack_sequence(order, token_counts, tokens_per_frame=tokens_per_frame, pad_multiple=pad_multiple,
-                          pad_to=capacity if pad_to_capacity else None)
-            for order in plan_packing(token_counts, capacity, strategy)]
+        raise ValueError(
+            f"capacity ({capacity}) must be a multiple of pad_multiple ({pad_multiple}) >= 1"
+        )
+    return [
+        pack_sequence(
+            order,
+            token_counts,
+            tokens_per_frame=tokens_per_frame,
+            pad_multiple=pad_multiple,
+            pad_to=capacity if pad_to_capacity else None,
+        )
+        for order in plan_packing(token_counts, capacity, strategy)
+    ]
 
 
-def pack_tokens(tokens: Union[Sequence[Tensor], Mapping[int, Tensor]], packed: PackedSequence, *,
-                dim: int = 0, pad_value: float = 0.0) -> Tensor:
+def pack_tokens(
+    tokens: Union[Sequence[Tensor], Mapping[int, Tensor]],
+    packed: PackedSequence,
+    *,
+    dim: int = 0,
+    pad_value: float = 0.0,
+) -> Tensor:
     """Concatenate ``tokens[i]`` for the packed samples along ``dim``, then ``pad_value`` padding."""
     parts = []
     for s in packed.samples:
         t = tokens[s.index]
         if t.dim() == 0 or t.shape[dim] != s.length:
-            raise ValueError(f"tokens[{s.index}] shape {tuple(t.shape)} must have {s.length} tokens "
-                             f"in dim {dim}")
+            raise ValueError(
+                f"tokens[{s.index}] shape {tuple(t.shape)} must have {s.length} tokens in dim {dim}"
+            )
         parts.append(t)
     if packed.pad_length:
         shape = list(parts[0].shape)
@@ -196,9 +243,13 @@ def pack_tokens(tokens: Union[Sequence[Tensor], Mapping[int, Tensor]], packed: P
     return torch.cat(parts, dim=dim)
 
 
-def unpack_tokens(packed_tokens: Tensor, packed: PackedSequence, *, dim: int = 0) -> dict[int, Tensor]:
+def unpack_tokens(
+    packed_tokens: Tensor, packed: PackedSequence, *, dim: int = 0
+) -> dict[int, Tensor]:
     """Inverse of ``pack_tokens``: ``{original index: that sample's tokens}`` (padding dropped)."""
     if packed_tokens.dim() == 0 or packed_tokens.shape[dim] != packed.total_length:
-        raise ValueError(f"packed_tokens shape {tuple(packed_tokens.shape)} must have "
-                         f"{packed.total_length} tokens in dim {dim}")
+        raise ValueError(
+            f"packed_tokens shape {tuple(packed_tokens.shape)} must have "
+            f"{packed.total_length} tokens in dim {dim}"
+        )
     return {s.index: packed_tokens.narrow(dim, s.start, s.length) for s in packed.samples}

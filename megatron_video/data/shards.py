@@ -1,6 +1,7 @@
 """WebDataset shards of clips or latents: a writer (``write_shards``) and a data-parallel-sharded
 reader (``ShardReader``); the sample format is described on ``write_shards``.
 """
+
 from __future__ import annotations
 
 import glob
@@ -26,8 +27,14 @@ def _to_numpy(x) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-def write_shards(samples: Iterable[Mapping], out_dir: Union[str, Path], *, samples_per_shard: int = 64,
-                 prefix: str = "shard", progress: bool = False) -> list[str]:
+def write_shards(
+    samples: Iterable[Mapping],
+    out_dir: Union[str, Path],
+    *,
+    samples_per_shard: int = 64,
+    prefix: str = "shard",
+    progress: bool = False,
+) -> list[str]:
     """Write ``samples`` into ``out_dir/<prefix>-000000.tar, ...``; returns the shard paths in order.
 
     Each sample is a mapping with exactly one of ``video`` / ``latent`` (array or tensor), a
@@ -68,7 +75,9 @@ def write_shards(samples: Iterable[Mapping], out_dir: Union[str, Path], *, sampl
 def _record(n: int, sample: Mapping) -> dict:
     present = [k for k in _DATA_KEYS if k in sample]
     if len(present) != 1:
-        raise ValueError(f"sample {n}: keys {sorted(sample)} must contain exactly one of {_DATA_KEYS}")
+        raise ValueError(
+            f"sample {n}: keys {sorted(sample)} must contain exactly one of {_DATA_KEYS}"
+        )
     caption = sample.get("caption")
     if not isinstance(caption, str):
         raise ValueError(f"sample {n}: caption ({caption!r}) must be a str")
@@ -77,8 +86,12 @@ def _record(n: int, sample: Mapping) -> dict:
     key = str(sample.get("key", f"{n:09d}"))
     if not key or "." in key or "/" in key:
         raise ValueError(f"sample {n}: key ({key!r}) must be non-empty without '.' or '/'")
-    return {"__key__": key, f"{present[0]}.npy": _to_numpy(sample[present[0]]), "caption.txt": caption,
-            "meta.json": meta}
+    return {
+        "__key__": key,
+        f"{present[0]}.npy": _to_numpy(sample[present[0]]),
+        "caption.txt": caption,
+        "meta.json": meta,
+    }
 
 
 def list_shards(source: Union[str, Path, Sequence[Union[str, Path]]]) -> list[str]:
@@ -109,23 +122,32 @@ class ShardReader(torch.utils.data.IterableDataset):
     every sample. Inside a rank, DataLoader workers split the rank's share the same way.
     """
 
-    def __init__(self, shards: Union[str, Path, Sequence[Union[str, Path]]], *, dp_rank: int = 0,
-                 dp_size: int = 1, split: str = "shards"):
+    def __init__(
+        self,
+        shards: Union[str, Path, Sequence[Union[str, Path]]],
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        split: str = "shards",
+    ):
         super().__init__()
         check_dp_rank(dp_rank, dp_size)
         if split not in _SPLITS:
             raise ValueError(f"split ({split!r}) must be one of {_SPLITS}")
         self.shards = list_shards(shards)
         if split == "shards" and len(self.shards) < dp_size:
-            raise ValueError(f"number of shards ({len(self.shards)}) must be >= dp_size ({dp_size}) with "
-                             "split='shards'; write more shards or use split='samples'")
+            raise ValueError(
+                f"number of shards ({len(self.shards)}) must be >= dp_size ({dp_size}) with "
+                "split='shards'; write more shards or use split='samples'"
+            )
         self.dp_rank, self.dp_size, self.split = dp_rank, dp_size, split
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if self.split == "shards":
-            urls = self.shards[self.dp_rank::self.dp_size][worker::num_workers]
+            urls = self.shards[self.dp_rank :: self.dp_size][worker::num_workers]
+
             def keep(j):
                 return True  # every sample of the rank's own shards
         else:
@@ -133,19 +155,27 @@ class ShardReader(torch.utils.data.IterableDataset):
 
             def keep(j):
                 # Global sample j belongs to rank j % dp_size; within the rank, to worker (j // dp_size) % nw.
-                return j % self.dp_size == self.dp_rank and (j // self.dp_size) % num_workers == worker
+                return (
+                    j % self.dp_size == self.dp_rank and (j // self.dp_size) % num_workers == worker
+                )
+
         if not urls:
             return
         # Node/worker splitting is done above, deterministically; webdataset only reads and decodes.
-        stream = wds.WebDataset(urls, shardshuffle=False, nodesplitter=_identity, workersplitter=_identity,
-                                empty_check=False).map(_decode)
+        stream = wds.WebDataset(
+            urls,
+            shardshuffle=False,
+            nodesplitter=_identity,
+            workersplitter=_identity,
+            empty_check=False,
+        ).map(_decode)
         for j, raw in enumerate(stream):
             if keep(j):
                 yield _sample(raw)
 
 
 _ENTRIES = {f"{k}.npy" for k in _DATA_KEYS} | {"caption.txt", "meta.json", "latent.pth"}
-_PTH_KEYS = ("latent", "text_emb", "text_mask")   # tensors of a precomputed ``latent.pth`` entry
+_PTH_KEYS = ("latent", "text_emb", "text_mask")  # tensors of a precomputed ``latent.pth`` entry
 
 
 def _decode(raw: dict) -> dict:
@@ -161,25 +191,38 @@ def _decode(raw: dict) -> dict:
             out[name] = value
             continue
         if name not in _ENTRIES:
-            raise ValueError(f"shard sample {key!r}: entry {name!r} must be one of {sorted(_ENTRIES)} "
-                             f"(pickled or unknown entries are refused; nothing was decoded)")
-        if name == "latent.pth":   # `megatron-video precompute`: tensors only, read weights-only
+            raise ValueError(
+                f"shard sample {key!r}: entry {name!r} must be one of {sorted(_ENTRIES)} "
+                f"(pickled or unknown entries are refused; nothing was decoded)"
+            )
+        if name == "latent.pth":  # `megatron-video precompute`: tensors only, read weights-only
             try:
                 blob = torch.load(io.BytesIO(value), map_location="cpu", weights_only=True)
             except Exception as e:
-                raise ValueError(f"shard sample {key!r}: entry 'latent.pth' must be a weights-only torch "
-                                 f"file of tensors (refused, nothing executed): {type(e).__name__}") from None
-            if not isinstance(blob, dict) or not isinstance(blob.get("latent"), torch.Tensor) or \
-                    any(k not in _PTH_KEYS or not isinstance(v, torch.Tensor) for k, v in blob.items()):
-                raise ValueError(f"shard sample {key!r}: entry 'latent.pth' must hold a dict of tensors with "
-                                 f"'latent' and optionally 'text_emb' / 'text_mask'")
+                raise ValueError(
+                    f"shard sample {key!r}: entry 'latent.pth' must be a weights-only torch "
+                    f"file of tensors (refused, nothing executed): {type(e).__name__}"
+                ) from None
+            if (
+                not isinstance(blob, dict)
+                or not isinstance(blob.get("latent"), torch.Tensor)
+                or any(
+                    k not in _PTH_KEYS or not isinstance(v, torch.Tensor) for k, v in blob.items()
+                )
+            ):
+                raise ValueError(
+                    f"shard sample {key!r}: entry 'latent.pth' must hold a dict of tensors with "
+                    f"'latent' and optionally 'text_emb' / 'text_mask'"
+                )
             out[name] = blob
         elif name.endswith(".npy"):
             try:
                 out[name] = np.lib.format.read_array(io.BytesIO(value), allow_pickle=False)
             except ValueError as e:
-                raise ValueError(f"shard sample {key!r}: entry {name!r} must be a plain numeric .npy "
-                                 f"array (object arrays need pickle, refused): {e}") from None
+                raise ValueError(
+                    f"shard sample {key!r}: entry {name!r} must be a plain numeric .npy "
+                    f"array (object arrays need pickle, refused): {e}"
+                ) from None
         elif name.endswith(".json"):
             out[name] = json.loads(value.decode("utf-8"))
         else:
@@ -192,5 +235,5 @@ def _sample(raw: dict) -> dict:
     for k in _DATA_KEYS:
         if f"{k}.npy" in raw:
             out[k] = torch.from_numpy(np.ascontiguousarray(raw[f"{k}.npy"]))
-    out.update(raw.get("latent.pth", {}))   # precomputed latent (+ text embeddings)
+    out.update(raw.get("latent.pth", {}))  # precomputed latent (+ text embeddings)
     return out

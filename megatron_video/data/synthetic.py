@@ -2,6 +2,7 @@
 fully determined by ``(seed, index)``, with captions over a small fixed vocabulary
 (``CaptionTokenizer``, ``CaptionEmbedder``; no model hub).
 """
+
 from __future__ import annotations
 
 import re
@@ -13,27 +14,58 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "COLORS", "SHAPES", "SIZES", "DIRECTIONS", "VOCAB",
-    "ShapeAttributes", "sample_attributes", "render_video", "caption_for",
-    "CaptionTokenizer", "CaptionEmbedder", "ProceduralVideoDataset", "shard_indices",
+    "COLORS",
+    "SHAPES",
+    "SIZES",
+    "DIRECTIONS",
+    "VOCAB",
+    "ShapeAttributes",
+    "sample_attributes",
+    "render_video",
+    "caption_for",
+    "CaptionTokenizer",
+    "CaptionEmbedder",
+    "ProceduralVideoDataset",
+    "shard_indices",
 ]
 
 # RGB in [0, 1]; mapped to [-1, 1] when rendering.
 COLORS = {
-    "red": (1.0, 0.1, 0.1), "green": (0.1, 0.9, 0.2), "blue": (0.15, 0.3, 1.0), "yellow": (1.0, 0.9, 0.1),
-    "cyan": (0.1, 0.9, 0.9), "magenta": (0.9, 0.15, 0.9), "white": (1.0, 1.0, 1.0),
+    "red": (1.0, 0.1, 0.1),
+    "green": (0.1, 0.9, 0.2),
+    "blue": (0.15, 0.3, 1.0),
+    "yellow": (1.0, 0.9, 0.1),
+    "cyan": (0.1, 0.9, 0.9),
+    "magenta": (0.9, 0.15, 0.9),
+    "white": (1.0, 1.0, 1.0),
     "orange": (1.0, 0.55, 0.05),
 }
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = {"small": 0.12, "large": 0.2}  # radius as a fraction of min(H, W)
 # Unit direction (dx, dy) in pixel coordinates (y grows downwards).
 DIRECTIONS = {
-    "left to right": (1.0, 0.0), "right to left": (-1.0, 0.0),
-    "top to bottom": (0.0, 1.0), "bottom to top": (0.0, -1.0),
+    "left to right": (1.0, 0.0),
+    "right to left": (-1.0, 0.0),
+    "top to bottom": (0.0, 1.0),
+    "bottom to top": (0.0, -1.0),
 }
 PAD, UNK = "<pad>", "<unk>"
-VOCAB = (PAD, UNK, "a", ",", "bouncing", "turning", "to", "left", "right", "top", "bottom",
-         *SIZES, *COLORS, *SHAPES)
+VOCAB = (
+    PAD,
+    UNK,
+    "a",
+    ",",
+    "bouncing",
+    "turning",
+    "to",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    *SIZES,
+    *COLORS,
+    *SHAPES,
+)
 _BACKGROUND = -1.0
 
 
@@ -52,7 +84,9 @@ class ShapeAttributes:
     speed: float
 
 
-def sample_attributes(seed: int, index: int, *, num_frames: int, height: int, width: int) -> ShapeAttributes:
+def sample_attributes(
+    seed: int, index: int, *, num_frames: int, height: int, width: int
+) -> ShapeAttributes:
     """Deterministic attributes of sample ``index`` under ``seed``."""
     _check_geometry(num_frames, height, width)
     rng = np.random.default_rng([seed, index])
@@ -62,8 +96,11 @@ def sample_attributes(seed: int, index: int, *, num_frames: int, height: int, wi
     color_start = names[rng.integers(len(names))]
     # Half the videos change colour; images never do (there is no time to change over).
     changes = num_frames > 1 and rng.random() < 0.5
-    color_end = names[(names.index(color_start) + 1 + rng.integers(len(names) - 1)) % len(names)] \
-        if changes else color_start
+    color_end = (
+        names[(names.index(color_start) + 1 + rng.integers(len(names) - 1)) % len(names)]
+        if changes
+        else color_start
+    )
     direction = tuple(DIRECTIONS)[rng.integers(len(DIRECTIONS))] if num_frames > 1 else None
     radius = max(1.5, SIZES[size] * min(height, width))
     (xlo, xhi), (ylo, yhi) = _bounds(radius, width), _bounds(radius, height)
@@ -77,8 +114,17 @@ def sample_attributes(seed: int, index: int, *, num_frames: int, height: int, wi
         start = rng.uniform(lo, lo + half) if dx + dy > 0 else rng.uniform(hi - half, hi)
         x0, y0 = (start, y0) if dx else (x0, start)
         speed = rng.uniform(0.04, 0.08) * (width if dx else height)
-    return ShapeAttributes(shape, size, color_start, color_end, direction, float(radius), float(x0),
-                           float(y0), float(speed))
+    return ShapeAttributes(
+        shape,
+        size,
+        color_start,
+        color_end,
+        direction,
+        float(radius),
+        float(x0),
+        float(y0),
+        float(speed),
+    )
 
 
 def _check_geometry(num_frames: int, height: int, width: int) -> None:
@@ -111,7 +157,7 @@ def render_video(attrs: ShapeAttributes, *, num_frames: int, height: int, width:
     ddy = np.arange(height, dtype=np.float64)[None, :, None] - cy[:, None, None]
     r = attrs.radius
     if attrs.shape == "circle":
-        mask = ddx ** 2 + ddy ** 2 <= r ** 2
+        mask = ddx**2 + ddy**2 <= r**2
     elif attrs.shape == "square":
         mask = np.maximum(np.abs(ddx), np.abs(ddy)) <= 0.85 * r  # about the circle's area
     elif attrs.shape == "triangle":
@@ -145,7 +191,9 @@ class CaptionTokenizer:
         if max_len < 1:
             raise ValueError(f"max_len ({max_len}) must be >= 1")
         if len(set(vocab)) != len(vocab) or vocab[0] != PAD or UNK not in vocab:
-            raise ValueError(f"vocab must hold unique words, start with {PAD!r} and contain {UNK!r}")
+            raise ValueError(
+                f"vocab must hold unique words, start with {PAD!r} and contain {UNK!r}"
+            )
         self.max_len = max_len
         self.vocab = tuple(vocab)
         self._ids = {w: i for i, w in enumerate(self.vocab)}
@@ -157,12 +205,16 @@ class CaptionTokenizer:
     def encode(self, text: str) -> tuple[Tensor, Tensor]:
         words = re.findall(r"[a-z]+|,", text.lower())
         if len(words) > self.max_len:
-            raise ValueError(f"caption length ({len(words)} tokens) must be <= max_len ({self.max_len}): "
-                             f"{text!r}")
+            raise ValueError(
+                f"caption length ({len(words)} tokens) must be <= max_len ({self.max_len}): "
+                f"{text!r}"
+            )
         ids = torch.zeros(self.max_len, dtype=torch.long)
-        ids[:len(words)] = torch.tensor([self._ids.get(w, self._ids[UNK]) for w in words], dtype=torch.long)
+        ids[: len(words)] = torch.tensor(
+            [self._ids.get(w, self._ids[UNK]) for w in words], dtype=torch.long
+        )
         mask = torch.zeros(self.max_len, dtype=torch.bool)
-        mask[:len(words)] = True
+        mask[: len(words)] = True
         return ids, mask
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
@@ -180,8 +232,14 @@ class CaptionEmbedder(nn.Module):
     returns the null caption (a learned ``[L, d_text]`` sequence, all positions valid).
     """
 
-    def __init__(self, vocab_size: int, d_text: int, max_len: int, *,
-                 generator: Optional[torch.Generator] = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_text: int,
+        max_len: int,
+        *,
+        generator: Optional[torch.Generator] = None,
+    ):
         super().__init__()
         for name, v in (("vocab_size", vocab_size), ("d_text", d_text), ("max_len", max_len)):
             if v < 1:
@@ -199,10 +257,14 @@ class CaptionEmbedder(nn.Module):
 
     def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         if ids.dim() != 2 or ids.shape[1] != self.max_len or mask.shape != ids.shape:
-            raise ValueError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must both be "
-                             f"[b, max_len={self.max_len}]")
+            raise ValueError(
+                f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must both be "
+                f"[b, max_len={self.max_len}]"
+            )
         pos = torch.arange(self.max_len, device=ids.device)
-        emb = (self.tokens(ids) + self.positions(pos)[None]) * mask[..., None].to(self.tokens.weight.dtype)
+        emb = (self.tokens(ids) + self.positions(pos)[None]) * mask[..., None].to(
+            self.tokens.weight.dtype
+        )
         return emb, mask.bool()
 
     def null(self, batch_size: int = 1) -> tuple[Tensor, Tensor]:
@@ -225,14 +287,28 @@ class ProceduralVideoDataset(torch.utils.data.Dataset):
     right, turning blue"), tokenised to fixed-length ids plus a mask.
     """
 
-    def __init__(self, num_samples: int, *, num_frames: int = 17, height: int = 32, width: int = 32,
-                 seed: int = 0, caption_len: int = 16, image_fraction: float = 0.0):
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        num_frames: int = 17,
+        height: int = 32,
+        width: int = 32,
+        seed: int = 0,
+        caption_len: int = 16,
+        image_fraction: float = 0.0,
+    ):
         if num_samples < 1:
             raise ValueError(f"num_samples ({num_samples}) must be >= 1")
         if not 0.0 <= image_fraction <= 1.0:
             raise ValueError(f"image_fraction ({image_fraction}) must be in [0, 1]")
         _check_geometry(num_frames, height, width)
-        self.num_samples, self.num_frames, self.height, self.width = num_samples, num_frames, height, width
+        self.num_samples, self.num_frames, self.height, self.width = (
+            num_samples,
+            num_frames,
+            height,
+            width,
+        )
         self.seed, self.image_fraction = seed, image_fraction
         self.tokenizer = CaptionTokenizer(caption_len)
 
@@ -246,15 +322,24 @@ class ProceduralVideoDataset(torch.utils.data.Dataset):
 
     def attributes(self, index: int) -> ShapeAttributes:
         self._check_index(index)
-        return sample_attributes(self.seed, index, num_frames=self.frames_of(index), height=self.height,
-                                 width=self.width)
+        return sample_attributes(
+            self.seed, index, num_frames=self.frames_of(index), height=self.height, width=self.width
+        )
 
     def __getitem__(self, index: int) -> dict:
         attrs = self.attributes(index)
-        video = render_video(attrs, num_frames=self.frames_of(index), height=self.height, width=self.width)
+        video = render_video(
+            attrs, num_frames=self.frames_of(index), height=self.height, width=self.width
+        )
         caption = caption_for(attrs)
         ids, mask = self.tokenizer.encode(caption)
-        return {"video": video, "caption": caption, "caption_ids": ids, "caption_mask": mask, "index": index}
+        return {
+            "video": video,
+            "caption": caption,
+            "caption_ids": ids,
+            "caption_mask": mask,
+            "index": index,
+        }
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < self.num_samples:
@@ -269,8 +354,9 @@ def check_dp_rank(dp_rank: int, dp_size: int) -> None:
         raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
 
 
-def shard_indices(num_samples: int, dp_rank: int, dp_size: int, *, seed: Optional[int] = None,
-                  epoch: int = 0) -> list[int]:
+def shard_indices(
+    num_samples: int, dp_rank: int, dp_size: int, *, seed: Optional[int] = None, epoch: int = 0
+) -> list[int]:
     """Indices for data-parallel rank ``dp_rank``: a (seeded, per-epoch) permutation, strided by rank.
 
     Ranks get disjoint subsets whose union is ``range(num_samples)``; sizes differ by at most one
@@ -282,5 +368,7 @@ def shard_indices(num_samples: int, dp_rank: int, dp_size: int, *, seed: Optiona
     if seed is None:
         order = torch.arange(num_samples)
     else:
-        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        order = torch.randperm(
+            num_samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        )
     return order[dp_rank::dp_size].tolist()

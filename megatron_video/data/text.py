@@ -1,6 +1,7 @@
 """Text conditioning from a Hugging Face tokenizer + encoder (e.g. T5 / UMT5), local files only
 (``HFTextEncoder``); the embedded default stays ``data.synthetic.CaptionTokenizer``.
 """
+
 from __future__ import annotations
 
 from typing import Sequence, Tuple
@@ -43,8 +44,15 @@ class HFTextEncoder:
     def __call__(self, captions: Sequence[str]) -> Tuple[torch.Tensor, torch.Tensor]:
         if isinstance(captions, str) or not all(isinstance(c, str) for c in captions):
             raise ValueError("captions must be a sequence of strings")
-        t = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_len,
-                           return_tensors="pt")
+        t = self.tokenizer(
+            list(captions),
+            padding="max_length",
+            truncation=True,
+            max_length=self.max_len,
+            return_tensors="pt",
+        )
         mask = t["attention_mask"].bool()
-        emb = self.encoder(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).last_hidden_state
+        emb = self.encoder(
+            input_ids=t["input_ids"], attention_mask=t["attention_mask"]
+        ).last_hidden_state
         return (emb.float() * mask[..., None]).contiguous(), mask

@@ -1,6 +1,7 @@
 """Video question answering on the procedural videos (``data.synthetic``), for video-language
 models, in Megatron's ``LLaVAModel`` text convention (``VideoQADataset``).
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -13,10 +14,15 @@ __all__ = ["IMAGE_TOKEN_INDEX", "QA_VOCAB", "QUESTIONS", "TEXT_LEN", "VideoQADat
 
 IMAGE_TOKEN_INDEX = -200
 QA_VOCAB = tuple(VOCAB) + ("what", "colour", "is", "the", "shape", "at", "end", "start", "it", "?")
-QUESTIONS = (("what colour is the shape at the end ?", "color_end"),
-             ("what colour is the shape at the start ?", "color_start"),
-             ("what shape is it ?", "shape"))
-TEXT_LEN = 1 + max(len(q.split()) for q, _ in QUESTIONS)  # image token + question (answer = last label)
+QUESTIONS = (
+    ("what colour is the shape at the end ?", "color_end"),
+    ("what colour is the shape at the start ?", "color_start"),
+    ("what shape is it ?", "shape"),
+)
+TEXT_LEN = 1 + max(
+    len(q.split()) for q, _ in QUESTIONS
+)  # image token + question (answer = last label)
+
 
 class VideoQADataset(torch.utils.data.Dataset):
     """``num_samples`` (video, question, answer) triples; item ``i`` is a dict with ``frames
@@ -30,11 +36,18 @@ class VideoQADataset(torch.utils.data.Dataset):
     token after position ``i``, ``loss_mask`` 1 only where the label is the answer.
     """
 
-    def __init__(self, num_samples: int, *, num_frames: int, height: int, width: int, seed: int = 0):
+    def __init__(
+        self, num_samples: int, *, num_frames: int, height: int, width: int, seed: int = 0
+    ):
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples ({num_samples!r}) must be a positive integer")
         self.num_samples, self.num_frames, self.height, self.width, self.seed = (
-            num_samples, num_frames, height, width, seed)
+            num_samples,
+            num_frames,
+            height,
+            width,
+            seed,
+        )
         self.ids = {w: i for i, w in enumerate(QA_VOCAB)}
 
     @property
@@ -47,21 +60,29 @@ class VideoQADataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Dict:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index ({index}) must be in [0, {self.num_samples})")
-        attrs = sample_attributes(self.seed, index, num_frames=self.num_frames, height=self.height,
-                                  width=self.width)
-        video = render_video(attrs, num_frames=self.num_frames, height=self.height, width=self.width)
+        attrs = sample_attributes(
+            self.seed, index, num_frames=self.num_frames, height=self.height, width=self.width
+        )
+        video = render_video(
+            attrs, num_frames=self.num_frames, height=self.height, width=self.width
+        )
         question, field = QUESTIONS[index % len(QUESTIONS)]
         answer = getattr(attrs, field)
         words = question.split()
         seq = [IMAGE_TOKEN_INDEX] + [self.ids[w] for w in words] + [self.ids[answer]]
-        n = len(seq) - 1                       # input tokens (the answer is only a label)
+        n = len(seq) - 1  # input tokens (the answer is only a label)
         input_ids = torch.zeros(TEXT_LEN, dtype=torch.long)
         labels = torch.zeros(TEXT_LEN, dtype=torch.long)
         loss_mask = torch.zeros(TEXT_LEN)
         input_ids[:n] = torch.tensor(seq[:-1])
         labels[:n] = torch.tensor(seq[1:])
-        loss_mask[n - 1] = 1.0                 # the position whose label is the answer
-        return {"frames": video.transpose(0, 1).contiguous(), "input_ids": input_ids, "labels": labels,
-                "loss_mask": loss_mask, "question": question, "answer": answer,
-                "answer_id": self.ids[answer]}
-
+        loss_mask[n - 1] = 1.0  # the position whose label is the answer
+        return {
+            "frames": video.transpose(0, 1).contiguous(),
+            "input_ids": input_ids,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "question": question,
+            "answer": answer,
+            "answer_id": self.ids[answer],
+        }

@@ -3,6 +3,7 @@ rank in one collective), and halo encoding of a window to exactly the rank's lat
 (``encode_with_halo``, ``encode_rank_latents``). Windows: ``layouts.vae_halo``; design:
 docs/architecture.md, "Capabilities" 2.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
@@ -14,8 +15,14 @@ from ..layouts.vae_halo import Encoder, HaloWindow, encoder_halo, halo_window, r
 from ..ops.halo import halo_scatter
 from ..parallel import comm
 
-__all__ = ["TensorFrameSource", "read_window", "rank_windows", "scatter_windows",
-           "encode_with_halo", "encode_rank_latents"]
+__all__ = [
+    "TensorFrameSource",
+    "read_window",
+    "rank_windows",
+    "scatter_windows",
+    "encode_with_halo",
+    "encode_rank_latents",
+]
 
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.uint8]
 _HEADER = 8  # [status, dtype code, ndim, *shape (<= 5)]
@@ -44,27 +51,41 @@ def read_window(source, meta: HaloWindow) -> torch.Tensor:
     anything with ``num_frames`` and ``read(start, end)``).
     """
     if meta.raw_end > source.num_frames:
-        raise ValueError(f"window raw_end ({meta.raw_end}) exceeds the source's num_frames "
-                         f"({source.num_frames})")
+        raise ValueError(
+            f"window raw_end ({meta.raw_end}) exceeds the source's num_frames ({source.num_frames})"
+        )
     return source.read(meta.raw_start, meta.raw_end)
 
 
-def rank_windows(layout: BalancedSPLayout, rank: int, halo_latents: Optional[int] = None,
-                 temporal_stride: int = 4, causal_first_frame: bool = True,
-                 encoder: Optional[Encoder] = None) -> List[HaloWindow]:
+def rank_windows(
+    layout: BalancedSPLayout,
+    rank: int,
+    halo_latents: Optional[int] = None,
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+    encoder: Optional[Encoder] = None,
+) -> List[HaloWindow]:
     """One halo window per contiguous frame segment of ``rank`` (in local frame order); the halo
     is derived from ``encoder`` when ``halo_latents`` is None (see ``vae_halo.resolve_halo``)."""
     h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
-    return [halo_window(a, b, h, temporal_stride, causal_first_frame, rank=rank)
-            for a, b in layout.rank_segments(rank)]
+    return [
+        halo_window(a, b, h, temporal_stride, causal_first_frame, rank=rank)
+        for a, b in layout.rank_segments(rank)
+    ]
 
 
 def _as_list(w: Union[HaloWindow, Sequence[HaloWindow]]) -> List[HaloWindow]:
     return [w] if isinstance(w, HaloWindow) else list(w)
 
 
-def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloWindow, Sequence[HaloWindow]]],
-                    group, src: int = 0, time_dim: int = 2, tag: str = "video_windows") -> List[torch.Tensor]:
+def scatter_windows(
+    video: Optional[torch.Tensor],
+    windows: Sequence[Union[HaloWindow, Sequence[HaloWindow]]],
+    group,
+    src: int = 0,
+    time_dim: int = 2,
+    tag: str = "video_windows",
+) -> List[torch.Tensor]:
     """Deliver each SP rank its raw windows from the loading rank ``src`` (group rank).
 
     ``video`` (full raw video, ``[B, C, T, H, W]`` by default) is needed on ``src`` only;
@@ -89,18 +110,20 @@ def scatter_windows(video: Optional[torch.Tensor], windows: Sequence[Union[HaloW
             header[0] = 2
         else:
             header[1], header[2] = _DTYPES.index(video.dtype), video.dim()
-            header[3:3 + video.dim()] = torch.tensor(video.shape)
+            header[3 : 3 + video.dim()] = torch.tensor(video.shape)
             if video.shape[time_dim] < need_t:
                 header[0] = 3
     comm.broadcast(header, group, src, tag=tag + ".header")
     status = int(header[0])
     if status:
-        why = {1: "no video on the loading rank",
-               2: f"video must have 4 or 5 dims and a dtype in {_DTYPES}",
-               3: f"the video has fewer frames than the windows need ({need_t})"}[status]
+        why = {
+            1: "no video on the loading rank",
+            2: f"video must have 4 or 5 dims and a dtype in {_DTYPES}",
+            3: f"the video has fewer frames than the windows need ({need_t})",
+        }[status]
         raise ValueError(f"scatter_windows (src {src}): {why}")
     dtype, ndim = _DTYPES[int(header[1])], int(header[2])
-    shape = [int(s) for s in header[3:3 + ndim]]
+    shape = [int(s) for s in header[3 : 3 + ndim]]
     td = time_dim % ndim
     layout = _halo_layout(ndim, td)
     # every window, ranks in order, cut out in one pass by ops.halo_scatter (C++ when built); the
@@ -137,12 +160,15 @@ def _halo_layout(ndim: int, td: int) -> str:
         return "bcthw" if td == 2 else "btchw"
     if ndim == 4 and td == 1:
         return "bcthw"
-    raise ValueError(f"time_dim ({td}) of a {ndim}-D video must be 2 ([B, C, T, H, W]) or 1 "
-                     f"([B, T, C, H, W] or [C, T, H, W])")
+    raise ValueError(
+        f"time_dim ({td}) of a {ndim}-D video must be 2 ([B, C, T, H, W]) or 1 "
+        f"([B, T, C, H, W] or [C, T, H, W])"
+    )
 
 
-def encode_with_halo(encoder: Encoder, window: torch.Tensor, meta: HaloWindow,
-                     time_dim: int = 2) -> torch.Tensor:
+def encode_with_halo(
+    encoder: Encoder, window: torch.Tensor, meta: HaloWindow, time_dim: int = 2
+) -> torch.Tensor:
     """Encode a raw window and return exactly the rank's kept latents ``[ls, le)``.
 
     ``encoder``: a module or a callable (``lambda x: vae.encode(x).latent_dist.mean``); its halo
@@ -152,26 +178,38 @@ def encode_with_halo(encoder: Encoder, window: torch.Tensor, meta: HaloWindow,
     (on every rank alike, whether or not its own window reaches the video start), or if the window or
     the encoder output do not match ``meta``.
     """
-    need = encoder_halo(encoder, temporal_stride=meta.temporal_stride,
-                        causal_first_frame=meta.causal_first_frame)
+    need = encoder_halo(
+        encoder, temporal_stride=meta.temporal_stride, causal_first_frame=meta.causal_first_frame
+    )
     if meta.halo_latents < need:
-        raise ValueError(f"halo_latents ({meta.halo_latents}) must be >= the encoder's temporal "
-                         f"receptive field ({need} latents)")
+        raise ValueError(
+            f"halo_latents ({meta.halo_latents}) must be >= the encoder's temporal "
+            f"receptive field ({need} latents)"
+        )
     if window.shape[time_dim] != meta.num_raw:
-        raise ValueError(f"window has {window.shape[time_dim]} frames along dim {time_dim}; the meta "
-                         f"window [{meta.raw_start}, {meta.raw_end}) has {meta.num_raw}")
+        raise ValueError(
+            f"window has {window.shape[time_dim]} frames along dim {time_dim}; the meta "
+            f"window [{meta.raw_start}, {meta.raw_end}) has {meta.num_raw}"
+        )
     out = encoder(window)
     if out.shape[time_dim] != meta.num_window_latents:
-        raise ValueError(f"encoder produced {out.shape[time_dim]} latents for a {meta.num_raw}-frame "
-                         f"window; expected drop ({meta.drop}) + kept ({meta.num_kept})")
+        raise ValueError(
+            f"encoder produced {out.shape[time_dim]} latents for a {meta.num_raw}-frame "
+            f"window; expected drop ({meta.drop}) + kept ({meta.num_kept})"
+        )
     return out.narrow(time_dim, meta.drop, meta.num_kept)
 
 
-def encode_rank_latents(encoder: Encoder, windows: Sequence[torch.Tensor], metas: Sequence[HaloWindow],
-                        time_dim: int = 2) -> torch.Tensor:
+def encode_rank_latents(
+    encoder: Encoder,
+    windows: Sequence[torch.Tensor],
+    metas: Sequence[HaloWindow],
+    time_dim: int = 2,
+) -> torch.Tensor:
     """Encode each of a rank's windows with its halo and concatenate: the rank's latents in local
     frame order."""
     if len(windows) != len(metas):
         raise ValueError(f"windows ({len(windows)}) and metas ({len(metas)}) must pair up")
-    return torch.cat([encode_with_halo(encoder, w, m, time_dim) for w, m in zip(windows, metas)],
-                     dim=time_dim)
+    return torch.cat(
+        [encode_with_halo(encoder, w, m, time_dim) for w, m in zip(windows, metas)], dim=time_dim
+    )

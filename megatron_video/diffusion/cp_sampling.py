@@ -3,6 +3,7 @@ gather (``sample_edm`` / ``sample_flow`` for full-sequence models, ``sample_auto
 teacher-forcing AR DiT, ``decode_tokens``). The result equals single-process sampling with the same
 noise. Design: docs/architecture.md, "Capabilities" 4.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -16,8 +17,15 @@ from .cfg import guided_denoise
 from .edm import edm_scalings, expand_like
 from .samplers import edm_euler_sampler, edm_heun_sampler, flow_euler_sampler, flow_timesteps
 
-__all__ = ["partition_tokens", "gather_tokens", "edm_denoiser", "sample_edm", "sample_flow",
-           "sample_autoregressive", "decode_tokens"]
+__all__ = [
+    "partition_tokens",
+    "gather_tokens",
+    "edm_denoiser",
+    "sample_edm",
+    "sample_flow",
+    "sample_autoregressive",
+    "decode_tokens",
+]
 
 
 def partition_tokens(x: Tensor, local_ids: Tensor) -> Tensor:
@@ -49,18 +57,25 @@ def gather_tokens(local: Tensor, local_ids: Tensor, group, num_tokens: int) -> T
         all_ids = comm.all_gather_cat(ids, group, dim=0, tag="sample.gather_ids")
     if sorted(all_ids.tolist()) != list(range(num_tokens)):
         raise ValueError(f"local_ids of the group must partition range(num_tokens={num_tokens})")
-    out = torch.empty((local.shape[0], num_tokens) + tuple(local.shape[2:]), dtype=local.dtype,
-                      device=local.device)
+    out = torch.empty(
+        (local.shape[0], num_tokens) + tuple(local.shape[2:]),
+        dtype=local.dtype,
+        device=local.device,
+    )
     out[:, all_ids.to(local.device)] = all_x
     return out
 
 
 def edm_denoiser(net: Callable[[Tensor, Tensor, Any], Tensor], sigma_data: float):
     """EDM preconditioning around a raw network ``net(c_in*x, c_noise [b], cond)``."""
+
     def denoise(x: Tensor, sigma: Tensor, cond: Any) -> Tensor:
         c_skip, c_out, c_in, c_noise = edm_scalings(sigma.to(torch.float64), sigma_data)
-        c_skip, c_out, c_in = (expand_like(c, x, "sigma").to(x.dtype) for c in (c_skip, c_out, c_in))
+        c_skip, c_out, c_in = (
+            expand_like(c, x, "sigma").to(x.dtype) for c in (c_skip, c_out, c_in)
+        )
         return c_skip * x + c_out * net(c_in * x, c_noise.to(x.dtype), cond).to(x.dtype)
+
     return denoise
 
 
@@ -70,31 +85,71 @@ def _guided(fn, null_cond, guidance_scale: float):
     return lambda x, s, cond: guided_denoise(fn, x, s, cond, null_cond, guidance_scale)
 
 
-def sample_edm(net: Callable[[Tensor, Tensor, Any], Tensor], noise_local: Tensor, cond: Any, *,
-               null_cond: Any = None, guidance_scale: float = 1.0, sigma_data: float = 0.5,
-               sampler: str = "heun", num_steps: int = 18, sigma_min: float = 0.002,
-               sigma_max: float = 80.0, progress: bool = False) -> Tensor:
+def sample_edm(
+    net: Callable[[Tensor, Tensor, Any], Tensor],
+    noise_local: Tensor,
+    cond: Any,
+    *,
+    null_cond: Any = None,
+    guidance_scale: float = 1.0,
+    sigma_data: float = 0.5,
+    sampler: str = "heun",
+    num_steps: int = 18,
+    sigma_min: float = 0.002,
+    sigma_max: float = 80.0,
+    progress: bool = False,
+) -> Tensor:
     """EDM sampling on this rank's shard; ``net`` is the raw network on local tokens."""
     if sampler not in ("heun", "euler"):
         raise ValueError(f"sampler ({sampler!r}) must be 'heun' or 'euler'")
     fn = _guided(edm_denoiser(net, sigma_data), null_cond, guidance_scale)
     run = edm_heun_sampler if sampler == "heun" else edm_euler_sampler
-    return run(fn, noise_local, cond, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max,
-               progress=progress)
+    return run(
+        fn,
+        noise_local,
+        cond,
+        num_steps=num_steps,
+        sigma_min=sigma_min,
+        sigma_max=sigma_max,
+        progress=progress,
+    )
 
 
-def sample_flow(velocity: Callable[[Tensor, Tensor, Any], Tensor], noise_local: Tensor, cond: Any, *,
-                null_cond: Any = None, guidance_scale: float = 1.0, num_steps: int = 32,
-                shift: float = 1.0, progress: bool = False) -> Tensor:
+def sample_flow(
+    velocity: Callable[[Tensor, Tensor, Any], Tensor],
+    noise_local: Tensor,
+    cond: Any,
+    *,
+    null_cond: Any = None,
+    guidance_scale: float = 1.0,
+    num_steps: int = 32,
+    shift: float = 1.0,
+    progress: bool = False,
+) -> Tensor:
     """Flow-matching Euler sampling on this rank's shard."""
-    return flow_euler_sampler(_guided(velocity, null_cond, guidance_scale), noise_local, cond,
-                              num_steps=num_steps, shift=shift, progress=progress)
+    return flow_euler_sampler(
+        _guided(velocity, null_cond, guidance_scale),
+        noise_local,
+        cond,
+        num_steps=num_steps,
+        shift=shift,
+        progress=progress,
+    )
 
 
-def sample_autoregressive(velocity: Callable[[Tensor, Tensor, Any], Tensor], layout, rank: int,
-                          noise_local: Tensor, cond: Any, *, null_cond: Any = None,
-                          guidance_scale: float = 1.0, num_steps: int = 16, shift: float = 1.0,
-                          progress: bool = False) -> Tensor:
+def sample_autoregressive(
+    velocity: Callable[[Tensor, Tensor, Any], Tensor],
+    layout,
+    rank: int,
+    noise_local: Tensor,
+    cond: Any,
+    *,
+    null_cond: Any = None,
+    guidance_scale: float = 1.0,
+    num_steps: int = 16,
+    shift: float = 1.0,
+    progress: bool = False,
+) -> Tensor:
     """Generate this rank's clean frames block by block with the teacher-forcing AR model.
 
     ``velocity(x [b, L, C], t [b, L], cond)`` runs the model on the local sequence
@@ -107,10 +162,12 @@ def sample_autoregressive(velocity: Callable[[Tensor, Tensor, Any], Tensor], lay
     """
     half = layout.local_len // 2
     if noise_local.dim() != 3 or noise_local.shape[1] != half:
-        raise ValueError(f"noise_local shape ({tuple(noise_local.shape)}) must be [b, L/2 = {half}, C]")
+        raise ValueError(
+            f"noise_local shape ({tuple(noise_local.shape)}) must be [b, L/2 = {half}, C]"
+        )
     fn = _guided(velocity, null_cond, guidance_scale)
     b = noise_local.shape[0]
-    frames = layout.rope_frame_positions(rank)[half:]             # global frame of each noisy token
+    frames = layout.rope_frame_positions(rank)[half:]  # global frame of each noisy token
     blocks = frames // layout.frames_per_block
     clean = torch.zeros_like(noise_local)
     noisy = noise_local.clone()
@@ -118,7 +175,7 @@ def sample_autoregressive(velocity: Callable[[Tensor, Tensor, Any], Tensor], lay
     total = layout.num_blocks * num_steps
     bar = tqdm(total=total, disable=not progress, desc="sampling", leave=False)
     for j in range(layout.num_blocks):
-        mine = (blocks == j).to(noise_local.device)               # may be empty on this rank
+        mine = (blocks == j).to(noise_local.device)  # may be empty on this rank
         for i in range(num_steps):
             t_noisy = torch.where(mine, ts[i], 1.0).to(noise_local.dtype).expand(b, half)
             t = torch.cat([torch.zeros_like(t_noisy), t_noisy], dim=1)
@@ -130,7 +187,9 @@ def sample_autoregressive(velocity: Callable[[Tensor, Tensor, Any], Tensor], lay
     return clean
 
 
-def decode_tokens(vae, tokens: Tensor, patch, grid, latent_channels: int, latent_scale: float) -> Tensor:
+def decode_tokens(
+    vae, tokens: Tensor, patch, grid, latent_channels: int, latent_scale: float
+) -> Tensor:
     """Full token sequence ``[b, N, C*pt*ph*pw]`` -> video ``[b, 3, T, H, W]`` in ``[-1, 1]``."""
     from ..models.embedders import unpatchify
 

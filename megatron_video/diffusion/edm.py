@@ -2,6 +2,7 @@
 all elementwise on token-major tensors so that a sequence-parallel shard runs the same code; the
 loss takes the GLOBAL loss-token count (``reduce_token_loss``, shared with ``flow_matching``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,12 +53,16 @@ def expand_like(value: Tensor, x: Tensor, name: str) -> Tensor:
     ...]``.
     """
     if value.dim() > x.dim():
-        raise ValueError(f"{name} has {value.dim()} dims ({tuple(value.shape)}); must have at most "
-                         f"x.dim() ({x.dim()}) dims")
+        raise ValueError(
+            f"{name} has {value.dim()} dims ({tuple(value.shape)}); must have at most "
+            f"x.dim() ({x.dim()}) dims"
+        )
     for i, n in enumerate(value.shape):
         if n not in (1, x.shape[i]):
-            raise ValueError(f"{name} shape {tuple(value.shape)} must be a prefix of x shape "
-                             f"{tuple(x.shape)} (dim {i}: {n} vs {x.shape[i]})")
+            raise ValueError(
+                f"{name} shape {tuple(value.shape)} must be a prefix of x shape "
+                f"{tuple(x.shape)} (dim {i}: {n} vs {x.shape[i]})"
+            )
     return value.reshape(tuple(value.shape) + (1,) * (x.dim() - value.dim()))
 
 
@@ -75,7 +80,7 @@ def edm_scalings(sigma: Tensor, sigma_data: float = 0.5) -> tuple[Tensor, Tensor
     """``(c_skip, c_out, c_in, c_noise)`` of EDM Table 1 for noise level(s) ``sigma``."""
     if not sigma_data > 0:
         raise ValueError(f"sigma_data ({sigma_data}) must be > 0")
-    sd2 = sigma_data ** 2
+    sd2 = sigma_data**2
     s2 = sigma * sigma
     c_skip = sd2 / (s2 + sd2)
     c_out = sigma * sigma_data / torch.sqrt(s2 + sd2)
@@ -88,11 +93,17 @@ def edm_loss_weight(sigma: Tensor, sigma_data: float = 0.5) -> Tensor:
     """``lambda(sigma) = (sigma^2 + sigma_d^2) / (sigma * sigma_d)^2 = 1 / c_out^2``."""
     if not sigma_data > 0:
         raise ValueError(f"sigma_data ({sigma_data}) must be > 0")
-    return (sigma * sigma + sigma_data ** 2) / (sigma * sigma_data) ** 2
+    return (sigma * sigma + sigma_data**2) / (sigma * sigma_data) ** 2
 
 
-def sample_sigma(shape, config: EDMConfig = EDMConfig(), *, generator: Optional[torch.Generator] = None,
-                 device=None, dtype: torch.dtype = torch.float32) -> Tensor:
+def sample_sigma(
+    shape,
+    config: EDMConfig = EDMConfig(),
+    *,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """Training noise levels: ``ln(sigma) ~ N(P_mean, P_std^2)``."""
     z = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     return torch.exp(config.p_mean + config.p_std * z)
@@ -118,13 +129,16 @@ class EDMPrecond(nn.Module):
         # Scalings in >= fp32 even for bf16 activations: c_noise = ln(sigma)/4 needs the precision.
         sigma_f = sigma.to(torch.promote_types(sigma.dtype, torch.float32))
         c_skip, c_out, c_in, c_noise = edm_scalings(sigma_f, self.sigma_data)
-        c_skip, c_out, c_in = (expand_like(c, x, "sigma").to(x.dtype) for c in (c_skip, c_out, c_in))
+        c_skip, c_out, c_in = (
+            expand_like(c, x, "sigma").to(x.dtype) for c in (c_skip, c_out, c_in)
+        )
         f = self.net(c_in * x, c_noise, cond)
         return c_skip * x + c_out * f.to(x.dtype)
 
 
-def reduce_token_loss(per_element: Tensor, loss_mask: Optional[Tensor],
-                      num_loss_tokens: Union[int, float, Tensor]) -> Tensor:
+def reduce_token_loss(
+    per_element: Tensor, loss_mask: Optional[Tensor], num_loss_tokens: Union[int, float, Tensor]
+) -> Tensor:
     """Sum over loss tokens of the per-token mean (over trailing dims), divided by ``num_loss_tokens``.
 
     ``loss_mask`` (bool/0-1, shape a prefix of ``per_element.shape``) marks loss tokens; ``None`` means
@@ -137,17 +151,26 @@ def reduce_token_loss(per_element: Tensor, loss_mask: Optional[Tensor],
     """
     if loss_mask is None:
         token_dims = min(2, per_element.dim())
-        token_loss = per_element.mean(dim=tuple(range(token_dims, per_element.dim()))) \
-            if per_element.dim() > token_dims else per_element
+        token_loss = (
+            per_element.mean(dim=tuple(range(token_dims, per_element.dim())))
+            if per_element.dim() > token_dims
+            else per_element
+        )
         local_count = token_loss.numel()
         if isinstance(num_loss_tokens, (int, float)) and num_loss_tokens < local_count:
-            raise ValueError(f"num_loss_tokens ({num_loss_tokens}) must be >= the local loss-token count "
-                             f"({local_count}); pass the global count of loss tokens")
+            raise ValueError(
+                f"num_loss_tokens ({num_loss_tokens}) must be >= the local loss-token count "
+                f"({local_count}); pass the global count of loss tokens"
+            )
         total = token_loss.sum()
     else:
-        if loss_mask.dim() == 0 or tuple(loss_mask.shape) != tuple(per_element.shape[:loss_mask.dim()]):
-            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} must be a prefix of the input "
-                             f"shape {tuple(per_element.shape)}")
+        if loss_mask.dim() == 0 or tuple(loss_mask.shape) != tuple(
+            per_element.shape[: loss_mask.dim()]
+        ):
+            raise ValueError(
+                f"loss_mask shape {tuple(loss_mask.shape)} must be a prefix of the input "
+                f"shape {tuple(per_element.shape)}"
+            )
         dims = tuple(range(loss_mask.dim(), per_element.dim()))
         token_loss = per_element.mean(dim=dims) if dims else per_element
         total = (token_loss * loss_mask.to(token_loss.dtype)).sum()
@@ -156,10 +179,18 @@ def reduce_token_loss(per_element: Tensor, loss_mask: Optional[Tensor],
     return total / num_loss_tokens
 
 
-def edm_loss(denoiser: Callable[[Tensor, Tensor, Any], Tensor], x0: Tensor, *,
-             num_loss_tokens: Union[int, float, Tensor], loss_mask: Optional[Tensor] = None,
-             sigma: Optional[Tensor] = None, noise: Optional[Tensor] = None, cond: Any = None,
-             config: EDMConfig = EDMConfig(), generator: Optional[torch.Generator] = None) -> Tensor:
+def edm_loss(
+    denoiser: Callable[[Tensor, Tensor, Any], Tensor],
+    x0: Tensor,
+    *,
+    num_loss_tokens: Union[int, float, Tensor],
+    loss_mask: Optional[Tensor] = None,
+    sigma: Optional[Tensor] = None,
+    noise: Optional[Tensor] = None,
+    cond: Any = None,
+    config: EDMConfig = EDMConfig(),
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
     """EDM training loss ``sum_tokens lambda(sigma) * mean_d (D(x0 + sigma*n, sigma) - x0)^2 / N``.
 
     ``sigma`` (prefix shape, default one log-normal draw per sample) and ``noise`` (like ``x0``) are

@@ -3,6 +3,7 @@
 timesteps are injectable so a sequence-parallel run reproduces the single-GPU draws; the loss takes
 an explicit (global) normaliser.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
@@ -31,16 +32,26 @@ def shift_timesteps(t: Tensor, shift: float) -> Tensor:
     return shift * t / (1.0 + (shift - 1.0) * t)
 
 
-def sample_timesteps(shape, *, distribution: str = "logit_normal", mean: float = 0.0, std: float = 1.0,
-                     shift: float = 1.0, generator: Optional[torch.Generator] = None, device=None,
-                     dtype: torch.dtype = torch.float32) -> Tensor:
+def sample_timesteps(
+    shape,
+    *,
+    distribution: str = "logit_normal",
+    mean: float = 0.0,
+    std: float = 1.0,
+    shift: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """Training timesteps in (0, 1): logit-normal ``sigmoid(N(mean, std^2))`` or uniform, then shifted."""
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"distribution ({distribution!r}) must be one of {_DISTRIBUTIONS}")
     if not std > 0:
         raise ValueError(f"std ({std}) must be > 0")
     if distribution == "logit_normal":
-        t = torch.sigmoid(mean + std * torch.randn(shape, generator=generator, device=device, dtype=dtype))
+        t = torch.sigmoid(
+            mean + std * torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        )
     else:
         t = torch.rand(shape, generator=generator, device=device, dtype=dtype)
     return shift_timesteps(t, shift)
@@ -63,11 +74,16 @@ def expand_block_timesteps(block_t: Tensor, block_index: Tensor) -> Tensor:
     if block_index.dim() == 1:
         block_index = block_index.unsqueeze(0).expand(block_t.shape[0], -1)
     if block_index.dim() != 2 or block_index.shape[0] != block_t.shape[0]:
-        raise ValueError(f"block_index shape {tuple(block_index.shape)} must be [s] or "
-                         f"[b={block_t.shape[0]}, s]")
-    if block_index.numel() and (int(block_index.min()) < 0 or int(block_index.max()) >= block_t.shape[1]):
-        raise ValueError(f"block_index values [{int(block_index.min())}, {int(block_index.max())}] must lie "
-                         f"in [0, n_blocks={block_t.shape[1]})")
+        raise ValueError(
+            f"block_index shape {tuple(block_index.shape)} must be [s] or [b={block_t.shape[0]}, s]"
+        )
+    if block_index.numel() and (
+        int(block_index.min()) < 0 or int(block_index.max()) >= block_t.shape[1]
+    ):
+        raise ValueError(
+            f"block_index values [{int(block_index.min())}, {int(block_index.max())}] must lie "
+            f"in [0, n_blocks={block_t.shape[1]})"
+        )
     return torch.gather(block_t, 1, block_index.long())
 
 
@@ -84,19 +100,36 @@ def fm_target(x0: Tensor, noise: Tensor) -> Tensor:
     return noise - x0
 
 
-def fm_loss(velocity_fn: Callable[[Tensor, Tensor, Any], Tensor], x0: Tensor, *,
-            num_loss_tokens: Union[int, float, Tensor], loss_mask: Optional[Tensor] = None,
-            t: Optional[Tensor] = None, noise: Optional[Tensor] = None, cond: Any = None,
-            distribution: str = "logit_normal", mean: float = 0.0, std: float = 1.0, shift: float = 1.0,
-            generator: Optional[torch.Generator] = None) -> Tensor:
+def fm_loss(
+    velocity_fn: Callable[[Tensor, Tensor, Any], Tensor],
+    x0: Tensor,
+    *,
+    num_loss_tokens: Union[int, float, Tensor],
+    loss_mask: Optional[Tensor] = None,
+    t: Optional[Tensor] = None,
+    noise: Optional[Tensor] = None,
+    cond: Any = None,
+    distribution: str = "logit_normal",
+    mean: float = 0.0,
+    std: float = 1.0,
+    shift: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
     """``sum_tokens mean_d (v(x_t, t, cond) - (noise - x0))^2 / num_loss_tokens``.
 
     ``t`` (prefix shape; default one draw per sample) and ``noise`` are injectable, otherwise drawn from
     ``generator``. ``num_loss_tokens`` is required: under SP the GLOBAL count of loss tokens.
     """
     if t is None:
-        t = sample_timesteps((x0.shape[0],), distribution=distribution, mean=mean, std=std, shift=shift,
-                             generator=generator, device=x0.device)
+        t = sample_timesteps(
+            (x0.shape[0],),
+            distribution=distribution,
+            mean=mean,
+            std=std,
+            shift=shift,
+            generator=generator,
+            device=x0.device,
+        )
     if noise is None:
         noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
     x_t = fm_interpolate(x0, noise, t)

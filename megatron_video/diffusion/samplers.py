@@ -4,6 +4,7 @@ is elementwise, so under context parallelism each rank samples its shard and the
 equals the single-GPU one. Randomness comes only from ``generator`` / ``noise_fn`` (none with
 ``churn = 0``).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,29 +27,40 @@ __all__ = [
 Denoise = Callable[[Tensor, Tensor, Any], Tensor]
 
 
-def karras_sigmas(num_steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
-                  *, device=None, dtype: torch.dtype = torch.float64) -> Tensor:
+def karras_sigmas(
+    num_steps: int,
+    sigma_min: float = 0.002,
+    sigma_max: float = 80.0,
+    rho: float = 7.0,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
     """Karras schedule from ``sigma_max`` to ``sigma_min`` (``num_steps`` values), then a final 0."""
     if num_steps < 1:
         raise ValueError(f"num_steps ({num_steps}) must be >= 1")
     if not 0 < sigma_min < sigma_max:
-        raise ValueError(f"sigma_min ({sigma_min}), sigma_max ({sigma_max}) must satisfy "
-                         "0 < sigma_min < sigma_max")
+        raise ValueError(
+            f"sigma_min ({sigma_min}), sigma_max ({sigma_max}) must satisfy "
+            "0 < sigma_min < sigma_max"
+        )
     if not rho > 0:
         raise ValueError(f"rho ({rho}) must be > 0")
     ramp = torch.arange(num_steps, dtype=torch.float64) / max(num_steps - 1, 1)
     inv = 1.0 / rho
-    sig = (sigma_max ** inv + ramp * (sigma_min ** inv - sigma_max ** inv)) ** rho
+    sig = (sigma_max**inv + ramp * (sigma_min**inv - sigma_max**inv)) ** rho
     return torch.cat([sig, sig.new_zeros(1)]).to(device=device, dtype=dtype)
 
 
-def flow_timesteps(num_steps: int, shift: float = 1.0, *, device=None,
-                   dtype: torch.dtype = torch.float64) -> Tensor:
+def flow_timesteps(
+    num_steps: int, shift: float = 1.0, *, device=None, dtype: torch.dtype = torch.float64
+) -> Tensor:
     """``num_steps + 1`` flow-matching times from 1 (noise) to 0 (data), uniform then shifted."""
     if num_steps < 1:
         raise ValueError(f"num_steps ({num_steps}) must be >= 1")
-    return shift_timesteps(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64),
-                           shift).to(device=device, dtype=dtype)
+    return shift_timesteps(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift).to(
+        device=device, dtype=dtype
+    )
 
 
 def _time_dtype(x: Tensor) -> torch.dtype:
@@ -61,14 +73,26 @@ def _check_schedule(values: Tensor, name: str) -> list[float]:
         raise ValueError(f"{name} shape {tuple(values.shape)} must be 1-D with >= 2 entries")
     vals = [float(v) for v in values]
     if any(b >= a for a, b in zip(vals, vals[1:])) or vals[-1] < 0:
-        raise ValueError(f"{name} must be strictly decreasing and end >= 0 (got {vals[:3]}...{vals[-2:]})")
+        raise ValueError(
+            f"{name} must be strictly decreasing and end >= 0 (got {vals[:3]}...{vals[-2:]})"
+        )
     return vals
 
 
-def _edm_sample(denoise: Denoise, noise: Tensor, cond: Any, sigmas: Tensor, second_order: bool,
-                churn: float, churn_min: float, churn_max: float, s_noise: float,
-                generator: Optional[torch.Generator], noise_fn: Optional[Callable[[Tensor], Tensor]],
-                progress: bool) -> Tensor:
+def _edm_sample(
+    denoise: Denoise,
+    noise: Tensor,
+    cond: Any,
+    sigmas: Tensor,
+    second_order: bool,
+    churn: float,
+    churn_min: float,
+    churn_max: float,
+    s_noise: float,
+    generator: Optional[torch.Generator],
+    noise_fn: Optional[Callable[[Tensor], Tensor]],
+    progress: bool,
+) -> Tensor:
     if churn < 0:
         raise ValueError(f"churn ({churn}) must be >= 0")
     sig = _check_schedule(sigmas, "sigmas")
@@ -86,9 +110,11 @@ def _edm_sample(denoise: Denoise, noise: Tensor, cond: Any, sigmas: Tensor, seco
     x = noise * sig[0]
     for i in tqdm(range(num_steps), disable=not progress, desc="sampling", leave=False):
         t_cur, t_next = sig[i], sig[i + 1]
-        gamma = min(churn / num_steps, math.sqrt(2.0) - 1.0) if churn_min <= t_cur <= churn_max else 0.0
+        gamma = (
+            min(churn / num_steps, math.sqrt(2.0) - 1.0) if churn_min <= t_cur <= churn_max else 0.0
+        )
         t_hat = t_cur * (1.0 + gamma)
-        x_hat = x + math.sqrt(t_hat ** 2 - t_cur ** 2) * s_noise * randn_like(x) if gamma > 0 else x
+        x_hat = x + math.sqrt(t_hat**2 - t_cur**2) * s_noise * randn_like(x) if gamma > 0 else x
         d_cur = (x_hat - call(x_hat, t_hat)) / t_hat
         x_next = x_hat + (t_next - t_hat) * d_cur
         if second_order and t_next > 0:
@@ -99,12 +125,24 @@ def _edm_sample(denoise: Denoise, noise: Tensor, cond: Any, sigmas: Tensor, seco
     return x
 
 
-def edm_heun_sampler(denoise: Denoise, noise: Tensor, cond: Any = None, *, num_steps: int = 18,
-                     sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
-                     sigmas: Optional[Tensor] = None, churn: float = 0.0, churn_min: float = 0.0,
-                     churn_max: float = float("inf"), s_noise: float = 1.0,
-                     generator: Optional[torch.Generator] = None,
-                     noise_fn: Optional[Callable[[Tensor], Tensor]] = None, progress: bool = False) -> Tensor:
+def edm_heun_sampler(
+    denoise: Denoise,
+    noise: Tensor,
+    cond: Any = None,
+    *,
+    num_steps: int = 18,
+    sigma_min: float = 0.002,
+    sigma_max: float = 80.0,
+    rho: float = 7.0,
+    sigmas: Optional[Tensor] = None,
+    churn: float = 0.0,
+    churn_min: float = 0.0,
+    churn_max: float = float("inf"),
+    s_noise: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    noise_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    progress: bool = False,
+) -> Tensor:
     """EDM Algorithm 2: Heun steps on the Karras schedule (Euler on the last step to sigma = 0).
 
     ``noise`` is unit-variance; the sampler starts at ``noise * sigmas[0]``. ``sigmas`` overrides the
@@ -113,27 +151,69 @@ def edm_heun_sampler(denoise: Denoise, noise: Tensor, cond: Any = None, *, num_s
     """
     if sigmas is None:
         sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    return _edm_sample(denoise, noise, cond, sigmas, True, churn, churn_min, churn_max, s_noise, generator,
-                       noise_fn, progress)
+    return _edm_sample(
+        denoise,
+        noise,
+        cond,
+        sigmas,
+        True,
+        churn,
+        churn_min,
+        churn_max,
+        s_noise,
+        generator,
+        noise_fn,
+        progress,
+    )
 
 
-def edm_euler_sampler(denoise: Denoise, noise: Tensor, cond: Any = None, *, num_steps: int = 18,
-                      sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
-                      sigmas: Optional[Tensor] = None, churn: float = 0.0, churn_min: float = 0.0,
-                      churn_max: float = float("inf"), s_noise: float = 1.0,
-                      generator: Optional[torch.Generator] = None,
-                      noise_fn: Optional[Callable[[Tensor], Tensor]] = None,
-                      progress: bool = False) -> Tensor:
+def edm_euler_sampler(
+    denoise: Denoise,
+    noise: Tensor,
+    cond: Any = None,
+    *,
+    num_steps: int = 18,
+    sigma_min: float = 0.002,
+    sigma_max: float = 80.0,
+    rho: float = 7.0,
+    sigmas: Optional[Tensor] = None,
+    churn: float = 0.0,
+    churn_min: float = 0.0,
+    churn_max: float = float("inf"),
+    s_noise: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    noise_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    progress: bool = False,
+) -> Tensor:
     """First-order (Euler) counterpart of ``edm_heun_sampler``: one model call per step."""
     if sigmas is None:
         sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    return _edm_sample(denoise, noise, cond, sigmas, False, churn, churn_min, churn_max, s_noise, generator,
-                       noise_fn, progress)
+    return _edm_sample(
+        denoise,
+        noise,
+        cond,
+        sigmas,
+        False,
+        churn,
+        churn_min,
+        churn_max,
+        s_noise,
+        generator,
+        noise_fn,
+        progress,
+    )
 
 
-def flow_euler_sampler(velocity: Denoise, noise: Tensor, cond: Any = None, *, num_steps: int = 50,
-                       shift: float = 1.0, timesteps: Optional[Tensor] = None,
-                       progress: bool = False) -> Tensor:
+def flow_euler_sampler(
+    velocity: Denoise,
+    noise: Tensor,
+    cond: Any = None,
+    *,
+    num_steps: int = 50,
+    shift: float = 1.0,
+    timesteps: Optional[Tensor] = None,
+    progress: bool = False,
+) -> Tensor:
     """Integrate ``dx/dt = v(x, t, cond)`` from ``t = 1`` (``x = noise``) to ``t = 0`` with Euler steps.
 
     ``timesteps`` (decreasing, e.g. ``flow_timesteps``) overrides the uniform-then-shifted grid.

@@ -2,6 +2,7 @@
 (``TeacherForcingObjective``; its local sequence, loss normalisation and model contract are
 described there). Design: docs/architecture.md, "Capabilities" 2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +18,12 @@ from ..parallel import comm
 from .edm import reduce_token_loss
 from .flow_matching import expand_block_timesteps, fm_interpolate, fm_target, sample_timesteps
 
-__all__ = ["TeacherForcingMask", "TeacherForcingOutput", "TeacherForcingObjective", "local_frame_tokens"]
+__all__ = [
+    "TeacherForcingMask",
+    "TeacherForcingOutput",
+    "TeacherForcingObjective",
+    "local_frame_tokens",
+]
 
 
 class TeacherForcingMask(RuleMask):
@@ -56,11 +62,11 @@ def local_frame_tokens(layout: BalancedSPLayout, rank: int, tokens: Tensor) -> T
 
 @dataclass
 class TeacherForcingOutput:
-    loss: Tensor            # this rank's share (differentiable); SUM over the SP group = global loss
-    loss_value: Tensor      # detached global loss (all-reduced sum of the shares)
-    num_loss_tokens: int    # global count used as the normaliser
-    prediction: Tensor      # model output on the local sequence [B, L, D]
-    target: Tensor          # velocity target on the local noisy half [B, L/2, D]
+    loss: Tensor  # this rank's share (differentiable); SUM over the SP group = global loss
+    loss_value: Tensor  # detached global loss (all-reduced sum of the shares)
+    num_loss_tokens: int  # global count used as the normaliser
+    prediction: Tensor  # model output on the local sequence [B, L, D]
+    target: Tensor  # velocity target on the local noisy half [B, L/2, D]
     block_timesteps: Tensor  # [B, F/nb] used
 
 
@@ -95,18 +101,26 @@ class TeacherForcingObjective:
     def __init__(self, layout: BalancedSPLayout, groups=None):
         if groups is None:
             if layout.sp_size != 1:
-                raise ValueError(f"groups (None) requires layout.sp_size == 1, got {layout.sp_size}")
+                raise ValueError(
+                    f"groups (None) requires layout.sp_size == 1, got {layout.sp_size}"
+                )
             self.group, self.rank = None, 0
         else:
             if groups.cp_size != layout.sp_size:
-                raise ValueError(f"layout.sp_size ({layout.sp_size}) must equal the CP group size "
-                                 f"({groups.cp_size})")
+                raise ValueError(
+                    f"layout.sp_size ({layout.sp_size}) must equal the CP group size "
+                    f"({groups.cp_size})"
+                )
             if layout.ring_size not in (1, groups.ring_size):
-                raise ValueError(f"layout.ring_size ({layout.ring_size}) must be 1 or the ring size "
-                                 f"of the groups ({groups.ring_size})")
+                raise ValueError(
+                    f"layout.ring_size ({layout.ring_size}) must be 1 or the ring size "
+                    f"of the groups ({groups.ring_size})"
+                )
             if layout.ring_balance and groups.placement != "ulysses_inner":
-                raise ValueError(f"layout.ring_balance (True) assumes placement 'ulysses_inner' (ring "
-                                 f"slice = CP ranks rho*U..rho*U+U-1), got {groups.placement!r}")
+                raise ValueError(
+                    f"layout.ring_balance (True) assumes placement 'ulysses_inner' (ring "
+                    f"slice = CP ranks rho*U..rho*U+U-1), got {groups.placement!r}"
+                )
             self.group, self.rank = groups.cp_group, groups.cp_rank
         self.layout = layout
         self.mask = TeacherForcingMask(layout)
@@ -116,10 +130,17 @@ class TeacherForcingObjective:
         # global block of each noisy local token (timesteps are drawn per global block)
         self.noisy_blocks = self.frame_positions[half:] // layout.frames_per_block
 
-    def sample_block_timesteps(self, batch: int, generator: Optional[torch.Generator] = None,
-                               dtype: torch.dtype = torch.float32, **kwargs) -> Tensor:
+    def sample_block_timesteps(
+        self,
+        batch: int,
+        generator: Optional[torch.Generator] = None,
+        dtype: torch.dtype = torch.float32,
+        **kwargs,
+    ) -> Tensor:
         """``[B, F/nb]`` timesteps; SP rank 0's draw is broadcast so every rank uses the same."""
-        t = sample_timesteps((batch, self.layout.num_blocks), generator=generator, dtype=dtype, **kwargs)
+        t = sample_timesteps(
+            (batch, self.layout.num_blocks), generator=generator, dtype=dtype, **kwargs
+        )
         if self.group is not None:
             comm.broadcast(t, self.group, src=0, tag="tf.timesteps")
         return t
@@ -132,9 +153,15 @@ class TeacherForcingObjective:
         t = torch.cat([torch.zeros_like(t_noisy), t_noisy], dim=1).to(clean.dtype)
         return x, t, fm_target(clean, noise)
 
-    def __call__(self, model: Callable, clean: Tensor, *, noise: Optional[Tensor] = None,
-                 block_timesteps: Optional[Tensor] = None,
-                 generator: Optional[torch.Generator] = None) -> TeacherForcingOutput:
+    def __call__(
+        self,
+        model: Callable,
+        clean: Tensor,
+        *,
+        noise: Optional[Tensor] = None,
+        block_timesteps: Optional[Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> TeacherForcingOutput:
         """Loss for this rank's clean latent tokens ``clean [B, F/P*S, D]`` (local frame order).
 
         ``noise`` (like ``clean``) and ``block_timesteps`` (``[B, F/nb]``, global blocks) are
@@ -146,21 +173,33 @@ class TeacherForcingObjective:
             raise ValueError(f"clean shape ({tuple(clean.shape)}) must be [B, F/P*S = {half}, D]")
         B = clean.shape[0]
         if noise is None:
-            noise = torch.randn(clean.shape, generator=generator, dtype=clean.dtype, device=clean.device)
+            noise = torch.randn(
+                clean.shape, generator=generator, dtype=clean.dtype, device=clean.device
+            )
         elif noise.shape != clean.shape:
-            raise ValueError(f"noise shape ({tuple(noise.shape)}) must equal clean shape "
-                             f"({tuple(clean.shape)})")
+            raise ValueError(
+                f"noise shape ({tuple(noise.shape)}) must equal clean shape ({tuple(clean.shape)})"
+            )
         if block_timesteps is None:
             block_timesteps = self.sample_block_timesteps(B, generator, dtype=clean.dtype)
         elif tuple(block_timesteps.shape) != (B, L.num_blocks):
-            raise ValueError(f"block_timesteps shape ({tuple(block_timesteps.shape)}) must be "
-                             f"[B, F/nb] = [{B}, {L.num_blocks}]")
+            raise ValueError(
+                f"block_timesteps shape ({tuple(block_timesteps.shape)}) must be "
+                f"[B, F/nb] = [{B}, {L.num_blocks}]"
+            )
         x, t, target = self.build_inputs(clean, noise, block_timesteps)
-        pred = model(x, t, frame_positions=self.frame_positions.to(x.device),
-                     token_ids=self.token_ids.to(x.device), mask=self.mask)
+        pred = model(
+            x,
+            t,
+            frame_positions=self.frame_positions.to(x.device),
+            token_ids=self.token_ids.to(x.device),
+            mask=self.mask,
+        )
         if pred.shape != x.shape:
-            raise ValueError(f"model output shape ({tuple(pred.shape)}) must equal its input shape "
-                             f"({tuple(x.shape)})")
+            raise ValueError(
+                f"model output shape ({tuple(pred.shape)}) must equal its input shape "
+                f"({tuple(x.shape)})"
+            )
         count = torch.tensor([B * half], dtype=torch.int64)
         if self.group is not None:
             comm.all_reduce(count, self.group, tag="tf.loss_tokens")
@@ -171,5 +210,11 @@ class TeacherForcingObjective:
         value = loss.detach().clone()
         if self.group is not None:
             comm.all_reduce(value, self.group, tag="tf.loss_value")
-        return TeacherForcingOutput(loss=loss, loss_value=value, num_loss_tokens=n_global,
-                                    prediction=pred, target=target, block_timesteps=block_timesteps)
+        return TeacherForcingOutput(
+            loss=loss,
+            loss_value=value,
+            num_loss_tokens=n_global,
+            prediction=pred,
+            target=target,
+            block_timesteps=block_timesteps,
+        )

@@ -2,6 +2,7 @@
 and masks, free of communication. Design: docs/architecture.md, "Capabilities" 2; the layout and
 its ring balancing are described on ``BalancedSPLayout``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -12,8 +13,13 @@ from ..ops.rules import CLEAN, EMPTY, FULL, NOISY, PARTIAL  # noqa: F401  (the o
 from ..ops.rules import teacher_forcing as teacher_forcing_rule
 
 __all__ = [
-    "BalancedSPLayout", "teacher_forcing_rule", "single_gpu_teacher_forcing_mask",
-    "naive_slice_global_ids", "naive_identity_units", "ring_attention_work", "max_over_mean",
+    "BalancedSPLayout",
+    "teacher_forcing_rule",
+    "single_gpu_teacher_forcing_mask",
+    "naive_slice_global_ids",
+    "naive_identity_units",
+    "ring_attention_work",
+    "max_over_mean",
 ]
 
 
@@ -22,8 +28,9 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
-def single_gpu_teacher_forcing_mask(num_latent_frames: int, tokens_per_frame: int,
-                                    frames_per_block: int) -> torch.Tensor:
+def single_gpu_teacher_forcing_mask(
+    num_latent_frames: int, tokens_per_frame: int, frames_per_block: int
+) -> torch.Tensor:
     """Bool ``[2FS, 2FS]`` mask in the single-GPU order ``[clean 0..F-1 ; noisy 0..F-1]``."""
     F, S, nb = num_latent_frames, tokens_per_frame, frames_per_block
     for name, v in (("num_latent_frames", F), ("tokens_per_frame", S), ("frames_per_block", nb)):
@@ -33,8 +40,9 @@ def single_gpu_teacher_forcing_mask(num_latent_frames: int, tokens_per_frame: in
     return teacher_forcing_rule(side[:, None], block[:, None], side[None, :], block[None, :])
 
 
-def ring_attention_work(unit_side: torch.Tensor, unit_block: torch.Tensor, unit_tokens: int,
-                        ring_size: int) -> List[int]:
+def ring_attention_work(
+    unit_side: torch.Tensor, unit_block: torch.Tensor, unit_tokens: int, ring_size: int
+) -> List[int]:
     """Unmasked (query, key) pairs whose query lies in each of ``ring_size`` contiguous slices.
 
     ``unit_side`` / ``unit_block`` give the identity of each unit (``unit_tokens`` tokens sharing one
@@ -44,8 +52,9 @@ def ring_attention_work(unit_side: torch.Tensor, unit_block: torch.Tensor, unit_
     n = unit_side.numel()
     if n % ring_size:
         raise ValueError(f"number of mask units ({n}) must be divisible by ring_size ({ring_size})")
-    m = teacher_forcing_rule(unit_side[:, None], unit_block[:, None], unit_side[None, :],
-                             unit_block[None, :])
+    m = teacher_forcing_rule(
+        unit_side[:, None], unit_block[:, None], unit_side[None, :], unit_block[None, :]
+    )
     per_unit = m.sum(dim=1).to(torch.int64) * unit_tokens * unit_tokens
     return [int(x) for x in per_unit.view(ring_size, -1).sum(dim=1)]
 
@@ -57,19 +66,24 @@ def max_over_mean(values: Sequence[float]) -> float:
     return max(vals) / mean if mean else float("inf")
 
 
-def naive_slice_global_ids(num_latent_frames: int, tokens_per_frame: int, sp_size: int,
-                           rank: int) -> torch.Tensor:
+def naive_slice_global_ids(
+    num_latent_frames: int, tokens_per_frame: int, sp_size: int, rank: int
+) -> torch.Tensor:
     """Naive Ulysses slicing (the baseline): rank ``r`` takes the ``r``-th contiguous slice of
     ``[clean ; noisy]``; returns the single-GPU ids it holds."""
     n = 2 * num_latent_frames * tokens_per_frame
     if n % sp_size:
-        raise ValueError(f"2 * num_latent_frames * tokens_per_frame ({n}) must be divisible by "
-                         f"sp_size ({sp_size})")
+        raise ValueError(
+            f"2 * num_latent_frames * tokens_per_frame ({n}) must be divisible by "
+            f"sp_size ({sp_size})"
+        )
     per = n // sp_size
     return torch.arange(rank * per, (rank + 1) * per)
 
 
-def naive_identity_units(num_latent_frames: int, frames_per_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def naive_identity_units(
+    num_latent_frames: int, frames_per_block: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(side, block) of each block-unit in the naive (single-GPU) order, for work accounting."""
     K = num_latent_frames // frames_per_block
     u = torch.arange(2 * K)
@@ -112,25 +126,42 @@ class BalancedSPLayout:
             (``world_size % P == 0``, ``num_heads % U == 0``, ``U * R == P``).
     """
 
-    def __init__(self, num_latent_frames: int, tokens_per_frame: int, frames_per_block: int,
-                 sp_size: int, *, ring_size: int = 1, ring_balance: Optional[bool] = None,
-                 world_size: Optional[int] = None, num_heads: Optional[int] = None,
-                 ulysses_size: Optional[int] = None):
+    def __init__(
+        self,
+        num_latent_frames: int,
+        tokens_per_frame: int,
+        frames_per_block: int,
+        sp_size: int,
+        *,
+        ring_size: int = 1,
+        ring_balance: Optional[bool] = None,
+        world_size: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        ulysses_size: Optional[int] = None,
+    ):
         F, S, nb, P, R = num_latent_frames, tokens_per_frame, frames_per_block, sp_size, ring_size
-        for name, v in (("num_latent_frames", F), ("tokens_per_frame", S), ("frames_per_block", nb),
-                        ("sp_size", P), ("ring_size", R)):
+        for name, v in (
+            ("num_latent_frames", F),
+            ("tokens_per_frame", S),
+            ("frames_per_block", nb),
+            ("sp_size", P),
+            ("ring_size", R),
+        ):
             _positive_int(name, v)
         if F % (P * nb):
-            raise ValueError(f"num_latent_frames ({F}) must be divisible by sp_size ({P}) * "
-                             f"frames_per_block ({nb})")
+            raise ValueError(
+                f"num_latent_frames ({F}) must be divisible by sp_size ({P}) * "
+                f"frames_per_block ({nb})"
+            )
         if P % R:
             raise ValueError(f"ring_size ({R}) must divide sp_size ({P})")
         U = P // R
         if ulysses_size is not None:
             _positive_int("ulysses_size", ulysses_size)
             if ulysses_size * R != P:
-                raise ValueError(f"ulysses_size ({ulysses_size}) * ring_size ({R}) must equal "
-                                 f"sp_size ({P})")
+                raise ValueError(
+                    f"ulysses_size ({ulysses_size}) * ring_size ({R}) must equal sp_size ({P})"
+                )
         if world_size is not None:
             _positive_int("world_size", world_size)
             if world_size % P:
@@ -144,7 +175,8 @@ class BalancedSPLayout:
             raise ValueError(
                 f"num_latent_frames ({F}) must be divisible by 2 * ring_size ({R}) * frames_per_block "
                 f"({nb}) for ring balancing (zigzag pairs of 2*ring_size chunks of whole blocks); "
-                f"pass ring_balance=False for contiguous ranks")
+                f"pass ring_balance=False for contiguous ranks"
+            )
         self.num_latent_frames, self.tokens_per_frame, self.frames_per_block = F, S, nb
         self.sp_size, self.ring_size, self.ulysses_size = P, R, U
         self.ring_balance = balance and R > 1
@@ -164,16 +196,22 @@ class BalancedSPLayout:
 
     # -- frame assignment -----------------------------------------------------------------
     def _assign_frames(self) -> List[List[int]]:
-        F, P, R, U, Fp = self.num_latent_frames, self.sp_size, self.ring_size, self.ulysses_size, \
-            self.frames_per_rank
+        F, P, R, U, Fp = (
+            self.num_latent_frames,
+            self.sp_size,
+            self.ring_size,
+            self.ulysses_size,
+            self.frames_per_rank,
+        )
         if not self.ring_balance:
             return [list(range(r * Fp, (r + 1) * Fp)) for r in range(P)]
         chunk = F // (2 * R)
         out = []
         for rho in range(R):
-            frames = list(range(rho * chunk, (rho + 1) * chunk)) + \
-                list(range((2 * R - 1 - rho) * chunk, (2 * R - rho) * chunk))
-            out.extend(frames[u * Fp:(u + 1) * Fp] for u in range(U))
+            frames = list(range(rho * chunk, (rho + 1) * chunk)) + list(
+                range((2 * R - 1 - rho) * chunk, (2 * R - rho) * chunk)
+            )
+            out.extend(frames[u * Fp : (u + 1) * Fp] for u in range(U))
         return out
 
     def _check_rank(self, rank: int) -> None:
@@ -243,6 +281,7 @@ class BalancedSPLayout:
 
         def fn(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
             return teacher_forcing_rule(side[q_idx], block[q_idx], side[k_idx], block[k_idx])
+
         return fn
 
     def teacher_forcing_mask(self) -> torch.Tensor:
@@ -263,7 +302,9 @@ class BalancedSPLayout:
         side, block = self.unit_identities()
         return teacher_forcing_rule(side[:, None], block[:, None], side[None, :], block[None, :])
 
-    def block_status(self, q_block_tokens: int, k_block_tokens: Optional[int] = None) -> torch.Tensor:
+    def block_status(
+        self, q_block_tokens: int, k_block_tokens: Optional[int] = None
+    ) -> torch.Tensor:
         """Tile map for ring skip-lists / FlexAttention: int8 ``[ceil(N/bq), ceil(N/bk)]`` with
         0 = fully masked, 1 = partial, 2 = fully visible (``N = 2FS``; tiles of arbitrary size)."""
         bq = q_block_tokens
@@ -279,7 +320,7 @@ class BalancedSPLayout:
         ks = torch.arange(0, N, bk)
         qlo, qhi = qs // ut, (torch.clamp(qs + bq, max=N) - 1) // ut + 1
         klo, khi = ks // ut, (torch.clamp(ks + bk, max=N) - 1) // ut + 1
-        cnt = (cs[qhi][:, khi] - cs[qlo][:, khi] - cs[qhi][:, klo] + cs[qlo][:, klo])
+        cnt = cs[qhi][:, khi] - cs[qlo][:, khi] - cs[qhi][:, klo] + cs[qlo][:, klo]
         area = (qhi - qlo)[:, None] * (khi - klo)[None, :]
         return torch.where(cnt == area, FULL, torch.where(cnt == 0, EMPTY, PARTIAL)).to(torch.int8)
 
@@ -289,8 +330,9 @@ class BalancedSPLayout:
         side, block = self.unit_identities()
         uq = torch.unique(torch.as_tensor(q_ids, dtype=torch.int64) // self.unit_tokens)
         uk = torch.unique(torch.as_tensor(k_ids, dtype=torch.int64) // self.unit_tokens)
-        m = teacher_forcing_rule(side[uq][:, None], block[uq][:, None], side[uk][None, :],
-                                 block[uk][None, :])
+        m = teacher_forcing_rule(
+            side[uq][:, None], block[uq][:, None], side[uk][None, :], block[uk][None, :]
+        )
         return FULL if bool(m.all()) else (EMPTY if not bool(m.any()) else PARTIAL)
 
     # -- positions and loss ---------------------------------------------------------------
@@ -327,10 +369,14 @@ class BalancedSPLayout:
 
     def balance_report(self) -> dict:
         """``max/mean`` of loss tokens and of unmasked attention work per rank (from counts)."""
-        return {"loss_tokens_max_over_mean": max_over_mean(self.loss_tokens_per_rank()),
-                "attention_work_max_over_mean": max_over_mean(self.attention_work_per_rank())}
+        return {
+            "loss_tokens_max_over_mean": max_over_mean(self.loss_tokens_per_rank()),
+            "attention_work_max_over_mean": max_over_mean(self.attention_work_per_rank()),
+        }
 
     def __repr__(self) -> str:
-        return (f"BalancedSPLayout(F={self.num_latent_frames}, S={self.tokens_per_frame}, "
-                f"nb={self.frames_per_block}, P={self.sp_size}=U{self.ulysses_size}xR{self.ring_size}, "
-                f"ring_balance={self.ring_balance})")
+        return (
+            f"BalancedSPLayout(F={self.num_latent_frames}, S={self.tokens_per_frame}, "
+            f"nb={self.frames_per_block}, P={self.sp_size}=U{self.ulysses_size}xR{self.ring_size}, "
+            f"ring_balance={self.ring_balance})"
+        )

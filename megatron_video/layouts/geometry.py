@@ -3,6 +3,7 @@
 Its own small module so that every layer (layouts, attention, models, training) can name a sample's
 shape without importing a layout or anything that communicates (docs/architecture.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 ``reshard_plan``: visual tokens -> the LLM's zigzag shard, and inverses). Pure and rank-explicit; no
 communication. Design: docs/architecture.md, "Capabilities" 5.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +13,17 @@ import torch
 
 from .zigzag import shard_global_ids, shard_owner
 
-__all__ = ["FrameShards", "frame_shards", "SequenceLayout", "sequence_layout", "ReshardPlan",
-           "reshard_plan", "visual_targets", "position_sources", "causal_work"]
+__all__ = [
+    "FrameShards",
+    "frame_shards",
+    "SequenceLayout",
+    "sequence_layout",
+    "ReshardPlan",
+    "reshard_plan",
+    "visual_targets",
+    "position_sources",
+    "causal_work",
+]
 
 
 def _pos_int(name: str, value, minimum: int = 1) -> int:
@@ -29,12 +39,12 @@ def _pos_int(name: str, value, minimum: int = 1) -> int:
 class FrameShards:
     """Which CP rank encodes which unit (tubelet) of which video."""
 
-    num_frames: Tuple[int, ...]     # per video
+    num_frames: Tuple[int, ...]  # per video
     tubelet_size: int
     cp_size: int
-    counts: torch.Tensor            # [cp_size, n_videos] units of video j encoded by rank r
-    owner: torch.Tensor             # [total_units] rank encoding global unit u
-    local_index: torch.Tensor       # [total_units] index of unit u in its owner's local list
+    counts: torch.Tensor  # [cp_size, n_videos] units of video j encoded by rank r
+    owner: torch.Tensor  # [total_units] rank encoding global unit u
+    local_index: torch.Tensor  # [total_units] index of unit u in its owner's local list
 
     @property
     def units_per_video(self) -> List[int]:
@@ -84,12 +94,16 @@ def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1)
         if isinstance(f, bool) or not isinstance(f, int) or f < 1:
             raise ValueError(f"num_frames[{j}] ({f!r}) must be a positive integer")
         if f % tubelet_size:
-            raise ValueError(f"num_frames[{j}] ({f}) must be divisible by tubelet_size "
-                             f"({tubelet_size}): tubelets never straddle a shard boundary")
+            raise ValueError(
+                f"num_frames[{j}] ({f}) must be divisible by tubelet_size "
+                f"({tubelet_size}): tubelets never straddle a shard boundary"
+            )
         if f // tubelet_size < cp_size:
-            raise ValueError(f"num_frames[{j}] ({f}) must be >= cp_size ({cp_size}) * tubelet_size "
-                             f"({tubelet_size}): every CP rank encodes at least one tubelet of every "
-                             f"video")
+            raise ValueError(
+                f"num_frames[{j}] ({f}) must be >= cp_size ({cp_size}) * tubelet_size "
+                f"({tubelet_size}): every CP rank encodes at least one tubelet of every "
+                f"video"
+            )
         frames.append(f)
     counts = torch.zeros(cp_size, len(frames), dtype=torch.long)
     owner, local = [], []
@@ -105,8 +119,14 @@ def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1)
             local += list(range(next_local[r], next_local[r] + k))
             next_local[r] += k
         offset = (offset + rem) % cp_size
-    return FrameShards(tuple(frames), tubelet_size, cp_size, counts,
-                       torch.tensor(owner, dtype=torch.long), torch.tensor(local, dtype=torch.long))
+    return FrameShards(
+        tuple(frames),
+        tubelet_size,
+        cp_size,
+        counts,
+        torch.tensor(owner, dtype=torch.long),
+        torch.tensor(local, dtype=torch.long),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,20 +138,25 @@ class SequenceLayout:
 
     batch: int
     text_len: int
-    seq_len: int                    # padded combined length (multiple of 2 * cp_size)
-    lengths: torch.Tensor           # [batch] combined length of each sample (before padding)
+    seq_len: int  # padded combined length (multiple of 2 * cp_size)
+    lengths: torch.Tensor  # [batch] combined length of each sample (before padding)
     cp_size: int
-    text_src: torch.Tensor          # [n_text] flat index b * text_len + i into input_ids
-    text_pos: torch.Tensor          # [n_text] flat combined position b * seq_len + s
-    visual_pos: torch.Tensor        # [n_visual] flat combined position, source order
+    text_src: torch.Tensor  # [n_text] flat index b * text_len + i into input_ids
+    text_pos: torch.Tensor  # [n_text] flat combined position b * seq_len + s
+    visual_pos: torch.Tensor  # [n_visual] flat combined position, source order
 
     @property
     def local_len(self) -> int:
         return self.seq_len // self.cp_size
 
 
-def sequence_layout(input_ids: torch.Tensor, image_token_index: int, tokens_per_video: Sequence[int],
-                    cp_size: int, seq_len: Optional[int] = None) -> SequenceLayout:
+def sequence_layout(
+    input_ids: torch.Tensor,
+    image_token_index: int,
+    tokens_per_video: Sequence[int],
+    cp_size: int,
+    seq_len: Optional[int] = None,
+) -> SequenceLayout:
     """The combined sequence of a batch (``input_ids [batch, text_len]``).
 
     ``tokens_per_video[i]``: visual tokens of the ``i``-th image token (row-major). ``seq_len``:
@@ -149,10 +174,16 @@ def sequence_layout(input_ids: torch.Tensor, image_token_index: int, tokens_per_
     land; ``visual_targets`` / ``position_sources`` are the forward map and its inverse for all
     ranks.
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids ({getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                         f"{tuple(getattr(input_ids, 'shape', ()))}) must be an integer tensor "
-                         f"[batch, text_len]")
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.is_floating_point()
+    ):
+        raise ValueError(
+            f"input_ids ({getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+            f"{tuple(getattr(input_ids, 'shape', ()))}) must be an integer tensor "
+            f"[batch, text_len]"
+        )
     _pos_int("cp_size", cp_size)
     ids = input_ids.detach().cpu().long()
     B, T = ids.shape
@@ -160,13 +191,15 @@ def sequence_layout(input_ids: torch.Tensor, image_token_index: int, tokens_per_
     n_img = int(is_img.sum())
     tpv = [int(t) for t in tokens_per_video]
     if len(tpv) != n_img:
-        raise ValueError(f"tokens_per_video ({len(tpv)} videos) must have one entry per image token "
-                         f"({image_token_index}) in input_ids ({n_img})")
+        raise ValueError(
+            f"tokens_per_video ({len(tpv)} videos) must have one entry per image token "
+            f"({image_token_index}) in input_ids ({n_img})"
+        )
     if any(t < 1 for t in tpv):
         raise ValueError(f"tokens_per_video ({tpv}) must be positive")
     width = torch.ones(B, T, dtype=torch.long)
     width[is_img] = torch.tensor(tpv, dtype=torch.long)
-    start = torch.cumsum(width, dim=1) - width           # combined start of each input token
+    start = torch.cumsum(width, dim=1) - width  # combined start of each input token
     lengths = width.sum(dim=1)
     need = int(lengths.max()) if B else 0
     if seq_len is not None:
@@ -184,7 +217,9 @@ def sequence_layout(input_ids: torch.Tensor, image_token_index: int, tokens_per_
     return SequenceLayout(B, T, S, lengths, cp_size, text_src, text_pos, visual_pos)
 
 
-def _zigzag_flat(layout: SequenceLayout, flat_pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _zigzag_flat(
+    layout: SequenceLayout, flat_pos: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Flat combined positions -> (CP rank, flat local index b * local_len + local s)."""
     S, L = layout.seq_len, layout.local_len
     b, s = flat_pos // S, flat_pos % S
@@ -199,8 +234,9 @@ def visual_targets(layout: SequenceLayout) -> Tuple[torch.Tensor, torch.Tensor]:
     return _zigzag_flat(layout, layout.visual_pos)
 
 
-def position_sources(layout: SequenceLayout, shards: FrameShards, tokens_per_unit: int,
-                     rank: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def position_sources(
+    layout: SequenceLayout, shards: FrameShards, tokens_per_unit: int, rank: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse map for ``rank``: for each of its ``batch * local_len`` positions (flat, ``b``-major)
     ``(kind, source rank, source index)``: kind 0 padding, 1 text (source index into the flattened
     ``input_ids``; source rank -1: every rank has the text), 2 visual (source index into the
@@ -231,16 +267,17 @@ class ReshardPlan:
     """One rank's part of the stage-2 all-to-all-v and of the assembly of its LLM shard."""
 
     rank: int
-    send_index: torch.Tensor        # rows of the local visual tokens, in send order
-    send_counts: List[int]          # per destination rank
-    recv_counts: List[int]          # per source rank
-    text_index: torch.Tensor        # flat input_ids indices of the text tokens this rank holds
-    gather: torch.Tensor            # [batch * local_len] row of cat([zero, text, received]) per position
-    positions: torch.Tensor         # [local_len] global (combined) position of each local token
+    send_index: torch.Tensor  # rows of the local visual tokens, in send order
+    send_counts: List[int]  # per destination rank
+    recv_counts: List[int]  # per source rank
+    text_index: torch.Tensor  # flat input_ids indices of the text tokens this rank holds
+    gather: torch.Tensor  # [batch * local_len] row of cat([zero, text, received]) per position
+    positions: torch.Tensor  # [local_len] global (combined) position of each local token
 
 
-def reshard_plan(layout: SequenceLayout, shards: FrameShards, tokens_per_unit: int,
-                 rank: int) -> ReshardPlan:
+def reshard_plan(
+    layout: SequenceLayout, shards: FrameShards, tokens_per_unit: int, rank: int
+) -> ReshardPlan:
     """Rank ``rank``'s send / receive lists and local assembly (see the module docstring)."""
     N = layout.cp_size
     if shards.cp_size != N:
@@ -248,13 +285,18 @@ def reshard_plan(layout: SequenceLayout, shards: FrameShards, tokens_per_unit: i
     _pos_int("tokens_per_unit", tokens_per_unit)
     n_vis = layout.visual_pos.numel()
     if n_vis != shards.total_units * tokens_per_unit:
-        raise ValueError(f"visual tokens of the sequence ({n_vis}) must equal units ({shards.total_units})"
-                         f" * tokens_per_unit ({tokens_per_unit})")
+        raise ValueError(
+            f"visual tokens of the sequence ({n_vis}) must equal units ({shards.total_units})"
+            f" * tokens_per_unit ({tokens_per_unit})"
+        )
     dst, dst_local = visual_targets(layout)
     unit = torch.arange(n_vis) // tokens_per_unit
     src = shards.owner[unit] if n_vis else unit
-    src_local = (shards.local_index[unit] * tokens_per_unit + torch.arange(n_vis) % tokens_per_unit
-                 if n_vis else unit)
+    src_local = (
+        shards.local_index[unit] * tokens_per_unit + torch.arange(n_vis) % tokens_per_unit
+        if n_vis
+        else unit
+    )
     big = layout.batch * layout.local_len + 1
     # send: my tokens ordered by (destination rank, destination position)
     mine = torch.nonzero(src == rank).flatten()
@@ -277,7 +319,9 @@ def reshard_plan(layout: SequenceLayout, shards: FrameShards, tokens_per_unit: i
     return ReshardPlan(rank, send_index, send_counts, recv_counts, text_index, gather, positions)
 
 
-def causal_work(layout: SequenceLayout, rank: int, cu_seqlens: Optional[torch.Tensor] = None) -> int:
+def causal_work(
+    layout: SequenceLayout, rank: int, cu_seqlens: Optional[torch.Tensor] = None
+) -> int:
     """Causal attention work of ``rank``'s tokens: the number of (query, key) pairs its queries may
     attend (keys at or before the query, inside the query's sample -- or packed document when
     ``cu_seqlens`` over the combined sequence is given; padding attends nothing). Pure."""

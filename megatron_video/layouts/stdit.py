@@ -3,6 +3,7 @@ maps; the communicating transitions live in ``attention.stdit_transitions``. Des
 docs/architecture.md, "Capabilities" 3; the layouts are described on ``layout_a_indices`` and
 ``layout_b_indices``.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -12,9 +13,20 @@ import torch
 from .geometry import VideoGeometry, _positive_int
 
 __all__ = [
-    "VideoGeometry", "check_stdit_divisibility", "positions_per_rank", "padded_positions",
-    "frames_per_rank", "layout_a_indices", "layout_b_indices", "layout_a_owner", "layout_b_owner",
-    "token_thw", "image_batch_range", "shard_layout_a", "shard_layout_b", "unshard_layout_a",
+    "VideoGeometry",
+    "check_stdit_divisibility",
+    "positions_per_rank",
+    "padded_positions",
+    "frames_per_rank",
+    "layout_a_indices",
+    "layout_b_indices",
+    "layout_a_owner",
+    "layout_b_owner",
+    "token_thw",
+    "image_batch_range",
+    "shard_layout_a",
+    "shard_layout_b",
+    "unshard_layout_a",
 ]
 
 
@@ -30,7 +42,8 @@ def check_stdit_divisibility(num_frames: int, cp_size: int, batch_size: int = No
         if batch_size is not None and batch_size % cp_size:
             raise ValueError(
                 f"batch_size ({batch_size}) must be divisible by cp_size ({cp_size}) for images "
-                f"(num_frames == 1): the CP group runs images data-parallel")
+                f"(num_frames == 1): the CP group runs images data-parallel"
+            )
         return
     if num_frames % cp_size:
         raise ValueError(f"num_frames ({num_frames}) must be divisible by cp_size ({cp_size})")
@@ -95,24 +108,30 @@ def layout_b_indices(rank: int, num_frames: int, num_positions: int, cp_size: in
     return torch.where(p[:, None] < num_positions, g, torch.full_like(g, -1)).reshape(-1)
 
 
-def layout_a_owner(global_index: torch.Tensor, num_frames: int, num_positions: int,
-                   cp_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def layout_a_owner(
+    global_index: torch.Tensor, num_frames: int, num_positions: int, cp_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``layout_a_indices`` for videos: ``(rank, local index)`` of global tokens."""
     if num_frames == 1:
-        raise ValueError("num_frames (1): images are sharded by sample, not by token; every rank "
-                         "holds all tokens of its own samples")
+        raise ValueError(
+            "num_frames (1): images are sharded by sample, not by token; every rank "
+            "holds all tokens of its own samples"
+        )
     tl = frames_per_rank(num_frames, cp_size)
     g = torch.as_tensor(global_index)
     f, p = g // num_positions, g % num_positions
     return f // tl, (f % tl) * num_positions + p
 
 
-def layout_b_owner(global_index: torch.Tensor, num_frames: int, num_positions: int,
-                   cp_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def layout_b_owner(
+    global_index: torch.Tensor, num_frames: int, num_positions: int, cp_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``layout_b_indices`` for videos: ``(rank, local index)`` of global tokens."""
     if num_frames == 1:
-        raise ValueError("num_frames (1): images are sharded by sample, not by token; every rank "
-                         "holds all tokens of its own samples")
+        raise ValueError(
+            "num_frames (1): images are sharded by sample, not by token; every rank "
+            "holds all tokens of its own samples"
+        )
     check_stdit_divisibility(num_frames, cp_size)
     m = positions_per_rank(num_positions, cp_size)
     g = torch.as_tensor(global_index)
@@ -146,9 +165,9 @@ def shard_layout_a(video: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor
     _check_rank(rank, cp_size)
     if t == 1:
         rb = image_batch_range(rank, b, cp_size)
-        return video[rb.start:rb.stop]
+        return video[rb.start : rb.stop]
     tl = frames_per_rank(t, cp_size)
-    return video[:, rank * tl:(rank + 1) * tl]
+    return video[:, rank * tl : (rank + 1) * tl]
 
 
 def unshard_layout_a(blocks, num_frames: int) -> torch.Tensor:
@@ -170,5 +189,5 @@ def shard_layout_b(video: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor
     out = video.new_zeros((b, m, t) + tuple(video.shape[3:]))
     lo, hi = rank * m, min((rank + 1) * m, n)
     if hi > lo:
-        out[:, :hi - lo] = video[:, :, lo:hi].transpose(1, 2)
+        out[:, : hi - lo] = video[:, :, lo:hi].transpose(1, 2)
     return out

@@ -2,6 +2,7 @@
 halo an encoder needs (declared causal ops, or probed from its behaviour). Design:
 docs/architecture.md, "Capabilities" 2 (VAE halo); the window rule is ``halo_window``'s docstring.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,20 @@ import torch
 from torch import nn
 
 __all__ = [
-    "HaloWindow", "halo_window", "halo_windows", "windows_for_bounds", "window_tensors",
-    "resolve_halo", "num_raw_frames", "encoder_temporal_ops", "temporal_lookback",
-    "halo_for_lookback", "temporal_receptive_field", "HaloProbe", "probe_halo", "encoder_halo",
+    "HaloWindow",
+    "halo_window",
+    "halo_windows",
+    "windows_for_bounds",
+    "window_tensors",
+    "resolve_halo",
+    "num_raw_frames",
+    "encoder_temporal_ops",
+    "temporal_lookback",
+    "halo_for_lookback",
+    "temporal_receptive_field",
+    "HaloProbe",
+    "probe_halo",
+    "encoder_halo",
 ]
 
 Encoder = Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]
@@ -31,7 +43,9 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
-def num_raw_frames(num_latent_frames: int, temporal_stride: int = 4, causal_first_frame: bool = True) -> int:
+def num_raw_frames(
+    num_latent_frames: int, temporal_stride: int = 4, causal_first_frame: bool = True
+) -> int:
     """Raw frames that encode to exactly ``num_latent_frames`` latents."""
     _positive_int("num_latent_frames", num_latent_frames)
     _positive_int("temporal_stride", temporal_stride)
@@ -46,14 +60,14 @@ class HaloWindow:
     encoding has ``drop + num_kept`` latents of which the first ``drop`` are discarded."""
 
     rank: int
-    latent_start: int       # ls
-    latent_end: int         # le
-    halo_latents: int       # h requested
-    halo_start: int         # max(0, ls - h)
+    latent_start: int  # ls
+    latent_end: int  # le
+    halo_latents: int  # h requested
+    halo_start: int  # max(0, ls - h)
     raw_start: int
     raw_end: int
-    pseudo: int             # 1 if the window's first frame is a throw-away first-frame latent
-    drop: int               # leading latents to drop
+    pseudo: int  # 1 if the window's first frame is a throw-away first-frame latent
+    drop: int  # leading latents to drop
     temporal_stride: int = 4
     causal_first_frame: bool = True
 
@@ -84,8 +98,14 @@ class HaloWindow:
         return video.narrow(time_dim, self.raw_start, self.num_raw)
 
 
-def halo_window(latent_start: int, latent_end: int, halo_latents: int, temporal_stride: int = 4,
-                causal_first_frame: bool = True, rank: int = 0) -> HaloWindow:
+def halo_window(
+    latent_start: int,
+    latent_end: int,
+    halo_latents: int,
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+    rank: int = 0,
+) -> HaloWindow:
     """The window that encodes latents ``[latent_start, latent_end)`` with ``halo_latents`` of halo
     (the one home of the rule; any latent range, e.g. one of a packed clip, counted from its clip's
     start).
@@ -119,14 +139,28 @@ def halo_window(latent_start: int, latent_end: int, halo_latents: int, temporal_
             raw_start, pseudo = st * (hs - 1), 1
     else:
         raw_start, raw_end, pseudo = st * hs, st * le, 0
-    return HaloWindow(rank=rank, latent_start=ls, latent_end=le, halo_latents=h, halo_start=hs,
-                      raw_start=raw_start, raw_end=raw_end, pseudo=pseudo, drop=pseudo + ls - hs,
-                      temporal_stride=st, causal_first_frame=causal_first_frame)
+    return HaloWindow(
+        rank=rank,
+        latent_start=ls,
+        latent_end=le,
+        halo_latents=h,
+        halo_start=hs,
+        raw_start=raw_start,
+        raw_end=raw_end,
+        pseudo=pseudo,
+        drop=pseudo + ls - hs,
+        temporal_stride=st,
+        causal_first_frame=causal_first_frame,
+    )
 
 
-def windows_for_bounds(latent_bounds: Sequence[Sequence[int]], halo_latents: Optional[int] = None,
-                       temporal_stride: int = 4, causal_first_frame: bool = True,
-                       encoder: Optional[Encoder] = None) -> List[HaloWindow]:
+def windows_for_bounds(
+    latent_bounds: Sequence[Sequence[int]],
+    halo_latents: Optional[int] = None,
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+    encoder: Optional[Encoder] = None,
+) -> List[HaloWindow]:
     """One window per rank ``p`` keeping latents ``latent_bounds[p] = (ls, le)``: any ranges (ragged
     splits, Balanced-SP segments, ranges of packed clips, each counted from its own clip's start).
     ``halo_latents`` / ``encoder`` as in ``resolve_halo``."""
@@ -135,8 +169,9 @@ def windows_for_bounds(latent_bounds: Sequence[Sequence[int]], halo_latents: Opt
     for p, bounds in enumerate(latent_bounds):
         ls, le = bounds
         if any(isinstance(v, bool) or not isinstance(v, int) for v in (ls, le)) or not 0 <= ls < le:
-            raise ValueError(f"latent_bounds[{p}] ({bounds!r}) must be integers [ls, le) with "
-                             f"0 <= ls < le")
+            raise ValueError(
+                f"latent_bounds[{p}] ({bounds!r}) must be integers [ls, le) with 0 <= ls < le"
+            )
         out.append(halo_window(ls, le, h, temporal_stride, causal_first_frame, rank=p))
     return out
 
@@ -148,9 +183,14 @@ def window_tensors(windows: Sequence[HaloWindow]) -> Tuple[torch.Tensor, torch.T
     return raw, torch.tensor([w.drop for w in windows], dtype=torch.int64)
 
 
-def halo_windows(num_latent_frames: int, sp_size: int, halo_latents: Optional[int] = None,
-                 temporal_stride: int = 4, causal_first_frame: bool = True,
-                 encoder: Optional[Encoder] = None) -> List[HaloWindow]:
+def halo_windows(
+    num_latent_frames: int,
+    sp_size: int,
+    halo_latents: Optional[int] = None,
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+    encoder: Optional[Encoder] = None,
+) -> List[HaloWindow]:
     """Per-rank windows for the contiguous partition ``[r*F/P, (r+1)*F/P)``.
 
     ``halo_latents=None`` takes the halo from ``encoder`` (``temporal_receptive_field``); with both
@@ -163,12 +203,17 @@ def halo_windows(num_latent_frames: int, sp_size: int, halo_latents: Optional[in
     if F % P:
         raise ValueError(f"num_latent_frames ({F}) must be divisible by sp_size ({P})")
     n = F // P
-    return windows_for_bounds([(r * n, (r + 1) * n) for r in range(P)], h, temporal_stride,
-                              causal_first_frame)
+    return windows_for_bounds(
+        [(r * n, (r + 1) * n) for r in range(P)], h, temporal_stride, causal_first_frame
+    )
 
 
-def resolve_halo(halo_latents: Optional[int], encoder: Optional[Encoder], temporal_stride: int = 4,
-                 causal_first_frame: bool = True) -> int:
+def resolve_halo(
+    halo_latents: Optional[int],
+    encoder: Optional[Encoder],
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+) -> int:
     """The halo to use: ``halo_latents`` checked against ``encoder``'s receptive field, or derived
     (declared causal ops, else a cached probe: ``encoder_halo``)."""
     if halo_latents is None and encoder is None:
@@ -181,8 +226,10 @@ def resolve_halo(halo_latents: Optional[int], encoder: Optional[Encoder], tempor
     if halo_latents is None:
         return need
     if halo_latents < need:
-        raise ValueError(f"halo_latents ({halo_latents}) must be >= the encoder's temporal receptive "
-                         f"field ({need} latents), otherwise kept latents see window padding")
+        raise ValueError(
+            f"halo_latents ({halo_latents}) must be >= the encoder's temporal receptive "
+            f"field ({need} latents), otherwise kept latents see window padding"
+        )
     return halo_latents
 
 
@@ -205,13 +252,17 @@ def encoder_temporal_ops(encoder: nn.Module) -> List[Tuple[int, int, int]]:
         if op is not None:
             k, s, p = (int(v) for v in op)
             if k < 1 or s < 1 or p != k - 1:
-                raise ValueError(f"{name or type(mod).__name__}: causal_time_op ({op}) must have "
-                                 f"kernel >= 1, stride >= 1 and pad == kernel - 1 (causal)")
+                raise ValueError(
+                    f"{name or type(mod).__name__}: causal_time_op ({op}) must have "
+                    f"kernel >= 1, stride >= 1 and pad == kernel - 1 (causal)"
+                )
             ops.append((k, s, p))
             causal_prefixes.append(name + ".")
         elif isinstance(mod, nn.Conv3d) and (mod.kernel_size[0] > 1 or mod.stride[0] > 1):
-            raise ValueError(f"{name}: nn.Conv3d with temporal kernel {mod.kernel_size[0]} / stride "
-                             f"{mod.stride[0]} is not a declared causal temporal op (causal_time_op)")
+            raise ValueError(
+                f"{name}: nn.Conv3d with temporal kernel {mod.kernel_size[0]} / stride "
+                f"{mod.stride[0]} is not a declared causal temporal op (causal_time_op)"
+            )
     return ops
 
 
@@ -240,17 +291,22 @@ def halo_for_lookback(lookback: int, temporal_stride: int, causal_first_frame: b
     return max(0, -(-(L - st + 1) // st))
 
 
-def temporal_receptive_field(encoder: nn.Module, temporal_stride: Optional[int] = None,
-                             causal_first_frame: bool = True) -> int:
+def temporal_receptive_field(
+    encoder: nn.Module, temporal_stride: Optional[int] = None, causal_first_frame: bool = True
+) -> int:
     """Halo latents ``encoder`` needs for exact windowed encoding, derived from its causal stack."""
     ops = encoder_temporal_ops(encoder)
     if not ops:
-        raise ValueError(f"encoder ({type(encoder).__name__}) declares no causal temporal ops "
-                         f"(modules with causal_time_op); cannot derive its receptive field")
+        raise ValueError(
+            f"encoder ({type(encoder).__name__}) declares no causal temporal ops "
+            f"(modules with causal_time_op); cannot derive its receptive field"
+        )
     L, st = temporal_lookback(ops)
     if temporal_stride is not None and st != temporal_stride:
-        raise ValueError(f"temporal_stride ({temporal_stride}) differs from the encoder's total "
-                         f"temporal stride ({st})")
+        raise ValueError(
+            f"temporal_stride ({temporal_stride}) differs from the encoder's total "
+            f"temporal stride ({st})"
+        )
     return halo_for_lookback(L, st, causal_first_frame)
 
 
@@ -292,7 +348,7 @@ def _modules_of(encoder: Encoder) -> List[nn.Module]:
         for name in code.co_names:
             if isinstance(glb.get(name), nn.Module):
                 found.append(glb[name])
-    for v in (getattr(encoder, "__defaults__", None) or ()):
+    for v in getattr(encoder, "__defaults__", None) or ():
         if isinstance(v, nn.Module):
             found.append(v)
     return list({id(m): m for m in found}.values())
@@ -315,8 +371,11 @@ def _config_key(encoder: Encoder, *args) -> str:
     parts = [_module_key(m) for m in _modules_of(encoder)]
     if not isinstance(encoder, nn.Module):
         code = getattr(encoder, "__code__", None)
-        parts.append(repr((code.co_code, code.co_consts, code.co_names)) if code is not None
-                     else f"{type(encoder).__qualname__}@{id(encoder)}")
+        parts.append(
+            repr((code.co_code, code.co_consts, code.co_names))
+            if code is not None
+            else f"{type(encoder).__qualname__}@{id(encoder)}"
+        )
     parts.append(repr(args))
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
@@ -359,15 +418,25 @@ def _in_channels(encoder: Encoder) -> int:
 def _run(encoder: Encoder, x: torch.Tensor, name: str) -> torch.Tensor:
     out = encoder(x)
     if not isinstance(out, torch.Tensor) or out.dim() != 5:
-        raise ValueError(f"{name} must return a 5-D tensor [B, C, F, h, w] for a [B, C, T, H, W] video; "
-                         f"got {getattr(out, 'shape', type(out).__name__)}")
+        raise ValueError(
+            f"{name} must return a 5-D tensor [B, C, F, h, w] for a [B, C, T, H, W] video; "
+            f"got {getattr(out, 'shape', type(out).__name__)}"
+        )
     return out
 
 
-def probe_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: bool = True, *,
-               in_channels: Optional[int] = None, spatial: Tuple[int, int] = (16, 16),
-               num_latents: int = 8, max_latents: int = 64, seed: int = 0,
-               atol: float = 1e-10) -> HaloProbe:
+def probe_halo(
+    encoder: Encoder,
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+    *,
+    in_channels: Optional[int] = None,
+    spatial: Tuple[int, int] = (16, 16),
+    num_latents: int = 8,
+    max_latents: int = 64,
+    seed: int = 0,
+    atol: float = 1e-10,
+) -> HaloProbe:
     """Derive the smallest exact halo of a causal ``encoder`` (module or callable, e.g. diffusers'
     ``AutoencoderKLWan`` or ``lambda x: vae.encode(x).latent_dist.mean``) from its behaviour.
 
@@ -381,7 +450,9 @@ def probe_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: b
     _positive_int("temporal_stride", temporal_stride)
     _positive_int("num_latents", num_latents)
     if num_latents < 3:
-        raise ValueError(f"num_latents ({num_latents}) must be >= 3 (a causality check and a windowed check)")
+        raise ValueError(
+            f"num_latents ({num_latents}) must be >= 3 (a causality check and a windowed check)"
+        )
     st, cff = temporal_stride, causal_first_frame
     c = _in_channels(encoder) if in_channels is None else in_channels
     g = torch.Generator().manual_seed(seed)
@@ -394,42 +465,56 @@ def probe_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: b
                 x.requires_grad_(True)
                 out = _run(encoder, x, "encoder")
                 if out.shape[2] != N:
-                    raise ValueError(f"encoder produced {out.shape[2]} latents for {T} raw frames; with "
-                                     f"temporal_stride={st}, causal_first_frame={cff} it must produce {N}")
+                    raise ValueError(
+                        f"encoder produced {out.shape[2]} latents for {T} raw frames; with "
+                        f"temporal_stride={st}, causal_first_frame={cff} it must produce {N}"
+                    )
                 w = torch.randn(out[:, :, -1:].shape, generator=g, dtype=out.dtype)
-                g_last, = torch.autograd.grad((out[:, :, -1:] * w).sum(), x, retain_graph=True)
-                g_prev, = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
+                (g_last,) = torch.autograd.grad((out[:, :, -1:] * w).sum(), x, retain_graph=True)
+                (g_prev,) = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
             reach_last = g_last.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
             reach_prev = g_prev.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
-            prev_end = st * (N - 2) if cff else st * (N - 1) - 1   # last raw frame of latent N-2
+            prev_end = st * (N - 2) if cff else st * (N - 1) - 1  # last raw frame of latent N-2
             if reach_prev.numel() and int(reach_prev[-1]) > prev_end:
-                raise ValueError(f"encoder is not causal in time: latent {N - 2} depends on raw frame "
-                                 f"{int(reach_prev[-1])} (> {prev_end}); a halo cannot make windows exact")
+                raise ValueError(
+                    f"encoder is not causal in time: latent {N - 2} depends on raw frame "
+                    f"{int(reach_prev[-1])} (> {prev_end}); a halo cannot make windows exact"
+                )
             if reach_last.numel() == 0:
-                raise ValueError("encoder's last latent does not depend on its input (no gradient); "
-                                 "cannot probe its temporal look-back")
+                raise ValueError(
+                    "encoder's last latent does not depend on its input (no gradient); "
+                    "cannot probe its temporal look-back"
+                )
             first = int(reach_last[0])
             if first > 0 or N >= max_latents:
                 break
             N *= 2
         if first == 0:
-            raise ValueError(f"encoder's look-back reaches the start of a {N}-latent probe clip "
-                             f"(max_latents={max_latents}); it is not a finite causal window")
+            raise ValueError(
+                f"encoder's look-back reaches the start of a {N}-latent probe clip "
+                f"(max_latents={max_latents}); it is not a finite causal window"
+            )
         L = st * (N - 1) - first
         h0 = h = halo_for_lookback(L, st, cff)
         with torch.no_grad():
-            x = torch.randn(1, c, num_raw_frames(N, st, cff), *spatial, generator=g, dtype=torch.float64)
+            x = torch.randn(
+                1, c, num_raw_frames(N, st, cff), *spatial, generator=g, dtype=torch.float64
+            )
             full = _run(encoder, x, "encoder")[:, :, -1:]
             scale = max(1.0, float(full.abs().max()))
             while True:
                 win = halo_window(N - 1, N, h, st, cff)
                 got = _run(encoder, win.slice_raw(x), "encoder")
-                if got.shape[2] == win.num_window_latents and \
-                        float((got[:, :, -1:] - full).abs().max()) <= atol * scale:
+                if (
+                    got.shape[2] == win.num_window_latents
+                    and float((got[:, :, -1:] - full).abs().max()) <= atol * scale
+                ):
                     break
                 if win.halo_start == 0:
-                    raise ValueError(f"no halo below {N - 1} latents makes the encoder's windows exact "
-                                     f"(look-back {L} raw frames); is it causal?")
+                    raise ValueError(
+                        f"no halo below {N - 1} latents makes the encoder's windows exact "
+                        f"(look-back {L} raw frames); is it causal?"
+                    )
                 h += 1
     return HaloProbe(halo=h, lookback=L, temporal_stride=st, probe_latents=N, verified_from=h0)
 
@@ -437,8 +522,9 @@ def probe_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: b
 _HALO_CACHE: Dict[str, HaloProbe] = {}
 
 
-def encoder_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame: bool = True,
-                 **probe_kwargs) -> int:
+def encoder_halo(
+    encoder: Encoder, temporal_stride: int = 4, causal_first_frame: bool = True, **probe_kwargs
+) -> int:
     """Halo latents ``encoder`` needs: from its declared causal ops (fast path), else from
     ``probe_halo``, probed once per encoder configuration (cached in-process; ``probe_kwargs`` are
     used by the first probe of a configuration)."""
@@ -446,12 +532,14 @@ def encoder_halo(encoder: Encoder, temporal_stride: int = 4, causal_first_frame:
         try:
             ops = encoder_temporal_ops(encoder)
         except ValueError:
-            ops = None    # an undeclared temporal conv: its behaviour decides
+            ops = None  # an undeclared temporal conv: its behaviour decides
         if ops:
             return temporal_receptive_field(encoder, temporal_stride, causal_first_frame)
     elif not callable(encoder):
-        raise ValueError(f"encoder ({type(encoder).__name__}) must be an nn.Module or a callable "
-                         f"video -> latents")
+        raise ValueError(
+            f"encoder ({type(encoder).__name__}) must be an nn.Module or a callable "
+            f"video -> latents"
+        )
     # the look-back is structural: the probe's clip and spatial size do not enter the key
     key = _config_key(encoder, temporal_stride, causal_first_frame)
     if key not in _HALO_CACHE:

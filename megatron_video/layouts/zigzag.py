@@ -3,6 +3,7 @@ rank-explicit index maps (``*_global_ids``, their inverse ``shard_owner``) and t
 apply them (``shard_sequence`` / ``unshard_sequence``). Design: docs/architecture.md,
 "Capabilities" 1.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -12,8 +13,16 @@ import torch
 from ..parallel.comm import check_dim
 
 __all__ = [
-    "SCHEMES", "check_seq_len", "zigzag_global_ids", "contiguous_global_ids", "shard_global_ids",
-    "shard_owner", "concat_global_ids", "shard_sequence", "unshard_sequence", "global_token_ids",
+    "SCHEMES",
+    "check_seq_len",
+    "zigzag_global_ids",
+    "contiguous_global_ids",
+    "shard_global_ids",
+    "shard_owner",
+    "concat_global_ids",
+    "shard_sequence",
+    "unshard_sequence",
+    "global_token_ids",
 ]
 
 SCHEMES = ("zigzag", "contiguous")
@@ -49,8 +58,9 @@ def zigzag_global_ids(cp_rank: int, cp_size: int, seq_len: int) -> torch.Tensor:
     check_seq_len(seq_len, cp_size, "zigzag")
     c = seq_len // (2 * cp_size)
     late = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                      torch.arange(late * c, (late + 1) * c)])
+    return torch.cat(
+        [torch.arange(cp_rank * c, (cp_rank + 1) * c), torch.arange(late * c, (late + 1) * c)]
+    )
 
 
 def contiguous_global_ids(cp_rank: int, cp_size: int, seq_len: int) -> torch.Tensor:
@@ -61,7 +71,9 @@ def contiguous_global_ids(cp_rank: int, cp_size: int, seq_len: int) -> torch.Ten
     return torch.arange(cp_rank * n, (cp_rank + 1) * n)
 
 
-def shard_global_ids(cp_rank: int, cp_size: int, seq_len: int, scheme: str = "zigzag") -> torch.Tensor:
+def shard_global_ids(
+    cp_rank: int, cp_size: int, seq_len: int, scheme: str = "zigzag"
+) -> torch.Tensor:
     """Local index -> global index map of CP rank ``cp_rank`` (a LongTensor of length S/N).
 
     A sequence of ``seq_len`` tokens is split over ``cp_size`` CP ranks (CP index ``c`` as in
@@ -76,8 +88,9 @@ def shard_global_ids(cp_rank: int, cp_size: int, seq_len: int, scheme: str = "zi
     return fn(cp_rank, cp_size, seq_len)
 
 
-def shard_owner(global_ids: torch.Tensor, cp_size: int, seq_len: int,
-                scheme: str = "zigzag") -> Tuple[torch.Tensor, torch.Tensor]:
+def shard_owner(
+    global_ids: torch.Tensor, cp_size: int, seq_len: int, scheme: str = "zigzag"
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inverse map: global indices -> ``(cp_rank, local_index)`` (elementwise LongTensors)."""
     check_seq_len(seq_len, cp_size, scheme)
     g = torch.as_tensor(global_ids, dtype=torch.long)
@@ -94,8 +107,9 @@ def shard_owner(global_ids: torch.Tensor, cp_size: int, seq_len: int,
     return rank, local
 
 
-def concat_global_ids(cp_ranks: Sequence[int], cp_size: int, seq_len: int,
-                      scheme: str = "zigzag") -> torch.Tensor:
+def concat_global_ids(
+    cp_ranks: Sequence[int], cp_size: int, seq_len: int, scheme: str = "zigzag"
+) -> torch.Tensor:
     """Global indices of the concatenation of the shards of ``cp_ranks`` (in that order).
 
     This is what an all-to-all that gathers the sequence over a group produces.
@@ -111,8 +125,15 @@ def _rank_and_size(groups, cp_rank: Optional[int], cp_size: Optional[int]) -> Tu
     return cp_rank, cp_size
 
 
-def shard_sequence(x: torch.Tensor, groups=None, dim: int = 1, scheme: str = "zigzag", *,
-                   cp_rank: Optional[int] = None, cp_size: Optional[int] = None) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor,
+    groups=None,
+    dim: int = 1,
+    scheme: str = "zigzag",
+    *,
+    cp_rank: Optional[int] = None,
+    cp_size: Optional[int] = None,
+) -> torch.Tensor:
     """This CP rank's shard of the full sequence ``x`` along ``dim`` (autograd-friendly copy).
 
     The rank comes from ``groups`` (``groups.cp_rank``, ``groups.cp_size``) or from the explicit
@@ -125,14 +146,18 @@ def shard_sequence(x: torch.Tensor, groups=None, dim: int = 1, scheme: str = "zi
     return x.index_select(dim, ids)
 
 
-def unshard_sequence(shards: Sequence[torch.Tensor], dim: int = 1, scheme: str = "zigzag") -> torch.Tensor:
+def unshard_sequence(
+    shards: Sequence[torch.Tensor], dim: int = 1, scheme: str = "zigzag"
+) -> torch.Tensor:
     """Inverse of ``shard_sequence``: the full sequence from every CP rank's shard (in CP order)."""
     if len(shards) == 0:
         raise ValueError("shards must hold one tensor per CP rank (got 0)")
     n = len(shards)
     dim = check_dim("dim", dim, shards[0])
     if len({tuple(s.shape) for s in shards}) != 1:
-        raise ValueError(f"shards must all have the same shape (got {[tuple(s.shape) for s in shards]})")
+        raise ValueError(
+            f"shards must all have the same shape (got {[tuple(s.shape) for s in shards]})"
+        )
     seq_len = shards[0].shape[dim] * n
     cat = torch.cat(list(shards), dim=dim)  # position p holds global id concat_ids[p]
     concat_ids = concat_global_ids(range(n), n, seq_len, scheme)
@@ -140,8 +165,14 @@ def unshard_sequence(shards: Sequence[torch.Tensor], dim: int = 1, scheme: str =
     return cat.index_select(dim, inverse)
 
 
-def global_token_ids(groups=None, seq_len: int = 0, scheme: str = "zigzag", *,
-                     cp_rank: Optional[int] = None, cp_size: Optional[int] = None) -> torch.Tensor:
+def global_token_ids(
+    groups=None,
+    seq_len: int = 0,
+    scheme: str = "zigzag",
+    *,
+    cp_rank: Optional[int] = None,
+    cp_size: Optional[int] = None,
+) -> torch.Tensor:
     """Global token indices of this rank's shard (for RoPE positions, labels and masks).
 
     ``seq_len`` is the global sequence length.

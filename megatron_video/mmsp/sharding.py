@@ -6,6 +6,7 @@ The index maps are ``layouts.mmsp`` (pure); the only collective on the data path
 encoder and projector of every rank receive exactly the gradient of the tokens they produced --
 unlike an all-reduce into a zero-filled buffer, which autograd does not see through.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,9 +37,17 @@ class MMSPBatch:
     tokens_per_unit: int
 
 
-def plan_batch(input_ids: torch.Tensor, num_frames: Sequence[int], image_token_index: int,
-               tokens_per_unit: int, cp_rank: int, cp_size: int, tubelet_size: int = 1,
-               seq_len: Optional[int] = None, group=None) -> MMSPBatch:
+def plan_batch(
+    input_ids: torch.Tensor,
+    num_frames: Sequence[int],
+    image_token_index: int,
+    tokens_per_unit: int,
+    cp_rank: int,
+    cp_size: int,
+    tubelet_size: int = 1,
+    seq_len: Optional[int] = None,
+    group=None,
+) -> MMSPBatch:
     """Stage-1 shards, the combined layout and this rank's re-shard plan for one micro-batch.
 
     ``num_frames[i]`` belongs to the ``i``-th image token of ``input_ids`` (row-major). Input
@@ -49,21 +58,32 @@ def plan_batch(input_ids: torch.Tensor, num_frames: Sequence[int], image_token_i
     frames = [int(f) for f in num_frames]
     n_img = int((input_ids == image_token_index).sum())
     if len(frames) != n_img:
-        raise ValueError(f"num_frames / num_image_tiles ({len(frames)} videos) must have one entry per "
-                         f"image token (image_token_index {image_token_index}) in input_ids ({n_img})")
+        raise ValueError(
+            f"num_frames / num_image_tiles ({len(frames)} videos) must have one entry per "
+            f"image token (image_token_index {image_token_index}) in input_ids ({n_img})"
+        )
     shards = frame_shards(frames, cp_size, tubelet_size)
-    layout = sequence_layout(input_ids, image_token_index,
-                             [f // tubelet_size * tokens_per_unit for f in frames], cp_size, seq_len)
+    layout = sequence_layout(
+        input_ids,
+        image_token_index,
+        [f // tubelet_size * tokens_per_unit for f in frames],
+        cp_size,
+        seq_len,
+    )
     if group is not None:
-        comm.check_same_values({"input_ids": input_ids.long(),
-                                "num_frames": torch.tensor(frames, dtype=torch.long)}, group,
-                               "mmsp.plan_batch")
-    return MMSPBatch(shards, layout, reshard_plan(layout, shards, tokens_per_unit, cp_rank),
-                     tokens_per_unit)
+        comm.check_same_values(
+            {"input_ids": input_ids.long(), "num_frames": torch.tensor(frames, dtype=torch.long)},
+            group,
+            "mmsp.plan_batch",
+        )
+    return MMSPBatch(
+        shards, layout, reshard_plan(layout, shards, tokens_per_unit, cp_rank), tokens_per_unit
+    )
 
 
-def encode_local(encoder: Callable[[torch.Tensor], torch.Tensor], units: torch.Tensor,
-                 batch: MMSPBatch) -> torch.Tensor:
+def encode_local(
+    encoder: Callable[[torch.Tensor], torch.Tensor], units: torch.Tensor, batch: MMSPBatch
+) -> torch.Tensor:
     """Stage 1: ``encoder`` on this rank's units only.
 
     ``units [total_units, ...]`` are all the micro-batch's units (a data loader may instead hand
@@ -72,18 +92,23 @@ def encode_local(encoder: Callable[[torch.Tensor], torch.Tensor], units: torch.T
     independently. Returns this rank's visual tokens ``[n_local * tokens_per_unit, h]``.
     """
     if units.shape[0] != batch.shards.total_units:
-        raise ValueError(f"units ({units.shape[0]}) must hold every unit of the micro-batch "
-                         f"({batch.shards.total_units} = sum(num_frames) / tubelet_size)")
+        raise ValueError(
+            f"units ({units.shape[0]}) must hold every unit of the micro-batch "
+            f"({batch.shards.total_units} = sum(num_frames) / tubelet_size)"
+        )
     local = units.index_select(0, batch.shards.local_units(batch.plan.rank).to(units.device))
     out = encoder(local)
     if out.dim() != 3 or out.shape[:2] != (local.shape[0], batch.tokens_per_unit):
-        raise ValueError(f"encoder output ({tuple(out.shape)}) must be [n_local ({local.shape[0]}), "
-                         f"tokens_per_unit ({batch.tokens_per_unit}), hidden]")
+        raise ValueError(
+            f"encoder output ({tuple(out.shape)}) must be [n_local ({local.shape[0]}), "
+            f"tokens_per_unit ({batch.tokens_per_unit}), hidden]"
+        )
     return out.reshape(-1, out.shape[-1])
 
 
-def reshard_to_llm(local_visual: torch.Tensor, text_embeddings: torch.Tensor, batch: MMSPBatch,
-                   group) -> torch.Tensor:
+def reshard_to_llm(
+    local_visual: torch.Tensor, text_embeddings: torch.Tensor, batch: MMSPBatch, group
+) -> torch.Tensor:
     """Stage 2: this rank's LLM input ``[batch, local_len, h]`` (zigzag layout).
 
     ``local_visual [n_local_tokens, h]`` (from ``encode_local``), ``text_embeddings
@@ -93,18 +118,22 @@ def reshard_to_llm(local_visual: torch.Tensor, text_embeddings: torch.Tensor, ba
     plan, layout = batch.plan, batch.layout
     h = text_embeddings.shape[-1]
     if local_visual.shape[-1] != h:
-        raise ValueError(f"visual tokens ({tuple(local_visual.shape)}) and text embeddings "
-                         f"({tuple(text_embeddings.shape)}) must have the same hidden size")
+        raise ValueError(
+            f"visual tokens ({tuple(local_visual.shape)}) and text embeddings "
+            f"({tuple(text_embeddings.shape)}) must have the same hidden size"
+        )
     send = local_visual.index_select(0, plan.send_index.to(local_visual.device))
-    recv = comm.all_to_all_v(send, plan.send_counts, group, tag="mmsp.reshard",
-                             expect_recv_counts=plan.recv_counts)
+    recv = comm.all_to_all_v(
+        send, plan.send_counts, group, tag="mmsp.reshard", expect_recv_counts=plan.recv_counts
+    )
     text = text_embeddings.index_select(0, plan.text_index.to(text_embeddings.device))
     rows = torch.cat([text.new_zeros(1, h), text, recv.to(text.dtype)])
     return rows.index_select(0, plan.gather.to(rows.device)).view(layout.batch, layout.local_len, h)
 
 
-def global_token_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, group,
-                      tag: str = "mmsp.loss") -> torch.Tensor:
+def global_token_loss(
+    per_token_loss: torch.Tensor, loss_mask: torch.Tensor, group, tag: str = "mmsp.loss"
+) -> torch.Tensor:
     """This rank's share of the loss averaged over the *global* number of target tokens:
     ``sum(local loss * mask) / sum over the group of sum(mask)``. Summed over the group (as
     gradient reduction does) it is the single-process mean, whatever each rank's token count."""

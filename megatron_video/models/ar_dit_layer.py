@@ -3,6 +3,7 @@
 mask (given per call in ``DiTParams``); cross-attention to the whole text without CP; MLP. Its
 spec: ``models.dit_layer_specs.get_ar_dit_layer_spec``; the model: ``models.ar_dit``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,48 +31,77 @@ class ARDiTLayer(DiTLayerBase):
 
     sequence_parallel_reason = "its sequence is already split by Balanced SP"
 
-    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
-                 layer_number: int = 1, lora_rank: int = 256, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: DiTLayerSubmodules,
+        layer_number: int = 1,
+        lora_rank: int = 256,
+        **kwargs,
+    ):
         super().__init__(config, submodules, layer_number, **kwargs)
         self._build_modulation(submodules.modulation, 9, lora_rank)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        params: Optional[DiTParams] = None,
+        rotary_pos_emb=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
         """``hidden_states [s, b, D]`` -> ``([s, b, D], context)``; see the class docstring."""
-        params = self._check_params(params, "per-token conditioning, teacher-forcing mask, RoPE", dict(
-            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
+        params = self._check_params(
+            params,
+            "per-token conditioning, teacher-forcing mask, RoPE",
+            dict(
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            ),
+        )
         s, b, D = hidden_states.shape
         cond = params.conditioning
         if not isinstance(cond, torch.Tensor) or tuple(cond.shape) != (s, b, D):
-            raise ValueError(f"params.conditioning (per-token) must be [s, b, D] = [{s}, {b}, {D}], "
-                             f"got {tuple(getattr(cond, 'shape', ())) or None}")
+            raise ValueError(
+                f"params.conditioning (per-token) must be [s, b, D] = [{s}, {b}, {D}], "
+                f"got {tuple(getattr(cond, 'shape', ())) or None}"
+            )
         if self.groups is not None and self.groups.cp_size > 1:
             shapes = {"hidden_states": hidden_states}
             if context is not None:
                 shapes["context"] = context
             check_same_shape(shapes, self.groups.cp_group, where="ARDiTLayer")
-        mods = self.modulation(cond)                                   # 9 x [s, b, D]
+        mods = self.modulation(cond)  # 9 x [s, b, D]
         rope = params.rotary_pos_emb
         if rope is not None:
             rope = rope.to(hidden_states.device)
 
         def branch(i, x, norm, f):
-            shift, scale, gate = mods[3 * i:3 * i + 3]
+            shift, scale, gate = mods[3 * i : 3 * i + 3]
             return x + gate * f(_token_modulate(norm(x), shift, scale))
 
         def attention(y):
-            return self.self_attention(y, attention_mask=params.attention_mask,
-                                       rotary_pos_emb=rope)[0]
+            return self.self_attention(
+                y, attention_mask=params.attention_mask, rotary_pos_emb=rope
+            )[0]
 
         x = hidden_states
         x = branch(0, x, self.input_layernorm, attention)
         if context is not None:
             ctx = context.transpose(0, 1)
-            x = branch(1, x, self.pre_cross_attn_layernorm,
-                       lambda y: self.cross_attention(y.transpose(0, 1), ctx,
-                                                      context_mask).transpose(0, 1))
+            x = branch(
+                1,
+                x,
+                self.pre_cross_attn_layernorm,
+                lambda y: self.cross_attention(y.transpose(0, 1), ctx, context_mask).transpose(
+                    0, 1
+                ),
+            )
         x = branch(2, x, self.pre_mlp_layernorm, self._mlp)
         return x.contiguous(), context

@@ -2,6 +2,7 @@
 timestep embedding, AdaLN-LoRA modulation, per-head QK RMSNorm, the self- / cross-attention
 modules with Megatron's slots, 3D RoPE. Design: docs/architecture.md, "Megatron integration".
 """
+
 from __future__ import annotations
 
 # * ``TimestepEmbedder``: sinusoidal features + MLP (replicated; recomputed on every pipeline
@@ -40,9 +41,22 @@ from megatron_video.attention import local_attention
 from megatron_video.attention.megatron import DistAttention2D
 
 __all__ = [
-    "timestep_embedding", "AdaLNNorm", "rope_embedding", "TimestepEmbedder", "AdaLNLoRAModulation", "modulate",
-    "gated", "HeadRMSNorm", "rope_3d_split", "rope_3d_angles", "apply_rope", "attend",
-    "DiTAttentionSubmodules", "DiTSelfAttention", "DiTCrossAttentionSubmodules", "DiTCrossAttention",
+    "timestep_embedding",
+    "AdaLNNorm",
+    "rope_embedding",
+    "TimestepEmbedder",
+    "AdaLNLoRAModulation",
+    "modulate",
+    "gated",
+    "HeadRMSNorm",
+    "rope_3d_split",
+    "rope_3d_angles",
+    "apply_rope",
+    "attend",
+    "DiTAttentionSubmodules",
+    "DiTSelfAttention",
+    "DiTCrossAttentionSubmodules",
+    "DiTCrossAttention",
     "tp_world_size",
 ]
 
@@ -103,7 +117,9 @@ class AdaLNLoRAModulation(MegatronModule):
         D = config.hidden_size
         self.num_chunks = num_chunks
         self.linear_down = torch.nn.Linear(D, lora_rank, bias=False, dtype=config.params_dtype)
-        self.linear_up = torch.nn.Linear(lora_rank, num_chunks * D, bias=True, dtype=config.params_dtype)
+        self.linear_up = torch.nn.Linear(
+            lora_rank, num_chunks * D, bias=True, dtype=config.params_dtype
+        )
         config.init_method(self.linear_down.weight)
         torch.nn.init.zeros_(self.linear_up.weight)
         torch.nn.init.zeros_(self.linear_up.bias)
@@ -141,8 +157,9 @@ class AdaLNNorm(torch.nn.Module):
     """LayerNorm without affine parameters (AdaLN supplies the scale and shift): the norm slots
     (``input_layernorm``, ...) of the local DiT layer specs. Megatron's norm-builder signature."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: Optional[float] = None,
-                 **kwargs):
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: Optional[float] = None, **kwargs
+    ):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = config.layernorm_epsilon if eps is None else eps
@@ -167,7 +184,7 @@ def rope_3d_angles(thw: torch.Tensor, head_dim: int, theta: float = 10000.0) -> 
     parts = []
     for axis, d in enumerate(rope_3d_split(head_dim)):
         inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        parts.append(thw[..., axis:axis + 1].to(torch.float64) * inv)
+        parts.append(thw[..., axis : axis + 1].to(torch.float64) * inv)
     return torch.cat(parts, dim=-1)
 
 
@@ -182,8 +199,13 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Local attention (the short-sequence patterns: spatial, temporal, cross)
 # ----------------------------------------------------------------------------------------------
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
-           softmax_scale: Optional[float] = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+) -> torch.Tensor:
     """Softmax attention on one rank: q ``[b, s, h, d]``, k/v ``[b, s_kv, h_kv, d]`` -> ``[b, s, h, d]``.
 
     ``mask``: bool, True = may attend, ``[s, s_kv]`` or ``[b|1, h|1, s, s_kv]``; rows that see no
@@ -200,11 +222,15 @@ def _heads(config: TransformerConfig) -> Tuple[int, int, int]:
     if H % Hkv:
         raise ValueError(f"num_attention_heads ({H}) must be divisible by num_query_groups ({Hkv})")
     if Hkv % tp:
-        raise ValueError(f"num_query_groups ({Hkv}) must be divisible by tensor_model_parallel_size ({tp})")
+        raise ValueError(
+            f"num_query_groups ({Hkv}) must be divisible by tensor_model_parallel_size ({tp})"
+        )
     if tp > 1 and not config.qk_layernorm:
         # Megatron's finalize_model_grads sums the per-head norm weights' TP partials only then
-        raise ValueError(f"config.qk_layernorm ({config.qk_layernorm}) must be True when "
-                         f"tensor_model_parallel_size ({tp}) > 1 (QK-norm gradients are summed over TP)")
+        raise ValueError(
+            f"config.qk_layernorm ({config.qk_layernorm}) must be True when "
+            f"tensor_model_parallel_size ({tp}) > 1 (QK-norm gradients are summed over TP)"
+        )
     return H, Hkv, config.kv_channels
 
 
@@ -216,7 +242,7 @@ class DiTAttentionSubmodules:
     """Submodules of ``DiTSelfAttention`` (the slots of Megatron's ``SelfAttentionSubmodules``)."""
 
     linear_qkv: Union[ModuleSpec, type] = ColumnParallelLinear
-    core_attention: Union[ModuleSpec, type] = None   # default: DistAttention2D (contiguous)
+    core_attention: Union[ModuleSpec, type] = None  # default: DistAttention2D (contiguous)
     q_layernorm: Union[ModuleSpec, type] = HeadRMSNorm
     k_layernorm: Union[ModuleSpec, type] = HeadRMSNorm
     linear_proj: Union[ModuleSpec, type] = RowParallelLinear
@@ -242,9 +268,16 @@ class DiTSelfAttention(MegatronModule):
     whole groups and checkpoints match Megatron's ``SelfAttention``.
     """
 
-    def __init__(self, config: TransformerConfig, submodules: DiTAttentionSubmodules = None,
-                 layer_number: Optional[int] = None, attn_mask_type=AttnMaskType.no_mask,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: DiTAttentionSubmodules = None,
+        layer_number: Optional[int] = None,
+        attn_mask_type=AttnMaskType.no_mask,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        **kwargs,
+    ):
         super().__init__(config=config)
         submodules = submodules or DiTAttentionSubmodules()
         H, Hkv, hd = _heads(config)
@@ -252,21 +285,41 @@ class DiTSelfAttention(MegatronModule):
         self.heads, self.kv_heads, self.head_dim = H // tp, Hkv // tp, hd
         self.attn_mask_type = attn_mask_type
         self.linear_qkv = build_module(
-            submodules.linear_qkv, config.hidden_size, (H + 2 * Hkv) * hd, config=config,
-            init_method=config.init_method, gather_output=False,
-            bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False)
+            submodules.linear_qkv,
+            config.hidden_size,
+            (H + 2 * Hkv) * hd,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False,
+            is_expert=False,
+        )
         core = submodules.core_attention
         if core is None:
             core = ModuleSpec(module=DistAttention2D, params=dict(scheme="contiguous"))
         self.core_attention = build_module(
-            core, config=config, layer_number=layer_number or 1, attn_mask_type=attn_mask_type,
-            attention_type="self", cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            core,
+            config=config,
+            layer_number=layer_number or 1,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
         self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=hd)
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=hd)
         self.linear_proj = build_module(
-            submodules.linear_proj, H * hd, config.hidden_size, config=config,
-            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False)
+            submodules.linear_proj,
+            H * hd,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            is_expert=False,
+        )
 
     def qkv(self, x: torch.Tensor, rope_angles: Optional[torch.Tensor] = None):
         """``x [..., D]`` -> q ``[..., h, d]``, k, v ``[..., h_kv, d]`` (this TP rank's heads);
@@ -287,13 +340,18 @@ class DiTSelfAttention(MegatronModule):
         out, bias = self.linear_proj(o.reshape(*o.shape[:-2], self.heads * self.head_dim))
         return out if bias is None else out + bias
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                rotary_pos_emb: Optional[torch.Tensor] = None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
         """``[s, b, D]`` -> ``([s, b, D], None)``; ``rotary_pos_emb [s, 1|b, 1, d]`` (see
         ``rope_embedding``); ``attention_mask``: None or a megatron_video ``AttentionMask``."""
         angles = None
         if rotary_pos_emb is not None:
-            angles = rotary_pos_emb[..., 0, : self.head_dim // 2]      # [s, 1|b, d/2]
+            angles = rotary_pos_emb[..., 0, : self.head_dim // 2]  # [s, 1|b, d/2]
         q, k, v = self.qkv(hidden_states, angles)
         o = self.core_attention(q, k, v, attention_mask, attn_mask_type=self.attn_mask_type)
         return self.project(o.view(*o.shape[:2], self.heads, self.head_dim)), None
@@ -315,9 +373,14 @@ class DiTCrossAttention(MegatronModule):
     result per query is what a single GPU computes, with no communication.
     """
 
-    def __init__(self, config: TransformerConfig, submodules: DiTCrossAttentionSubmodules = None,
-                 layer_number: Optional[int] = None, context_dim: Optional[int] = None,
-                 **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: DiTCrossAttentionSubmodules = None,
+        layer_number: Optional[int] = None,
+        context_dim: Optional[int] = None,
+        **kwargs,
+    ):
         # (Megatron's cp_comm_type / pg_collection are accepted and unused: no CP here)
         super().__init__(config=config)
         submodules = submodules or DiTCrossAttentionSubmodules()
@@ -326,26 +389,50 @@ class DiTCrossAttention(MegatronModule):
         self.heads, self.kv_heads, self.head_dim = H // tp, Hkv // tp, hd
         bias = config.add_bias_linear or config.add_qkv_bias
         self.linear_q = build_module(
-            submodules.linear_q, config.hidden_size, H * hd, config=config,
-            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
-            is_expert=False)
+            submodules.linear_q,
+            config.hidden_size,
+            H * hd,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=bias,
+            skip_bias_add=False,
+            is_expert=False,
+        )
         self.linear_kv = build_module(
-            submodules.linear_kv, context_dim or config.hidden_size, 2 * Hkv * hd, config=config,
-            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
-            is_expert=False)
+            submodules.linear_kv,
+            context_dim or config.hidden_size,
+            2 * Hkv * hd,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=bias,
+            skip_bias_add=False,
+            is_expert=False,
+        )
         self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=hd)
         self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=hd)
         self.linear_proj = build_module(
-            submodules.linear_proj, H * hd, config.hidden_size, config=config,
-            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=False, is_expert=False)
+            submodules.linear_proj,
+            H * hd,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            is_expert=False,
+        )
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor,
-                context_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, context_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``x [b, s, D]``, ``context [b, L, D_c]``, ``context_mask [b, L]`` (True = real text token)."""
         if context.shape[0] != x.shape[0]:
-            raise ValueError(f"context batch ({context.shape[0]}) must equal the video batch "
-                             f"({x.shape[0]}) held by this rank")
+            raise ValueError(
+                f"context batch ({context.shape[0]}) must equal the video batch "
+                f"({x.shape[0]}) held by this rank"
+            )
         q, _ = self.linear_q(x)
         q = self.q_layernorm(q.view(*x.shape[:-1], self.heads, self.head_dim))
         kv, _ = self.linear_kv(context)
@@ -354,8 +441,10 @@ class DiTCrossAttention(MegatronModule):
         mask = None
         if context_mask is not None:
             if tuple(context_mask.shape) != tuple(context.shape[:2]):
-                raise ValueError(f"context_mask shape {tuple(context_mask.shape)} must be [b, L] = "
-                                 f"{list(context.shape[:2])}")
+                raise ValueError(
+                    f"context_mask shape {tuple(context_mask.shape)} must be [b, L] = "
+                    f"{list(context.shape[:2])}"
+                )
             mask = context_mask.to(torch.bool)[:, None, None, :].expand(-1, 1, x.shape[1], -1)
         o = attend(q, k, v, mask)
         out, bias = self.linear_proj(o.reshape(*x.shape[:-1], self.heads * self.head_dim))

@@ -3,6 +3,7 @@
 and the ``VideoTransformerBlock`` that hands them ``DiTParams`` (stock ``TransformerBlock.forward``
 has no slot for it). Design: docs/architecture.md, "Megatron integration" and "Groups".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,14 @@ from megatron_video.models.dit_blocks import AdaLNLoRAModulation, gated, modulat
 from megatron_video.parallel.comm import group_rank
 from megatron_video.parallel.topology import resolve_video_groups
 
-__all__ = ["DiTParams", "DiTLayerSubmodules", "DiTLayerBase", "VideoTransformerBlock",
-           "mlp_submodule", "adaln_branch"]
+__all__ = [
+    "DiTParams",
+    "DiTLayerSubmodules",
+    "DiTLayerBase",
+    "VideoTransformerBlock",
+    "mlp_submodule",
+    "adaln_branch",
+]
 
 
 @dataclass
@@ -66,7 +73,7 @@ def mlp_submodule(submodules):
 
 def adaln_branch(x, mods, i: int, norm, f):
     """``x + gate_i * f(modulate(norm(x), shift_i, scale_i))`` with per-sample ``[b, D]`` chunks."""
-    shift, scale, gate = mods[3 * i:3 * i + 3]
+    shift, scale, gate = mods[3 * i : 3 * i + 3]
     return x + gated(f(modulate(norm(x), shift, scale)), gate)
 
 
@@ -78,21 +85,31 @@ class DiTLayerBase(TransformerLayer):
     # appended to the CP rank-order error
     cp_order_note: str = ""
 
-    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
-                 layer_number: int = 1, groups=None, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: DiTLayerSubmodules,
+        layer_number: int = 1,
+        groups=None,
+        **kwargs,
+    ):
         if config.sequence_parallel:
-            raise ValueError(f"config.sequence_parallel (True) is not supported by "
-                             f"{type(self).__name__}: {self.sequence_parallel_reason}")
+            raise ValueError(
+                f"config.sequence_parallel (True) is not supported by "
+                f"{type(self).__name__}: {self.sequence_parallel_reason}"
+            )
         # Megatron hands the attention it builds config.cp_comm_type's entry for this layer; make
         # every megatron-core read the entry _cp_comm_type() reads (compat.cp_comm_type).
         with megatron_reads_layer_cp_comm_type(config):
-            super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                             **kwargs)
+            super().__init__(
+                config=config, submodules=submodules, layer_number=layer_number, **kwargs
+            )
         self._groups, self._resolved = groups, False
 
     def _build_modulation(self, spec, num_chunks: int, lora_rank: int) -> None:
-        self.modulation = build_module(spec, config=self.config, num_chunks=num_chunks,
-                                       lora_rank=lora_rank)
+        self.modulation = build_module(
+            spec, config=self.config, num_chunks=num_chunks, lora_rank=lora_rank
+        )
 
     def _build(self, spec, **kwargs):
         """A submodule the layer adds to Megatron's slots, built with the same keyword arguments
@@ -101,8 +118,9 @@ class DiTLayerBase(TransformerLayer):
         extra = dict(pg_collection=getattr(self, "pg_collection", None))
         if self.config.context_parallel_size > 1 and self.config.cp_comm_type is not None:
             extra["cp_comm_type"] = self._cp_comm_type()
-        return build_module(spec, config=self.config, layer_number=self.layer_number,
-                            **extra, **kwargs)
+        return build_module(
+            spec, config=self.config, layer_number=self.layer_number, **extra, **kwargs
+        )
 
     # -- groups -------------------------------------------------------------------------------
     def _cp_comm_type(self):
@@ -113,16 +131,20 @@ class DiTLayerBase(TransformerLayer):
         """The U x R groups (``None`` without CP), resolved at the first use like the core
         attention's (same ``pg_collection`` and ``cp_comm_type``, same rule)."""
         if not self._resolved:
-            g = resolve_video_groups(self._groups, getattr(self, "pg_collection", None),
-                                     self._cp_comm_type())
+            g = resolve_video_groups(
+                self._groups, getattr(self, "pg_collection", None), self._cp_comm_type()
+            )
             cp = 1 if g is None else g.cp_size
             if cp != self.config.context_parallel_size:
-                raise ValueError(f"config.context_parallel_size ({self.config.context_parallel_size}) "
-                                 f"must equal the size of the CP group Megatron set up ({cp}) for "
-                                 f"{type(self).__name__}")
+                raise ValueError(
+                    f"config.context_parallel_size ({self.config.context_parallel_size}) "
+                    f"must equal the size of the CP group Megatron set up ({cp}) for "
+                    f"{type(self).__name__}"
+                )
             if g is not None and group_rank(g.cp_group) != g.cp_rank:
-                raise RuntimeError("the CP group's rank order differs from the CP index order"
-                                   + self.cp_order_note)
+                raise RuntimeError(
+                    "the CP group's rank order differs from the CP index order" + self.cp_order_note
+                )
             self._groups, self._resolved = g, True
         return self._groups
 
@@ -136,18 +158,24 @@ class DiTLayerBase(TransformerLayer):
         """``params`` as a ``DiTParams``; Megatron slots in ``slots`` must be unused (None)."""
         used = sorted(k for k, v in (slots or {}).items() if v is not None)
         if used:
-            raise ValueError(f"{', '.join(used)} must be None for {type(self).__name__}: "
-                             f"conditioning, geometry, masks and RoPE travel in params (DiTParams)")
+            raise ValueError(
+                f"{', '.join(used)} must be None for {type(self).__name__}: "
+                f"conditioning, geometry, masks and RoPE travel in params (DiTParams)"
+            )
         if not isinstance(params, DiTParams):
-            raise ValueError(f"params ({type(params).__name__}) must be a DiTParams ({what}); run "
-                             f"{type(self).__name__} in a VideoTransformerBlock or call it with "
-                             f"params=DiTParams(...)")
+            raise ValueError(
+                f"params ({type(params).__name__}) must be a DiTParams ({what}); run "
+                f"{type(self).__name__} in a VideoTransformerBlock or call it with "
+                f"params=DiTParams(...)"
+            )
         return params
 
     def _geometry(self, params: DiTParams, what: str) -> VideoGeometry:
         if not isinstance(params.geometry, VideoGeometry):
-            raise ValueError(f"params.geometry ({type(params.geometry).__name__}) must be a "
-                             f"VideoGeometry; {type(self).__name__} needs {what}")
+            raise ValueError(
+                f"params.geometry ({type(params.geometry).__name__}) must be a "
+                f"VideoGeometry; {type(self).__name__} needs {what}"
+            )
         return params.geometry
 
     def _mlp(self, x):
@@ -166,16 +194,25 @@ class VideoTransformerBlock(TransformerBlock):
     argument and the rest of the ``DiTParams`` is closed over per call, so pipelined
     micro-batches cannot mix them up (stock ``forward`` hands checkpoints only tensors)."""
 
-    def forward(self, hidden_states: Optional[torch.Tensor], params: DiTParams = None,
-                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                **unused):
+    def forward(
+        self,
+        hidden_states: Optional[torch.Tensor],
+        params: DiTParams = None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        **unused,
+    ):
         used = sorted(k for k, v in unused.items() if v is not None)
         if used:
-            raise ValueError(f"{', '.join(used)} must be None for VideoTransformerBlock: "
-                             f"conditioning, geometry, masks and RoPE travel in params (DiTParams)")
+            raise ValueError(
+                f"{', '.join(used)} must be None for VideoTransformerBlock: "
+                f"conditioning, geometry, masks and RoPE travel in params (DiTParams)"
+            )
         if not isinstance(params, DiTParams):
-            raise ValueError(f"params ({type(params).__name__}) must be a DiTParams (the AdaLN "
-                             f"conditioning and video geometry of this batch)")
+            raise ValueError(
+                f"params ({type(params).__name__}) must be a DiTParams (the AdaLN "
+                f"conditioning and video geometry of this batch)"
+            )
         if not self.pre_process:  # see set_input_tensor()
             hidden_states = self.input_tensor
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
@@ -186,6 +223,7 @@ class VideoTransformerBlock(TransformerBlock):
                 for layer in self.layers[start:end]:
                     h, _ = layer(h, context=ctx, context_mask=ctx_mask, params=p)
                 return h
+
             return forward_chunk
 
         n, cfg = len(self.layers), self.config
@@ -196,8 +234,10 @@ class VideoTransformerBlock(TransformerBlock):
             elif cfg.recompute_method == "block":
                 chunks = [(i, i + 1, i < k) for i in range(n)]
             else:
-                raise ValueError(f"config.recompute_method ({cfg.recompute_method!r}) must be "
-                                 f"'uniform' or 'block' with recompute_granularity 'full'")
+                raise ValueError(
+                    f"config.recompute_method ({cfg.recompute_method!r}) must be "
+                    f"'uniform' or 'block' with recompute_granularity 'full'"
+                )
         else:
             chunks = [(0, n, False)]
         quantization = nullcontext()
@@ -213,10 +253,16 @@ class VideoTransformerBlock(TransformerBlock):
                 elif cfg.fp8:
                     from megatron.core.extensions.transformer_engine import te_checkpoint
 
-                    hidden_states = te_checkpoint(run(start, end), cfg.distribute_saved_activations,
-                                                  tensor_parallel.random.get_cuda_rng_tracker,
-                                                  self.pg_collection.tp, hidden_states, *args)
+                    hidden_states = te_checkpoint(
+                        run(start, end),
+                        cfg.distribute_saved_activations,
+                        tensor_parallel.random.get_cuda_rng_tracker,
+                        self.pg_collection.tp,
+                        hidden_states,
+                        *args,
+                    )
                 else:
                     hidden_states = tensor_parallel.checkpoint(
-                        run(start, end), cfg.distribute_saved_activations, hidden_states, *args)
+                        run(start, end), cfg.distribute_saved_activations, hidden_states, *args
+                    )
         return hidden_states

@@ -3,6 +3,7 @@ Megatron keeps ``gpt_layer_specs.py`` beside ``gpt_model.py``: full attention, S
 local or TransformerEngine linears and norms. The spec alone picks a layer's implementation (e.g.
 the ST-DiT variant is its core attentions). Design: docs/architecture.md, "Megatron integration".
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,10 +32,21 @@ from megatron_video.models.dit_layer import DiTLayerSubmodules, mlp_submodule
 from megatron_video.models.stdit import VARIANTS, STDiTLayer, STDiTLayerSubmodules
 from megatron_video.models.video_dit_layer import VideoDiTLayer
 
-__all__ = ["LAYER_BACKENDS", "VARIANTS", "dit_backend_modules", "check_layer_backend",
-           "dit_self_attention_spec", "dit_cross_attention_spec", "dit_mlp_spec",
-           "full_2d_attention", "full_attention_layer_spec", "get_video_dit_layer_spec",
-           "get_stdit_layer_spec", "get_ar_dit_layer_spec", "layer_spec_for"]
+__all__ = [
+    "LAYER_BACKENDS",
+    "VARIANTS",
+    "dit_backend_modules",
+    "check_layer_backend",
+    "dit_self_attention_spec",
+    "dit_cross_attention_spec",
+    "dit_mlp_spec",
+    "full_2d_attention",
+    "full_attention_layer_spec",
+    "get_video_dit_layer_spec",
+    "get_stdit_layer_spec",
+    "get_ar_dit_layer_spec",
+    "layer_spec_for",
+]
 
 LAYER_BACKENDS = ("local", "te")
 
@@ -63,26 +75,34 @@ def check_layer_backend(backend: str) -> None:
         from megatron.core.extensions.transformer_engine import HAVE_TE  # optional: TE
 
         if not HAVE_TE:
-            raise ValueError("layer_backend ('te') needs TransformerEngine, which is not installed "
-                             "here; use 'local'")
+            raise ValueError(
+                "layer_backend ('te') needs TransformerEngine, which is not installed "
+                "here; use 'local'"
+            )
 
 
 def dit_self_attention_spec(core_attention, backend: str = "local") -> ModuleSpec:
     """``DiTSelfAttention`` with ``core_attention`` and the backend's linears."""
     m = dit_backend_modules(backend)
-    return ModuleSpec(module=DiTSelfAttention, params=dict(attn_mask_type=AttnMaskType.no_mask),
-                      submodules=DiTAttentionSubmodules(linear_qkv=m["column"],
-                                                        core_attention=core_attention,
-                                                        linear_proj=m["row"]))
+    return ModuleSpec(
+        module=DiTSelfAttention,
+        params=dict(attn_mask_type=AttnMaskType.no_mask),
+        submodules=DiTAttentionSubmodules(
+            linear_qkv=m["column"], core_attention=core_attention, linear_proj=m["row"]
+        ),
+    )
 
 
 def dit_cross_attention_spec(context_dim: Optional[int], backend: str = "local") -> ModuleSpec:
     """Cross-attention to the whole text (no CP) with the backend's linears."""
     m = dit_backend_modules(backend)
-    return ModuleSpec(module=DiTCrossAttention, params=dict(context_dim=context_dim),
-                      submodules=DiTCrossAttentionSubmodules(linear_q=m["column"],
-                                                             linear_kv=m["column"],
-                                                             linear_proj=m["row"]))
+    return ModuleSpec(
+        module=DiTCrossAttention,
+        params=dict(context_dim=context_dim),
+        submodules=DiTCrossAttentionSubmodules(
+            linear_q=m["column"], linear_kv=m["column"], linear_proj=m["row"]
+        ),
+    )
 
 
 def dit_mlp_spec(backend: str = "local"):
@@ -99,8 +119,9 @@ def full_2d_attention() -> ModuleSpec:
 # ----------------------------------------------------------------------------------------------
 # Full-attention layers: VideoDiT and the AR DiT
 # ----------------------------------------------------------------------------------------------
-def full_attention_layer_spec(module, params: dict, context_dim: Optional[int],
-                              backend: str = "local") -> ModuleSpec:
+def full_attention_layer_spec(
+    module, params: dict, context_dim: Optional[int], backend: str = "local"
+) -> ModuleSpec:
     """The submodules of a DiT layer whose self-attention is sequence-wide (2D attention core):
     norms, self-attention, cross-attention, MLP and AdaLN-LoRA modulation of ``backend``."""
     m = dit_backend_modules(backend)
@@ -114,23 +135,28 @@ def full_attention_layer_spec(module, params: dict, context_dim: Optional[int],
             cross_attention=dit_cross_attention_spec(context_dim, backend),
             pre_mlp_layernorm=m["norm"],
             mlp=dit_mlp_spec(backend),
-            modulation=AdaLNLoRAModulation),
+            modulation=AdaLNLoRAModulation,
+        ),
     )
 
 
-def get_video_dit_layer_spec(lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
-                             context_dim: Optional[int] = None,
-                             backend: str = "local") -> ModuleSpec:
+def get_video_dit_layer_spec(
+    lora_rank: int = 256,
+    rope_theta: Optional[float] = 10000.0,
+    context_dim: Optional[int] = None,
+    backend: str = "local",
+) -> ModuleSpec:
     """``ModuleSpec`` of ``VideoDiTLayer`` for Megatron's ``TransformerBlock``; ``backend``
     ``"local"`` (Megatron-core linears, parameter-free AdaLN norms) or ``"te"`` (TE linears and
     norms; building modules from it needs TransformerEngine)."""
-    return full_attention_layer_spec(VideoDiTLayer, dict(lora_rank=lora_rank,
-                                                         rope_theta=rope_theta),
-                                     context_dim, backend)
+    return full_attention_layer_spec(
+        VideoDiTLayer, dict(lora_rank=lora_rank, rope_theta=rope_theta), context_dim, backend
+    )
 
 
-def get_ar_dit_layer_spec(lora_rank: int = 256, context_dim: Optional[int] = None,
-                          backend: str = "local") -> ModuleSpec:
+def get_ar_dit_layer_spec(
+    lora_rank: int = 256, context_dim: Optional[int] = None, backend: str = "local"
+) -> ModuleSpec:
     """``ModuleSpec`` of ``ARDiTLayer`` for Megatron's ``TransformerBlock`` (``backend`` as
     ``get_video_dit_layer_spec``); the self-attention core is the 2D attention, which takes the
     teacher-forcing mask per call."""
@@ -148,8 +174,10 @@ def _stdit_cores(variant: str):
     ``UlyssesAttention`` over the whole CP group."""
     contiguous = dict(scheme="contiguous")
     if variant == "hybrid":
-        return (ModuleSpec(module=DistAttention2D, params=contiguous),
-                ModuleSpec(module=LocalDotProductAttention))
+        return (
+            ModuleSpec(module=DistAttention2D, params=contiguous),
+            ModuleSpec(module=LocalDotProductAttention),
+        )
     if variant == "cp_everywhere":
         cp = ModuleSpec(module=DistAttention2D, params=contiguous)
         return cp, cp
@@ -157,9 +185,14 @@ def _stdit_cores(variant: str):
     return uly, uly
 
 
-def get_stdit_layer_spec(variant: str = "hybrid", full_attention_layers: Iterable[int] = (),
-                         lora_rank: int = 256, rope_theta: Optional[float] = 10000.0,
-                         context_dim: Optional[int] = None, backend: str = "local") -> ModuleSpec:
+def get_stdit_layer_spec(
+    variant: str = "hybrid",
+    full_attention_layers: Iterable[int] = (),
+    lora_rank: int = 256,
+    rope_theta: Optional[float] = 10000.0,
+    context_dim: Optional[int] = None,
+    backend: str = "local",
+) -> ModuleSpec:
     """``ModuleSpec`` of ``STDiTLayer`` for Megatron's ``TransformerBlock`` (fanned out to every
     layer). ``variant``: one of ``VARIANTS`` (only the core attentions differ).
     ``full_attention_layers``: global 1-based layer numbers that also get full self-attention.
@@ -172,8 +205,11 @@ def get_stdit_layer_spec(variant: str = "hybrid", full_attention_layers: Iterabl
     full_core, local_core = _stdit_cores(variant)
     return ModuleSpec(
         module=STDiTLayer,
-        params=dict(full_attention_layers=tuple(full_attention_layers), lora_rank=lora_rank,
-                    rope_theta=rope_theta),
+        params=dict(
+            full_attention_layers=tuple(full_attention_layers),
+            lora_rank=lora_rank,
+            rope_theta=rope_theta,
+        ),
         submodules=STDiTLayerSubmodules(
             modulation=AdaLNLoRAModulation,
             input_layernorm=m["norm"],
@@ -185,7 +221,8 @@ def get_stdit_layer_spec(variant: str = "hybrid", full_attention_layers: Iterabl
             pre_temporal_attn_layernorm=m["norm"],
             temporal_attention=dit_self_attention_spec(copy.deepcopy(local_core), backend),
             pre_mlp_layernorm=m["norm"],
-            mlp=dit_mlp_spec(backend)),
+            mlp=dit_mlp_spec(backend),
+        ),
     )
 
 
@@ -199,8 +236,14 @@ def layer_spec_for(config) -> ModuleSpec:
     """The layer spec a ``VideoDiTConfig`` selects (``layer_type``, ``layer_backend``, ...)."""
     check_layer_backend(config.layer_backend)
     if config.layer_type == "stdit":
-        return get_stdit_layer_spec(config.stdit_variant, config.stdit_full_attention_layers,
-                                    config.lora_rank, config.rope_theta, config.text_dim,
-                                    backend=config.layer_backend)
-    return get_video_dit_layer_spec(config.lora_rank, config.rope_theta, config.text_dim,
-                                    backend=config.layer_backend)
+        return get_stdit_layer_spec(
+            config.stdit_variant,
+            config.stdit_full_attention_layers,
+            config.lora_rank,
+            config.rope_theta,
+            config.text_dim,
+            backend=config.layer_backend,
+        )
+    return get_video_dit_layer_spec(
+        config.lora_rank, config.rope_theta, config.text_dim, backend=config.layer_backend
+    )

@@ -2,6 +2,7 @@
 embedder, and the tagging of pipeline-replicated conditioning embedders. Design:
 docs/architecture.md, "Megatron integration".
 """
+
 from __future__ import annotations
 
 # * ``patchify`` / ``unpatchify``: latents ``[B, C, T, H, W]`` <-> frame-major tokens ``[B,
@@ -28,8 +29,15 @@ from torch import Tensor
 
 from megatron_video.data.synthetic import CaptionEmbedder
 
-__all__ = ["patchify", "unpatchify", "token_grid", "PatchEmbed", "FinalLayer", "TextEmbedder",
-           "mark_pipeline_replicated"]
+__all__ = [
+    "patchify",
+    "unpatchify",
+    "token_grid",
+    "PatchEmbed",
+    "FinalLayer",
+    "TextEmbedder",
+    "mark_pipeline_replicated",
+]
 
 
 def token_grid(latent_thw: Sequence[int], patch: Sequence[int]) -> Tuple[int, int, int]:
@@ -58,9 +66,15 @@ def unpatchify(tokens: Tensor, patch: Sequence[int], grid: Sequence[int], channe
     pt, ph, pw = patch
     t, h, w = grid
     B = tokens.shape[0]
-    if tokens.dim() != 3 or tokens.shape[1] != t * h * w or tokens.shape[2] != channels * pt * ph * pw:
-        raise ValueError(f"tokens shape ({tuple(tokens.shape)}) must be [B, {t * h * w}, "
-                         f"{channels * pt * ph * pw}] for grid {tuple(grid)} and patch {tuple(patch)}")
+    if (
+        tokens.dim() != 3
+        or tokens.shape[1] != t * h * w
+        or tokens.shape[2] != channels * pt * ph * pw
+    ):
+        raise ValueError(
+            f"tokens shape ({tuple(tokens.shape)}) must be [B, {t * h * w}, "
+            f"{channels * pt * ph * pw}] for grid {tuple(grid)} and patch {tuple(patch)}"
+        )
     x = tokens.reshape(B, t, h, w, channels, pt, ph, pw)
     return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(B, channels, t * pt, h * ph, w * pw)
 
@@ -117,8 +131,14 @@ class TextEmbedder(torch.nn.Module):
     layer instead; integer ids still go through the small caption embedder.
     """
 
-    def __init__(self, vocab_size: int, dim: int, max_len: int, seed: int = 0,
-                 input_dim: Optional[int] = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        max_len: int,
+        seed: int = 0,
+        input_dim: Optional[int] = None,
+    ):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.captions = CaptionEmbedder(vocab_size, dim, max_len, generator=g)
@@ -127,18 +147,29 @@ class TextEmbedder(torch.nn.Module):
             if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
                 raise ValueError(f"input_dim ({input_dim!r}) must be a positive integer")
             self.proj = torch.nn.Linear(input_dim, dim)
-            torch.nn.init.normal_(self.proj.weight, std=input_dim ** -0.5, generator=g)
+            torch.nn.init.normal_(self.proj.weight, std=input_dim**-0.5, generator=g)
             torch.nn.init.zeros_(self.proj.bias)
 
-    def forward(self, ids: Tensor, mask: Tensor, drop: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        if ids.is_floating_point():   # precomputed embeddings
-            if self.input_dim is None or ids.dim() != 3 or ids.shape[2] != self.input_dim \
-                    or ids.shape[1] != self.captions.max_len or mask.shape != ids.shape[:2]:
-                raise ValueError(f"caption embeddings {tuple(ids.shape)} (mask {tuple(mask.shape)}) must be "
-                                 f"[b, {self.captions.max_len}, input_dim={self.input_dim}] (set "
-                                 f"data.text_embed_dim to the encoder's width)")
+    def forward(
+        self, ids: Tensor, mask: Tensor, drop: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
+        if ids.is_floating_point():  # precomputed embeddings
+            if (
+                self.input_dim is None
+                or ids.dim() != 3
+                or ids.shape[2] != self.input_dim
+                or ids.shape[1] != self.captions.max_len
+                or mask.shape != ids.shape[:2]
+            ):
+                raise ValueError(
+                    f"caption embeddings {tuple(ids.shape)} (mask {tuple(mask.shape)}) must be "
+                    f"[b, {self.captions.max_len}, input_dim={self.input_dim}] (set "
+                    f"data.text_embed_dim to the encoder's width)"
+                )
             mask = mask.bool()
-            emb = self.proj(ids.to(self.proj.weight.dtype)) * mask[..., None].to(self.proj.weight.dtype)
+            emb = self.proj(ids.to(self.proj.weight.dtype)) * mask[..., None].to(
+                self.proj.weight.dtype
+            )
         else:
             emb, mask = self.captions(ids, mask)
         if drop is not None:

@@ -3,6 +3,7 @@
 module-level specs work with Megatron-LM's ``--spec megatron_video.models.specs <name>``.
 Design: docs/architecture.md, "Megatron integration" and "Groups".
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..attention.megatron import DistAttention2D
 
-__all__ = ["with_2d_attention", "gpt_layer_local_2d_spec", "gpt_layer_local_2d_qknorm_spec",
-           "SKIPPED_SLOTS"]
+__all__ = [
+    "with_2d_attention",
+    "gpt_layer_local_2d_spec",
+    "gpt_layer_local_2d_qknorm_spec",
+    "SKIPPED_SLOTS",
+]
 
 
 # Attention slots whose core is not sequence-wide self-attention and is left alone: cross-attention
@@ -45,8 +50,11 @@ def _swap(obj, params) -> int:
         if f.name == "core_attention":
             old = getattr(obj, f.name)
             kept = {}
-            if (isinstance(old, ModuleSpec) and isinstance(old.module, type)
-                    and issubclass(old.module, DistAttention2D)):
+            if (
+                isinstance(old, ModuleSpec)
+                and isinstance(old.module, type)
+                and issubclass(old.module, DistAttention2D)
+            ):
                 kept = dict(old.params or {})
             setattr(obj, f.name, ModuleSpec(module=DistAttention2D, params={**kept, **params}))
             count += 1
@@ -71,8 +79,11 @@ def _copy_tree(obj):
     if isinstance(obj, dict):
         return {k: _copy_tree(v) for k, v in obj.items()}
     if isinstance(obj, functools.partial):
-        return functools.partial(obj.func, *(_copy_tree(a) for a in obj.args),
-                                 **{k: _copy_tree(v) for k, v in obj.keywords.items()})
+        return functools.partial(
+            obj.func,
+            *(_copy_tree(a) for a in obj.args),
+            **{k: _copy_tree(v) for k, v in obj.keywords.items()},
+        )
     return obj
 
 
@@ -88,8 +99,10 @@ def with_2d_attention(layer_spec, **params):
     """
     spec = _copy_tree(layer_spec)
     if _swap(spec, params) == 0:
-        raise ValueError(f"layer_spec ({type(layer_spec).__name__}) has no self-attention "
-                         f"core_attention submodule to replace")
+        raise ValueError(
+            f"layer_spec ({type(layer_spec).__name__}) has no self-attention "
+            f"core_attention submodule to replace"
+        )
     return spec
 
 

@@ -7,6 +7,7 @@ attention (local rows of one position) and the MLP; one all-to-all back. Each su
 AdaLN-LoRA gated. Its specs (the variants): ``models.dit_layer_specs.get_stdit_layer_spec``;
 design: docs/architecture.md, "Megatron integration".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,9 +78,16 @@ class STDiTLayer(DiTLayerBase):
     sequence_parallel_reason = "its tokens are laid out by frames and positions, not split over TP"
     cp_order_note = "; layout A and the 2D attention would disagree on which frames a rank holds"
 
-    def __init__(self, config: TransformerConfig, submodules: STDiTLayerSubmodules,
-                 layer_number: int = 1, full_attention_layers: Iterable[int] = (),
-                 lora_rank: int = 256, rope_theta: Optional[float] = 10000.0, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: STDiTLayerSubmodules,
+        layer_number: int = 1,
+        full_attention_layers: Iterable[int] = (),
+        lora_rank: int = 256,
+        rope_theta: Optional[float] = 10000.0,
+        **kwargs,
+    ):
         super().__init__(config, submodules, layer_number, **kwargs)
         self.rope_theta = rope_theta
 
@@ -87,12 +95,18 @@ class STDiTLayer(DiTLayerBase):
         self.sublayers = (["full"] if has_full else []) + ["spatial", "cross", "temporal", "mlp"]
         self._build_modulation(submodules.modulation, 3 * len(self.sublayers), lora_rank)
         self.full_attention = self._build(submodules.full_attention) if has_full else None
-        norm = dict(config=self.config, hidden_size=self.config.hidden_size,
-                    eps=self.config.layernorm_epsilon)
-        self.pre_spatial_attn_layernorm = build_module(submodules.pre_spatial_attn_layernorm, **norm)
+        norm = dict(
+            config=self.config,
+            hidden_size=self.config.hidden_size,
+            eps=self.config.layernorm_epsilon,
+        )
+        self.pre_spatial_attn_layernorm = build_module(
+            submodules.pre_spatial_attn_layernorm, **norm
+        )
         self.spatial_attention = self._build(submodules.spatial_attention)
-        self.pre_temporal_attn_layernorm = build_module(submodules.pre_temporal_attn_layernorm,
-                                                        **norm)
+        self.pre_temporal_attn_layernorm = build_module(
+            submodules.pre_temporal_attn_layernorm, **norm
+        )
         self.temporal_attention = self._build(submodules.temporal_attention)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -103,11 +117,15 @@ class STDiTLayer(DiTLayerBase):
     def _on_local_rows(self, module: DiTSelfAttention, geometry: VideoGeometry) -> bool:
         """Whether ``module`` attends on the local rows the layer cuts (its core is local, or
         there is nothing to communicate: CP 1 or images, sharded by sample)."""
-        return (isinstance(module.core_attention, LocalDotProductAttention)
-                or self._cp()[0] == 1 or geometry.is_image)
+        return (
+            isinstance(module.core_attention, LocalDotProductAttention)
+            or self._cp()[0] == 1
+            or geometry.is_image
+        )
 
-    def _self_attention(self, module: DiTSelfAttention, x, pattern: str, geometry: VideoGeometry,
-                        layout: str):
+    def _self_attention(
+        self, module: DiTSelfAttention, x, pattern: str, geometry: VideoGeometry, layout: str
+    ):
         """Attention of ``x`` (``[b, t/P, n, D]`` in layout A or ``[b, m, t, D]`` in layout B)."""
         b, d1, d2, D = x.shape
         t, n, P = geometry.frames, geometry.positions, self._cp()[0]
@@ -128,10 +146,13 @@ class STDiTLayer(DiTLayerBase):
                 angles = angles.reshape(d1, d2, -1).expand(b, -1, -1, -1).reshape(b * d1, d2, -1)
         else:
             rows = x.reshape(b, d1 * d2, D)
-            if pattern != "full":   # same frame / same position, on global token ids
+            if pattern != "full":  # same frame / same position, on global token ids
                 mask = masks.video_rows(n, pattern)
-        if (geometry.is_image and P > 1
-                and not isinstance(module.core_attention, LocalDotProductAttention)):
+        if (
+            geometry.is_image
+            and P > 1
+            and not isinstance(module.core_attention, LocalDotProductAttention)
+        ):
             # images are sharded by sample: their attention is local, whatever the core would do
             o = module.project(attend(*module.qkv(rows, angles)))
         else:
@@ -143,14 +164,29 @@ class STDiTLayer(DiTLayerBase):
         return o.reshape(b, d1, d2, D)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        params: Optional[DiTParams] = None,
+        rotary_pos_emb=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
         """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module docstring."""
-        params = self._check_params(params, "the AdaLN conditioning and the global (t, h, w)", dict(
-            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
+        params = self._check_params(
+            params,
+            "the AdaLN conditioning and the global (t, h, w)",
+            dict(
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            ),
+        )
         geometry = self._geometry(params, "the global (t, h, w)")
         conditioning = params.conditioning
         P = self._cp()[0]
@@ -159,11 +195,15 @@ class STDiTLayer(DiTLayerBase):
         tl = 1 if geometry.is_image else t // P
         s, b, D = hidden_states.shape
         if s != tl * n:
-            raise ValueError(f"hidden_states sequence length ({s}) must be frames per rank ({tl}) x "
-                             f"positions ({n}) for geometry {geometry} on cp_size ({P})")
+            raise ValueError(
+                f"hidden_states sequence length ({s}) must be frames per rank ({tl}) x "
+                f"positions ({n}) for geometry {geometry} on cp_size ({P})"
+            )
         if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != (b, D):
-            raise ValueError(f"params.conditioning must be the AdaLN conditioning vector [b, D] = "
-                             f"[{b}, {D}], got {tuple(getattr(conditioning, 'shape', ())) or None}")
+            raise ValueError(
+                f"params.conditioning must be the AdaLN conditioning vector [b, D] = "
+                f"[{b}, {D}], got {tuple(getattr(conditioning, 'shape', ())) or None}"
+            )
         if P > 1:
             shapes = {"hidden_states": hidden_states, "conditioning": conditioning}
             if context is not None:
@@ -182,27 +222,45 @@ class STDiTLayer(DiTLayerBase):
         x = hidden_states.transpose(0, 1).reshape(b, tl, n, D)
         if self.full_attention is not None:
             x = branch("full", x, self.input_layernorm, attn(self.full_attention, "full", "A"))
-        x = branch("spatial", x, self.pre_spatial_attn_layernorm,
-                   attn(self.spatial_attention, "spatial", "A"))
+        x = branch(
+            "spatial",
+            x,
+            self.pre_spatial_attn_layernorm,
+            attn(self.spatial_attention, "spatial", "A"),
+        )
         if context is not None:
             ctx = context.transpose(0, 1)
-            x = branch("cross", x, self.pre_cross_attn_layernorm, lambda y: self.cross_attention(
-                y.reshape(b, tl * n, D), ctx, context_mask).reshape(b, tl, n, D))
+            x = branch(
+                "cross",
+                x,
+                self.pre_cross_attn_layernorm,
+                lambda y: self.cross_attention(y.reshape(b, tl * n, D), ctx, context_mask).reshape(
+                    b, tl, n, D
+                ),
+            )
         if self._on_local_rows(self.temporal_attention, geometry):
             # to layout B (a local transpose when P == 1 or for images), temporal + MLP, back to A
             if P == 1:
                 xb = x.transpose(1, 2)
             else:
                 xb = frames_to_positions(x, self.cp_group, t, n, check_shapes=False)
-            xb = branch("temporal", xb, self.pre_temporal_attn_layernorm,
-                        attn(self.temporal_attention, "temporal", "B"))
+            xb = branch(
+                "temporal",
+                xb,
+                self.pre_temporal_attn_layernorm,
+                attn(self.temporal_attention, "temporal", "B"),
+            )
             xb = branch("mlp", xb, self.pre_mlp_layernorm, self._mlp)
             if P == 1:
                 x = xb.transpose(1, 2)
             else:
                 x = positions_to_frames(xb, self.cp_group, t, n, check_shapes=False)
         else:
-            x = branch("temporal", x, self.pre_temporal_attn_layernorm,
-                       attn(self.temporal_attention, "temporal", "A"))
+            x = branch(
+                "temporal",
+                x,
+                self.pre_temporal_attn_layernorm,
+                attn(self.temporal_attention, "temporal", "A"),
+            )
             x = branch("mlp", x, self.pre_mlp_layernorm, self._mlp)
         return x.reshape(b, s, D).transpose(0, 1).contiguous(), context

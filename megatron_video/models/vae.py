@@ -7,6 +7,7 @@ zero padding of ``kernel - 1`` frames) and declares ``causal_time_op`` so that
 itself. Nothing mixes frames except these convolutions (no temporal norms), which is what makes
 windowed encoding exact. Tensors are ``[B, C, T, H, W]``.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -15,8 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CausalConv3d", "CausalTemporalUpsample", "CausalVideoEncoder", "CausalVideoDecoder",
-           "CausalVideoVAE"]
+__all__ = [
+    "CausalConv3d",
+    "CausalTemporalUpsample",
+    "CausalVideoEncoder",
+    "CausalVideoDecoder",
+    "CausalVideoVAE",
+]
 
 TEMPORAL_STRIDE = 4
 SPATIAL_STRIDE = 8
@@ -25,14 +31,20 @@ SPATIAL_STRIDE = 8
 class CausalConv3d(nn.Module):
     """Conv3d, causal in time (left pad ``kt-1`` zero frames), 'same' spatial padding."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel: Tuple[int, int, int] = (3, 3, 3),
-                 stride: Tuple[int, int, int] = (1, 1, 1)):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel: Tuple[int, int, int] = (3, 3, 3),
+        stride: Tuple[int, int, int] = (1, 1, 1),
+    ):
         super().__init__()
         kt, kh, kw = kernel
         self.time_pad = kt - 1
         self.causal_time_op = (kt, stride[0], kt - 1)
-        self.conv = nn.Conv3d(in_channels, out_channels, kernel, stride=stride,
-                              padding=(0, kh // 2, kw // 2))
+        self.conv = nn.Conv3d(
+            in_channels, out_channels, kernel, stride=stride, padding=(0, kh // 2, kw // 2)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.pad(x, (0, 0, 0, 0, self.time_pad, 0)))
@@ -107,8 +119,9 @@ class CausalVideoDecoder(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         if z.dim() != 5 or z.shape[1] != self.latent_channels:
-            raise ValueError(f"latents shape ({tuple(z.shape)}) must be [B, {self.latent_channels}, "
-                             f"F, h, w]")
+            raise ValueError(
+                f"latents shape ({tuple(z.shape)}) must be [B, {self.latent_channels}, F, h, w]"
+            )
         x = F.silu(self.conv_in(z))
         x = F.silu(self.up3(F.interpolate(x, scale_factor=(1, 2, 2), mode="nearest")))
         x = self.res(F.silu(self.up2(x)))
@@ -142,8 +155,9 @@ class CausalVideoVAE(nn.Module):
         mean, logvar = moments.chunk(2, dim=1)
         return mean, logvar.clamp(-30.0, 20.0)
 
-    def encode(self, x: torch.Tensor, sample: bool = False,
-               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def encode(
+        self, x: torch.Tensor, sample: bool = False, generator: Optional[torch.Generator] = None
+    ) -> torch.Tensor:
         mean, logvar = self.split_moments(self.encoder(x))
         if not sample:
             return mean
@@ -153,8 +167,9 @@ class CausalVideoVAE(nn.Module):
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.decoder(z)
 
-    def loss(self, x: torch.Tensor, kl_weight: float = 1e-4,
-             generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, dict]:
+    def loss(
+        self, x: torch.Tensor, kl_weight: float = 1e-4, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, dict]:
         """Reconstruction MSE + ``kl_weight`` * KL(q(z|x) || N(0, I)) (per element means)."""
         mean, logvar = self.split_moments(self.encoder(x))
         eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)

@@ -4,6 +4,7 @@ the last) and ``VideoDiTConfig``, Megatron's ``TransformerConfig`` plus the vide
 layers: ``models.video_dit_layer`` / ``models.stdit``; their specs: ``models.dit_layer_specs``.
 Design: docs/architecture.md, "Megatron integration".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,7 @@ from megatron_video.models.embedders import (
 )
 from megatron_video.models.video_dit_layer import VideoDiTLayer  # noqa: F401  (re-exported)
 
-__all__ = ["LAYER_TYPES", "VideoDiTConfig", "VideoDiT", "replicated_embedders",
-           "mark_pp_replicas"]
+__all__ = ["LAYER_TYPES", "VideoDiTConfig", "VideoDiT", "replicated_embedders", "mark_pp_replicas"]
 
 LAYER_TYPES = ("full", "stdit")
 
@@ -51,21 +51,21 @@ LAYER_TYPES = ("full", "stdit")
 class VideoDiTConfig(TransformerConfig):
     """``TransformerConfig`` plus the video fields of the DiT family."""
 
-    in_channels: int = 4                         # latent channels
+    in_channels: int = 4  # latent channels
     patch_size: Tuple[int, int, int] = (1, 1, 1)  # (pt, ph, pw)
-    lora_rank: int = 32                          # AdaLN-LoRA rank r
-    rope_theta: Optional[float] = 10000.0        # None disables 3D RoPE
-    timestep_scale: float = 1000.0               # timestep (or EDM c_noise) -> sinusoid argument
+    lora_rank: int = 32  # AdaLN-LoRA rank r
+    rope_theta: Optional[float] = 10000.0  # None disables 3D RoPE
+    timestep_scale: float = 1000.0  # timestep (or EDM c_noise) -> sinusoid argument
     timestep_frequency_dim: int = 256
     text_vocab_size: int = len(VOCAB)
     text_max_len: int = 16
-    text_dim: Optional[int] = None               # width of the text embeddings (default hidden_size)
-    text_input_dim: Optional[int] = None         # width of precomputed caption embeddings (projected)
-    layer_type: str = "full"                     # "full" (VideoDiT) or "stdit"
+    text_dim: Optional[int] = None  # width of the text embeddings (default hidden_size)
+    text_input_dim: Optional[int] = None  # width of precomputed caption embeddings (projected)
+    layer_type: str = "full"  # "full" (VideoDiT) or "stdit"
     stdit_variant: str = "hybrid"
     stdit_full_attention_layers: Tuple[int, ...] = ()
-    layer_backend: str = "local"                 # layer spec: "local" or "te" (TransformerEngine)
-    cond_seed: int = 1234                        # replicated embedders start identical everywhere
+    layer_backend: str = "local"  # layer spec: "local" or "te" (TransformerEngine)
+    cond_seed: int = 1234  # replicated embedders start identical everywhere
     # Megatron's finalize_model_grads all-reduces params tagged ``pipeline_parallel`` over the
     # pipeline group when this is set (the conditioning embedders live on every stage).
     has_cond_embedder: bool = True
@@ -118,26 +118,40 @@ class VideoDiT(MegatronModule):
     last stage and the hidden states ``[s_local, b, D]`` on the others.
     """
 
-    def __init__(self, config: VideoDiTConfig, pre_process: bool = True, post_process: bool = True,
-                 layer_spec: Optional[ModuleSpec] = None, vp_stage: Optional[int] = None):
+    def __init__(
+        self,
+        config: VideoDiTConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_spec: Optional[ModuleSpec] = None,
+        vp_stage: Optional[int] = None,
+    ):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder
-        self.share_embeddings_and_output_weights = False   # read by Megatron's finalize_model_grads
+        self.share_embeddings_and_output_weights = False  # read by Megatron's finalize_model_grads
         self.pre_process, self.post_process = pre_process, post_process
         # Identical conditioning embedders on every stage / rank: seeded apart from the global RNG.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.cond_seed)
             self.t_embedder = TimestepEmbedder(config, config.timestep_frequency_dim)
-            self.text_embedder = TextEmbedder(config.text_vocab_size, config.text_dim,
-                                              config.text_max_len, seed=config.cond_seed,
-                                              input_dim=config.text_input_dim)
+            self.text_embedder = TextEmbedder(
+                config.text_vocab_size,
+                config.text_dim,
+                config.text_max_len,
+                seed=config.cond_seed,
+                input_dim=config.text_input_dim,
+            )
         for name in replicated_embedders(self):
             mark_pipeline_replicated(getattr(self, name))
         if pre_process:
             self.patch_embed = PatchEmbed(config, config.patch_dim)
-        self.decoder = VideoTransformerBlock(config, layer_spec or layer_spec_for(config),
-                                             pre_process=pre_process, post_process=False,
-                                             vp_stage=vp_stage)
+        self.decoder = VideoTransformerBlock(
+            config,
+            layer_spec or layer_spec_for(config),
+            pre_process=pre_process,
+            post_process=False,
+            vp_stage=vp_stage,
+        )
         if post_process:
             self.final_layer = FinalLayer(config, config.patch_dim)
 
@@ -149,27 +163,40 @@ class VideoDiT(MegatronModule):
     def conditioning(self, timesteps: torch.Tensor) -> torch.Tensor:
         return self.t_embedder(timesteps * self.config.timestep_scale)
 
-    def forward(self, tokens: Optional[torch.Tensor], timesteps: torch.Tensor,
-                caption_ids: torch.Tensor, caption_mask: torch.Tensor, geometry: VideoGeometry,
-                drop: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Optional[torch.Tensor],
+        timesteps: torch.Tensor,
+        caption_ids: torch.Tensor,
+        caption_mask: torch.Tensor,
+        geometry: VideoGeometry,
+        drop: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         c = self.conditioning(timesteps)
         ctx, ctx_mask = self.text_embedder(caption_ids, caption_mask, drop)
         hidden = None
         if self.pre_process:
             if tokens is None or tokens.dim() != 3 or tokens.shape[-1] != self.config.patch_dim:
-                raise ValueError(f"tokens ({None if tokens is None else tuple(tokens.shape)}) must be "
-                                 f"[b, s_local, patch_dim = {self.config.patch_dim}]")
+                raise ValueError(
+                    f"tokens ({None if tokens is None else tuple(tokens.shape)}) must be "
+                    f"[b, s_local, patch_dim = {self.config.patch_dim}]"
+                )
             hidden = self.patch_embed(tokens).transpose(0, 1).contiguous()
-        out = self.decoder(hidden, DiTParams(conditioning=c, geometry=geometry),
-                           context=ctx.transpose(0, 1).contiguous(), context_mask=ctx_mask)
+        out = self.decoder(
+            hidden,
+            DiTParams(conditioning=c, geometry=geometry),
+            context=ctx.transpose(0, 1).contiguous(),
+            context_mask=ctx_mask,
+        )
         if isinstance(out, tuple):
             out = out[0]
         if not self.post_process:
             return out
         return self.final_layer(out.transpose(0, 1), c)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
         # Layers differ when ST-DiT adds full attention to some; save them per global layer.
         metadata = dict(metadata or {}, non_homogeneous_layers=True)
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -3,6 +3,7 @@ attention to the whole text without CP, MLP, each AdaLN-gated), a Megatron ``Tra
 Its spec: ``models.dit_layer_specs.get_video_dit_layer_spec``; design: docs/architecture.md,
 "Megatron integration".
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,9 +36,15 @@ class VideoDiTLayer(DiTLayerBase):
 
     sequence_parallel_reason = "its sequence is already split by context parallelism"
 
-    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules,
-                 layer_number: int = 1, lora_rank: int = 256,
-                 rope_theta: Optional[float] = 10000.0, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: DiTLayerSubmodules,
+        layer_number: int = 1,
+        lora_rank: int = 256,
+        rope_theta: Optional[float] = 10000.0,
+        **kwargs,
+    ):
         super().__init__(config, submodules, layer_number, **kwargs)
         self._build_modulation(submodules.modulation, 9, lora_rank)
         self.rope_theta = rope_theta
@@ -47,28 +54,48 @@ class VideoDiTLayer(DiTLayerBase):
             return None
         _, rank = self._cp()
         ids = torch.arange(rank * s, (rank + 1) * s)
-        angles = rope_3d_angles(token_thw(ids, geometry), self.self_attention.head_dim,
-                                self.rope_theta)
+        angles = rope_3d_angles(
+            token_thw(ids, geometry), self.self_attention.head_dim, self.rope_theta
+        )
         return rope_embedding(angles).to(device)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
-                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        params: Optional[DiTParams] = None,
+        rotary_pos_emb=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
         """``hidden_states [s, b, D]`` (contiguous CP shard) -> ``([s, b, D], context)``."""
-        params = self._check_params(params, "the AdaLN conditioning and the global token grid", dict(
-            attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-            attention_bias=attention_bias, packed_seq_params=packed_seq_params))
+        params = self._check_params(
+            params,
+            "the AdaLN conditioning and the global token grid",
+            dict(
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            ),
+        )
         geometry = self._geometry(params, "the global token grid")
         conditioning = params.conditioning
         s, b, D = hidden_states.shape
         P, _ = self._cp()
         if s * P != geometry.tokens:
-            raise ValueError(f"hidden_states sequence length ({s}) x cp_size ({P}) must equal the "
-                             f"tokens of geometry {geometry} ({geometry.tokens})")
+            raise ValueError(
+                f"hidden_states sequence length ({s}) x cp_size ({P}) must equal the "
+                f"tokens of geometry {geometry} ({geometry.tokens})"
+            )
         if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != (b, D):
-            raise ValueError(f"params.conditioning must be [b, D] = [{b}, {D}], got "
-                             f"{tuple(getattr(conditioning, 'shape', ())) or None}")
+            raise ValueError(
+                f"params.conditioning must be [b, D] = [{b}, {D}], got "
+                f"{tuple(getattr(conditioning, 'shape', ())) or None}"
+            )
         if P > 1:
             shapes = {"hidden_states": hidden_states, "conditioning": conditioning}
             if context is not None:
@@ -77,7 +104,7 @@ class VideoDiTLayer(DiTLayerBase):
         mods = self.modulation(conditioning)
         rope = self._rope(s, geometry, hidden_states.device)
 
-        def attention(y):   # [b, s, D] in and out; the attention modules take Megatron's [s, b, D]
+        def attention(y):  # [b, s, D] in and out; the attention modules take Megatron's [s, b, D]
             out, _ = self.self_attention(y.transpose(0, 1), rotary_pos_emb=rope)
             return out.transpose(0, 1)
 
@@ -85,7 +112,12 @@ class VideoDiTLayer(DiTLayerBase):
         x = adaln_branch(x, mods, 0, self.input_layernorm, attention)
         if context is not None:
             ctx = context.transpose(0, 1)
-            x = adaln_branch(x, mods, 1, self.pre_cross_attn_layernorm,
-                             lambda y: self.cross_attention(y, ctx, context_mask))
+            x = adaln_branch(
+                x,
+                mods,
+                1,
+                self.pre_cross_attn_layernorm,
+                lambda y: self.cross_attention(y, ctx, context_mask),
+            )
         x = adaln_branch(x, mods, 2, self.pre_mlp_layernorm, self._mlp)
         return x.transpose(0, 1).contiguous(), context

@@ -3,6 +3,7 @@
 The extension is optional: without it every op runs its reference (one warning per process says
 so). ``MEGATRON_VIDEO_OPS=auto|reference|extension`` forces either path (see ``_backend``).
 """
+
 from ._backend import ENV_VAR, active_backend
 from .halo import (
     LAYOUTS,
@@ -28,8 +29,24 @@ from .masks import (
 )
 
 __all__ = [
-    "ENV_VAR", "LAYOUTS", "RULES", "FlexBlockFields", "PackedWindows", "TokenIds", "active_backend",
-    "block_mask_status", "block_mask_status_reference", "dense_mask", "dense_mask_reference",
-    "flex_block_fields", "flex_block_mask", "halo_gather", "halo_gather_packed", "halo_gather_reference",
-    "halo_scatter", "halo_scatter_reference", "lower_triangle", "mask_mod",
+    "ENV_VAR",
+    "LAYOUTS",
+    "RULES",
+    "FlexBlockFields",
+    "PackedWindows",
+    "TokenIds",
+    "active_backend",
+    "block_mask_status",
+    "block_mask_status_reference",
+    "dense_mask",
+    "dense_mask_reference",
+    "flex_block_fields",
+    "flex_block_mask",
+    "halo_gather",
+    "halo_gather_packed",
+    "halo_gather_reference",
+    "halo_scatter",
+    "halo_scatter_reference",
+    "lower_triangle",
+    "mask_mod",
 ]

@@ -1,6 +1,7 @@
 """Chooses, per call, between the compiled kernels (``megatron_video._C``) and the references, by
 ``MEGATRON_VIDEO_OPS`` (``mode``: ``auto`` / ``reference`` / ``extension``, read on every call).
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,17 +52,25 @@ def extension_for(device: torch.device):
     ext, reason = _load()
     if ext is None:
         if chosen == "extension":
-            raise RuntimeError(f"{ENV_VAR}=extension but megatron_video._C cannot be imported ({reason})")
-        _warn_once(f"megatron_video._C is not available ({reason}); megatron_video.ops runs the "
-                   "pure-PyTorch references (build it with `pip install --no-build-isolation -e .`)")
+            raise RuntimeError(
+                f"{ENV_VAR}=extension but megatron_video._C cannot be imported ({reason})"
+            )
+        _warn_once(
+            f"megatron_video._C is not available ({reason}); megatron_video.ops runs the "
+            "pure-PyTorch references (build it with `pip install --no-build-isolation -e .`)"
+        )
         return None
     supported = device.type == "cpu" or (device.type == "cuda" and ext.has_cuda())
     if not supported:
         if chosen == "extension":
-            raise RuntimeError(f"{ENV_VAR}=extension but megatron_video._C has no kernels for device "
-                               f"{device} (CUDA kernels built: {ext.has_cuda()})")
-        _warn_once(f"megatron_video._C has no kernels for device type {device.type!r}; "
-                   "megatron_video.ops runs the pure-PyTorch references there")
+            raise RuntimeError(
+                f"{ENV_VAR}=extension but megatron_video._C has no kernels for device "
+                f"{device} (CUDA kernels built: {ext.has_cuda()})"
+            )
+        _warn_once(
+            f"megatron_video._C has no kernels for device type {device.type!r}; "
+            "megatron_video.ops runs the pure-PyTorch references there"
+        )
         return None
     return ext
 

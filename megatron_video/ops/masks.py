@@ -3,6 +3,7 @@
 defined once in ``ops.rules`` (and ``csrc/mask_rules.h`` for the kernels). Design:
 docs/architecture.md, "Capabilities" 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -33,20 +34,30 @@ class TokenIds:
     pos: torch.Tensor | None = None
 
     @classmethod
-    def from_frames(cls, frame: torch.Tensor, frames_per_block: int, *, side=None, doc=None,
-                    pos=None) -> "TokenIds":
+    def from_frames(
+        cls, frame: torch.Tensor, frames_per_block: int, *, side=None, doc=None, pos=None
+    ) -> "TokenIds":
         """Ids whose block is ``frame // frames_per_block`` (global latent frame per token)."""
         if not isinstance(frames_per_block, int) or frames_per_block < 1:
             raise ValueError(f"frames_per_block ({frames_per_block!r}) must be a positive int")
         if not isinstance(frame, torch.Tensor) or frame.dim() != 1 or frame.dtype.is_floating_point:
-            raise ValueError(f"frame ({getattr(frame, 'shape', type(frame).__name__)}) must be a 1-D "
-                             "integer tensor")
+            raise ValueError(
+                f"frame ({getattr(frame, 'shape', type(frame).__name__)}) must be a 1-D "
+                "integer tensor"
+            )
         if frame.numel() and int(frame.min()) < 0:
             raise ValueError(f"frame (min {int(frame.min())}) must be >= 0")
-        return cls(side=side, block=torch.div(frame, frames_per_block, rounding_mode="floor"), doc=doc, pos=pos)
+        return cls(
+            side=side,
+            block=torch.div(frame, frames_per_block, rounding_mode="floor"),
+            doc=doc,
+            pos=pos,
+        )
 
     def present(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
 
 
 def _check_ids(name: str, ids: TokenIds, needs: tuple[str, ...]) -> tuple[int, torch.device]:
@@ -60,17 +71,28 @@ def _check_ids(name: str, ids: TokenIds, needs: tuple[str, ...]) -> tuple[int, t
         raise ValueError(f"{name} (no fields) must carry at least one id vector")
     length = device = None
     for field, t in given.items():
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"{name}.{field} ({getattr(t, 'shape', type(t).__name__)}) must be a 1-D "
-                             "integer tensor")
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dim() != 1
+            or t.dtype.is_floating_point
+            or t.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"{name}.{field} ({getattr(t, 'shape', type(t).__name__)}) must be a 1-D "
+                "integer tensor"
+            )
         length = t.numel() if length is None else length
         device = t.device if device is None else device
         if t.numel() != length or t.device != device:
-            raise ValueError(f"{name}.{field} (length {t.numel()}, {t.device}) must match the other fields "
-                             f"(length {length}, {device})")
+            raise ValueError(
+                f"{name}.{field} (length {t.numel()}, {t.device}) must match the other fields "
+                f"(length {length}, {device})"
+            )
     side = given.get("side")
     if side is not None and side.numel() and bool(((side != 0) & (side != 1)).any()):
-        raise ValueError(f"{name}.side (values {sorted(set(side.unique().tolist()))}) must be 0 (clean) or 1 (noisy)")
+        raise ValueError(
+            f"{name}.side (values {sorted(set(side.unique().tolist()))}) must be 0 (clean) or 1 (noisy)"
+        )
     return length, device
 
 
@@ -92,8 +114,10 @@ def _prepare(q: TokenIds, k: TokenIds, rule: str):
     if dq != dk:
         raise ValueError(f"q ({dq}) and k ({dk}) must be on one device")
     if (q.doc is None) != (k.doc is None):
-        raise ValueError(f"doc (q: {q.doc is not None}, k: {k.doc is not None}) must be given for both "
-                         "q and k or for neither")
+        raise ValueError(
+            f"doc (q: {q.doc is not None}, k: {k.doc is not None}) must be given for both "
+            "q and k or for neither"
+        )
     return _packed(q, lq, dq), _packed(k, lk, dk), q.doc is not None
 
 
@@ -149,7 +173,9 @@ def _check_tile(name: str, value) -> int:
     return value
 
 
-def block_mask_status(q: TokenIds, k: TokenIds, rule: str, q_block: int, k_block: int) -> torch.Tensor:
+def block_mask_status(
+    q: TokenIds, k: TokenIds, rule: str, q_block: int, k_block: int
+) -> torch.Tensor:
     """uint8 ``[ceil(Lq/q_block), ceil(Lk/k_block)]``: 0 empty, 1 partial, 2 full (over the tile's real tokens)."""
     _check_tile("q_block", q_block)
     _check_tile("k_block", k_block)
@@ -160,7 +186,9 @@ def block_mask_status(q: TokenIds, k: TokenIds, rule: str, q_block: int, k_block
     return ext.block_status(qi, ki, RULES[rule], same_doc, q_block, k_block)
 
 
-def block_mask_status_reference(q: TokenIds, k: TokenIds, rule: str, q_block: int, k_block: int) -> torch.Tensor:
+def block_mask_status_reference(
+    q: TokenIds, k: TokenIds, rule: str, q_block: int, k_block: int
+) -> torch.Tensor:
     """Pure-PyTorch ``block_mask_status``: dense mask by row chunks, any/all per tile."""
     _check_tile("q_block", q_block)
     _check_tile("k_block", k_block)
@@ -173,16 +201,30 @@ def _status_reference(rule, same_doc, qi, ki, q_block, k_block) -> torch.Tensor:
     nq, nk = -(-lq // q_block), -(-lk // k_block)
     status = torch.empty(nq, nk, dtype=torch.uint8, device=qi.device)
     pad_k = nk * k_block - lk
-    tiles_per_chunk = max(1, (1 << 22) // max(1, q_block * lk))  # bounds the dense chunk to ~4M bools
+    tiles_per_chunk = max(
+        1, (1 << 22) // max(1, q_block * lk)
+    )  # bounds the dense chunk to ~4M bools
     for t0 in range(0, nq, tiles_per_chunk):
         r0, r1 = t0 * q_block, min(lq, (t0 + tiles_per_chunk) * q_block)
         m = _dense_rows(rule, same_doc, qi[:, r0:r1], ki)
         rows = -(-(r1 - r0) // q_block) * q_block
         shape = (rows // q_block, q_block, nk, k_block)
         # Padding is False for "any allowed" and True for "all allowed": it never changes a verdict.
-        any_ = torch.nn.functional.pad(m, (0, pad_k, 0, rows - (r1 - r0)), value=False).view(shape).any(3).any(1)
-        all_ = torch.nn.functional.pad(m, (0, pad_k, 0, rows - (r1 - r0)), value=True).view(shape).all(3).all(1)
-        status[t0:t0 + shape[0]] = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.uint8)
+        any_ = (
+            torch.nn.functional.pad(m, (0, pad_k, 0, rows - (r1 - r0)), value=False)
+            .view(shape)
+            .any(3)
+            .any(1)
+        )
+        all_ = (
+            torch.nn.functional.pad(m, (0, pad_k, 0, rows - (r1 - r0)), value=True)
+            .view(shape)
+            .all(3)
+            .all(1)
+        )
+        status[t0 : t0 + shape[0]] = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(
+            torch.uint8
+        )
     return status
 
 
@@ -201,7 +243,9 @@ def flex_block_fields(status: torch.Tensor) -> FlexBlockFields:
     Indices of each kind come first in ascending k order; the rest of each row is padding.
     """
     if not isinstance(status, torch.Tensor) or status.dim() != 2:
-        raise ValueError(f"status ({getattr(status, 'shape', type(status).__name__)}) must be a 2-D tile status")
+        raise ValueError(
+            f"status ({getattr(status, 'shape', type(status).__name__)}) must be a 2-D tile status"
+        )
     nk = status.shape[1]
     cols = torch.arange(nk, device=status.device)
 
@@ -224,7 +268,9 @@ def mask_mod(q: TokenIds, k: TokenIds, rule: str) -> Callable:
     def mod(b, h, q_idx, kv_idx):
         # Clamped: compiled kernels may probe padded indices of a partial last block (then discarded).
         qx, kx = q_idx.clamp(max=lq - 1), kv_idx.clamp(max=lk - 1)
-        return _allowed(rule, same_doc, tuple(qi[r][qx] for r in range(4)), tuple(ki[r][kx] for r in range(4)))
+        return _allowed(
+            rule, same_doc, tuple(qi[r][qx] for r in range(4)), tuple(ki[r][kx] for r in range(4))
+        )
 
     return mod
 
@@ -235,5 +281,9 @@ def flex_block_mask(q: TokenIds, k: TokenIds, rule: str, q_block: int = 128, k_b
 
     status = block_mask_status(q, k, rule, q_block, k_block)
     lq, lk = _check_ids("q", q, ())[0], _check_ids("k", k, ())[0]
-    return BlockMask.from_kv_blocks(*flex_block_fields(status), BLOCK_SIZE=(q_block, k_block),
-                                    mask_mod=mask_mod(q, k, rule), seq_lengths=(lq, lk))
+    return BlockMask.from_kv_blocks(
+        *flex_block_fields(status),
+        BLOCK_SIZE=(q_block, k_block),
+        mask_mod=mask_mod(q, k, rule),
+        seq_lengths=(lq, lk),
+    )

@@ -2,6 +2,7 @@
 ``CommTracer``, which sees every call (tests and benchmarks assert exact call and byte counts; the
 byte convention is on ``CommTracer``). Design: docs/architecture.md, "Capabilities" 1.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +16,26 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CommEvent", "CommTracer", "all_to_all", "all_to_all_single", "ring_shift", "RingExchange",
-    "check_same_shape", "check_dim", "group_ranks", "group_size", "group_rank", "all_reduce",
-    "all_gather_cat", "copy_to_group", "gather_from_group",
-    "broadcast", "scatter", "all_to_all_v", "exchange_counts", "check_same_values",
+    "CommEvent",
+    "CommTracer",
+    "all_to_all",
+    "all_to_all_single",
+    "ring_shift",
+    "RingExchange",
+    "check_same_shape",
+    "check_dim",
+    "group_ranks",
+    "group_size",
+    "group_rank",
+    "all_reduce",
+    "all_gather_cat",
+    "copy_to_group",
+    "gather_from_group",
+    "broadcast",
+    "scatter",
+    "all_to_all_v",
+    "exchange_counts",
+    "check_same_values",
 ]
 
 
@@ -27,11 +44,11 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class CommEvent:
-    op: str                 # "all_to_all", "send", "recv", "all_reduce", "all_gather", "shape_check"
+    op: str  # "all_to_all", "send", "recv", "all_reduce", "all_gather", "shape_check"
     group_size: int
-    bytes_sent: int         # bytes leaving this rank (see module docstring)
-    intra_node: bool        # every rank of the group (or both P2P peers) on this rank's node
-    tag: str = ""          # free-form label set by the caller ("ulysses.q", "ring.kv", ...)
+    bytes_sent: int  # bytes leaving this rank (see module docstring)
+    intra_node: bool  # every rank of the group (or both P2P peers) on this rank's node
+    tag: str = ""  # free-form label set by the caller ("ulysses.q", "ring.kv", ...)
     direction: str = "fwd"  # "fwd" or "bwd" (autograd backward)
 
 
@@ -114,12 +131,20 @@ def _same_node(global_ranks: Sequence[int]) -> bool:
     return len({r // rpn for r in global_ranks}) <= 1
 
 
-def _record(op: str, group, nbytes: int, tag: str, direction: str, peers: Optional[Sequence[int]] = None):
+def _record(
+    op: str, group, nbytes: int, tag: str, direction: str, peers: Optional[Sequence[int]] = None
+):
     if not _ACTIVE:
         return
     ranks = group_ranks(group) if peers is None else list(peers)
-    ev = CommEvent(op=op, group_size=group_size(group), bytes_sent=int(nbytes),
-                   intra_node=_same_node(ranks), tag=tag, direction=direction)
+    ev = CommEvent(
+        op=op,
+        group_size=group_size(group),
+        bytes_sent=int(nbytes),
+        intra_node=_same_node(ranks),
+        tag=tag,
+        direction=direction,
+    )
     for t in _ACTIVE:
         t.events.append(ev)
 
@@ -128,8 +153,11 @@ def _record(op: str, group, nbytes: int, tag: str, direction: str, peers: Option
 # Group helpers
 # ----------------------------------------------------------------------------------------------
 def group_ranks(group) -> List[int]:
-    return list(dist.get_process_group_ranks(group)) if group is not None else list(
-        range(dist.get_world_size()))
+    return (
+        list(dist.get_process_group_ranks(group))
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
 
 
 def group_size(group) -> int:
@@ -144,16 +172,28 @@ def check_dim(name: str, dim: int, x: torch.Tensor) -> int:
     """``dim`` normalised to ``[0, x.dim())``; ``ValueError`` outside ``[-x.dim(), x.dim())``."""
     nd = x.dim()
     if isinstance(dim, bool) or not isinstance(dim, Integral) or not -nd <= dim < nd:
-        raise ValueError(f"{name} ({dim!r}) must be an integer in [-{nd}, {nd}) for a {nd}-D tensor "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"{name} ({dim!r}) must be an integer in [-{nd}, {nd}) for a {nd}-D tensor "
+            f"{tuple(x.shape)}"
+        )
     return int(dim) % nd
 
 
 # ----------------------------------------------------------------------------------------------
 # Shape agreement (before any data collective, so a mismatch raises instead of hanging)
 # ----------------------------------------------------------------------------------------------
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.bool, torch.uint8, torch.int8, torch.int16]
+_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+]
 
 
 def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -> None:
@@ -182,13 +222,16 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
             raise ValueError(
                 f"{where or 'collective'}: tensor shapes/dtypes differ between ranks of the group "
                 f"(this rank {group_rank(group)}: {shapes}, {[t.dtype for t in tensors.values()]}; "
-                f"group rank {r} differs from group rank 0); every rank must pass the same shapes")
+                f"group rank {r} differs from group rank 0); every rank must pass the same shapes"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
 # All-to-all
 # ----------------------------------------------------------------------------------------------
-def all_to_all_single(x: torch.Tensor, group, tag: str = "", direction: str = "fwd") -> torch.Tensor:
+def all_to_all_single(
+    x: torch.Tensor, group, tag: str = "", direction: str = "fwd"
+) -> torch.Tensor:
     """Plain (non-autograd) ``all_to_all_single`` over dim 0 with equal splits, traced."""
     n = group_size(group)
     if n == 1:
@@ -200,8 +243,16 @@ def all_to_all_single(x: torch.Tensor, group, tag: str = "", direction: str = "f
     return out
 
 
-def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str, direction: str,
-         scatter_index: Optional[torch.Tensor] = None, gather_index: Optional[torch.Tensor] = None):
+def _a2a(
+    x: torch.Tensor,
+    group,
+    scatter_dim: int,
+    gather_dim: int,
+    tag: str,
+    direction: str,
+    scatter_index: Optional[torch.Tensor] = None,
+    gather_index: Optional[torch.Tensor] = None,
+):
     n = group_size(group)
     if n == 1:
         x = x if scatter_index is None else x.index_select(scatter_dim, scatter_index)
@@ -209,7 +260,8 @@ def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str, di
     if x.shape[scatter_dim] % n:
         raise ValueError(
             f"all_to_all{f' ({tag})' if tag else ''}: scatter dimension {scatter_dim} has size "
-            f"{x.shape[scatter_dim]}, which must be divisible by the group size ({n})")
+            f"{x.shape[scatter_dim]}, which must be divisible by the group size ({n})"
+        )
     # chunk i of the scatter dim goes to group rank i; received chunks are concatenated in group
     # rank order along the gather dim. A permutation of the scatter dim (before) or of the gather
     # dim (after) rides on the packing / unpacking copy where the layout allows (e.g. batch 1).
@@ -242,23 +294,51 @@ class _AllToAll(torch.autograd.Function):
         # The inverse all-to-all: scatter what was gathered, gather what was scattered (and undo
         # the permutations in reverse order).
         s_idx, g_idx = ctx.indices
-        return (_a2a(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.tag, "bwd", _inverse(g_idx),
-                     _inverse(s_idx)), None, None, None, None, None, None)
+        return (
+            _a2a(
+                grad,
+                ctx.group,
+                ctx.gather_dim,
+                ctx.scatter_dim,
+                ctx.tag,
+                "bwd",
+                _inverse(g_idx),
+                _inverse(s_idx),
+            ),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _check_index(name: str, index, size: int, device) -> Optional[torch.Tensor]:
     if index is None:
         return None
-    if (not isinstance(index, torch.Tensor) or index.dim() != 1 or index.numel() != size
-            or index.dtype not in (torch.int64, torch.int32)):
-        raise ValueError(f"{name} ({getattr(index, 'shape', type(index).__name__)}) must be a 1-D integer "
-                         f"permutation of {size} positions")
+    if (
+        not isinstance(index, torch.Tensor)
+        or index.dim() != 1
+        or index.numel() != size
+        or index.dtype not in (torch.int64, torch.int32)
+    ):
+        raise ValueError(
+            f"{name} ({getattr(index, 'shape', type(index).__name__)}) must be a 1-D integer "
+            f"permutation of {size} positions"
+        )
     return index.to(device=device, dtype=torch.int64)
 
 
-def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: str = "",
-               scatter_index: Optional[torch.Tensor] = None,
-               gather_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    group,
+    scatter_dim: int,
+    gather_dim: int,
+    tag: str = "",
+    scatter_index: Optional[torch.Tensor] = None,
+    gather_index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Autograd all-to-all: split ``scatter_dim`` across the group, concatenate along ``gather_dim``.
 
     The backward is the inverse all-to-all. ``x.shape[scatter_dim]`` must be divisible by the
@@ -273,9 +353,12 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, tag: s
     gather_dim = check_dim("gather_dim", gather_dim, x)
     scatter_index = _check_index("scatter_index", scatter_index, x.shape[scatter_dim], x.device)
     n = group_size(group)
-    gather_index = _check_index("gather_index", gather_index,
-                                x.shape[gather_dim] * n if scatter_dim != gather_dim else x.shape[gather_dim],
-                                x.device)
+    gather_index = _check_index(
+        "gather_index",
+        gather_index,
+        x.shape[gather_dim] * n if scatter_dim != gather_dim else x.shape[gather_dim],
+        x.device,
+    )
     if n == 1 and scatter_index is None and gather_index is None:
         return x
     return _AllToAll.apply(x, group, scatter_dim, gather_dim, tag, scatter_index, gather_index)
@@ -289,15 +372,21 @@ def _check_counts(name: str, counts, n: int) -> List[int]:
     ok = vals is not None and len(vals) == n
     out = []
     for c in vals or []:
-        if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point() and c.dtype != torch.bool:
+        if (
+            isinstance(c, torch.Tensor)
+            and c.dim() == 0
+            and not c.is_floating_point()
+            and c.dtype != torch.bool
+        ):
             c = int(c)
         if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
             ok = False
             break
         out.append(int(c))
     if not ok:
-        raise ValueError(f"{name} ({counts!r}) must be a sequence of {n} (the group size) "
-                         f"non-negative integers")
+        raise ValueError(
+            f"{name} ({counts!r}) must be a sequence of {n} (the group size) non-negative integers"
+        )
     return out
 
 
@@ -320,8 +409,9 @@ def _a2av(x: torch.Tensor, send: List[int], recv: List[int], group, tag: str, di
     me = group_rank(group)
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
     _record("all_to_all_v", group, row * (sum(send) - send[me]), tag, direction)
-    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send),
-                           group=group)
+    dist.all_to_all_single(
+        out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group
+    )
     return out
 
 
@@ -338,8 +428,13 @@ class _AllToAllV(torch.autograd.Function):
         return _a2av(grad, ctx.recv, ctx.send, ctx.group, ctx.tag, "bwd"), None, None, None, None
 
 
-def all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], group, tag: str = "",
-                 expect_recv_counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+def all_to_all_v(
+    x: torch.Tensor,
+    send_counts: Sequence[int],
+    group,
+    tag: str = "",
+    expect_recv_counts: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
     """Autograd all-to-all with uneven splits along dim 0.
 
     ``x`` holds ``send_counts[j]`` rows for group rank ``j``, in group-rank order. The counts are
@@ -351,16 +446,20 @@ def all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], group, tag: str = 
     e.g. with ``check_same_values``, so that every rank reaches the same verdict).
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(f"x ({type(x).__name__} {tuple(getattr(x, 'shape', ()))}) must be a tensor "
-                         f"with at least one dimension (rows along dim 0)")
+        raise ValueError(
+            f"x ({type(x).__name__} {tuple(getattr(x, 'shape', ()))}) must be a tensor "
+            f"with at least one dimension (rows along dim 0)"
+        )
     n = group_size(group)
     send = _check_counts("send_counts", send_counts, n)
     if sum(send) != x.shape[0]:
         raise ValueError(f"send_counts ({send}) must sum to x.shape[0] ({x.shape[0]})")
     recv = exchange_counts(send, group, tag)
     if expect_recv_counts is not None and list(expect_recv_counts) != recv:
-        raise ValueError(f"all_to_all_v{f' ({tag})' if tag else ''}: the counts the other ranks send "
-                         f"({recv}) differ from expect_recv_counts ({list(expect_recv_counts)})")
+        raise ValueError(
+            f"all_to_all_v{f' ({tag})' if tag else ''}: the counts the other ranks send "
+            f"({recv}) differ from expect_recv_counts ({list(expect_recv_counts)})"
+        )
     if n == 1:
         return x
     return _AllToAllV.apply(x, send, recv, group, tag)
@@ -388,11 +487,16 @@ def check_same_values(values: Dict[str, torch.Tensor], group, where: str = "") -
     names = list(values)
     for r, g in enumerate(gathered):
         if not torch.equal(g, gathered[0]):
-            diff = [names[i // 2] for i in range(0, len(sig), 2)
-                    if not torch.equal(g[i:i + 2], gathered[0][i:i + 2])]
-            raise ValueError(f"{where or 'collective'}: {', '.join(sorted(set(diff)))} differ between "
-                             f"ranks of the group (group rank {r} vs group rank 0); every rank must "
-                             f"pass the same values")
+            diff = [
+                names[i // 2]
+                for i in range(0, len(sig), 2)
+                if not torch.equal(g[i : i + 2], gathered[0][i : i + 2])
+            ]
+            raise ValueError(
+                f"{where or 'collective'}: {', '.join(sorted(set(diff)))} differ between "
+                f"ranks of the group (group rank {r} vs group rank 0); every rank must "
+                f"pass the same values"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,8 +511,14 @@ class RingExchange:
     the transfer with compute on the current block.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group, shift: int = 1, tag: str = "",
-                 direction: str = "fwd"):
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group,
+        shift: int = 1,
+        tag: str = "",
+        direction: str = "fwd",
+    ):
         ranks = group_ranks(group)
         n = len(ranks)
         me = group_rank(group)
@@ -442,7 +552,12 @@ class _RingShift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return RingExchange([grad], ctx.group, -ctx.shift, ctx.tag, "bwd").wait()[0], None, None, None
+        return (
+            RingExchange([grad], ctx.group, -ctx.shift, ctx.tag, "bwd").wait()[0],
+            None,
+            None,
+            None,
+        )
 
 
 def ring_shift(x: torch.Tensor, group, shift: int = 1, tag: str = "") -> torch.Tensor:
@@ -484,26 +599,35 @@ def broadcast(x: torch.Tensor, group, src: int = 0, tag: str = "") -> torch.Tens
     ``nbytes * (N-1)``, the others 0)."""
     n = group_size(group)
     if n > 1:
-        _record("broadcast", group, x.nbytes * (n - 1) if group_rank(group) == src else 0, tag, "fwd")
+        _record(
+            "broadcast", group, x.nbytes * (n - 1) if group_rank(group) == src else 0, tag, "fwd"
+        )
         dist.broadcast(x, src=group_ranks(group)[src], group=group)
     return x
 
 
-def scatter(chunks: Optional[Sequence[torch.Tensor]], out: torch.Tensor, group, src: int = 0,
-            tag: str = "") -> torch.Tensor:
+def scatter(
+    chunks: Optional[Sequence[torch.Tensor]], out: torch.Tensor, group, src: int = 0, tag: str = ""
+) -> torch.Tensor:
     """Non-autograd scatter: group rank ``src`` sends ``chunks[i]`` (all shaped like ``out``) to
     group rank ``i``; fills and returns ``out``. Traced (``src`` records the bytes of the chunks it
     sends to others, the others 0)."""
     n = group_size(group)
     me = group_rank(group)
     if me == src and (chunks is None or len(chunks) != n):
-        raise ValueError(f"scatter: src must pass one chunk per group rank ({n}), got "
-                         f"{None if chunks is None else len(chunks)}")
+        raise ValueError(
+            f"scatter: src must pass one chunk per group rank ({n}), got "
+            f"{None if chunks is None else len(chunks)}"
+        )
     if n == 1:
         return out.copy_(chunks[0])
     _record("scatter", group, out.nbytes * (n - 1) if me == src else 0, tag, "fwd")
-    dist.scatter(out, [c.contiguous() for c in chunks] if me == src else None,
-                 src=group_ranks(group)[src], group=group)
+    dist.scatter(
+        out,
+        [c.contiguous() for c in chunks] if me == src else None,
+        src=group_ranks(group)[src],
+        group=group,
+    )
     return out
 
 

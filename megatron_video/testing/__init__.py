@@ -2,6 +2,7 @@
 (``pool.WorkerPool``), float64 attention oracles (``oracles``), mask oracles (``masks``), Megatron
 set-up context managers (``parallel``) and tiny model configs (``configs``). Nothing in
 ``megatron_video`` outside this package imports it."""
+
 from .pool import RankError, WorkerPool
 
 __all__ = ["RankError", "WorkerPool"]

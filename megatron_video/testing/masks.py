@@ -3,18 +3,34 @@
 Independent of ``megatron_video.attention.masks`` and ``megatron_video.ops`` (``mask_for`` only
 builds the library's mask object for a kind, for the code under test).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["allowed", "mask_for", "teacher_forcing_allowed", "teacher_forcing_oracle",
-           "rule_allows", "dense_rule_oracle", "tile_status_oracle",
-           "rank_major_teacher_forcing_ids"]
+__all__ = [
+    "allowed",
+    "mask_for",
+    "teacher_forcing_allowed",
+    "teacher_forcing_oracle",
+    "rule_allows",
+    "dense_rule_oracle",
+    "tile_status_oracle",
+    "rank_major_teacher_forcing_ids",
+]
 
-KINDS = ("full", "causal", "block_causal", "packed", "packed_causal", "packed_block", "window",
-         "none")
+KINDS = (
+    "full",
+    "causal",
+    "block_causal",
+    "packed",
+    "packed_causal",
+    "packed_block",
+    "window",
+    "none",
+)
 
 
 def _doc_ids(ids: torch.Tensor, cu: Sequence[int], pad: int) -> torch.Tensor:
@@ -23,9 +39,16 @@ def _doc_ids(ids: torch.Tensor, cu: Sequence[int], pad: int) -> torch.Tensor:
     return doc
 
 
-def allowed(kind: str, q, k=None, *, block: Optional[int] = None,
-            cu: Optional[Sequence[int]] = None, window: Optional[int] = None,
-            inner_block: Optional[int] = None) -> torch.Tensor:
+def allowed(
+    kind: str,
+    q,
+    k=None,
+    *,
+    block: Optional[int] = None,
+    cu: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    inner_block: Optional[int] = None,
+) -> torch.Tensor:
     """Bool ``[len q, len k]`` for global ids ``q``, ``k`` (LongTensors; an int ``S`` means
     ``arange(S)``, and ``k`` defaults to ``q``). ``block``: block_causal's block; ``cu``: packed
     documents' boundaries; ``window``: causal sliding window; ``inner_block``: block_causal inside
@@ -76,7 +99,8 @@ def mask_for(kind: str, *, block=None, cu=None, window=None, inner_block=None):
         return masks.predicate(lambda q, k: (k <= q) & (q - k < window))
     if kind == "none":
         return masks.predicate(
-            lambda q, k: torch.zeros(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool))
+            lambda q, k: torch.zeros(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool)
+        )
     raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
 
 
@@ -86,8 +110,11 @@ def teacher_forcing_allowed(side_q, block_q, side_k, block_k) -> torch.Tensor:
     sees noisy."""
     sq, bq = side_q[:, None], block_q[:, None]
     sk, bk = side_k[None, :], block_k[None, :]
-    return (((sq == 0) & (sk == 0) & (bk <= bq)) | ((sq == 1) & (sk == 0) & (bk < bq))
-            | ((sq == 1) & (sk == 1) & (bk == bq)))
+    return (
+        ((sq == 0) & (sk == 0) & (bk <= bq))
+        | ((sq == 1) & (sk == 0) & (bk < bq))
+        | ((sq == 1) & (sk == 1) & (bk == bq))
+    )
 
 
 def teacher_forcing_oracle(F: int, S: int, nb: int) -> torch.Tensor:
@@ -129,8 +156,9 @@ def dense_rule_oracle(q, k, rule: str) -> torch.Tensor:
     """Bool ``[len q, len k]`` for ``ops.TokenIds`` ``q``, ``k``, pair by pair (``rule_allows``)."""
     same_doc = q.doc is not None
     tq, tk = _tokens(q), _tokens(k)
-    return torch.tensor([[rule_allows(rule, same_doc, a, b) for b in tk] for a in tq],
-                        dtype=torch.bool).reshape(len(tq), len(tk))
+    return torch.tensor(
+        [[rule_allows(rule, same_doc, a, b) for b in tk] for a in tq], dtype=torch.bool
+    ).reshape(len(tq), len(tk))
 
 
 def tile_status_oracle(mask: torch.Tensor, qb: int, kb: int) -> torch.Tensor:
@@ -139,7 +167,7 @@ def tile_status_oracle(mask: torch.Tensor, qb: int, kb: int) -> torch.Tensor:
     out = torch.zeros(nq, nk, dtype=torch.uint8)
     for i in range(nq):
         for j in range(nk):
-            tile = mask[i * qb:(i + 1) * qb, j * kb:(j + 1) * kb]
+            tile = mask[i * qb : (i + 1) * qb, j * kb : (j + 1) * kb]
             out[i, j] = 2 if bool(tile.all()) else (1 if bool(tile.any()) else 0)
     return out
 
@@ -154,5 +182,6 @@ def rank_major_teacher_forcing_ids(P: int, F: int, S: int, nb: int):
         fr = torch.arange(r * F // P, (r + 1) * F // P).repeat_interleave(S).tolist()
         side += [0] * len(fr) + [1] * len(fr)
         frame += fr * 2
-    return TokenIds.from_frames(torch.tensor(frame), nb, side=torch.tensor(side),
-                                pos=torch.arange(len(side)))
+    return TokenIds.from_frames(
+        torch.tensor(frame), nb, side=torch.tensor(side), pos=torch.arange(len(side))
+    )

@@ -14,6 +14,7 @@ The Megatron bug that bites GPU users too (``core/datasets/utils.py`` running ``
 helper the wheel already ships) is worked around in the entry itself, for everyone
 (``training.megatron_lm.skip_shipped_helper_build``), not here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,10 +74,14 @@ _TORCH = _TrainingTorch()
 # ``device='cuda'`` factories allocate on CPU, ``current_device()`` is the CPU, synchronize /
 # streams / memory stats are no-ops, the CUDA RNG state is the CPU generator's.
 _TORCH_MODULES = (
-    ("megatron.training.initialize",
-     "device_count() > 0 gates (set-up of model parallel, seeding); JIT warm-up on 'cuda'"),
-    ("megatron.training.training",
-     "device='cuda' flags / loss accumulators, torch.cuda.Stream, model.cuda(current_device())"),
+    (
+        "megatron.training.initialize",
+        "device_count() > 0 gates (set-up of model parallel, seeding); JIT warm-up on 'cuda'",
+    ),
+    (
+        "megatron.training.training",
+        "device='cuda' flags / loss accumulators, torch.cuda.Stream, model.cuda(current_device())",
+    ),
     ("megatron.training.checkpointing", "iteration all-reduce on 'cuda'; CUDA RNG state save/load"),
     ("megatron.training.utils.common_utils", "current_device() / 'cuda' norms and reductions"),
     ("megatron.training.utils", "current_device() / 'cuda' reductions (older layout)"),
@@ -92,6 +97,7 @@ def _note(where: str, what: str) -> None:
 def _no_cuda_init(initialize_megatron):
     """initialize.py asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``; pretrain()
     never passes it."""
+
     @functools.wraps(initialize_megatron)
     def wrapper(*args, **kwargs):
         kwargs["allow_no_cuda"] = True
@@ -109,11 +115,12 @@ def apply() -> List[Tuple[str, str]]:
     if _APPLIED:
         return list(_APPLIED)
     if torch.cuda.is_available():
-        raise RuntimeError("megatron_training_cpu fakes CUDA for CPU test runs; this machine has "
-                           "a GPU")
+        raise RuntimeError(
+            "megatron_training_cpu fakes CUDA for CPU test runs; this machine has a GPU"
+        )
     from megatron_video.compat import ensure_cpu_mode
 
-    ensure_cpu_mode()   # megatron.core's own CPU mode (compat.cpu_mode)
+    ensure_cpu_mode()  # megatron.core's own CPU mode (compat.cpu_mode)
     for name, why in _TORCH_MODULES:
         try:
             mod = importlib.import_module(name)
@@ -126,23 +133,29 @@ def apply() -> List[Tuple[str, str]]:
     init = getattr(training, "initialize_megatron", None)
     if init is not None and "allow_no_cuda" in inspect.signature(init).parameters:
         training.initialize_megatron = _no_cuda_init(init)
-        _note("megatron.training.training.initialize_megatron",
-              "initialize.py asserts CUDA (pretrain() never passes allow_no_cuda)")
+        _note(
+            "megatron.training.training.initialize_megatron",
+            "initialize.py asserts CUDA (pretrain() never passes allow_no_cuda)",
+        )
     initialize = importlib.import_module("megatron.training.initialize")
     if hasattr(initialize, "_warmup_jit_function"):
         # initialize.py warms the fused GPU kernels up on torch.rand(..., device="cuda") tensors,
         # which on a GPU draw from the CUDA generator; on the CPU view they would draw from the CPU
         # generator after seeding and change the weights' initialisation. Nothing to warm on a CPU.
         initialize._warmup_jit_function = _no_warmup
-        _note("megatron.training.initialize._warmup_jit_function",
-              "JIT warm-up of fused kernels on 'cuda' tensors (CUDA generator)")
+        _note(
+            "megatron.training.initialize._warmup_jit_function",
+            "JIT warm-up of fused kernels on 'cuda' tensors (CUDA generator)",
+        )
     arguments = importlib.import_module("megatron.training.arguments")
     if hasattr(arguments, "get_device_arch_version"):
         # arguments.py reads the GPU architecture when TP or CP > 1 (CUDA_DEVICE_MAX_CONNECTIONS
         # rule for Hopper and older); a CPU has none: answer "pre-Blackwell", the strict branch
         arguments.get_device_arch_version = lambda: 0
-        _note("megatron.training.arguments.get_device_arch_version",
-              "torch.cuda.get_device_properties when TP or CP > 1")
+        _note(
+            "megatron.training.arguments.get_device_arch_version",
+            "torch.cuda.get_device_properties when TP or CP > 1",
+        )
     return list(_APPLIED)
 
 

@@ -3,18 +3,34 @@
 Written from the definition of attention, never from ``megatron_video.attention``; rows without a
 visible key give exact zeros (and an LSE of -inf), never NaN.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["softmax_attention", "output_and_grads", "attention_with_grads", "rel_max_errors",
-           "max_rel_error", "random_qkv"]
+__all__ = [
+    "softmax_attention",
+    "output_and_grads",
+    "attention_with_grads",
+    "rel_max_errors",
+    "max_rel_error",
+    "random_qkv",
+]
 
 
-def softmax_attention(q, k, v, allow=None, scale=None, *, layout="bshd", return_lse=False,
-                      dtype: Optional[torch.dtype] = torch.float64):
+def softmax_attention(
+    q,
+    k,
+    v,
+    allow=None,
+    scale=None,
+    *,
+    layout="bshd",
+    return_lse=False,
+    dtype: Optional[torch.dtype] = torch.float64,
+):
     """Explicit softmax attention; GQA by repeating kv heads.
 
     ``layout`` is ``"bshd"`` (q [b, s, h, d]) or ``"sbhd"`` (Megatron's [s, b, h, d]; the output is
@@ -28,8 +44,11 @@ def softmax_attention(q, k, v, allow=None, scale=None, *, layout="bshd", return_
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    eq_in, eq_out = ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd") if layout == "bshd" else \
-        ("qbhd,kbhd->bhqk", "bhqk,kbhd->qbhd")
+    eq_in, eq_out = (
+        ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
+        if layout == "bshd"
+        else ("qbhd,kbhd->bhqk", "bhqk,kbhd->qbhd")
+    )
     s = torch.einsum(eq_in, q, k) * scale
     if allow is not None:
         s = s.masked_fill(~allow, float("-inf"))
@@ -57,8 +76,10 @@ def attention_with_grads(q, k, v, dout, allow=None, scale=None) -> list:
 
 def rel_max_errors(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> list:
     """Per pair: max |got - ref| / max(1, max |ref|) (float64)."""
-    return [float((g.double() - r.double()).abs().max() / max(1.0, float(r.abs().max())))
-            for g, r in zip(got, ref)]
+    return [
+        float((g.double() - r.double()).abs().max() / max(1.0, float(r.abs().max())))
+        for g, r in zip(got, ref)
+    ]
 
 
 def max_rel_error(got, ref) -> float:

@@ -5,6 +5,7 @@ Like Megatron-LM's ``tests/unit_tests/test_utilities.Utils``: destroy any earlie
 model-parallel RNG, and destroy everything on exit, also when the body raises. Collective: enter
 and leave on every rank of the process group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,14 @@ def _destroy() -> None:
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int = 1, pp: int = 1, cp: int = 1,
-                   hierarchical_cp: Optional[Sequence[int]] = None, seed: Optional[int] = None,
-                   **kwargs):
+def model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    hierarchical_cp: Optional[Sequence[int]] = None,
+    seed: Optional[int] = None,
+    **kwargs,
+):
     """Megatron parallel state with TP ``tp``, PP ``pp``, CP ``cp`` (``hierarchical_cp``: Megatron's
     ``hierarchical_context_parallel_sizes``); ``seed``: ``model_parallel_cuda_manual_seed(seed)``.
     Other ``kwargs`` go to ``initialize_model_parallel`` as they are."""
@@ -35,8 +41,12 @@ def model_parallel(tp: int = 1, pp: int = 1, cp: int = 1,
     ensure_cpu_mode()
     if ps.model_parallel_is_initialized():
         _destroy()
-    kw = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-              context_parallel_size=cp, **kwargs)
+    kw = dict(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        **kwargs,
+    )
     if hierarchical_cp is not None:
         kw["hierarchical_context_parallel_sizes"] = list(hierarchical_cp)
     initialize_model_parallel(**kw)
@@ -51,9 +61,17 @@ def model_parallel(tp: int = 1, pp: int = 1, cp: int = 1,
 
 
 @contextlib.contextmanager
-def video_parallel(ulysses: int, ring: int, placement: str = "ulysses_inner", *, tp: int = 1,
-                   pp: int = 1, hierarchical: Optional[bool] = None,
-                   ranks_per_node: Optional[int] = None, seed: Optional[int] = None):
+def video_parallel(
+    ulysses: int,
+    ring: int,
+    placement: str = "ulysses_inner",
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    hierarchical: Optional[bool] = None,
+    ranks_per_node: Optional[int] = None,
+    seed: Optional[int] = None,
+):
     """``model_parallel`` with CP = ``ulysses * ring``, then ``init_video_parallel``; yields the
     groups. ``hierarchical`` (default: both degrees > 1) also makes Megatron's hierarchical CP
     groups, ordered by ``placement``; ``ranks_per_node`` goes to ``init_video_parallel`` (None:

@@ -10,6 +10,7 @@ workers, which is what ``megatron_video.parallel.topology`` reads for placement 
 ``fn`` must be importable by qualified name (a module-level function); the workers get the parent's
 ``sys.path`` so test modules import as they do under pytest.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -86,16 +87,30 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="pool-parent-watch").start()
 
 
-def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_s, task_q, result_q,
-                 parent_pid, parent_env):
+def _worker_main(
+    rank,
+    world_size,
+    port,
+    sys_path,
+    ranks_per_node,
+    gloo_timeout_s,
+    task_q,
+    result_q,
+    parent_pid,
+    parent_env,
+):
     _exit_with_parent(parent_pid)
     # The forkserver's environment is from when it started; use the pool owner's current one.
     os.environ.clear()
     os.environ.update(parent_env)
     sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1", **_node_env(rank, world_size, ranks_per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        **_node_env(rank, world_size, ranks_per_node),
     )
     # Connect gloo pairs on first use: Megatron creates dozens of groups per initialisation and
     # eager full-mesh connection set-up dominates multi-rank test time on a small machine.
@@ -105,7 +120,10 @@ def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        init_method=f"tcp://127.0.0.1:{port}",
         timeout=datetime.timedelta(seconds=gloo_timeout_s),
     )
     from megatron_video.compat import ensure_cpu_mode
@@ -137,13 +155,19 @@ def _worker_main(rank, world_size, port, sys_path, ranks_per_node, gloo_timeout_
 class WorkerPool:
     """``world_size`` gloo ranks on this machine; ``ranks_per_node`` simulates nodes."""
 
-    def __init__(self, world_size: int, ranks_per_node: Optional[int] = None, timeout: float = 240.0,
-                 gloo_timeout: float = 60.0):
+    def __init__(
+        self,
+        world_size: int,
+        ranks_per_node: Optional[int] = None,
+        timeout: float = 240.0,
+        gloo_timeout: float = 60.0,
+    ):
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be >= 1")
         if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
             raise ValueError(
-                f"ranks_per_node ({ranks_per_node}) must be >= 1 and divide world_size ({world_size})")
+                f"ranks_per_node ({ranks_per_node}) must be >= 1 and divide world_size ({world_size})"
+            )
         self.world_size = world_size
         self.ranks_per_node = ranks_per_node
         self.timeout = timeout
@@ -158,16 +182,32 @@ class WorkerPool:
         # forkserver with torch + megatron preloaded: workers fork from a process that already
         # imported them (seconds saved per worker); the server itself has started no threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state",
-                                    "megatron_video.parallel"])
+        ctx.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "megatron.core.parallel_state",
+                "megatron_video.parallel",
+            ]
+        )
         port = _free_port()
         self._result_q = ctx.Queue()
         self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, self.world_size, port, list(sys.path), self.ranks_per_node, self.gloo_timeout,
-                      self._task_qs[r], self._result_q, os.getpid(), dict(os.environ)),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    list(sys.path),
+                    self.ranks_per_node,
+                    self.gloo_timeout,
+                    self._task_qs[r],
+                    self._result_q,
+                    os.getpid(),
+                    dict(os.environ),
+                ),
                 daemon=False,
             )
             for r in range(self.world_size)
@@ -216,9 +256,13 @@ class WorkerPool:
             try:
                 tid, rank, ok, payload = self._result_q.get(timeout=min(1.0, limit - now))
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                dead = [
+                    r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results
+                ]
                 for r in dead:
-                    errors.setdefault(r, f"rank {r} process died (exit code {self._procs[r].exitcode})")
+                    errors.setdefault(
+                        r, f"rank {r} process died (exit code {self._procs[r].exitcode})"
+                    )
                 if dead and grace_deadline is None:
                     grace_deadline = time.time() + 5.0
                 continue
@@ -236,8 +280,10 @@ class WorkerPool:
             self._kill()
             parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
             if missing:
-                parts.append(f"ranks {missing} did not finish {what} within the timeout "
-                             f"({self.timeout:.0f} s) or after another rank failed; pool killed")
+                parts.append(
+                    f"ranks {missing} did not finish {what} within the timeout "
+                    f"({self.timeout:.0f} s) or after another rank failed; pool killed"
+                )
             raise RankError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(parts))
         return [results[r] for r in range(self.world_size)]
 

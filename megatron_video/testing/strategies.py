@@ -4,13 +4,23 @@ Needs ``hypothesis`` (a test dependency); ``megatron_video.testing`` itself does
 module. ``halo_case``: a video and ragged per-rank halo windows; ``mask_case``: token ids in any
 order (or the structured orders the models use), a rule and tile sizes.
 """
+
 import torch
 from hypothesis import strategies as st
 
 from megatron_video.layouts.vae_halo import window_tensors, windows_for_bounds
 from megatron_video.ops import RULES, TokenIds
 
-__all__ = ["DTYPES", "LAYOUTS", "bits", "halo_windows", "halo_case", "random_ids", "structured_ids", "mask_case"]
+__all__ = [
+    "DTYPES",
+    "LAYOUTS",
+    "bits",
+    "halo_windows",
+    "halo_case",
+    "random_ids",
+    "structured_ids",
+    "mask_case",
+]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 LAYOUTS = ["bcthw", "btchw"]
@@ -60,8 +70,12 @@ def random_ids(draw, length, with_doc):
     doc = None
     if with_doc:  # ragged documents, contiguous or interleaved
         doc = torch.tensor(sorted(ints(0, 3)) if draw(st.booleans()) else ints(0, 3))
-    return TokenIds(side=torch.tensor(ints(0, 1)), block=torch.tensor(ints(0, 4)), doc=doc,
-                    pos=torch.tensor(ints(-2, 30)))
+    return TokenIds(
+        side=torch.tensor(ints(0, 1)),
+        block=torch.tensor(ints(0, 4)),
+        doc=doc,
+        pos=torch.tensor(ints(-2, 30)),
+    )
 
 
 @st.composite
@@ -87,9 +101,12 @@ def structured_ids(draw, with_doc):
     doc = None
     if with_doc:  # documents of ragged lengths in token order
         cuts = sorted(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=3)))
-        doc = torch.bucketize(torch.arange(n), torch.tensor(cuts, dtype=torch.long), right=True)[perm]
-    ids = TokenIds.from_frames(torch.tensor(frame)[perm], nb, side=torch.tensor(side)[perm], doc=doc,
-                               pos=torch.arange(n))
+        doc = torch.bucketize(torch.arange(n), torch.tensor(cuts, dtype=torch.long), right=True)[
+            perm
+        ]
+    ids = TokenIds.from_frames(
+        torch.tensor(frame)[perm], nb, side=torch.tensor(side)[perm], doc=doc, pos=torch.arange(n)
+    )
     return ids
 
 

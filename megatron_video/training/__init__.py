@@ -2,4 +2,5 @@
 
 Importing the package registers the built-in model families (``training/families/``).
 """
+
 from . import families  # noqa: F401  (registers the families; config looks them up by name)

@@ -4,6 +4,7 @@ Megatron-LM's layout (``<dir>/iter_0000100/``, ``<dir>/latest_checkpointed_itera
 saves (``save_checkpoint``), resume under any parallel layout that runs no code from the file
 (``load_checkpoint``). Failure behaviour: docs/reliability.md.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,19 @@ import torch.distributed as dist
 
 from ..parallel import comm
 
-__all__ = ["TRACKER_FILE", "read_data_state", "latest_step", "checkpoint_path", "save_checkpoint", "load_checkpoint",
-           "rng_state", "set_rng_state", "safe_read_index", "safe_read_common", "agree_or_raise"]
+__all__ = [
+    "TRACKER_FILE",
+    "read_data_state",
+    "latest_step",
+    "checkpoint_path",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+    "safe_read_index",
+    "safe_read_common",
+    "agree_or_raise",
+]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
@@ -56,11 +68,13 @@ def rng_state() -> Dict[str, torch.Tensor]:
 
     version, internal, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
-    out = {"torch": torch.get_rng_state().clone(),
-           "random": torch.tensor([version, *internal], dtype=torch.int64),
-           "random_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
-           "numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
-           "numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+    out = {
+        "torch": torch.get_rng_state().clone(),
+        "random": torch.tensor([version, *internal], dtype=torch.int64),
+        "random_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+    }
     for name, state in sorted(get_cuda_rng_tracker().get_states().items()):
         out[f"tracker.{name}"] = state.clone().cpu()
     if torch.cuda.is_available():
@@ -76,9 +90,20 @@ def set_rng_state(state: Dict[str, torch.Tensor]) -> None:
     g = state["random_gauss"].tolist()
     random.setstate((int(r[0]), tuple(int(x) for x in r[1:]), g[1] if g[0] else None))
     n = state["numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(n[:624], dtype=np.uint32), int(n[624]), int(n[625]),
-                         float(state["numpy_gauss"][0])))
-    tracker = {k[len("tracker."):]: v.to(torch.uint8) for k, v in state.items() if k.startswith("tracker.")}
+    np.random.set_state(
+        (
+            "MT19937",
+            np.array(n[:624], dtype=np.uint32),
+            int(n[624]),
+            int(n[625]),
+            float(state["numpy_gauss"][0]),
+        )
+    )
+    tracker = {
+        k[len("tracker.") :]: v.to(torch.uint8)
+        for k, v in state.items()
+        if k.startswith("tracker.")
+    }
     if tracker:
         get_cuda_rng_tracker().set_states(tracker)
     if "cuda" in state and torch.cuda.is_available():
@@ -88,9 +113,12 @@ def set_rng_state(state: Dict[str, torch.Tensor]) -> None:
 def _rng_sharded(world: int, rank: int) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    return {name: ShardedTensor.from_rank_offsets(f"rng.{name}", t, (0, rank, world), replica_id=0,
-                                                  prepend_axis_num=1)
-            for name, t in rng_state().items()}
+    return {
+        name: ShardedTensor.from_rank_offsets(
+            f"rng.{name}", t, (0, rank, world), replica_id=0, prepend_axis_num=1
+        )
+        for name, t in rng_state().items()
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,11 +140,13 @@ def _may_fork_writers():
 def _layout() -> dict:
     from megatron.core import parallel_state as ps
 
-    return {"world_size": dist.get_world_size(),
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-            "context_parallel_size": ps.get_context_parallel_world_size(),
-            "data_parallel_size": ps.get_data_parallel_world_size()}
+    return {
+        "world_size": dist.get_world_size(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+    }
 
 
 def _without_objects(sd):
@@ -131,13 +161,20 @@ def _without_objects(sd):
     return sd
 
 
-def _sharded(model, optimizer, scheduler, step: int, is_loading: bool, with_rng: bool,
-             meta: Optional[dict]) -> dict:
+def _sharded(
+    model, optimizer, scheduler, step: int, is_loading: bool, with_rng: bool, meta: Optional[dict]
+) -> dict:
     model_sd = _without_objects(model.sharded_state_dict())
-    sd = {"layout": _layout(), "model_meta": dict(meta or {}), "step": step,
-          "model": model_sd,
-          "optimizer": _without_objects(optimizer.sharded_state_dict(model_sd, is_loading=is_loading)),
-          "scheduler": scheduler.state_dict()}
+    sd = {
+        "layout": _layout(),
+        "model_meta": dict(meta or {}),
+        "step": step,
+        "model": model_sd,
+        "optimizer": _without_objects(
+            optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        ),
+        "scheduler": scheduler.state_dict(),
+    }
     if with_rng:
         sd["rng"] = _rng_sharded(dist.get_world_size(), dist.get_rank())
     return sd
@@ -158,6 +195,7 @@ def _sharded_tensors(sd) -> Dict[str, tuple]:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v)
+
     walk(sd)
     return out
 
@@ -167,14 +205,39 @@ def _sharded_tensors(sd) -> Dict[str, tuple]:
 # ----------------------------------------------------------------------------------------------
 _DCP = "torch.distributed.checkpoint"
 _INDEX_NAMES = {  # plain dataclasses / enums of a torch.distributed.checkpoint index, and torch.Size
-    *((f"{_DCP}.metadata", n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                         "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
-                                         "MetadataIndex", "_MEM_FORMAT_ENCODING")),
-    *((f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
-                                        "LoadPlan", "ReadItem", "LoadItemType")),
-    (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),   # StorageMeta.checkpoint_id (a plain value)
+    *(
+        (f"{_DCP}.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "MetadataIndex",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    *(
+        (f"{_DCP}.planner", n)
+        for n in (
+            "SavePlan",
+            "WriteItem",
+            "WriteItemType",
+            "TensorWriteData",
+            "LoadPlan",
+            "ReadItem",
+            "LoadItemType",
+        )
+    ),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id (a plain value)
 }
 
 
@@ -186,8 +249,9 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in _INDEX_NAMES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None),
-                                            (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a checkpoint index")
 
@@ -200,17 +264,26 @@ def safe_read_index(path) -> object:
         with open(f, "rb") as fh:
             index = _IndexUnpickler(fh).load()
     except Exception as e:  # UnpicklingError, EOFError, AttributeError, ...
-        raise ValueError(f"checkpoint index {f} is not a valid tensor index (refused, nothing executed): "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"checkpoint index {f} is not a valid tensor index (refused, nothing executed): "
+            f"{type(e).__name__}: {e}"
+        ) from None
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
     if not isinstance(index, Metadata):
-        raise ValueError(f"checkpoint index {f} holds {type(index).__name__}, must be a tensor index")
-    objects = sorted(k for k, v in index.state_dict_metadata.items()
-                     if isinstance(v, BytesStorageMetadata) and k != _COMMON_STATE_KEY)
+        raise ValueError(
+            f"checkpoint index {f} holds {type(index).__name__}, must be a tensor index"
+        )
+    objects = sorted(
+        k
+        for k, v in index.state_dict_metadata.items()
+        if isinstance(v, BytesStorageMetadata) and k != _COMMON_STATE_KEY
+    )
     if objects:
-        raise ValueError(f"checkpoint {path} stores pickled objects {objects[:5]}: refused (a checkpoint "
-                         f"must hold tensors only; loading them would run arbitrary code)")
+        raise ValueError(
+            f"checkpoint {path} stores pickled objects {objects[:5]}: refused (a checkpoint "
+            f"must hold tensors only; loading them would run arbitrary code)"
+        )
     return index
 
 
@@ -244,18 +317,24 @@ def safe_read_common(path, index) -> dict:
 
         what = f"{path} [{_COMMON_STATE_KEY}]"
         buf = {_COMMON_STATE_KEY: io.BytesIO()}
-        dcp.load(buf, storage_reader=dcp.FileSystemReader(str(path)), planner=_raw_bytes_planner(),
-                 no_dist=True)
+        dcp.load(
+            buf,
+            storage_reader=dcp.FileSystemReader(str(path)),
+            planner=_raw_bytes_planner(),
+            no_dist=True,
+        )
         raw = buf[_COMMON_STATE_KEY]
         raw.seek(0)
         loaded = torch.load(raw, map_location="cpu", weights_only=True)
-        if isinstance(loaded, io.BytesIO):   # a second serialisation layer (torch's default planner)
+        if isinstance(loaded, io.BytesIO):  # a second serialisation layer (torch's default planner)
             loaded.seek(0)
             loaded = torch.load(loaded, map_location="cpu", weights_only=True)
         return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
     except Exception as e:
-        raise ValueError(f"checkpoint common state {what} is unreadable or not weights-only (refused, nothing "
-                         f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ValueError(
+            f"checkpoint common state {what} is unreadable or not weights-only (refused, nothing "
+            f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
 
 
 def _sha256(f: Path) -> str:
@@ -267,12 +346,16 @@ def _sha256(f: Path) -> str:
 
 
 def _files(path: Path) -> List[str]:
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    return sorted(
+        str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE
+    )
 
 
 def _write_manifest(path: Path) -> None:
-    files = {name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
-             for name in _files(path)}
+    files = {
+        name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
+        for name in _files(path)
+    }
     (path / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
 
 
@@ -285,8 +368,10 @@ def _verify_share(path: Path, rank: int, world: int) -> Optional[str]:
         return f"manifest {m} is missing or unreadable ({type(e).__name__})"
     present = _files(path)
     if sorted(files) != present:
-        return (f"files {sorted(set(files) ^ set(present))[:5]} differ from the manifest "
-                f"(missing or extra)")
+        return (
+            f"files {sorted(set(files) ^ set(present))[:5]} differ from the manifest "
+            f"(missing or extra)"
+        )
     for i, name in enumerate(present):
         if i % world != rank:
             continue
@@ -304,15 +389,23 @@ def agree_or_raise(reason: Optional[str], what: str) -> None:
     flag = torch.tensor([0.0 if reason is None else 1.0], device="cuda" if nccl else "cpu")
     comm.all_reduce(flag, None, tag="agree")
     if flag.item():
-        raise ValueError(f"{what}: {reason}" if reason else
-                         f"{what}: refused on another rank (see its error)")
+        raise ValueError(
+            f"{what}: {reason}" if reason else f"{what}: refused on another rank (see its error)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # Save / load
 # ----------------------------------------------------------------------------------------------
-def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Optional[dict] = None,
-                    data_state: Optional[Tuple[str, str]] = None) -> Path:
+def save_checkpoint(
+    directory,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    meta: Optional[dict] = None,
+    data_state: Optional[Tuple[str, str]] = None,
+) -> Path:
     """Collective: save everything for ``step`` atomically; returns the checkpoint folder.
     ``meta`` (the model's shape-defining configuration) is stored to explain a refused resume.
     ``data_state``: ``(name, json_text)`` this rank's data-loader state, written to
@@ -328,22 +421,24 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, meta: Opt
     final = checkpoint_path(directory, step)
     partial = final.with_name(final.name + ".partial")
     if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)   # an interrupted earlier save
+        shutil.rmtree(partial, ignore_errors=True)  # an interrupted earlier save
         partial.mkdir(parents=True)
     dist.barrier()
     with _may_fork_writers():
-        dist_checkpointing.save(_sharded(model, optimizer, scheduler, step, False, True, meta), str(partial))
+        dist_checkpointing.save(
+            _sharded(model, optimizer, scheduler, step, False, True, meta), str(partial)
+        )
     if data_state is not None:
         name, text = data_state
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"data_state name ({name!r}) must be a plain file name")
-        json.loads(text)   # only JSON goes into a checkpoint
+        json.loads(text)  # only JSON goes into a checkpoint
         (partial / DATA_STATE_DIR).mkdir(exist_ok=True)
         (partial / DATA_STATE_DIR / f"{name}.json").write_text(text)
     dist.barrier()
     if dist.get_rank() == 0:
         _write_manifest(partial)
-        if final.exists():   # a re-save of the same step: swap, then drop the old one
+        if final.exists():  # a re-save of the same step: swap, then drop the old one
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
@@ -369,25 +464,36 @@ def read_data_state(directory, step: int, name: str) -> Optional[str]:
     return f.read_text() if f.is_file() else None
 
 
-def _shape_refusal(path, index, request: dict, saved_meta: dict, meta: Optional[dict]) -> Optional[str]:
+def _shape_refusal(
+    path, index, request: dict, saved_meta: dict, meta: Optional[dict]
+) -> Optional[str]:
     saved = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if hasattr(v, "size")}
     wanted = _sharded_tensors(request)
     missing = sorted(k for k in wanted if k not in saved)
     wrong = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
     if not missing and not wrong:
         return None
-    fields = sorted(k for k in set(saved_meta) | set(meta or {})
-                    if saved_meta.get(k) != (meta or {}).get(k))
-    why = ", ".join(f"{k}: checkpoint {saved_meta.get(k)!r} vs job {(meta or {}).get(k)!r}" for k in fields)
-    detail = (f"tensors {wrong[:3]} have shapes {[saved[k] for k in wrong[:3]]} in the checkpoint, "
-              f"{[wanted[k] for k in wrong[:3]]} in this model" if wrong else
-              f"tensors {missing[:3]} are not in the checkpoint")
-    return (f"checkpoint {path} holds a different model shape ({why or 'fields unknown'}); {detail}. "
-            f"Only the parallel layout may change on resume")
+    fields = sorted(
+        k for k in set(saved_meta) | set(meta or {}) if saved_meta.get(k) != (meta or {}).get(k)
+    )
+    why = ", ".join(
+        f"{k}: checkpoint {saved_meta.get(k)!r} vs job {(meta or {}).get(k)!r}" for k in fields
+    )
+    detail = (
+        f"tensors {wrong[:3]} have shapes {[saved[k] for k in wrong[:3]]} in the checkpoint, "
+        f"{[wanted[k] for k in wrong[:3]]} in this model"
+        if wrong
+        else f"tensors {missing[:3]} are not in the checkpoint"
+    )
+    return (
+        f"checkpoint {path} holds a different model shape ({why or 'fields unknown'}); {detail}. "
+        f"Only the parallel layout may change on resume"
+    )
 
 
-def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] = None,
-                    meta: Optional[dict] = None) -> int:
+def load_checkpoint(
+    directory, model, optimizer, scheduler, step: Optional[int] = None, meta: Optional[dict] = None
+) -> int:
     """Collective: restore the newest (or the given) checkpoint under any parallel layout; returns
     its step. Raises ``ValueError`` on every rank for a missing, corrupt, unsafe or
     different-model checkpoint before anything is loaded (the outcomes travel in one all-reduce).
@@ -408,8 +514,9 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
 
     step = latest_step(directory) if step is None else step
     if step is None:
-        raise ValueError(f"checkpoint directory ({directory}) must hold {TRACKER_FILE} (no complete "
-                         f"checkpoint)")
+        raise ValueError(
+            f"checkpoint directory ({directory}) must hold {TRACKER_FILE} (no complete checkpoint)"
+        )
     path = checkpoint_path(directory, step)
     if not path.is_dir():
         raise ValueError(f"checkpoint ({path}) must be an existing folder")
@@ -424,11 +531,12 @@ def load_checkpoint(directory, model, optimizer, scheduler, step: Optional[int] 
     agree_or_raise(reason, f"checkpoint {path} refused")
     same_world = common.get("layout", {}).get("world_size") == world
     request = _sharded(model, optimizer, scheduler, step, True, same_world, meta)
-    agree_or_raise(_shape_refusal(path, index, request, common.get("model_meta", {}), meta),
-           "resume refused")
+    agree_or_raise(
+        _shape_refusal(path, index, request, common.get("model_meta", {}), meta), "resume refused"
+    )
     loaded = dist_checkpointing.load(request, str(path))
     state = loaded["model"]
-    for key, value in model.state_dict().items():   # TE extra state is not checkpointed: keep it
+    for key, value in model.state_dict().items():  # TE extra state is not checkpointed: keep it
         if key.endswith("_extra_state") and key not in state:
             state[key] = value
     model.load_state_dict(state)

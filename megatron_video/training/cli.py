@@ -4,6 +4,7 @@ Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``pre
 (``megatron-video SUBCOMMAND --help``). A bad configuration exits with status 2 naming the field,
 before any process or process group is started.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,59 +27,112 @@ def demo_config_path() -> Path:
 
     path = Path(megatron_video.__file__).resolve().parents[1] / "examples" / "configs" / "demo.yaml"
     if not path.is_file():
-        raise ValueError(f"demo config ({path}) not found: run `megatron-video demo` from an editable "
-                         f"install of the repository (pip install -e .)")
+        raise ValueError(
+            f"demo config ({path}) not found: run `megatron-video demo` from an editable "
+            f"install of the repository (pip install -e .)"
+        )
     return path
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatron-video", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="megatron-video",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     def common(p, config_required: bool):
-        p.add_argument("--config", required=config_required, help="YAML config (examples/configs/*.yaml)")
-        p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                       help="config overrides, e.g. train.steps=20 parallel.ulysses_size=2")
+        p.add_argument(
+            "--config", required=config_required, help="YAML config (examples/configs/*.yaml)"
+        )
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="section.key=value",
+            help="config overrides, e.g. train.steps=20 parallel.ulysses_size=2",
+        )
 
     t = sub.add_parser("train", help="train a model (standalone --nproc ranks or under torchrun)")
     common(t, True)
-    t.add_argument("--nproc", type=int, default=None,
-                   help="spawn this many local ranks (gloo on CPU); default 1, or torchrun's world")
-    t.add_argument("--ranks-per-node", type=int, default=None,
-                   help="simulated ranks per node for the U x R placement (default: all on one node)")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="spawn this many local ranks (gloo on CPU); default 1, or torchrun's world",
+    )
+    t.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="simulated ranks per node for the U x R placement (default: all on one node)",
+    )
     t.add_argument("--output", default=None, help="run directory (default: the config's output)")
-    t.add_argument("--cpu", action="store_true",
-                   help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)")
+    t.add_argument(
+        "--cpu",
+        action="store_true",
+        help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)",
+    )
 
-    d = sub.add_parser("demo", help="the embedded demo: causal AR DiT, Balanced SP, 4 CPU ranks as 2x2")
+    d = sub.add_parser(
+        "demo", help="the embedded demo: causal AR DiT, Balanced SP, 4 CPU ranks as 2x2"
+    )
     d.add_argument("overrides", nargs="*", metavar="section.key=value")
-    d.add_argument("--output", default=DEMO_ARGS["output"], help="run directory (default runs/demo)")
-    d.add_argument("--cpu", action="store_true",
-                   help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)")
+    d.add_argument(
+        "--output", default=DEMO_ARGS["output"], help="run directory (default runs/demo)"
+    )
+    d.add_argument(
+        "--cpu",
+        action="store_true",
+        help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)",
+    )
 
     v = sub.add_parser("train-vae", help="train (and cache) the small causal video VAE")
     common(v, False)
     v.add_argument("--output", default=None, help="weights file (default: the cache path)")
 
-    pr = sub.add_parser("prepare", help="videos + captions -> an energon dataset (WebDataset + .nv-meta)")
+    pr = sub.add_parser(
+        "prepare", help="videos + captions -> an energon dataset (WebDataset + .nv-meta)"
+    )
     pr.add_argument("paths", nargs="+", metavar="SRC DST", help="SRC DST, or DST with --procedural")
-    pr.add_argument("--manifest", default=None, help="JSONL of {\"video\": path under SRC, \"caption\": ...}")
+    pr.add_argument(
+        "--manifest", default=None, help='JSONL of {"video": path under SRC, "caption": ...}'
+    )
     pr.add_argument("--samples-per-shard", type=int, default=64)
-    pr.add_argument("--procedural", type=int, default=None, metavar="N",
-                    help="write N procedural mp4 clips (the embedded default data) and prepare them")
-    pr.add_argument("--config", default=None, help="config whose data section sizes the procedural clips")
+    pr.add_argument(
+        "--procedural",
+        type=int,
+        default=None,
+        metavar="N",
+        help="write N procedural mp4 clips (the embedded default data) and prepare them",
+    )
+    pr.add_argument(
+        "--config", default=None, help="config whose data section sizes the procedural clips"
+    )
     pr.add_argument("--overrides", nargs="*", default=[], metavar="section.key=value")
 
-    pc = sub.add_parser("precompute", help="energon dataset -> latent shards (VAE once, SP-folded windows)")
+    pc = sub.add_parser(
+        "precompute", help="energon dataset -> latent shards (VAE once, SP-folded windows)"
+    )
     common(pc, True)
-    pc.add_argument("--out", required=True, help="output folder of latent shards (data.shards for training)")
-    pc.add_argument("--sp-size", type=int, default=1, help="encode each clip as this many halo windows")
-    pc.add_argument("--text-encoder", default=None,
-                    help="local HF folder (tokenizer + T5/UMT5 encoder): store caption embeddings too")
-    pc.add_argument("--text-len", type=int, default=64, help="tokens per caption for --text-encoder")
+    pc.add_argument(
+        "--out", required=True, help="output folder of latent shards (data.shards for training)"
+    )
+    pc.add_argument(
+        "--sp-size", type=int, default=1, help="encode each clip as this many halo windows"
+    )
+    pc.add_argument(
+        "--text-encoder",
+        default=None,
+        help="local HF folder (tokenizer + T5/UMT5 encoder): store caption embeddings too",
+    )
+    pc.add_argument(
+        "--text-len", type=int, default=64, help="tokens per caption for --text-encoder"
+    )
 
-    c = sub.add_parser("validate", help="check a config without running it; print the resolved config")
+    c = sub.add_parser(
+        "validate", help="check a config without running it; print the resolved config"
+    )
     common(c, True)
     c.add_argument("--nproc", type=int, default=1)
     c.add_argument("--ranks-per-node", type=int, default=None)
@@ -116,7 +170,7 @@ def _train(config, nproc: Optional[int], cpu: bool = False) -> int:
     return launch(config, nproc, config.parallel.ranks_per_node, cpu=cpu)
 
 
-DEMO_CLIPS = 128   # procedural mp4 clips of the demo's energon dataset (it repeats over epochs)
+DEMO_CLIPS = 128  # procedural mp4 clips of the demo's energon dataset (it repeats over epochs)
 
 
 def _ensure_demo_data(config) -> None:
@@ -124,17 +178,21 @@ def _ensure_demo_data(config) -> None:
     d = config.data
     if d.source != "energon":
         return
-    if d.path == "runs/demo/data":     # the shipped default follows --output
+    if d.path == "runs/demo/data":  # the shipped default follows --output
         d.path = str(Path(config.output) / "data")
     if (Path(d.path) / ".nv-meta" / "dataset.yaml").is_file():
         return
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 
-    print(f"[megatron-video] writing {DEMO_CLIPS} procedural mp4 clips and preparing the energon dataset "
-          f"{d.path} (once)", flush=True)
+    print(
+        f"[megatron-video] writing {DEMO_CLIPS} procedural mp4 clips and preparing the energon dataset "
+        f"{d.path} (once)",
+        flush=True,
+    )
     src = Path(d.path) / "videos"
-    write_procedural_videos(src, DEMO_CLIPS, num_frames=d.num_frames, height=d.height, width=d.width,
-                            seed=d.seed)
+    write_procedural_videos(
+        src, DEMO_CLIPS, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed
+    )
     prepare_dataset(src, d.path)
 
 
@@ -149,15 +207,25 @@ def _prepare(args) -> int:
         dst = Path(args.paths[0])
         d = load_config(args.config, args.overrides).data
         src = dst / "videos"
-        write_procedural_videos(src, args.procedural, num_frames=d.num_frames, height=d.height,
-                                width=d.width, seed=d.seed)
+        write_procedural_videos(
+            src,
+            args.procedural,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            seed=d.seed,
+        )
     else:
         if len(args.paths) != 2:
             raise ValueError(f"prepare takes SRC DST (got {args.paths})")
         src, dst = Path(args.paths[0]), Path(args.paths[1])
-    summary = prepare_dataset(src, dst, manifest=args.manifest, samples_per_shard=args.samples_per_shard)
-    print(f"[megatron-video] energon dataset {dst}: {summary['samples']} samples in {len(summary['shards'])} "
-          f"shards; {len(summary['skipped'])} unreadable videos skipped")
+    summary = prepare_dataset(
+        src, dst, manifest=args.manifest, samples_per_shard=args.samples_per_shard
+    )
+    print(
+        f"[megatron-video] energon dataset {dst}: {summary['samples']} samples in {len(summary['shards'])} "
+        f"shards; {len(summary['skipped'])} unreadable videos skipped"
+    )
     for f, why in summary["skipped"]:
         print(f"[megatron-video]   skipped {f}: {why}")
     return 0
@@ -170,7 +238,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             config = _load(args.config, args.overrides, args.output, args.ranks_per_node)
             return _train(config, args.nproc, args.cpu)
         if args.command == "demo":
-            config = _load(demo_config_path(), args.overrides, args.output, DEMO_ARGS["ranks_per_node"])
+            config = _load(
+                demo_config_path(), args.overrides, args.output, DEMO_ARGS["ranks_per_node"]
+            )
             _ensure_demo_data(config)
             return _train(config, DEMO_ARGS["nproc"], args.cpu)
         if args.command == "train-vae":
@@ -190,9 +260,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 text = HFTextEncoder.from_pretrained(args.text_encoder, args.text_len)
             r = precompute_latents(config, args.out, sp_size=args.sp_size, text_encoder=text)
-            print(f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards under {args.out} "
-                  f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
-                  f"data.shards={args.out}")
+            print(
+                f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards under {args.out} "
+                f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
+                f"data.shards={args.out}"
+            )
             return 0
         if args.command == "prepare":
             return _prepare(args)

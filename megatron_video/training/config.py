@@ -2,6 +2,7 @@
 overrides, and ``validate``: each section checks its own fields (``Section.validate``), the
 top-level ``validate`` the rules between sections and the family's own (``training.family_spec``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,13 +16,27 @@ import yaml
 from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
 from .family_spec import get_family
 
-__all__ = ["ModelSection", "ParallelSection", "DataSection", "VAESection", "DiffusionSection",
-           "TrainSection", "Config", "load_config", "apply_overrides", "config_from_dict",
-           "config_to_dict", "validate", "latent_shape", "token_grid_of", "data_parallel_size"]
+__all__ = [
+    "ModelSection",
+    "ParallelSection",
+    "DataSection",
+    "VAESection",
+    "DiffusionSection",
+    "TrainSection",
+    "Config",
+    "load_config",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "validate",
+    "latent_shape",
+    "token_grid_of",
+    "data_parallel_size",
+]
 
 OBJECTIVES = ("edm", "flow", "lm")  # lm: next-token cross-entropy (model.family video_llava)
 NONFINITE_POLICIES = ("skip", "stop")
-TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8   # the project's causal VAE (models.vae)
+TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8  # the project's causal VAE (models.vae)
 
 
 def _pos_int(name: str, value, minimum: int = 1) -> None:
@@ -36,91 +51,128 @@ def _positive(name: str, value) -> None:
 
 @dataclass
 class ModelSection:
-    family: str = "ar_dit"                 # a registered family (training/families/)
+    family: str = "ar_dit"  # a registered family (training/families/)
     num_layers: int = 4
     hidden_size: int = 64
     num_attention_heads: int = 4
     num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
-    lora_rank: int = 16                    # AdaLN-LoRA rank
-    patch_size: List[int] = field(default_factory=lambda: [1, 1, 1])   # (pt, ph, pw) on latents
+    lora_rank: int = 16  # AdaLN-LoRA rank
+    patch_size: List[int] = field(default_factory=lambda: [1, 1, 1])  # (pt, ph, pw) on latents
     rope_theta: Optional[float] = 10000.0
     init_std: float = 0.02
-    frames_per_block: int = 2              # ar_dit: latent frames per autoregressive block
-    stdit_variant: str = "hybrid"          # stdit: hybrid | cp_everywhere | ulysses_everywhere
+    frames_per_block: int = 2  # ar_dit: latent frames per autoregressive block
+    stdit_variant: str = "hybrid"  # stdit: hybrid | cp_everywhere | ulysses_everywhere
     stdit_full_attention_layers: List[int] = field(default_factory=list)
 
     def validate(self) -> None:
         m = self
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "lora_rank",
-                     "frames_per_block"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "lora_rank",
+            "frames_per_block",
+        ):
             _pos_int(f"model.{name}", getattr(m, name))
         if not isinstance(m.patch_size, (list, tuple)) or len(m.patch_size) != 3:
-            raise ValueError(f"model.patch_size ({m.patch_size!r}) must be a list of 3 integers "
-                             f"(pt, ph, pw)")
+            raise ValueError(
+                f"model.patch_size ({m.patch_size!r}) must be a list of 3 integers (pt, ph, pw)"
+            )
         for i, ps in enumerate(m.patch_size):
             _pos_int(f"model.patch_size[{i}]", ps)
         H = m.num_attention_heads
         G = m.num_query_groups or H
         if H % G:
-            raise ValueError(f"model.num_attention_heads ({H}) must be divisible by "
-                             f"model.num_query_groups ({G})")
+            raise ValueError(
+                f"model.num_attention_heads ({H}) must be divisible by model.num_query_groups ({G})"
+            )
         if m.hidden_size % H:
-            raise ValueError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
-                             f"model.num_attention_heads ({H})")
+            raise ValueError(
+                f"model.hidden_size ({m.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({H})"
+            )
         head_dim = m.hidden_size // H
         if m.rope_theta is not None and (head_dim % 2 or head_dim < 6):
-            raise ValueError(f"model.hidden_size / model.num_attention_heads ({head_dim}) must be "
-                             f"even and >= 6 for 3D RoPE (or set model.rope_theta: null)")
+            raise ValueError(
+                f"model.hidden_size / model.num_attention_heads ({head_dim}) must be "
+                f"even and >= 6 for 3D RoPE (or set model.rope_theta: null)"
+            )
 
 
 @dataclass
 class ParallelSection:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1         # = ulysses_size * ring_size
-    ulysses_size: int = 1                  # all-to-all group, inside a node
-    ring_size: int = 1                     # P2P ring, across nodes
+    context_parallel_size: int = 1  # = ulysses_size * ring_size
+    ulysses_size: int = 1  # all-to-all group, inside a node
+    ring_size: int = 1  # P2P ring, across nodes
     placement: str = "ulysses_inner"
-    ranks_per_node: Optional[int] = None   # default: LOCAL_WORLD_SIZE / --ranks-per-node / world
-    ring_balance: Optional[bool] = None    # ar_dit: zigzag frame pairing over the ring (default R > 1)
-    recompute: bool = False                # activation checkpointing of every layer (composes with SP)
+    ranks_per_node: Optional[int] = None  # default: LOCAL_WORLD_SIZE / --ranks-per-node / world
+    ring_balance: Optional[bool] = (
+        None  # ar_dit: zigzag frame pairing over the ring (default R > 1)
+    )
+    recompute: bool = False  # activation checkpointing of every layer (composes with SP)
 
     def validate(self, world_size: int) -> None:
         p = self
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "ulysses_size", "ring_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "ulysses_size",
+            "ring_size",
+        ):
             _pos_int(f"parallel.{name}", getattr(p, name))
-        TP, PP, CP, U, R = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                            p.context_parallel_size, p.ulysses_size, p.ring_size)
+        TP, PP, CP, U, R = (
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.context_parallel_size,
+            p.ulysses_size,
+            p.ring_size,
+        )
         if U * R != CP:
-            raise ValueError(f"parallel.ulysses_size * parallel.ring_size ({U} * {R} = {U * R}) "
-                             f"must equal parallel.context_parallel_size ({CP})")
+            raise ValueError(
+                f"parallel.ulysses_size * parallel.ring_size ({U} * {R} = {U * R}) "
+                f"must equal parallel.context_parallel_size ({CP})"
+            )
         if p.placement not in ("ulysses_inner", "ring_inner"):
-            raise ValueError(f"parallel.placement ({p.placement!r}) must be 'ulysses_inner' or "
-                             f"'ring_inner'")
+            raise ValueError(
+                f"parallel.placement ({p.placement!r}) must be 'ulysses_inner' or 'ring_inner'"
+            )
         if world_size % (TP * PP * CP):
-            raise ValueError(f"world size ({world_size}) must be divisible by "
-                             f"parallel.tensor_model_parallel_size "
-                             f"* pipeline_model_parallel_size * context_parallel_size "
-                             f"({TP} * {PP} * {CP})")
-        if p.ranks_per_node is not None:   # the node-placement rule lives in parallel.topology
+            raise ValueError(
+                f"world size ({world_size}) must be divisible by "
+                f"parallel.tensor_model_parallel_size "
+                f"* pipeline_model_parallel_size * context_parallel_size "
+                f"({TP} * {PP} * {CP})"
+            )
+        if p.ranks_per_node is not None:  # the node-placement rule lives in parallel.topology
             check_ranks_per_node(p.ranks_per_node, world_size, "parallel.ranks_per_node")
-            check_ulysses_in_node(default_cp_groups(world_size, TP, CP), U, R, p.ranks_per_node,
-                                  p.placement, tp_size=TP, prefix="parallel.")
+            check_ulysses_in_node(
+                default_cp_groups(world_size, TP, CP),
+                U,
+                R,
+                p.ranks_per_node,
+                p.placement,
+                tp_size=TP,
+                prefix="parallel.",
+            )
         if p.recompute and not isinstance(p.recompute, bool):
             raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
 
 
 @dataclass
 class DataSection:
-    source: str = "synthetic"              # synthetic | shards | energon
-    shards: Optional[str] = None           # folder / glob of WebDataset shards (source=shards)
-    path: Optional[str] = None             # energon dataset from `megatron-video prepare` (source=energon)
-    text_embed_dim: Optional[int] = None   # shards from `precompute --text-encoder`: condition on the stored
-                                           # caption embeddings of this width (caption_len = their length)
-    num_samples: int = 100000              # synthetic: dataset size
-    num_frames: int = 29                   # raw frames, 1 + 4k
+    source: str = "synthetic"  # synthetic | shards | energon
+    shards: Optional[str] = None  # folder / glob of WebDataset shards (source=shards)
+    path: Optional[str] = None  # energon dataset from `megatron-video prepare` (source=energon)
+    text_embed_dim: Optional[int] = (
+        None  # shards from `precompute --text-encoder`: condition on the stored
+    )
+    # caption embeddings of this width (caption_len = their length)
+    num_samples: int = 100000  # synthetic: dataset size
+    num_frames: int = 29  # raw frames, 1 + 4k
     height: int = 32
     width: int = 32
     caption_len: int = 16
@@ -129,39 +181,49 @@ class DataSection:
     def validate(self) -> None:
         d = self
         if d.source not in ("synthetic", "shards", "energon"):
-            raise ValueError(f"data.source ({d.source!r}) must be 'synthetic', 'shards' or "
-                             f"'energon'")
+            raise ValueError(
+                f"data.source ({d.source!r}) must be 'synthetic', 'shards' or 'energon'"
+            )
         if d.text_embed_dim is not None:
             _pos_int("data.text_embed_dim", d.text_embed_dim)
             if d.source != "shards":
-                raise ValueError(f"data.text_embed_dim ({d.text_embed_dim}) needs data.source "
-                                 f"'shards' (latent shards with caption embeddings from "
-                                 f"`megatron-video precompute --text-encoder`); got {d.source!r}")
+                raise ValueError(
+                    f"data.text_embed_dim ({d.text_embed_dim}) needs data.source "
+                    f"'shards' (latent shards with caption embeddings from "
+                    f"`megatron-video precompute --text-encoder`); got {d.source!r}"
+                )
         if d.source == "energon" and not d.path:
-            raise ValueError("data.path (None) must name an energon dataset (`megatron-video "
-                             "prepare SRC DST`) when data.source is 'energon'")
+            raise ValueError(
+                "data.path (None) must name an energon dataset (`megatron-video "
+                "prepare SRC DST`) when data.source is 'energon'"
+            )
         if d.source == "shards" and not d.shards:
-            raise ValueError("data.shards (None) must name a folder or glob of .tar shards when "
-                             "data.source is 'shards'")
+            raise ValueError(
+                "data.shards (None) must name a folder or glob of .tar shards when "
+                "data.source is 'shards'"
+            )
         _pos_int("data.num_frames", d.num_frames)
         if (d.num_frames - 1) % TEMPORAL_STRIDE:
-            raise ValueError(f"data.num_frames ({d.num_frames}) must be 1 + {TEMPORAL_STRIDE}k "
-                             f"(the causal VAE maps frame 0 to latent 0 and frames 4k-3..4k to "
-                             f"latent k)")
+            raise ValueError(
+                f"data.num_frames ({d.num_frames}) must be 1 + {TEMPORAL_STRIDE}k "
+                f"(the causal VAE maps frame 0 to latent 0 and frames 4k-3..4k to "
+                f"latent k)"
+            )
         for name in ("height", "width"):
             val = getattr(d, name)
             _pos_int(f"data.{name}", val)
             if val % SPATIAL_STRIDE:
-                raise ValueError(f"data.{name} ({val}) must be divisible by {SPATIAL_STRIDE} (VAE "
-                                 f"downsampling)")
+                raise ValueError(
+                    f"data.{name} ({val}) must be divisible by {SPATIAL_STRIDE} (VAE downsampling)"
+                )
         _pos_int("data.num_samples", d.num_samples)
         _pos_int("data.caption_len", d.caption_len)
 
 
 @dataclass
 class VAESection:
-    weights: Optional[str] = None          # trained weights (.pt; relative to the YAML file); default:
-                                           # train once and cache under cache_dir
+    weights: Optional[str] = None  # trained weights (.pt; relative to the YAML file); default:
+    # train once and cache under cache_dir
     cache_dir: str = "runs/cache"
     latent_channels: int = 4
     base_channels: int = 16
@@ -169,8 +231,8 @@ class VAESection:
     batch_size: int = 4
     lr: float = 2e-3
     kl_weight: float = 1e-6
-    foreground_weight: float = 4.0         # extra loss weight on the shapes' pixels
-    halo_latents: Optional[int] = None     # default: the encoder's temporal receptive field
+    foreground_weight: float = 4.0  # extra loss weight on the shapes' pixels
+    halo_latents: Optional[int] = None  # default: the encoder's temporal receptive field
 
     def validate(self) -> None:
         v = self
@@ -180,20 +242,22 @@ class VAESection:
         if v.halo_latents is not None:
             _pos_int("vae.halo_latents", v.halo_latents, 0)
         if v.weights is not None and not Path(v.weights).is_file():
-            raise ValueError(f"vae.weights ({v.weights!r}) must be an existing file (or null to "
-                             f"train and cache the VAE)")
+            raise ValueError(
+                f"vae.weights ({v.weights!r}) must be an existing file (or null to "
+                f"train and cache the VAE)"
+            )
 
 
 @dataclass
 class DiffusionSection:
-    objective: Optional[str] = None        # edm | flow (default: flow for ar_dit, edm otherwise)
-    sigma_data: float = 1.0                # latents are scaled to unit variance
+    objective: Optional[str] = None  # edm | flow (default: flow for ar_dit, edm otherwise)
+    sigma_data: float = 1.0  # latents are scaled to unit variance
     p_mean: float = -0.4
     p_std: float = 1.2
     flow_shift: float = 1.0
-    cfg_dropout: float = 0.1               # probability of training with the null caption
+    cfg_dropout: float = 0.1  # probability of training with the null caption
     guidance_scale: float = 3.0
-    sampler: str = "heun"                  # heun | euler (EDM); flow always uses Euler
+    sampler: str = "heun"  # heun | euler (EDM); flow always uses Euler
     sample_steps: int = 16
 
     def validate(self) -> None:
@@ -223,17 +287,17 @@ class TrainSection:
     clip_grad: float = 1.0
     seed: int = 1234
     log_interval: int = 1
-    save_interval: int = 0                 # 0: save once at the end
+    save_interval: int = 0  # 0: save once at the end
     save: bool = True
-    resume: bool = True                    # continue from <output>/checkpoints when present
-    sample: bool = True                    # write sample.gif at the end
+    resume: bool = True  # continue from <output>/checkpoints when present
+    sample: bool = True  # write sample.gif at the end
     sample_batch: int = 1
     tensorboard: bool = True
-    bf16: bool = False                     # GPU only
+    bf16: bool = False  # GPU only
     progress: bool = True
-    nonfinite_policy: str = "stop"         # non-finite loss / grad norm: skip (count, no update) | stop
-    max_skipped_steps: int = 10            # policy skip: stop after this many skipped steps in a row
-    rank_timeout_s: float = 300.0          # a rank that makes no progress this long ends the job
+    nonfinite_policy: str = "stop"  # non-finite loss / grad norm: skip (count, no update) | stop
+    max_skipped_steps: int = 10  # policy skip: stop after this many skipped steps in a row
+    rank_timeout_s: float = 300.0  # a rank that makes no progress this long ends the job
 
     def validate(self, has_gpu: bool = False) -> None:
         """Every field but the global batch (against the data-parallel size: top-level)."""
@@ -248,13 +312,17 @@ class TrainSection:
         if not 0 <= t.min_lr <= t.lr:
             raise ValueError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
         if t.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
-            raise ValueError(f"train.lr_decay_style ({t.lr_decay_style!r}) must be constant, "
-                             f"linear, cosine or inverse-square-root")
+            raise ValueError(
+                f"train.lr_decay_style ({t.lr_decay_style!r}) must be constant, "
+                f"linear, cosine or inverse-square-root"
+            )
         if t.clip_grad < 0:
             raise ValueError(f"train.clip_grad ({t.clip_grad}) must be >= 0 (0 disables clipping)")
         if t.nonfinite_policy not in NONFINITE_POLICIES:
-            raise ValueError(f"train.nonfinite_policy ({t.nonfinite_policy!r}) must be one of "
-                             f"{NONFINITE_POLICIES}")
+            raise ValueError(
+                f"train.nonfinite_policy ({t.nonfinite_policy!r}) must be one of "
+                f"{NONFINITE_POLICIES}"
+            )
         _pos_int("train.max_skipped_steps", t.max_skipped_steps)
         _positive("train.rank_timeout_s", t.rank_timeout_s)
         if t.bf16 and not has_gpu:
@@ -365,7 +433,11 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
 def latent_shape(config: Config) -> Tuple[int, int, int]:
     """``(F, h, w)`` latent frames and size of a sample."""
     d = config.data
-    return 1 + (d.num_frames - 1) // TEMPORAL_STRIDE, d.height // SPATIAL_STRIDE, d.width // SPATIAL_STRIDE
+    return (
+        1 + (d.num_frames - 1) // TEMPORAL_STRIDE,
+        d.height // SPATIAL_STRIDE,
+        d.width // SPATIAL_STRIDE,
+    )
 
 
 def token_grid_of(config: Config) -> Tuple[int, int, int]:
@@ -377,8 +449,9 @@ def token_grid_of(config: Config) -> Tuple[int, int, int]:
 
 def data_parallel_size(config: Config, world_size: int) -> int:
     p = config.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                          * p.context_parallel_size)
+    return world_size // (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,13 +460,13 @@ def data_parallel_size(config: Config, world_size: int) -> int:
 def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     """Raise ``ValueError`` (naming the field) for any configuration that cannot run."""
     _pos_int("world_size", world_size)
-    family = get_family(config.model.family)   # ValueError naming model.family
+    family = get_family(config.model.family)  # ValueError naming model.family
     config.model.validate()
     config.parallel.validate(world_size)
     _model_fits_parallel(config)
     config.data.validate()
     _patch_fits_latents(config)
-    family.check(config, world_size)   # the family's own rules (training/families/)
+    family.check(config, world_size)  # the family's own rules (training/families/)
     config.vae.validate()
     objective = config.objective
     if objective not in OBJECTIVES:
@@ -404,9 +477,11 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     _global_batch_fits(config, world_size)
     PP = config.parallel.pipeline_model_parallel_size
     if config.train.sample and PP > 1:
-        raise ValueError(f"train.sample (True) is not supported with "
-                         f"parallel.pipeline_model_parallel_size ({PP}) > 1; set "
-                         f"train.sample=false")
+        raise ValueError(
+            f"train.sample (True) is not supported with "
+            f"parallel.pipeline_model_parallel_size ({PP}) > 1; set "
+            f"train.sample=false"
+        )
 
 
 def _model_fits_parallel(config: Config) -> None:
@@ -416,15 +491,21 @@ def _model_fits_parallel(config: Config) -> None:
     H = m.num_attention_heads
     G = m.num_query_groups or H
     if G % TP:
-        raise ValueError(f"model.num_query_groups ({G}) must be divisible by "
-                         f"parallel.tensor_model_parallel_size ({TP})")
+        raise ValueError(
+            f"model.num_query_groups ({G}) must be divisible by "
+            f"parallel.tensor_model_parallel_size ({TP})"
+        )
     if (H // TP) % U:
-        raise ValueError(f"model.num_attention_heads ({H}) / parallel.tensor_model_parallel_size "
-                         f"({TP}) must be divisible by parallel.ulysses_size ({U}) (Ulysses "
-                         f"scatters heads)")
+        raise ValueError(
+            f"model.num_attention_heads ({H}) / parallel.tensor_model_parallel_size "
+            f"({TP}) must be divisible by parallel.ulysses_size ({U}) (Ulysses "
+            f"scatters heads)"
+        )
     if m.num_layers % PP:
-        raise ValueError(f"model.num_layers ({m.num_layers}) must be divisible by "
-                         f"parallel.pipeline_model_parallel_size ({PP})")
+        raise ValueError(
+            f"model.num_layers ({m.num_layers}) must be divisible by "
+            f"parallel.pipeline_model_parallel_size ({PP})"
+        )
 
 
 def _patch_fits_latents(config: Config) -> None:
@@ -433,9 +514,11 @@ def _patch_fits_latents(config: Config) -> None:
     pt, ph, pw = m.patch_size
     for axis, n, ps in (("frames", F, pt), ("height", h, ph), ("width", w, pw)):
         if n % ps:
-            raise ValueError(f"model.patch_size ({list(m.patch_size)}) must divide the latent "
-                             f"{axis} ({n}, from data.num_frames={d.num_frames}, "
-                             f"height={d.height}, width={d.width})")
+            raise ValueError(
+                f"model.patch_size ({list(m.patch_size)}) must divide the latent "
+                f"{axis} ({n}, from data.num_frames={d.num_frames}, "
+                f"height={d.height}, width={d.width})"
+            )
 
 
 def _global_batch_fits(config: Config, world_size: int) -> None:
@@ -444,6 +527,8 @@ def _global_batch_fits(config: Config, world_size: int) -> None:
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     _pos_int("train.global_batch_size", gbs)
     if gbs % (t.micro_batch_size * dp):
-        raise ValueError(f"train.global_batch_size ({gbs}) must be divisible by "
-                         f"train.micro_batch_size ({t.micro_batch_size}) * data-parallel size "
-                         f"({dp})")
+        raise ValueError(
+            f"train.global_batch_size ({gbs}) must be divisible by "
+            f"train.micro_batch_size ({t.micro_batch_size}) * data-parallel size "
+            f"({dp})"
+        )

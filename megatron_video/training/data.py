@@ -4,6 +4,7 @@ Every rank builds its own micro-batches, nothing is broadcast; a micro-batch is 
 ``(seed, step, micro-batch index, data-parallel rank)`` (``BatchMaker``), so a resumed run sees
 exactly the batches an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def sample_generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
 
 
-def rank_token_ids(config: Config, cp_rank: int, cp_size: int,
-                   layout: Optional[BalancedSPLayout] = None) -> torch.Tensor:
+def rank_token_ids(
+    config: Config, cp_rank: int, cp_size: int, layout: Optional[BalancedSPLayout] = None
+) -> torch.Tensor:
     """Global ids (in the sample's frame-major clean token sequence) of this rank's clean tokens."""
     if layout is not None:
         half = layout.local_len // 2
@@ -48,13 +50,13 @@ def rank_token_ids(config: Config, cp_rank: int, cp_size: int,
 class MicroBatch:
     indices: List[int]
     captions: List[str]
-    caption_ids: torch.Tensor        # [b, L] ids, or [b, L, data.text_embed_dim] precomputed embeddings
-    caption_mask: torch.Tensor       # [b, L]
-    drop: torch.Tensor               # [b] bool: train with the null caption
-    clean: Optional[torch.Tensor]    # [b, s_local, patch_dim] (None where the stage needs none)
-    noise: Optional[torch.Tensor]    # like clean
-    sigma: Optional[torch.Tensor]    # [b] (EDM)
-    t: Optional[torch.Tensor]        # [b] (flow, full-sequence models) or [b, blocks] (AR)
+    caption_ids: torch.Tensor  # [b, L] ids, or [b, L, data.text_embed_dim] precomputed embeddings
+    caption_mask: torch.Tensor  # [b, L]
+    drop: torch.Tensor  # [b] bool: train with the null caption
+    clean: Optional[torch.Tensor]  # [b, s_local, patch_dim] (None where the stage needs none)
+    noise: Optional[torch.Tensor]  # like clean
+    sigma: Optional[torch.Tensor]  # [b] (EDM)
+    t: Optional[torch.Tensor]  # [b] (flow, full-sequence models) or [b, blocks] (AR)
 
 
 class _ShardClips:
@@ -76,7 +78,9 @@ class _ShardClips:
                 self.it = iter(self.reader)
                 sample = next(self.it, None)
                 if sample is None:
-                    raise ValueError("data.shards: this data-parallel rank's share of the shards is empty") from None
+                    raise ValueError(
+                        "data.shards: this data-parallel rank's share of the shards is empty"
+                    ) from None
             self.pos += 1
             if self.pos - 1 == position:
                 return sample
@@ -91,8 +95,16 @@ class _EnergonClips:
         d = config.data
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.loader, self.task_encoder = video_window_loader(
-            d.path, windows, num_frames=d.num_frames, height=d.height, width=d.width,
-            batch_size=config.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=d.seed)
+            d.path,
+            windows,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            batch_size=config.train.micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=d.seed,
+        )
         self.it = None
 
     def next_batch(self, n: int) -> list:
@@ -106,23 +118,34 @@ class _EnergonClips:
     def state_json(self) -> str:
         from megatron_video.data.energon_video import state_to_json
 
-        return json.dumps({"dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                           "skipped": self.task_encoder.skipped,
-                           "loader": state_to_json(self.loader.save_state_rank())})
+        return json.dumps(
+            {
+                "dp_rank": self.dp_rank,
+                "dp_size": self.dp_size,
+                "skipped": self.task_encoder.skipped,
+                "loader": state_to_json(self.loader.save_state_rank()),
+            }
+        )
 
     def restore_json(self, text: Optional[str]) -> None:
         from megatron_video.data.energon_video import state_from_json
 
         if text is None:
-            raise ValueError("checkpoint holds no data-loader state for this rank (saved without "
-                             "data.source=energon?); the energon order cannot be resumed")
+            raise ValueError(
+                "checkpoint holds no data-loader state for this rank (saved without "
+                "data.source=energon?); the energon order cannot be resumed"
+            )
         blob = json.loads(text)
         if (blob["dp_rank"], blob["dp_size"]) != (self.dp_rank, self.dp_size):
-            raise ValueError(f"data-loader state was saved by dp rank {blob['dp_rank']} of {blob['dp_size']}; "
-                             f"this rank is {self.dp_rank} of {self.dp_size} (energon resumes with the same "
-                             f"data-parallel size)")
+            raise ValueError(
+                f"data-loader state was saved by dp rank {blob['dp_rank']} of {blob['dp_size']}; "
+                f"this rank is {self.dp_rank} of {self.dp_size} (energon resumes with the same "
+                f"data-parallel size)"
+            )
         if self.it is not None:
-            raise ValueError("the energon loader already started; restore its state before the first batch")
+            raise ValueError(
+                "the energon loader already started; restore its state before the first batch"
+            )
         self.loader.restore_state_rank(state_from_json(blob["loader"]))
         self.task_encoder.skipped = int(blob.get("skipped", 0))
 
@@ -146,9 +169,19 @@ class BatchMaker:
       way.
     """
 
-    def __init__(self, config: Config, *, vae, latent_scale: float, cp_rank: int, cp_size: int,
-                 dp_rank: int, dp_size: int, layout: Optional[BalancedSPLayout] = None,
-                 need_latents: bool = True):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        vae,
+        latent_scale: float,
+        cp_rank: int,
+        cp_size: int,
+        dp_rank: int,
+        dp_size: int,
+        layout: Optional[BalancedSPLayout] = None,
+        need_latents: bool = True,
+    ):
         self.config, self.vae, self.latent_scale = config, vae, float(latent_scale)
         self.cp_rank, self.cp_size, self.dp_rank, self.dp_size = cp_rank, cp_size, dp_rank, dp_size
         self.layout, self.need_latents = layout, need_latents
@@ -164,13 +197,21 @@ class BatchMaker:
             self.segments = [(cp_rank * n, (cp_rank + 1) * n)]
         need = encoder_halo(vae.encoder, temporal_stride=4) if vae is not None else 0
         self.halo = config.vae.halo_latents if config.vae.halo_latents is not None else need
-        self.windows = [halo_window(a, b, self.halo, 4, True, rank=cp_rank) for a, b in self.segments]
+        self.windows = [
+            halo_window(a, b, self.halo, 4, True, rank=cp_rank) for a, b in self.segments
+        ]
         d = config.data
         self.tokenizer = CaptionTokenizer(d.caption_len)
-        self.dataset = ProceduralVideoDataset(d.num_samples, num_frames=d.num_frames, height=d.height,
-                                              width=d.width, seed=d.seed, caption_len=d.caption_len)
+        self.dataset = ProceduralVideoDataset(
+            d.num_samples,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            seed=d.seed,
+            caption_len=d.caption_len,
+        )
         self.shards = _ShardClips(d.shards, dp_rank, dp_size) if d.source == "shards" else None
-        self._text = {}   # position -> precomputed (caption embeddings, mask) of shard samples
+        self._text = {}  # position -> precomputed (caption embeddings, mask) of shard samples
         self.energon = None
         if d.source == "energon":
             self.energon = _EnergonClips(config, self.windows, dp_rank, dp_size)
@@ -178,15 +219,22 @@ class BatchMaker:
         self.micro = t.micro_batch_size
         gbs = t.global_batch_size or self.micro * dp_size
         self.num_microbatches = gbs // (self.micro * dp_size)
-        self.edm = EDMConfig(sigma_data=config.diffusion.sigma_data, p_mean=config.diffusion.p_mean,
-                             p_std=config.diffusion.p_std)
+        self.edm = EDMConfig(
+            sigma_data=config.diffusion.sigma_data,
+            p_mean=config.diffusion.p_mean,
+            p_std=config.diffusion.p_std,
+        )
 
     # -- samples ---------------------------------------------------------------------------
     def sample_positions(self, step: int, microbatch: int) -> List[int]:
-        base = ((step * self.num_microbatches + microbatch) * self.dp_size + self.dp_rank) * self.micro
+        base = (
+            (step * self.num_microbatches + microbatch) * self.dp_size + self.dp_rank
+        ) * self.micro
         return [base + j for j in range(self.micro)]
 
-    def _clip(self, position: int) -> Tuple[int, str, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def _clip(
+        self, position: int
+    ) -> Tuple[int, str, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(index, caption, raw video [3, T, H, W] or None, latents [z, F, h, w] or None)``."""
         d = self.config.data
         if self.shards is None:
@@ -199,37 +247,52 @@ class BatchMaker:
                 video = render_video(attrs, num_frames=d.num_frames, height=d.height, width=d.width)
             return index, caption_for(attrs), video, None
         # this data-parallel rank's own running sample number (its share of the shards)
-        s = self.shards.get((position // self.micro // self.dp_size) * self.micro + position % self.micro)
+        s = self.shards.get(
+            (position // self.micro // self.dp_size) * self.micro + position % self.micro
+        )
         key = s["key"]
         if "video" in s:
             v = s["video"].float()
             if tuple(v.shape) != (3, d.num_frames, d.height, d.width):
-                raise ValueError(f"shard sample {key!r}: video shape {tuple(v.shape)} must be "
-                                 f"[3, data.num_frames={d.num_frames}, {d.height}, {d.width}]")
+                raise ValueError(
+                    f"shard sample {key!r}: video shape {tuple(v.shape)} must be "
+                    f"[3, data.num_frames={d.num_frames}, {d.height}, {d.width}]"
+                )
             return position, s["caption"], v, None
         lat = s["latent"].float()
         want = (self.config.vae.latent_channels, self.F, self.h, self.w)
         if tuple(lat.shape) != want:
-            raise ValueError(f"shard sample {key!r}: latent shape {tuple(lat.shape)} must be {list(want)}")
-        if d.text_embed_dim is not None:   # precomputed caption embeddings travel with the latent
+            raise ValueError(
+                f"shard sample {key!r}: latent shape {tuple(lat.shape)} must be {list(want)}"
+            )
+        if d.text_embed_dim is not None:  # precomputed caption embeddings travel with the latent
             emb, tm = s.get("text_emb"), s.get("text_mask")
-            if emb is None or tm is None or tuple(emb.shape) != (d.caption_len, d.text_embed_dim) \
-                    or tuple(tm.shape) != (d.caption_len,):
-                raise ValueError(f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
-                                 f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask; "
-                                 f"got {None if emb is None else tuple(emb.shape)}")
+            if (
+                emb is None
+                or tm is None
+                or tuple(emb.shape) != (d.caption_len, d.text_embed_dim)
+                or tuple(tm.shape) != (d.caption_len,)
+            ):
+                raise ValueError(
+                    f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
+                    f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask; "
+                    f"got {None if emb is None else tuple(emb.shape)}"
+                )
             self._text[position] = (emb.float(), tm.bool())
         return position, s["caption"], None, lat
 
-    def _local_latents(self, videos: Sequence[Optional[torch.Tensor]],
-                       latents: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    def _local_latents(
+        self, videos: Sequence[Optional[torch.Tensor]], latents: Sequence[Optional[torch.Tensor]]
+    ) -> torch.Tensor:
         """This rank's latent frames ``[b, z, F_local, h, w]`` (scaled to unit variance)."""
         z = self.config.vae.latent_channels
         if latents[0] is not None:  # pre-encoded shards: keep the rank's frames
             frames = torch.cat([torch.arange(a, b) for a, b in self.segments])
             return torch.stack(list(latents)).index_select(2, frames) * self.latent_scale
         batch = torch.stack(list(videos))
-        packed = halo_scatter(batch, [w.window for w in self.windows], "bcthw")  # one pass, C++ when built
+        packed = halo_scatter(
+            batch, [w.window for w in self.windows], "bcthw"
+        )  # one pass, C++ when built
         raws = [packed.window(i) for i in range(len(self.windows))]
         with torch.no_grad():
             moments = encode_rank_latents(self.vae.encoder, raws, self.windows)
@@ -239,7 +302,7 @@ class BatchMaker:
         """Latents of raw windows decoded per rank (energon): encoded with the halo, scaled."""
         with torch.no_grad():
             moments = encode_rank_latents(self.vae.encoder, raws, self.windows)
-        return moments[:, :self.config.vae.latent_channels] * self.latent_scale
+        return moments[:, : self.config.vae.latent_channels] * self.latent_scale
 
     # -- loader state (checkpointed) -----------------------------------------------------------
     def data_state(self) -> Optional[str]:
@@ -274,7 +337,11 @@ class BatchMaker:
             captions.append(cap)
             videos.append(video)
             latents.append(lat)
-        if self.config.data.text_embed_dim is not None and self.energon is None and self.shards is not None:
+        if (
+            self.config.data.text_embed_dim is not None
+            and self.energon is None
+            and self.shards is not None
+        ):
             pairs = [self._text.pop(p) for p in positions]
             ids, mask = torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
         else:
@@ -287,19 +354,33 @@ class BatchMaker:
             noise.append(n.index_select(0, self.token_ids))
             sig.append(sample_sigma((1,), self.edm, generator=g))
             if self.layout is not None:
-                ts.append(sample_timesteps((1, self.layout.num_blocks), generator=g,
-                                           shift=cfg.diffusion.flow_shift))
+                ts.append(
+                    sample_timesteps(
+                        (1, self.layout.num_blocks), generator=g, shift=cfg.diffusion.flow_shift
+                    )
+                )
             else:
                 ts.append(sample_timesteps((1,), generator=g, shift=cfg.diffusion.flow_shift))
             drop.append(bool(torch.rand(1, generator=g) < cfg.diffusion.cfg_dropout))
         clean = None
         if self.need_latents:
-            clean = patchify(self._window_latents(windows) if windows is not None
-                             else self._local_latents(videos, latents), self.patch)
-        return MicroBatch(indices=indices, captions=captions, caption_ids=ids, caption_mask=mask,
-                          drop=torch.tensor(drop, dtype=torch.bool),
-                          clean=clean, noise=torch.stack(noise) if self.need_latents else None,
-                          sigma=torch.cat(sig), t=torch.cat(ts))
+            clean = patchify(
+                self._window_latents(windows)
+                if windows is not None
+                else self._local_latents(videos, latents),
+                self.patch,
+            )
+        return MicroBatch(
+            indices=indices,
+            captions=captions,
+            caption_ids=ids,
+            caption_mask=mask,
+            drop=torch.tensor(drop, dtype=torch.bool),
+            clean=clean,
+            noise=torch.stack(noise) if self.need_latents else None,
+            sigma=torch.cat(sig),
+            t=torch.cat(ts),
+        )
 
     def step_batches(self, step: int) -> Iterator[MicroBatch]:
         return iter([self.micro_batch(step, m) for m in range(self.num_microbatches)])

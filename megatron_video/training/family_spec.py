@@ -4,6 +4,7 @@ The families live in ``training/families/`` and register here (importing ``megat
 registers the built-in ones); this module imports nothing of ``training``, so the config and the
 model factory look a family up by name without importing the family modules.
 """
+
 from __future__ import annotations
 
 import abc
@@ -17,6 +18,7 @@ __all__ = ["FamilySpec", "SampleLayout", "register_family", "get_family", "famil
 class SampleLayout:
     """How one sample is laid out for the model: the Balanced SP layout (None for plain frame
     order), the token geometry and the number of tokens the model processes per sample."""
+
     layout: Optional[object]
     geometry: Optional[object]
     seq_length: int
@@ -27,22 +29,32 @@ class FamilySpec(abc.ABC):
     """One family of ``model.family``: its name, the objectives it admits, its configuration rules
     and the hooks the trainer and the Megatron-LM entry call. Built by keyword; a family kind (a
     subclass) supplies the hooks and its own defaults."""
+
     name: str
     summary: str
-    objectives: Tuple[str, ...]             # admitted diffusion.objective values; first: default
-    needs_vae: bool                         # latents from the cached causal VAE
-    check: Callable[[Any, int], None]       # (Config, world_size): family rules (ValueError), called by config.validate
+    objectives: Tuple[str, ...]  # admitted diffusion.objective values; first: default
+    needs_vae: bool  # latents from the cached causal VAE
+    check: Callable[
+        [Any, int], None
+    ]  # (Config, world_size): family rules (ValueError), called by config.validate
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"FamilySpec.name ({self.name!r}) must be a non-empty string")
-        if (not isinstance(self.objectives, tuple) or not self.objectives
-                or not all(isinstance(o, str) for o in self.objectives)):
-            raise ValueError(f"FamilySpec.objectives ({self.objectives!r}) of family {self.name!r} "
-                             f"must be a non-empty tuple of strings (the first is the default)")
+        if (
+            not isinstance(self.objectives, tuple)
+            or not self.objectives
+            or not all(isinstance(o, str) for o in self.objectives)
+        ):
+            raise ValueError(
+                f"FamilySpec.objectives ({self.objectives!r}) of family {self.name!r} "
+                f"must be a non-empty tuple of strings (the first is the default)"
+            )
         if not callable(self.check):
-            raise ValueError(f"FamilySpec.check ({self.check!r}) of family {self.name!r} must be "
-                             f"callable (config, world_size)")
+            raise ValueError(
+                f"FamilySpec.check ({self.check!r}) of family {self.name!r} must be "
+                f"callable (config, world_size)"
+            )
 
     @property
     def default_objective(self) -> str:
@@ -56,16 +68,19 @@ class FamilySpec(abc.ABC):
     def check_objective(self, objective: str) -> None:
         if objective not in self.objectives:
             allowed = " or ".join(repr(o) for o in self.objectives)
-            raise ValueError(f"diffusion.objective ({objective!r}) must be {allowed} for "
-                             f"model.family {self.name!r}" + self.objective_note)
+            raise ValueError(
+                f"diffusion.objective ({objective!r}) must be {allowed} for "
+                f"model.family {self.name!r}" + self.objective_note
+            )
 
     @abc.abstractmethod
     def transformer_config(self, config, has_gpu: bool = False):
         """The Megatron ``TransformerConfig`` of the model."""
 
     @abc.abstractmethod
-    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                    config=None):
+    def build_model(
+        self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None
+    ):
         """The model of this pipeline stage."""
 
     @abc.abstractmethod
@@ -104,8 +119,10 @@ def register_family(spec: FamilySpec) -> FamilySpec:
     if not isinstance(spec, FamilySpec):
         raise ValueError(f"spec ({type(spec).__name__}) must be a FamilySpec")
     if spec.name in _FAMILIES:
-        raise ValueError(f"model.family {spec.name!r} is already registered "
-                         f"({type(_FAMILIES[spec.name]).__name__}); family names are unique")
+        raise ValueError(
+            f"model.family {spec.name!r} is already registered "
+            f"({type(_FAMILIES[spec.name]).__name__}); family names are unique"
+        )
     _FAMILIES[spec.name] = spec
     return spec
 

@@ -7,6 +7,7 @@ server that preloaded torch and Megatron; a watchdog ends the job when a rank di
 stdout / stderr go to ``<output>/logs/rank<N>.log`` (torchrun's ``--log-dir`` / ``--redirects``
 convention). Under ``torchrun`` this process is one rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,9 +36,11 @@ def _free_port() -> int:
 
 
 # Frames in these files mean "waiting on other ranks" (a blocked collective or P2P wait).
-_COMM_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,
-               os.path.join("megatron_video", "parallel", "comm.py"),
-               os.path.join("megatron", "core", "pipeline_parallel", "p2p_communication.py"))
+_COMM_FILES = (
+    os.sep + os.path.join("torch", "distributed") + os.sep,
+    os.path.join("megatron_video", "parallel", "comm.py"),
+    os.path.join("megatron", "core", "pipeline_parallel", "p2p_communication.py"),
+)
 
 
 def _waiting_in_comm(frame) -> bool:
@@ -89,15 +92,30 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
-def _worker(rank: int, world: int, port: int, ranks_per_node: int, threads: int, config: Config,
-            shared, target: Optional[Callable], cpu: bool) -> None:
-    os.setpgid(0, 0)   # own process group: the launcher can end this rank and any helper it forked
-    if rank != world - 1:   # the last rank logs (trainer.is_logger); the others write to files
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    ranks_per_node: int,
+    threads: int,
+    config: Config,
+    shared,
+    target: Optional[Callable],
+    cpu: bool,
+) -> None:
+    os.setpgid(0, 0)  # own process group: the launcher can end this rank and any helper it forked
+    if rank != world - 1:  # the last rank logs (trainer.is_logger); the others write to files
         _redirect_output(rank_log(config, rank))
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
-        GROUP_RANK=str(rank // ranks_per_node), OMP_NUM_THREADS=str(threads))
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+        GROUP_RANK=str(rank // ranks_per_node),
+        OMP_NUM_THREADS=str(threads),
+    )
     import torch
 
     torch.set_num_threads(threads)
@@ -119,13 +137,14 @@ def _kill_group(p) -> None:
 
 
 def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code   # killed by signal N -> 128 + N, as a shell reports
+    return 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports
 
 
 def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
     """Wait for the ranks; ``(0, "")`` when all succeeded, else ``(exit status, reason)`` for the
     first rank that failed, or the rank(s) that hung: after start-up, no rank beat for ``timeout`` seconds, and the culprits are the ranks not waiting in communication (all, if every rank waits)."""
     n = len(procs)
+
     def progress():
         return [shared[3 * r + k] for r in range(n) for k in (0, 1)]
 
@@ -140,8 +159,10 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
             r = (signalled or failed)[0]
             step = int(shared[3 * r])
             where = f"at step {step}" if step >= 0 else "before the first step"
-            return (_exit_status(procs[r].exitcode),
-                    f"rank {r} exited with code {procs[r].exitcode} {where}")
+            return (
+                _exit_status(procs[r].exitcode),
+                f"rank {r} exited with code {procs[r].exitcode} {where}",
+            )
         now = progress()
         armed = all(shared[3 * r + 1] > 0 for r in range(n))
         if now != seen or not armed:
@@ -150,9 +171,12 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
             busy = [r for r in alive if not shared[3 * r + 2]] or alive
             steps = sorted({int(shared[3 * r]) for r in busy})
-            return (1, f"rank(s) {busy} made no progress for {timeout:g} s (train.rank_timeout_s) at "
-                       f"step {steps[0] if len(steps) == 1 else steps} while rank(s) "
-                       f"{[r for r in alive if r not in busy]} waited for them")
+            return (
+                1,
+                f"rank(s) {busy} made no progress for {timeout:g} s (train.rank_timeout_s) at "
+                f"step {steps[0] if len(steps) == 1 else steps} while rank(s) "
+                f"{[r for r in alive if r not in busy]} waited for them",
+            )
         time.sleep(0.2)
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
@@ -160,8 +184,13 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
     return 0, ""
 
 
-def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
-           target: Optional[Callable] = None, cpu: bool = False) -> int:
+def launch(
+    config: Config,
+    nproc: int,
+    ranks_per_node: Optional[int] = None,
+    target: Optional[Callable] = None,
+    cpu: bool = False,
+) -> int:
     """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success).
 
     ``cpu``: every rank enters CPU mode (``megatron_video.compat.ensure_cpu_mode``) first.
@@ -194,13 +223,29 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
     # Ranks fork from a server that imported torch / Megatron once (a fresh import per rank costs
     # seconds each); the server itself never touches CUDA, so forking stays safe on GPUs.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state",
-                                "megatron_video.training.trainer"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "megatron.core.parallel_state",
+            "megatron_video.training.trainer",
+        ]
+    )
     shared = ctx.Array("d", [-1.0, 0.0, 0.0] * nproc, lock=False)
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, ranks_per_node, threads, config, shared,
-                                               target, cpu), daemon=False) for r in range(nproc)]
-    print(f"[megatron-video] {nproc} ranks; rank {nproc - 1} logs here, ranks 0-{nproc - 2} to "
-          f"{os.path.dirname(rank_log(config, 0))}/rank<N>.log", file=sys.stderr, flush=True)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, nproc, port, ranks_per_node, threads, config, shared, target, cpu),
+            daemon=False,
+        )
+        for r in range(nproc)
+    ]
+    print(
+        f"[megatron-video] {nproc} ranks; rank {nproc - 1} logs here, ranks 0-{nproc - 2} to "
+        f"{os.path.dirname(rank_log(config, 0))}/rank<N>.log",
+        file=sys.stderr,
+        flush=True,
+    )
     for p in procs:
         p.start()
     code, reason = 1, ""
@@ -215,7 +260,10 @@ def launch(config: Config, nproc: int, ranks_per_node: Optional[int] = None,
         for p in procs:
             p.join(timeout=30)
     if code:
-        print(f"[megatron-video] {reason}; stopped all ranks (exit status {code}); the "
-              f"other ranks' output: {os.path.dirname(rank_log(config, 0))}/rank<N>.log", file=sys.stderr,
-              flush=True)
+        print(
+            f"[megatron-video] {reason}; stopped all ranks (exit status {code}); the "
+            f"other ranks' output: {os.path.dirname(rank_log(config, 0))}/rank<N>.log",
+            file=sys.stderr,
+            flush=True,
+        )
     return code

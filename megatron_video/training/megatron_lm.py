@@ -4,6 +4,7 @@
 :class:`MegatronLMEntry` each; ``megatron.training`` is imported only when Megatron-LM runs, so
 the providers import and test without it (docs/architecture.md, "Megatron integration").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,24 +19,50 @@ from .config import Config, load_config, validate
 from .families import get_family
 from .model_factory import build_model
 
-__all__ = ["add_video_args", "sequence_length", "megatron_transformer_config", "PositionDataset",
-           "HeldOutDataset", "train_valid_test_datasets_provider", "run_pretrain",
-           "skip_shipped_helper_build", "MegatronLMEntry"]
+__all__ = [
+    "add_video_args",
+    "sequence_length",
+    "megatron_transformer_config",
+    "PositionDataset",
+    "HeldOutDataset",
+    "train_valid_test_datasets_provider",
+    "run_pretrain",
+    "skip_shipped_helper_build",
+    "MegatronLMEntry",
+]
 
 
 def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: the megatron-video flags."""
     g = parser.add_argument_group("megatron-video")
-    g.add_argument("--video-config", required=True, help="megatron-video YAML (examples/configs/*.yaml)")
-    g.add_argument("--video-override", nargs="*", default=[], metavar="section.key=value",
-                   help="overrides of the YAML, as for megatron-video train")
-    g.add_argument("--ulysses-size", type=int, default=None,
-                   help="Ulysses degree U (default: the first of --hierarchical-context-parallel-sizes, "
-                        "else the YAML's)")
-    g.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per node for the U x R placement check (default: LOCAL_WORLD_SIZE)")
-    g.add_argument("--cpu", action="store_true",
-                   help="enter megatron_video's CPU mode for Megatron-Core (no CUDA; logged)")
+    g.add_argument(
+        "--video-config", required=True, help="megatron-video YAML (examples/configs/*.yaml)"
+    )
+    g.add_argument(
+        "--video-override",
+        nargs="*",
+        default=[],
+        metavar="section.key=value",
+        help="overrides of the YAML, as for megatron-video train",
+    )
+    g.add_argument(
+        "--ulysses-size",
+        type=int,
+        default=None,
+        help="Ulysses degree U (default: the first of --hierarchical-context-parallel-sizes, "
+        "else the YAML's)",
+    )
+    g.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node for the U x R placement check (default: LOCAL_WORLD_SIZE)",
+    )
+    g.add_argument(
+        "--cpu",
+        action="store_true",
+        help="enter megatron_video's CPU mode for Megatron-Core (no CUDA; logged)",
+    )
     return parser
 
 
@@ -84,15 +111,23 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     positions ``[0, n_train)``, validation the next ``n_valid``, test the ``n_test`` after those:
     three disjoint ranges (held-out split of one stream)."""
     train, valid, test = (int(n) for n in train_val_test_num_samples)
-    return PositionDataset(train), (HeldOutDataset(valid, train) if valid else None), \
-        (HeldOutDataset(test, train + valid) if test else None)
+    return (
+        PositionDataset(train),
+        (HeldOutDataset(valid, train) if valid else None),
+        (HeldOutDataset(test, train + valid) if test else None),
+    )
 
 
 train_valid_test_datasets_provider.is_distributed = True  # every rank builds its own
 
 
-def run_pretrain(pretrain, model_provider, forward_step, parse_and_validate_args=None,
-                 cfg_container_from_args=None) -> None:
+def run_pretrain(
+    pretrain,
+    model_provider,
+    forward_step,
+    parse_and_validate_args=None,
+    cfg_container_from_args=None,
+) -> None:
     """Call ``pretrain`` with the signature it has (feature detection, no version numbers).
 
     Up to megatron-core 0.17 ``pretrain(provider, model_provider, model_type, forward_step,
@@ -104,13 +139,22 @@ def run_pretrain(pretrain, model_provider, forward_step, parse_and_validate_args
 
     params = inspect.signature(pretrain).parameters
     if "cfg_container" not in params:
-        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                 forward_step, extra_args_provider=add_video_args)
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            extra_args_provider=add_video_args,
+        )
         return
     args = parse_and_validate_args(extra_args_provider=add_video_args)
-    pretrain(cfg_container_from_args(args), train_valid_test_datasets_provider,
-             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step,
-             model_provider=model_provider)
+    pretrain(
+        cfg_container_from_args(args),
+        train_valid_test_datasets_provider,
+        model_type=ModelType.encoder_or_decoder,
+        forward_step_func=forward_step,
+        model_provider=model_provider,
+    )
 
 
 class _Job:
@@ -127,7 +171,8 @@ class _Job:
         family = get_family(config.model.family)
         self.config = config
         self.groups = get_video_parallel_groups(check_initialized=False) or init_video_parallel(
-            p.ulysses_size, p.ring_size, ranks_per_node=p.ranks_per_node, placement=p.placement)
+            p.ulysses_size, p.ring_size, ranks_per_node=p.ranks_per_node, placement=p.placement
+        )
         vae, scale = None, 1.0
         if family.needs_vae:
             from megatron_video.training.vae_stage import ensure_vae, load_vae
@@ -136,10 +181,16 @@ class _Job:
         sample = family.sample_layout(config, self.groups.cp_size)
         self.first_stage = ps.is_pipeline_first_stage()
         self.batches = family.make_batches(
-            config, vae=vae, latent_scale=scale, cp_rank=self.groups.cp_rank,
-            cp_size=self.groups.cp_size, dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(), layout=sample.layout,
-            need_latents=self.first_stage or ps.is_pipeline_last_stage())
+            config,
+            vae=vae,
+            latent_scale=scale,
+            cp_rank=self.groups.cp_rank,
+            cp_size=self.groups.cp_size,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            layout=sample.layout,
+            need_latents=self.first_stage or ps.is_pipeline_last_stage(),
+        )
         self.objective = family.make_objective(config, self.groups, sample)
 
 
@@ -215,12 +266,17 @@ class MegatronLMEntry:
         disagree."""
         cfg = load_config(args.video_config, list(args.video_override or []))
         if cfg.model.family not in self.families:
-            raise ValueError(f"--video-config ({args.video_config}): model.family "
-                             f"({cfg.model.family!r}) must be one of {self.families} for {self.script}")
+            raise ValueError(
+                f"--video-config ({args.video_config}): model.family "
+                f"({cfg.model.family!r}) must be one of {self.families} for {self.script}"
+            )
         cp = int(getattr(args, "context_parallel_size", 1) or 1)
         hier = getattr(args, "hierarchical_context_parallel_sizes", None)
-        U = args.ulysses_size or (hier[0] if hier else (cfg.parallel.ulysses_size if
-                                                      cfg.parallel.context_parallel_size == cp else cp))
+        U = args.ulysses_size or (
+            hier[0]
+            if hier
+            else (cfg.parallel.ulysses_size if cfg.parallel.context_parallel_size == cp else cp)
+        )
         if cp % U:
             raise ValueError(f"--ulysses-size ({U}) must divide --context-parallel-size ({cp})")
         p = cfg.parallel
@@ -233,10 +289,15 @@ class MegatronLMEntry:
         if rpn is not None:
             p.ranks_per_node = int(rpn)
         m = cfg.model
-        for flag, ours, theirs in (("--num-layers", m.num_layers, getattr(args, "num_layers", None)),
-                                   ("--hidden-size", m.hidden_size, getattr(args, "hidden_size", None)),
-                                   ("--num-attention-heads", m.num_attention_heads,
-                                    getattr(args, "num_attention_heads", None))):
+        for flag, ours, theirs in (
+            ("--num-layers", m.num_layers, getattr(args, "num_layers", None)),
+            ("--hidden-size", m.hidden_size, getattr(args, "hidden_size", None)),
+            (
+                "--num-attention-heads",
+                m.num_attention_heads,
+                getattr(args, "num_attention_heads", None),
+            ),
+        ):
             if theirs is not None and theirs != ours:
                 raise ValueError(f"{flag} ({theirs}) must equal the video config's value ({ours})")
         t = cfg.train
@@ -247,8 +308,10 @@ class MegatronLMEntry:
         t.sample = False  # Megatron-LM runs no sampling at the end
         seq = getattr(args, "seq_length", None)
         if seq is not None and seq != sequence_length(cfg):
-            raise ValueError(f"--seq-length ({seq}) must be the model's tokens per sample "
-                             f"({sequence_length(cfg)})")
+            raise ValueError(
+                f"--seq-length ({seq}) must be the model's tokens per sample "
+                f"({sequence_length(cfg)})"
+            )
         get_family(m.family).check_megatron_lm_args(cfg, args)
         if world_size is not None:
             validate(cfg, world_size, torch.cuda.is_available())
@@ -265,9 +328,16 @@ class MegatronLMEntry:
         return self._job
 
     # -- providers ---------------------------------------------------------------------------
-    def model_provider(self, pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                       config=None, pg_collection=None, video_config: Optional[Config] = None,
-                       **unused):
+    def model_provider(
+        self,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage=None,
+        config=None,
+        pg_collection=None,
+        video_config: Optional[Config] = None,
+        **unused,
+    ):
         """Megatron-LM ``model_provider``: the model of this pipeline stage.
 
         ``config``: the ``TransformerConfig`` from Megatron-LM (``get_model`` passes it where it
@@ -298,7 +368,11 @@ class MegatronLMEntry:
 
             step = int(getattr(get_args(), "curr_iteration", 0))
         batch = next(data_iterator)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else "cpu"
+        )
         mb = job.batches.from_positions([int(p) for p in batch["position"]], step)
         for name, value in vars(mb).items():
             if isinstance(value, torch.Tensor):
@@ -311,8 +385,13 @@ class MegatronLMEntry:
 
     def run_pretrain(self, pretrain, parse_and_validate_args=None, cfg_container_from_args=None):
         """``run_pretrain`` with this entry's providers."""
-        run_pretrain(pretrain, self.model_provider, self.forward_step, parse_and_validate_args,
-                     cfg_container_from_args)
+        run_pretrain(
+            pretrain,
+            self.model_provider,
+            self.forward_step,
+            parse_and_validate_args,
+            cfg_container_from_args,
+        )
 
     def main(self) -> None:
         from megatron.training import pretrain

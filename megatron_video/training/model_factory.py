@@ -1,5 +1,6 @@
 """Build the Megatron config and model of a training ``Config`` (used by the trainer and by the
 Megatron-LM entry ``examples/pretrain_video_dit.py``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,19 +32,32 @@ def transformer_config(config: Config, has_gpu: bool = False) -> VideoDiTConfig:
     dtype = torch.bfloat16 if config.train.bf16 else torch.float32
     kw = device_transformer_config_kwargs(
         has_gpu,
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         kv_channels=m.hidden_size // m.num_attention_heads,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
-        hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=True, add_bias_linear=True,
-        init_method_std=m.init_std, layernorm_epsilon=1e-6,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=config.train.bf16,
-        in_channels=config.vae.latent_channels, patch_size=tuple(m.patch_size), lora_rank=m.lora_rank,
-        rope_theta=m.rope_theta, text_max_len=config.data.caption_len,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        qk_layernorm=True,
+        add_bias_linear=True,
+        init_method_std=m.init_std,
+        layernorm_epsilon=1e-6,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=config.train.bf16,
+        in_channels=config.vae.latent_channels,
+        patch_size=tuple(m.patch_size),
+        lora_rank=m.lora_rank,
+        rope_theta=m.rope_theta,
+        text_max_len=config.data.caption_len,
         text_input_dim=config.data.text_embed_dim,
-        layer_type=get_family(m.family).layer_type, stdit_variant=m.stdit_variant,
+        layer_type=get_family(m.family).layer_type,
+        stdit_variant=m.stdit_variant,
         stdit_full_attention_layers=tuple(m.stdit_full_attention_layers),
         cond_seed=config.train.seed + 17,
     )
@@ -58,8 +72,11 @@ def video_fields(config: Config) -> Dict[str, Any]:
     """The fields ``VideoDiTConfig`` adds to Megatron's ``TransformerConfig``, from ``config``."""
     ours = transformer_config(config, has_gpu=False)
     base = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return {f.name: getattr(ours, f.name) for f in dataclasses.fields(VideoDiTConfig)
-            if f.init and f.name not in base}
+    return {
+        f.name: getattr(ours, f.name)
+        for f in dataclasses.fields(VideoDiTConfig)
+        if f.init and f.name not in base
+    }
 
 
 def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDiTConfig:
@@ -86,8 +103,14 @@ def video_transformer_config(base: TransformerConfig, config: Config) -> VideoDi
         return VideoDiTConfig(**{**kw, **fields})
 
 
-def build_model(config: Config, tcfg: VideoDiTConfig, pre_process: bool = True,
-                post_process: bool = True, vp_stage=None):
+def build_model(
+    config: Config,
+    tcfg: VideoDiTConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage=None,
+):
     """The model of ``config.model.family`` for this pipeline stage (``family_spec.FamilySpec``)."""
-    return get_family(config.model.family).build_model(tcfg, pre_process, post_process, vp_stage,
-                                                       config=config)
+    return get_family(config.model.family).build_model(
+        tcfg, pre_process, post_process, vp_stage, config=config
+    )

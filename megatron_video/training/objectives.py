@@ -5,6 +5,7 @@ model call and the output into this rank's loss SHARE: a sum over its loss token
 GLOBAL number of loss tokens of the micro-batch, so the shares of a CP group sum to the
 single-process loss (Megatron's schedule multiplies by the CP size, DDP averages over DP x CP).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -48,12 +49,16 @@ class EDMObjective:
         if first_stage:
             x = self._noisy(mb)
             tokens = expand_like(c_in, x, "sigma").to(x.dtype) * x
-        return (tokens, c_noise.float(), mb.caption_ids, mb.caption_mask, self.geometry), dict(drop=mb.drop)
+        return (tokens, c_noise.float(), mb.caption_ids, mb.caption_mask, self.geometry), dict(
+            drop=mb.drop
+        )
 
     def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
         x = self._noisy(mb)
-        c_skip, c_out, _, _ = (expand_like(c, x, "sigma").to(x.dtype)
-                               for c in edm_scalings(mb.sigma.double(), self.sigma_data))
+        c_skip, c_out, _, _ = (
+            expand_like(c, x, "sigma").to(x.dtype)
+            for c in edm_scalings(mb.sigma.double(), self.sigma_data)
+        )
         denoised = c_skip * x + c_out * output.to(x.dtype)
         w = expand_like(edm_loss_weight(mb.sigma.to(_acc(x)), self.sigma_data), x, "sigma")
         per_element = w * (denoised.to(_acc(x)) - mb.clean.to(_acc(x))) ** 2
@@ -85,7 +90,9 @@ class TeacherForcing:
     def __init__(self, layout, groups, geometry: VideoGeometry):
         self.tf = TeacherForcingObjective(layout, groups if layout.sp_size > 1 else None)
         self.layout, self.geometry = layout, geometry
-        self.tokens_per_sample = 2 * layout.num_latent_frames * layout.tokens_per_frame  # model tokens
+        self.tokens_per_sample = (
+            2 * layout.num_latent_frames * layout.tokens_per_frame
+        )  # model tokens
         self.half = layout.local_len // 2
 
     def _inputs(self, mb: MicroBatch):
@@ -97,14 +104,20 @@ class TeacherForcing:
         else:  # the per-token timesteps without the latents
             t_noisy = mb.t[:, self.tf.noisy_blocks]
             t, x = torch.cat([torch.zeros_like(t_noisy), t_noisy], dim=1), None
-        kwargs = dict(frame_positions=self.tf.frame_positions, token_ids=self.tf.token_ids,
-                      mask=self.tf.mask, caption_ids=mb.caption_ids, caption_mask=mb.caption_mask,
-                      geometry=self.geometry, drop=mb.drop)
+        kwargs = dict(
+            frame_positions=self.tf.frame_positions,
+            token_ids=self.tf.token_ids,
+            mask=self.tf.mask,
+            caption_ids=mb.caption_ids,
+            caption_mask=mb.caption_mask,
+            geometry=self.geometry,
+            drop=mb.drop,
+        )
         return (x, t), kwargs
 
     def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
         target = fm_target(mb.clean, mb.noise)
         acc = _acc(target)
-        per_element = (output[:, self.half:].to(acc) - target.to(acc)) ** 2
+        per_element = (output[:, self.half :].to(acc) - target.to(acc)) ** 2
         n = mb.clean.shape[0] * self.layout.num_loss_tokens
         return reduce_token_loss(per_element, None, n)

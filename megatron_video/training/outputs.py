@@ -1,4 +1,5 @@
 """Run outputs: ``metrics.json``, ``loss.png`` (matplotlib) and ``sample.gif`` (pillow)."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,9 @@ def write_metrics(path, metrics: Dict) -> Path:
     return path
 
 
-def plot_loss(path, steps: Sequence[int], losses: Sequence[float], title: str = "training loss") -> Path:
+def plot_loss(
+    path, steps: Sequence[int], losses: Sequence[float], title: str = "training loss"
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -32,7 +35,7 @@ def plot_loss(path, steps: Sequence[int], losses: Sequence[float], title: str = 
     if len(losses) >= 10:  # a moving average shows the trend through the noise of tiny batches
         k = max(5, len(losses) // 20)
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        ax.plot(list(steps)[k - 1:], smooth, lw=2, label=f"mean of {k}")
+        ax.plot(list(steps)[k - 1 :], smooth, lw=2, label=f"mean of {k}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -47,12 +50,13 @@ def plot_loss(path, steps: Sequence[int], losses: Sequence[float], title: str = 
 def video_to_frames(video: torch.Tensor, scale: int = 4) -> List[np.ndarray]:
     """``[3, T, H, W]`` in ``[-1, 1]`` -> T uint8 frames ``[H*scale, W*scale, 3]``."""
     v = ((video.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    v = v.permute(1, 2, 3, 0).numpy()                                  # [T, H, W, 3]
+    v = v.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3]
     return [np.kron(f, np.ones((scale, scale, 1), dtype=np.uint8)) for f in v]
 
 
-def write_gif(path, videos: Sequence[torch.Tensor], labels: Sequence[str] = (), scale: int = 4,
-              fps: int = 8) -> Path:
+def write_gif(
+    path, videos: Sequence[torch.Tensor], labels: Sequence[str] = (), scale: int = 4, fps: int = 8
+) -> Path:
     """Side-by-side GIF of equally long videos ``[3, T, H, W]``, a caption strip above each."""
     from PIL import Image, ImageDraw
 
@@ -62,7 +66,9 @@ def write_gif(path, videos: Sequence[torch.Tensor], labels: Sequence[str] = (), 
     pad, strip = 4, 14
     frames = []
     for t in range(T):
-        canvas = Image.new("RGB", (len(columns) * (w + pad) + pad, h + strip + 2 * pad), (24, 24, 24))
+        canvas = Image.new(
+            "RGB", (len(columns) * (w + pad) + pad, h + strip + 2 * pad), (24, 24, 24)
+        )
         draw = ImageDraw.Draw(canvas)
         for i, col in enumerate(columns):
             x = pad + i * (w + pad)

@@ -3,6 +3,7 @@
 Training reads them with ``data.source=shards data.shards=DST``; the VAE then stays out of the
 step (``precompute_latents``).
 """
+
 from __future__ import annotations
 
 import io
@@ -16,8 +17,15 @@ from .config import Config, latent_shape
 __all__ = ["precompute_latents"]
 
 
-def precompute_latents(config: Config, out_dir, *, sp_size: int = 1, text_encoder=None,
-                       samples_per_shard: int = 64, progress: bool = False) -> dict:
+def precompute_latents(
+    config: Config,
+    out_dir,
+    *,
+    sp_size: int = 1,
+    text_encoder=None,
+    samples_per_shard: int = 64,
+    progress: bool = False,
+) -> dict:
     """Encode ``config.data.path`` (an energon dataset) into latent shards under ``out_dir``.
     Returns ``{"samples", "shards", "skipped"}``.
 
@@ -44,8 +52,17 @@ def precompute_latents(config: Config, out_dir, *, sp_size: int = 1, text_encode
         raise ValueError(f"sp_size ({sp_size}) must be >= 1 and divide the latent frames ({F})")
     vae, _ = load_vae(ensure_vae(config, progress=progress), config)
     windows = halo_windows(F, sp_size, encoder_halo(vae.encoder))
-    loader, te = video_window_loader(d.path, windows, num_frames=d.num_frames, height=d.height,
-                                     width=d.width, batch_size=1, dp_rank=0, dp_size=1, seed=d.seed)
+    loader, te = video_window_loader(
+        d.path,
+        windows,
+        num_frames=d.num_frames,
+        height=d.height,
+        width=d.width,
+        batch_size=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=d.seed,
+    )
     summary_file = Path(d.path) / ".nv-meta" / "megatron_video.json"
     total = json.loads(summary_file.read_text())["samples"] if summary_file.is_file() else None
     out = Path(out_dir)
@@ -55,7 +72,7 @@ def precompute_latents(config: Config, out_dir, *, sp_size: int = 1, text_encode
     try:
         for batch in loader:
             s = batch[0]
-            if s.__key__ in seen:        # the dataset repeats: one epoch done
+            if s.__key__ in seen:  # the dataset repeats: one epoch done
                 break
             if len(seen) % samples_per_shard == 0:
                 if writer is not None:
@@ -71,8 +88,16 @@ def precompute_latents(config: Config, out_dir, *, sp_size: int = 1, text_encode
                 blob.update(text_emb=emb[0].contiguous(), text_mask=mask[0].contiguous())
             buf = io.BytesIO()
             torch.save(blob, buf)
-            writer.write({"__key__": s.__key__, "latent.pth": buf.getvalue(), "caption.txt": s.caption,
-                          "meta.json": dict(s.meta, sp_size=sp_size, halo_latents=windows[0].halo_latents)})
+            writer.write(
+                {
+                    "__key__": s.__key__,
+                    "latent.pth": buf.getvalue(),
+                    "caption.txt": s.caption,
+                    "meta.json": dict(
+                        s.meta, sp_size=sp_size, halo_latents=windows[0].halo_latents
+                    ),
+                }
+            )
             if total is not None and len(seen) >= total:
                 break
     finally:

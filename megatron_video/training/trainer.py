@@ -4,6 +4,7 @@
 ``run()`` trains it; design in docs/architecture.md ("Megatron integration"), the numerics guard
 and failure behaviour in docs/reliability.md.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -55,12 +56,19 @@ def init_distributed(timeout_s: float = 1800.0) -> bool:
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return True
 
 
@@ -99,40 +107,61 @@ class Trainer:
     metrics) and continues, up to ``train.max_skipped_steps`` in a row; ``stop`` saves the state
     from before the step and raises ``NonFiniteError`` naming the step."""
 
-    def __init__(self, config: Config, progress: Optional[bool] = None,
-                 heartbeat: Optional[Callable[[int], None]] = None, cpu: bool = False):
+    def __init__(
+        self,
+        config: Config,
+        progress: Optional[bool] = None,
+        heartbeat: Optional[Callable[[int], None]] = None,
+        cpu: bool = False,
+    ):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_distributed() first")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_distributed() first"
+            )
         if cpu:  # explicit: `megatron-video ... --cpu` (a no-op where CUDA is available)
             ensure_cpu_mode()
         if not torch.cuda.is_available() and not cpu_mode_active():
-            raise RuntimeError("no CUDA device: run on CPU with `megatron-video ... --cpu`, or call "
-                               "megatron_video.compat.ensure_cpu_mode() before the trainer "
-                               "(docs/architecture.md, 'CPU mode')")
+            raise RuntimeError(
+                "no CUDA device: run on CPU with `megatron-video ... --cpu`, or call "
+                "megatron_video.compat.ensure_cpu_mode() before the trainer "
+                "(docs/architecture.md, 'CPU mode')"
+            )
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.has_gpu = torch.cuda.is_available()
         validate(config, self.world, self.has_gpu)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.has_gpu
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.has_gpu
+            else torch.device("cpu")
+        )
         self.is_logger = self.rank == self.world - 1
-        self.heartbeat = heartbeat   # progress report to the launcher's watchdog (launch.py)
+        self.heartbeat = heartbeat  # progress report to the launcher's watchdog (launch.py)
         self.progress = self.is_logger and (config.train.progress if progress is None else progress)
 
         p = config.parallel
         U, R = p.ulysses_size, p.ring_size
-        kw = dict(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                  context_parallel_size=p.context_parallel_size)
+        kw = dict(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size,
+        )
         if U > 1 and R > 1:
-            kw["hierarchical_context_parallel_sizes"] = [U, R] if p.placement == "ulysses_inner" else [R, U]
+            kw["hierarchical_context_parallel_sizes"] = (
+                [U, R] if p.placement == "ulysses_inner" else [R, U]
+            )
         initialize_model_parallel(**kw)
-        self.groups = init_video_parallel(U, R, ranks_per_node=p.ranks_per_node, placement=p.placement)
+        self.groups = init_video_parallel(
+            U, R, ranks_per_node=p.ranks_per_node, placement=p.placement
+        )
         model_parallel_cuda_manual_seed(config.train.seed)
-        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.first_stage, self.last_stage = (
+            ps.is_pipeline_first_stage(),
+            ps.is_pipeline_last_stage(),
+        )
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
@@ -147,16 +176,27 @@ class Trainer:
 
         # layout, geometry, data, objective
         sample = self.family.sample_layout(config, self.cp_size)
-        self.layout, self.geometry, self.seq_length = sample.layout, sample.geometry, sample.seq_length
+        self.layout, self.geometry, self.seq_length = (
+            sample.layout,
+            sample.geometry,
+            sample.seq_length,
+        )
         self.batches = self.family.make_batches(
-            config, vae=self.vae, latent_scale=self.latent_scale, cp_rank=self.cp_rank,
-            cp_size=self.cp_size, dp_rank=self.dp_rank, dp_size=self.dp_size, layout=self.layout,
-            need_latents=self.first_stage or self.last_stage)
+            config,
+            vae=self.vae,
+            latent_scale=self.latent_scale,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            layout=self.layout,
+            need_latents=self.first_stage or self.last_stage,
+        )
         self.objective = self.family.make_objective(config, self.groups, sample)
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
-        self._beat(-1)   # start-up done (the watchdog's clock restarts at every beat)
+        self._beat(-1)  # start-up done (the watchdog's clock restarts at every beat)
 
     def _load_vae(self, config: Config) -> None:
         failed, error = torch.zeros(1), None
@@ -186,7 +226,9 @@ class Trainer:
 
         c, t = self.config, self.config.train
         self.tcfg = self.family.transformer_config(c, self.has_gpu)
-        torch.manual_seed(t.seed)  # CPU initialisation: the same full weights on every rank / layout
+        torch.manual_seed(
+            t.seed
+        )  # CPU initialisation: the same full weights on every rank / layout
         model = build_model(c, self.tcfg, self.first_stage, self.last_stage)
         if self.has_gpu:
             model.cuda()
@@ -197,22 +239,43 @@ class Trainer:
             model = Float16Module(self.tcfg, model)
         gpu = self.has_gpu
         self.ddp = DistributedDataParallel(
-            config=self.tcfg, module=model,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=gpu))
+            config=self.tcfg,
+            module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=gpu
+            ),
+        )
         dtype = torch.bfloat16 if t.bf16 else torch.float32
-        opt_cfg = OptimizerConfig(**cpu_optimizer_config_kwargs(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=t.bf16,
-            params_dtype=dtype, use_distributed_optimizer=gpu))
+        opt_cfg = OptimizerConfig(
+            **cpu_optimizer_config_kwargs(
+                optimizer="adam",
+                lr=t.lr,
+                min_lr=t.min_lr,
+                weight_decay=t.weight_decay,
+                adam_beta1=t.adam_beta1,
+                adam_beta2=t.adam_beta2,
+                clip_grad=t.clip_grad,
+                bf16=t.bf16,
+                params_dtype=dtype,
+                use_distributed_optimizer=gpu,
+            )
+        )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
         gbs = self.global_batch
-        decay = max(t.steps, t.warmup_steps + 1)   # Megatron needs warmup < decay
+        decay = max(t.steps, t.warmup_steps + 1)  # Megatron needs warmup < decay
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_steps * gbs, lr_decay_steps=decay * gbs,
-            lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
-            wd_incr_steps=decay * gbs, wd_incr_style="constant")
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps * gbs,
+            lr_decay_steps=decay * gbs,
+            lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=decay * gbs,
+            wd_incr_style="constant",
+        )
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         if t.bf16:
             self.tcfg.grad_scale_func = self.optimizer.scale_loss
@@ -242,9 +305,14 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self.forward_backward_func(
-            forward_step_func=self._forward_step, data_iterator=self.batches.step_batches(step),
-            model=[self.ddp], num_microbatches=self.num_microbatches, seq_length=self.seq_length,
-            micro_batch_size=self.config.train.micro_batch_size, forward_only=False)
+            forward_step_func=self._forward_step,
+            data_iterator=self.batches.step_batches(step),
+            model=[self.ddp],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=self.config.train.micro_batch_size,
+            forward_only=False,
+        )
         if not self.last_stage:
             return None
         loss = torch.stack([d["loss"] for d in losses]).mean().reshape(1)
@@ -258,13 +326,23 @@ class Trainer:
         loss = self.forward_backward(step)
         if not self._all_finite(loss):
             self.optimizer.zero_grad()
-            return {"loss": loss, "grad_norm": None, "lr": float(self.optimizer.param_groups[0]["lr"]),
-                    "skipped": True, "nonfinite": True}
+            return {
+                "loss": loss,
+                "grad_norm": None,
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "skipped": True,
+                "nonfinite": True,
+            }
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.global_batch)
-        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": not ok, "nonfinite": False}
+        return {
+            "loss": loss,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "skipped": not ok,
+            "nonfinite": False,
+        }
 
     def _all_finite(self, loss: Optional[float]) -> bool:
         """Collective over all ranks: this step's loss (last stage) and reduced gradients are finite."""
@@ -272,9 +350,12 @@ class Trainer:
         if loss is not None and not math.isfinite(loss):
             flag += 1
         # one reduction per gradient buffer (Megatron DDP keeps them contiguous), no host sync here
-        buffers = getattr(self.ddp, "buffers", []) + getattr(self.ddp, "expert_parallel_buffers", [])
+        buffers = getattr(self.ddp, "buffers", []) + getattr(
+            self.ddp, "expert_parallel_buffers", []
+        )
         grads = [b.grad_data for b in buffers] or [
-            getattr(p, "main_grad", p.grad) for p in self.ddp.parameters()]
+            getattr(p, "main_grad", p.grad) for p in self.ddp.parameters()
+        ]
         for g in grads:
             if g is not None and g.numel():
                 flag += (~torch.isfinite(g)).any().to(flag.dtype)
@@ -295,22 +376,33 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         state = self.batches.data_state()
-        return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler,
-                                    meta=self.model_meta,
-                                    data_state=None if state is None else (f"rank{dist.get_rank()}", state))
+        return ckpt.save_checkpoint(
+            self.checkpoint_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            meta=self.model_meta,
+            data_state=None if state is None else (f"rank{dist.get_rank()}", state),
+        )
 
     def load(self, directory=None, step: Optional[int] = None) -> int:
         """Restore a checkpoint written under any parallel layout (see ``checkpoint.py``)."""
         directory = directory or self.checkpoint_dir
-        step = ckpt.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, step=step,
-                                    meta=self.model_meta)
-        if self.config.data.source == "energon":   # the loader resumes where the saved run stood
+        step = ckpt.load_checkpoint(
+            directory, self.model, self.optimizer, self.scheduler, step=step, meta=self.model_meta
+        )
+        if self.config.data.source == "energon":  # the loader resumes where the saved run stood
             reason = None
             try:
-                self.batches.restore_data_state(ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}"))
+                self.batches.restore_data_state(
+                    ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}")
+                )
             except ValueError as e:
                 reason = str(e)
-            ckpt.agree_or_raise(reason, "data-loader resume refused")   # every rank raises, none hangs
+            ckpt.agree_or_raise(
+                reason, "data-loader resume refused"
+            )  # every rank raises, none hangs
         return step
 
     def maybe_resume(self) -> int:
@@ -323,8 +415,14 @@ class Trainer:
         from megatron_video.data.synthetic import ProceduralVideoDataset
 
         d = self.config.data
-        held_out = ProceduralVideoDataset(b, num_frames=d.num_frames, height=d.height, width=d.width,
-                                          seed=d.seed + 1_000_003, caption_len=d.caption_len)
+        held_out = ProceduralVideoDataset(
+            b,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            seed=d.seed + 1_000_003,
+            caption_len=d.caption_len,
+        )
         return [held_out[i] for i in range(b)]
 
     def sample_tokens(self, num_samples: Optional[int] = None) -> torch.Tensor:
@@ -342,8 +440,12 @@ class Trainer:
         null = (ids, mask, torch.ones(b, dtype=torch.bool, device=self.device))
         C = self.tcfg.patch_dim
         N = self.seq_length // 2 if self.family.autoregressive else self.seq_length
-        noise = torch.stack([torch.randn(N, C, generator=sample_generator(c.train.seed, 10 ** 9, i))
-                             for i in range(b)]).to(self.device)
+        noise = torch.stack(
+            [
+                torch.randn(N, C, generator=sample_generator(c.train.seed, 10**9, i))
+                for i in range(b)
+            ]
+        ).to(self.device)
         local_ids = self.batches.token_ids
         noise_local = cps.partition_tokens(noise, local_ids)
         self.ddp.eval()
@@ -353,25 +455,58 @@ class Trainer:
                     tf = self.objective.tf
 
                     def velocity(x, t, cnd):
-                        return self.ddp(x, t, frame_positions=tf.frame_positions, token_ids=tf.token_ids,
-                                        mask=tf.mask, caption_ids=cnd[0], caption_mask=cnd[1],
-                                        geometry=self.geometry, drop=cnd[2])
-                    out = cps.sample_autoregressive(velocity, self.layout, self.cp_rank, noise_local,
-                                                    cond, null_cond=null, guidance_scale=df.guidance_scale,
-                                                    num_steps=df.sample_steps, shift=df.flow_shift,
-                                                    progress=self.progress)
+                        return self.ddp(
+                            x,
+                            t,
+                            frame_positions=tf.frame_positions,
+                            token_ids=tf.token_ids,
+                            mask=tf.mask,
+                            caption_ids=cnd[0],
+                            caption_mask=cnd[1],
+                            geometry=self.geometry,
+                            drop=cnd[2],
+                        )
+
+                    out = cps.sample_autoregressive(
+                        velocity,
+                        self.layout,
+                        self.cp_rank,
+                        noise_local,
+                        cond,
+                        null_cond=null,
+                        guidance_scale=df.guidance_scale,
+                        num_steps=df.sample_steps,
+                        shift=df.flow_shift,
+                        progress=self.progress,
+                    )
                 else:
+
                     def net(x, tt, cnd):
                         return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
+
                     if c.objective == "edm":
-                        out = cps.sample_edm(net, noise_local, cond, null_cond=null,
-                                             guidance_scale=df.guidance_scale, sigma_data=df.sigma_data,
-                                             sampler=df.sampler, num_steps=df.sample_steps,
-                                             progress=self.progress)
+                        out = cps.sample_edm(
+                            net,
+                            noise_local,
+                            cond,
+                            null_cond=null,
+                            guidance_scale=df.guidance_scale,
+                            sigma_data=df.sigma_data,
+                            sampler=df.sampler,
+                            num_steps=df.sample_steps,
+                            progress=self.progress,
+                        )
                     else:
-                        out = cps.sample_flow(net, noise_local, cond, null_cond=null,
-                                              guidance_scale=df.guidance_scale, num_steps=df.sample_steps,
-                                              shift=df.flow_shift, progress=self.progress)
+                        out = cps.sample_flow(
+                            net,
+                            noise_local,
+                            cond,
+                            null_cond=null,
+                            guidance_scale=df.guidance_scale,
+                            num_steps=df.sample_steps,
+                            shift=df.flow_shift,
+                            progress=self.progress,
+                        )
                 return cps.gather_tokens(out, local_ids, self.groups.cp_group, N)
         finally:
             self.ddp.train()
@@ -417,10 +552,17 @@ class Trainer:
         if start and self.is_logger and prev.is_file():  # keep the curve of the interrupted run
             import json
 
-            history = [h for h in json.loads(prev.read_text()).get("history", []) if h["step"] < start]
+            history = [
+                h for h in json.loads(prev.read_text()).get("history", []) if h["step"] < start
+            ]
         tokens_per_step = self.global_batch * self.seq_length
-        bar = tqdm(total=t.steps, initial=start, desc=f"train {c.model.family}", disable=not self.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=t.steps,
+            initial=start,
+            desc=f"train {c.model.family}",
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         wall0 = time.time()
         last_saved = start if start else None
         skipped = skipped_run = 0
@@ -438,10 +580,20 @@ class Trainer:
             if self.is_logger:
                 history.append(rec)
                 bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                step_s=f"{dt:.2f}")
+                bar.set_postfix(
+                    loss=f"{rec['loss']:.4f}",
+                    tok_s=f"{rec['tokens_per_s']:.0f}",
+                    step_s=f"{dt:.2f}",
+                )
                 if writer is not None and step % t.log_interval == 0:
-                    for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "skipped_total"):
+                    for k in (
+                        "loss",
+                        "grad_norm",
+                        "lr",
+                        "tokens_per_s",
+                        "step_time",
+                        "skipped_total",
+                    ):
                         if rec.get(k) is not None:
                             writer.add_scalar(f"train/{k}", rec[k], step)
             if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
@@ -472,8 +624,9 @@ class Trainer:
         if self.heartbeat is not None:
             self.heartbeat(step)
 
-    def _nonfinite(self, step: int, rec: Dict, skipped_run: int, history: List[Dict],
-                   train_wall: float) -> None:
+    def _nonfinite(
+        self, step: int, rec: Dict, skipped_run: int, history: List[Dict], train_wall: float
+    ) -> None:
         """Apply ``train.nonfinite_policy`` after a step whose loss or gradients were not finite
         (the same decision on every rank). ``stop`` (or ``skip`` past ``train.max_skipped_steps``
         in a row) saves the weights from before the step, writes the metrics and raises."""
@@ -482,51 +635,82 @@ class Trainer:
             return
         saved = None
         if t.save:
-            saved = self.save(step)   # the update was not applied: this is the state before `step`
+            saved = self.save(step)  # the update was not applied: this is the state before `step`
         if self.is_logger:
             history.append(rec)
             self._write_outputs(history, train_wall, 0.0, None, Path(self.config.output), None)
-        why = ("train.nonfinite_policy is 'stop'" if t.nonfinite_policy == "stop" else
-               f"{skipped_run} steps in a row were skipped (train.max_skipped_steps={t.max_skipped_steps})")
-        raise NonFiniteError(f"step {step}: non-finite loss or gradient (loss={rec['loss']}); {why}; "
-                             + (f"saved the state before this step to {saved}" if saved else
-                                "nothing saved (train.save is false)"))
+        why = (
+            "train.nonfinite_policy is 'stop'"
+            if t.nonfinite_policy == "stop"
+            else f"{skipped_run} steps in a row were skipped (train.max_skipped_steps={t.max_skipped_steps})"
+        )
+        raise NonFiniteError(
+            f"step {step}: non-finite loss or gradient (loss={rec['loss']}); {why}; "
+            + (
+                f"saved the state before this step to {saved}"
+                if saved
+                else "nothing saved (train.save is false)"
+            )
+        )
 
     def _write_outputs(self, history, train_wall, sample_wall, sample, out_dir, writer) -> Dict:
         from .outputs import plot_loss, write_gif, write_metrics
 
         c, p = self.config, self.config.parallel
         losses = [h["loss"] for h in history]
-        k = max(1, min(50, len(losses) // 10))   # loss means over the first / last k steps
+        k = max(1, min(50, len(losses) // 10))  # loss means over the first / last k steps
 
         def mean(values):
             return sum(values) / len(values) if values else None
 
         metrics = {
-            "family": c.model.family, "world_size": self.world, "vae": None if self.vae_path is None else str(self.vae_path),
-            "parallel": {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                         "cp": self.cp_size, "ulysses": p.ulysses_size, "ring": p.ring_size,
-                         "dp": self.dp_size},
-            "steps": len(history), "global_batch": self.global_batch,
+            "family": c.model.family,
+            "world_size": self.world,
+            "vae": None if self.vae_path is None else str(self.vae_path),
+            "parallel": {
+                "tp": p.tensor_model_parallel_size,
+                "pp": p.pipeline_model_parallel_size,
+                "cp": self.cp_size,
+                "ulysses": p.ulysses_size,
+                "ring": p.ring_size,
+                "dp": self.dp_size,
+            },
+            "steps": len(history),
+            "global_batch": self.global_batch,
             "tokens_per_step": self.global_batch * self.seq_length,
-            "train_wall_s": train_wall, "sample_wall_s": sample_wall,
-            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "loss_mean_steps": k, "loss_first_mean": mean(losses[:k]), "loss_last_mean": mean(losses[-k:]),
+            "train_wall_s": train_wall,
+            "sample_wall_s": sample_wall,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "loss_mean_steps": k,
+            "loss_first_mean": mean(losses[:k]),
+            "loss_last_mean": mean(losses[-k:]),
             "tokens_per_s_mean": mean([h["tokens_per_s"] for h in history]),
             "nonfinite_steps": sum(1 for h in history if h.get("nonfinite")),
-            "history": history, "config": config_to_dict(c),
+            "history": history,
+            "config": config_to_dict(c),
         }
         if losses:
-            plot_loss(out_dir / "loss.png", [h["step"] for h in history], losses,
-                      title=f"{c.model.family} (CP={self.cp_size}: U{p.ulysses_size} x R{p.ring_size})")
+            plot_loss(
+                out_dir / "loss.png",
+                [h["step"] for h in history],
+                losses,
+                title=f"{c.model.family} (CP={self.cp_size}: U{p.ulysses_size} x R{p.ring_size})",
+            )
         if sample is not None:
             generated, truth, recon, captions = sample
-            write_gif(out_dir / "sample.gif", [truth[0], recon[0], generated[0]],
-                      labels=["data", "VAE recon", "generated"])
-            metrics["sample"] = {"caption": captions[0], "frames": int(generated.shape[2]),
-                                 "gif": str(out_dir / "sample.gif")}
+            write_gif(
+                out_dir / "sample.gif",
+                [truth[0], recon[0], generated[0]],
+                labels=["data", "VAE recon", "generated"],
+            )
+            metrics["sample"] = {
+                "caption": captions[0],
+                "frames": int(generated.shape[2]),
+                "gif": str(out_dir / "sample.gif"),
+            }
             if writer is not None:  # frames of the generated video, left to right
-                frames = ((generated[0].permute(1, 0, 2, 3) + 1) / 2).clamp(0, 1)   # [T, 3, H, W]
+                frames = ((generated[0].permute(1, 0, 2, 3) + 1) / 2).clamp(0, 1)  # [T, 3, H, W]
                 writer.add_image("sample/generated", torch.cat(list(frames), dim=2), 0)
         write_metrics(out_dir / "metrics.json", metrics)
         return metrics
@@ -536,8 +720,12 @@ class Trainer:
         destroy_model_parallel()
 
 
-def train(config: Config, progress: Optional[bool] = None,
-          heartbeat: Optional[Callable[[int], None]] = None, cpu: bool = False) -> Dict:
+def train(
+    config: Config,
+    progress: Optional[bool] = None,
+    heartbeat: Optional[Callable[[int], None]] = None,
+    cpu: bool = False,
+) -> Dict:
     """Run a whole job in this process (one rank); initialises and tears down what it set up.
     Without a ``heartbeat`` (torchrun) the process group's timeout is ``train.rank_timeout_s``:
     a collective waiting that long on a dead or hung peer raises. With one, the launcher's watchdog

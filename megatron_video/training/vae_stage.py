@@ -5,6 +5,7 @@ before the first run), single process, deterministic; cached under ``vae.cache_d
 hash of everything that affects it, with ``latent_scale`` (1 / std of the latent means), which maps
 latents to unit variance for the diffusion model.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,15 +25,24 @@ from .config import Config
 
 __all__ = ["vae_cache_path", "train_vae", "load_vae", "ensure_vae"]
 
-_VAE_DATA_SEED = 9173   # the VAE sees its own sample stream, not the DiT's
+_VAE_DATA_SEED = 9173  # the VAE sees its own sample stream, not the DiT's
 
 
 def _key(config: Config) -> dict:
     v, d = config.vae, config.data
-    return dict(latent_channels=v.latent_channels, base_channels=v.base_channels,
-                train_steps=v.train_steps, batch_size=v.batch_size, lr=v.lr, kl_weight=v.kl_weight,
-                foreground_weight=v.foreground_weight,
-                num_frames=d.num_frames, height=d.height, width=d.width, version=3)
+    return dict(
+        latent_channels=v.latent_channels,
+        base_channels=v.base_channels,
+        train_steps=v.train_steps,
+        batch_size=v.batch_size,
+        lr=v.lr,
+        kl_weight=v.kl_weight,
+        foreground_weight=v.foreground_weight,
+        num_frames=d.num_frames,
+        height=d.height,
+        width=d.width,
+        version=3,
+    )
 
 
 def vae_cache_path(config: Config) -> Path:
@@ -64,10 +74,13 @@ def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_VAE_DATA_SEED)
         vae = CausalVideoVAE(3, v.latent_channels, v.base_channels)
-    data = ProceduralVideoDataset(1 << 30, num_frames=d.num_frames, height=d.height, width=d.width,
-                                  seed=_VAE_DATA_SEED)
+    data = ProceduralVideoDataset(
+        1 << 30, num_frames=d.num_frames, height=d.height, width=d.width, seed=_VAE_DATA_SEED
+    )
     opt = torch.optim.Adam(vae.parameters(), lr=v.lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(1, v.train_steps), eta_min=v.lr * 0.05)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, max(1, v.train_steps), eta_min=v.lr * 0.05
+    )
     history, start = [], time.time()
     bar = tqdm(range(v.train_steps), desc="vae", disable=not progress, dynamic_ncols=True)
     for step in bar:
@@ -86,9 +99,16 @@ def train_vae(config: Config, path: Path, progress: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"state_dict": vae.state_dict(), "latent_scale": 1.0 / max(std, 1e-6),
-                "key": _key(config), "recon_history": history,
-                "train_seconds": time.time() - start}, tmp)
+    torch.save(
+        {
+            "state_dict": vae.state_dict(),
+            "latent_scale": 1.0 / max(std, 1e-6),
+            "key": _key(config),
+            "recon_history": history,
+            "train_seconds": time.time() - start,
+        },
+        tmp,
+    )
     os.replace(tmp, path)
     return path
 
@@ -97,15 +117,19 @@ def load_vae(path: Path, config: Optional[Config] = None) -> Tuple[CausalVideoVA
     """``(vae in eval mode, latent_scale)`` from a file written by ``train_vae``."""
     try:
         blob = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except Exception as e:   # UnpicklingError for anything that is not plain tensors / containers
-        raise ValueError(f"vae.weights ({str(path)!r}) must be a weights-only torch file (refused, nothing "
-                         f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    except Exception as e:  # UnpicklingError for anything that is not plain tensors / containers
+        raise ValueError(
+            f"vae.weights ({str(path)!r}) must be a weights-only torch file (refused, nothing "
+            f"executed): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     key = blob.get("key", {})
     lc = key.get("latent_channels", config.vae.latent_channels if config else 4)
     bc = key.get("base_channels", config.vae.base_channels if config else 16)
     if config is not None and (lc, bc) != (config.vae.latent_channels, config.vae.base_channels):
-        raise ValueError(f"vae.weights ({path}) hold a VAE with latent_channels={lc}, base_channels={bc}; "
-                         f"the config asks for {config.vae.latent_channels}, {config.vae.base_channels}")
+        raise ValueError(
+            f"vae.weights ({path}) hold a VAE with latent_channels={lc}, base_channels={bc}; "
+            f"the config asks for {config.vae.latent_channels}, {config.vae.base_channels}"
+        )
     vae = CausalVideoVAE(3, lc, bc)
     vae.load_state_dict(blob["state_dict"])
     vae.eval().requires_grad_(False)
@@ -120,6 +144,8 @@ def ensure_vae(config: Config, progress: bool = True) -> Path:
     if config.vae.weights:
         raise ValueError(f"vae.weights ({config.vae.weights!r}) must be an existing file")
     if progress:
-        print(f"[megatron-video] training the VAE once ({config.vae.train_steps} steps), cached at {path}",
-              flush=True)
+        print(
+            f"[megatron-video] training the VAE once ({config.vae.train_steps} steps), cached at {path}",
+            flush=True,
+        )
     return train_vae(config, path, progress=progress)

@@ -2,6 +2,7 @@
 ``wan_layer_specs``, RoPE ``rope``), diffusers interop (``interop``: ``from_diffusers``,
 ``diffusers_forward``), the weight mapping (``mapping``) and checkpoint conversion (``convert``).
 See docs/wan.md."""
+
 from megatron_video.models.wan.interop import diffusers_forward, from_diffusers
 from megatron_video.models.wan.model import WanConfig, WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec

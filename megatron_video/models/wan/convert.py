@@ -8,6 +8,7 @@ the parameter dtype) and ``<dir>/latest_checkpointed_iteration.txt``. Conversion
 process (a one-rank gloo group is made if none exists). Weights are never cast: the round trip is
 bit-identical. Keys diffusers ignores when loading are ignored here too (not written back).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,7 +36,7 @@ from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
 __all__ = ["diffusers_to_checkpoint", "checkpoint_to_diffusers", "CONFIG_FILE", "STEP"]
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"   # as training/checkpoint.py
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as training/checkpoint.py
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "diffusers_config.json"
 STEP = 0
@@ -55,8 +56,9 @@ def _sha256(f: Path) -> str:
 
 def _manifest(path: Path) -> dict:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-    return {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in files}
+    return {
+        str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+    }
 
 
 @contextmanager
@@ -73,18 +75,22 @@ def _one_process():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     made_ps = not ps.model_parallel_is_initialized()
     if made_ps:
         initialize_model_parallel(tensor_model_parallel_size=1)
-    sizes = (ps.get_tensor_model_parallel_world_size(),
-             ps.get_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size())
+    sizes = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+    )
     try:
         if dist.get_world_size() != 1 or sizes != (1, 1, 1):
-            raise ValueError(f"conversion runs in one process (world size "
-                             f"{dist.get_world_size()}, TP/PP/CP {sizes}); the checkpoint it "
-                             f"writes loads under any layout")
+            raise ValueError(
+                f"conversion runs in one process (world size "
+                f"{dist.get_world_size()}, TP/PP/CP {sizes}); the checkpoint it "
+                f"writes loads under any layout"
+            )
         yield
     finally:
         if made_ps:
@@ -99,18 +105,23 @@ def _one_dtype(sd: dict) -> torch.dtype:
         if not ignored_diffusers_key(k):
             dtypes.setdefault(v.dtype, k)
     if len(dtypes) != 1:
-        raise ValueError(f"weights must have one dtype (got {sorted(map(str, dtypes))}, e.g. "
-                         f"keys {sorted(dtypes.values())}); convert them to one dtype first")
+        raise ValueError(
+            f"weights must have one dtype (got {sorted(map(str, dtypes))}, e.g. "
+            f"keys {sorted(dtypes.values())}); convert them to one dtype first"
+        )
     return next(iter(dtypes))
 
 
 def _check_layout(config: dict, tp: int, pp: int) -> None:
-    for name, value, of, what in (("tensor_model_parallel_size", tp, "num_attention_heads",
-                                   "heads"), ("pipeline_model_parallel_size", pp, "num_layers",
-                                              "layers")):
+    for name, value, of, what in (
+        ("tensor_model_parallel_size", tp, "num_attention_heads", "heads"),
+        ("pipeline_model_parallel_size", pp, "num_layers", "layers"),
+    ):
         if not isinstance(value, int) or value < 1 or config[of] % value:
-            raise ValueError(f"{name} ({value}) must be a positive divisor of {of} "
-                             f"({config[of]}): each rank holds whole {what}")
+            raise ValueError(
+                f"{name} ({value}) must be a positive divisor of {of} "
+                f"({config[of]}): each rank holds whole {what}"
+            )
 
 
 def _params_only(model: WanModel, sd: dict) -> dict:
@@ -118,8 +129,9 @@ def _params_only(model: WanModel, sd: dict) -> dict:
     return {k: v for k, v in sd.items() if k in names}
 
 
-def diffusers_to_checkpoint(source, output, tensor_model_parallel_size: int = 1,
-                            pipeline_model_parallel_size: int = 1) -> Path:
+def diffusers_to_checkpoint(
+    source, output, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+) -> Path:
     """Write the Megatron dist-checkpoint of the diffusers folder ``source`` under ``output``;
     returns the ``iter_0000000`` folder. ``tensor_model_parallel_size`` /
     ``pipeline_model_parallel_size``: the layout it must load under (checked against the model;
@@ -140,12 +152,16 @@ def diffusers_to_checkpoint(source, output, tensor_model_parallel_size: int = 1,
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         dist_checkpointing.save({"model": model.sharded_state_dict()}, str(partial))
-    meta = dict(diffusers_config=full, params_dtype=str(dtype).replace("torch.", ""),
-                tensor_model_parallel_size=tensor_model_parallel_size,
-                pipeline_model_parallel_size=pipeline_model_parallel_size)
+    meta = dict(
+        diffusers_config=full,
+        params_dtype=str(dtype).replace("torch.", ""),
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+    )
     (partial / CONFIG_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-    (partial / MANIFEST_FILE).write_text(json.dumps({"files": _manifest(partial)}, indent=1,
-                                                    sort_keys=True))
+    (partial / MANIFEST_FILE).write_text(
+        json.dumps({"files": _manifest(partial)}, indent=1, sort_keys=True)
+    )
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     tmp = Path(output) / f"{TRACKER_FILE}.tmp{os.getpid()}"
@@ -158,18 +174,24 @@ def _read_checkpoint_meta(directory) -> tuple:
     tracker = Path(directory) / TRACKER_FILE
     text = tracker.read_text().strip() if tracker.is_file() else ""
     if not text.isdigit():
-        raise ValueError(f"checkpoint ({directory}) must hold {TRACKER_FILE} with an iteration "
-                         f"number (got {text!r})")
+        raise ValueError(
+            f"checkpoint ({directory}) must hold {TRACKER_FILE} with an iteration "
+            f"number (got {text!r})"
+        )
     path = _iter_dir(directory, int(text))
     try:
         want = json.loads((path / MANIFEST_FILE).read_text())["files"]
         meta = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"checkpoint {path} must hold {MANIFEST_FILE} and {CONFIG_FILE} (a Wan "
-                         f"checkpoint written by convert): {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"checkpoint {path} must hold {MANIFEST_FILE} and {CONFIG_FILE} (a Wan "
+            f"checkpoint written by convert): {type(e).__name__}: {e}"
+        ) from None
     if _manifest(path) != want:
-        raise ValueError(f"checkpoint {path}: files differ from {MANIFEST_FILE} (missing, extra, "
-                         f"truncated or modified)")
+        raise ValueError(
+            f"checkpoint {path}: files differ from {MANIFEST_FILE} (missing, extra, "
+            f"truncated or modified)"
+        )
     return path, meta
 
 
@@ -177,15 +199,20 @@ def _check_against_index(path: Path, request: dict) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    saved = {k: tuple(v.global_shape) for k, v in
-             dist_checkpointing.load_tensors_metadata(str(path)).items()}
-    wanted = {v.key: tuple(v.global_shape) for v in request.values()
-              if isinstance(v, ShardedTensor)}
+    saved = {
+        k: tuple(v.global_shape)
+        for k, v in dist_checkpointing.load_tensors_metadata(str(path)).items()
+    }
+    wanted = {
+        v.key: tuple(v.global_shape) for v in request.values() if isinstance(v, ShardedTensor)
+    }
     for key in sorted(set(saved) | set(wanted)):
         if key not in saved or key not in wanted or saved[key] != wanted[key]:
-            raise ValueError(f"checkpoint {path}: key {key!r} has shape {saved.get(key)} in the "
-                             f"checkpoint, {wanted.get(key)} in the model of its "
-                             f"{CONFIG_FILE} (config does not match the weights)")
+            raise ValueError(
+                f"checkpoint {path}: key {key!r} has shape {saved.get(key)} in the "
+                f"checkpoint, {wanted.get(key)} in the model of its "
+                f"{CONFIG_FILE} (config does not match the weights)"
+            )
 
 
 def checkpoint_to_diffusers(checkpoint, output) -> Path:
@@ -199,8 +226,9 @@ def checkpoint_to_diffusers(checkpoint, output) -> Path:
     full = full_diffusers_config(meta.get("diffusers_config", {}))
     dtype = getattr(torch, str(meta.get("params_dtype")), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{CONFIG_FILE} params_dtype ({meta.get('params_dtype')!r}) must name a "
-                         f"torch dtype")
+        raise ValueError(
+            f"{CONFIG_FILE} params_dtype ({meta.get('params_dtype')!r}) must name a torch dtype"
+        )
     with _one_process():
         cfg = wan_config(full, params_dtype=dtype)
         model = WanModel(cfg, layer_spec=get_wan_layer_spec(cfg))
@@ -209,13 +237,17 @@ def checkpoint_to_diffusers(checkpoint, output) -> Path:
         loaded = dist_checkpointing.load({"model": request}, str(path))["model"]
         model.load_state_dict(loaded, strict=False)
         shapes = {global_param_name(model, n): tuple(p.shape) for n, p in model.named_parameters()}
-        weights = _params_only(model, {global_param_name(model, n): p.detach()
-                                       for n, p in model.named_parameters()})
+        weights = _params_only(
+            model, {global_param_name(model, n): p.detach() for n, p in model.named_parameters()}
+        )
         sd = to_diffusers(weights, cfg, full, shapes)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sd.items()},
-              str(out / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()},
+        str(out / "diffusion_pytorch_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = {"_class_name": CLASS_NAME, "_diffusers_version": diffusers.__version__, **full}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out

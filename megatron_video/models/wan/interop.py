@@ -5,6 +5,7 @@ drop-in for diffusers' forward under any CP / TP layout (full tensors in and out
 Folders: ``config.json`` and safetensors weights (one file or a sharded ``*.index.json``); nothing
 is unpickled. Config fields diffusers' class does not know raise ``ValueError``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -21,8 +22,15 @@ from megatron_video.models.wan.model import WanConfig, WanModel, wan_unpatchify
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 from megatron_video.parallel import comm
 
-__all__ = ["from_diffusers", "diffusers_forward", "wan_config", "read_diffusers_folder",
-           "full_diffusers_config", "load_full_weights", "global_param_name"]
+__all__ = [
+    "from_diffusers",
+    "diffusers_forward",
+    "wan_config",
+    "read_diffusers_folder",
+    "full_diffusers_config",
+    "load_full_weights",
+    "global_param_name",
+]
 
 CLASS_NAME = "WanTransformer3DModel"
 
@@ -39,8 +47,10 @@ def full_diffusers_config(config: dict) -> dict:
     known = {k: p.default for k, p in params.items() if k != "self"}
     unknown = sorted(k for k in config if not k.startswith("_") and k not in known)
     if unknown:
-        raise ValueError(f"config key {unknown[0]!r} is not a {CLASS_NAME} field (unknown: "
-                         f"{unknown}); known: {sorted(known)}")
+        raise ValueError(
+            f"config key {unknown[0]!r} is not a {CLASS_NAME} field (unknown: "
+            f"{unknown}); known: {sorted(known)}"
+        )
     out = {**known, **{k: v for k, v in config.items() if not k.startswith("_")}}
     out["patch_size"] = list(out["patch_size"])
     out["out_channels"] = out["out_channels"] or out["in_channels"]
@@ -56,19 +66,33 @@ def wan_config(diffusers_config: dict, **overrides) -> WanConfig:
 
     c = full_diffusers_config(diffusers_config)
     kw = device_transformer_config_kwargs(
-        torch.cuda.is_available(), num_layers=c["num_layers"],
+        torch.cuda.is_available(),
+        num_layers=c["num_layers"],
         hidden_size=c["num_attention_heads"] * c["attention_head_dim"],
-        num_attention_heads=c["num_attention_heads"], kv_channels=c["attention_head_dim"],
-        ffn_hidden_size=c["ffn_dim"], layernorm_epsilon=c["eps"], add_bias_linear=True,
-        activation_func=gelu_tanh, bias_activation_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        num_attention_heads=c["num_attention_heads"],
+        kv_channels=c["attention_head_dim"],
+        ffn_hidden_size=c["ffn_dim"],
+        layernorm_epsilon=c["eps"],
+        add_bias_linear=True,
+        activation_func=gelu_tanh,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
-        patch_size=tuple(c["patch_size"]), in_channels=c["in_channels"],
-        out_channels=c["out_channels"], text_dim=c["text_dim"], freq_dim=c["freq_dim"],
-        cross_attn_norm=bool(c["cross_attn_norm"]), qk_norm=c["qk_norm"], image_dim=c["image_dim"],
-        added_kv_proj_dim=c["added_kv_proj_dim"], rope_max_seq_len=c["rope_max_seq_len"],
-        pos_embed_seq_len=c["pos_embed_seq_len"])
+        patch_size=tuple(c["patch_size"]),
+        in_channels=c["in_channels"],
+        out_channels=c["out_channels"],
+        text_dim=c["text_dim"],
+        freq_dim=c["freq_dim"],
+        cross_attn_norm=bool(c["cross_attn_norm"]),
+        qk_norm=c["qk_norm"],
+        image_dim=c["image_dim"],
+        added_kv_proj_dim=c["added_kv_proj_dim"],
+        rope_max_seq_len=c["rope_max_seq_len"],
+        pos_embed_seq_len=c["pos_embed_seq_len"],
+    )
     kw.update(overrides)
     return WanConfig(**kw)
 
@@ -88,8 +112,10 @@ def read_diffusers_folder(path) -> Tuple[dict, Dict[str, torch.Tensor]]:
         files = [f.name for f in sorted(path.glob("*.safetensors"))]
     if not files:
         pickled = sorted(f.name for f in path.glob("*.bin"))
-        raise ValueError(f"path ({path}) holds no safetensors weights"
-                         + (f" (only {pickled}: pickled weights are refused)" if pickled else ""))
+        raise ValueError(
+            f"path ({path}) holds no safetensors weights"
+            + (f" (only {pickled}: pickled weights are refused)" if pickled else "")
+        )
     sd = {}
     for name in files:
         for k, v in load_file(str(path / name)).items():
@@ -121,13 +147,16 @@ def load_full_weights(model: WanModel, full: Dict[str, torch.Tensor]) -> None:
             if getattr(p, "tensor_model_parallel", False) and tp > 1:
                 value = value.chunk(tp, dim=p.partition_dim)[rank]
             if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"key {key!r}: shape {tuple(value.shape)} (this rank's shard) "
-                                 f"must be {tuple(p.shape)}")
+                raise ValueError(
+                    f"key {key!r}: shape {tuple(value.shape)} (this rank's shard) "
+                    f"must be {tuple(p.shape)}"
+                )
             p.copy_(value)
 
 
-def from_diffusers(path_or_module, layer_spec=None, *, dtype: Optional[torch.dtype] = None,
-                   **config_overrides) -> WanModel:
+def from_diffusers(
+    path_or_module, layer_spec=None, *, dtype: Optional[torch.dtype] = None, **config_overrides
+) -> WanModel:
     """``WanModel`` with the weights of a diffusers ``WanTransformer3DModel`` (module or folder),
     built for the current Megatron parallel state (TP shards, PP stage, CP size). ``dtype``:
     parameter dtype (default: the module's, float32 for a folder)."""
@@ -142,9 +171,12 @@ def from_diffusers(path_or_module, layer_spec=None, *, dtype: Optional[torch.dty
         dtype = dtype or torch.float32
     cfg = wan_config(config, params_dtype=dtype, **config_overrides)
     full = to_megatron(sd, cfg, full_diffusers_config(config))
-    model = WanModel(cfg, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(),
-                     layer_spec=layer_spec if layer_spec is not None else get_wan_layer_spec(cfg))
+    model = WanModel(
+        cfg,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        layer_spec=layer_spec if layer_spec is not None else get_wan_layer_spec(cfg),
+    )
     load_full_weights(model, {k: v.to(dtype) for k, v in full.items()})
     if torch.cuda.is_available():
         model.cuda()
@@ -159,26 +191,36 @@ def _cp_group(model: WanModel):
 def _check_inputs(model: WanModel, x, timestep, text, image) -> VideoGeometry:
     cfg = model.config
     if not (model.pre_process and model.post_process):
-        raise ValueError("diffusers_forward needs pipeline_model_parallel_size 1 (this stage is "
-                         "not both first and last); pipelined training goes through the trainer")
+        raise ValueError(
+            "diffusers_forward needs pipeline_model_parallel_size 1 (this stage is "
+            "not both first and last); pipelined training goes through the trainer"
+        )
     if x.dim() != 5 or x.shape[1] != cfg.in_channels:
-        raise ValueError(f"hidden_states ({tuple(x.shape)}) must be [B, C = {cfg.in_channels}, "
-                         f"F, H, W]")
+        raise ValueError(
+            f"hidden_states ({tuple(x.shape)}) must be [B, C = {cfg.in_channels}, F, H, W]"
+        )
     geometry = VideoGeometry(*token_grid(tuple(x.shape[2:]), cfg.patch_size))
     B, S = x.shape[0], geometry.tokens
     P, _ = model.cp()
     if S % P:
-        raise ValueError(f"tokens ({S} = {geometry.frames} x {geometry.height} x "
-                         f"{geometry.width}) must be divisible by context_parallel_size ({P})")
+        raise ValueError(
+            f"tokens ({S} = {geometry.frames} x {geometry.height} x "
+            f"{geometry.width}) must be divisible by context_parallel_size ({P})"
+        )
     if tuple(timestep.shape) not in ((B,), (B, S)):
-        raise ValueError(f"timestep ({tuple(timestep.shape)}) must be [B] = [{B}] or per token "
-                         f"[B, tokens] = [{B}, {S}]")
+        raise ValueError(
+            f"timestep ({tuple(timestep.shape)}) must be [B] = [{B}] or per token "
+            f"[B, tokens] = [{B}, {S}]"
+        )
     if text.dim() != 3 or text.shape[0] != B:
-        raise ValueError(f"encoder_hidden_states ({tuple(text.shape)}) must be [B = {B}, L, "
-                         f"text_dim]")
+        raise ValueError(
+            f"encoder_hidden_states ({tuple(text.shape)}) must be [B = {B}, L, text_dim]"
+        )
     if image is not None and (image.dim() != 3 or image.shape[0] != B):
-        raise ValueError(f"encoder_hidden_states_image ({tuple(image.shape)}) must be "
-                         f"[B = {B}, L_img, image_dim]")
+        raise ValueError(
+            f"encoder_hidden_states_image ({tuple(image.shape)}) must be "
+            f"[B = {B}, L_img, image_dim]"
+        )
     if P > 1:
         shapes = {"hidden_states": x, "timestep": timestep, "encoder_hidden_states": text}
         if image is not None:
@@ -187,9 +229,13 @@ def _check_inputs(model: WanModel, x, timestep, text, image) -> VideoGeometry:
     return geometry
 
 
-def diffusers_forward(model: WanModel, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                      encoder_hidden_states: torch.Tensor,
-                      encoder_hidden_states_image: Optional[torch.Tensor] = None) -> torch.Tensor:
+def diffusers_forward(
+    model: WanModel,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_image: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """diffusers' ``WanTransformer3DModel.forward(...).sample`` on ``model`` (PP = 1): the full
     inputs (``[B, C, F, H, W]``, ``[B]`` or ``[B, tokens]``, ``[B, L, text_dim]``, optional
     ``[B, L_img, image_dim]``), identical on every rank, are cut to this rank's contiguous CP
@@ -197,8 +243,9 @@ def diffusers_forward(model: WanModel, hidden_states: torch.Tensor, timestep: to
     backward gathers, the gather's backward keeps this rank's slice, and the uncut inputs' (text,
     image, a per-sample timestep) gradients are summed over CP, so with the same loss on every
     rank every input gradient equals the single-process one."""
-    geometry = _check_inputs(model, hidden_states, timestep, encoder_hidden_states,
-                             encoder_hidden_states_image)
+    geometry = _check_inputs(
+        model, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image
+    )
     cfg, group = model.config, _cp_group(model)
     P, rank = model.cp()
     s = geometry.tokens // P
@@ -219,5 +266,6 @@ def diffusers_forward(model: WanModel, hidden_states: torch.Tensor, timestep: to
     out = model(tokens, t, text, geometry, image)
     if group is not None:
         out = comm.gather_from_group(out, group, dim=1, tag="wan.output")
-    return wan_unpatchify(out, (geometry.frames, geometry.height, geometry.width),
-                          cfg.patch_size, cfg.out_channels)
+    return wan_unpatchify(
+        out, (geometry.frames, geometry.height, geometry.width), cfg.patch_size, cfg.out_channels
+    )

@@ -8,6 +8,7 @@ our linear over patch tokens). ``to_megatron`` / ``to_diffusers`` apply it; keys
 against a meta-device diffusers model (missing, unknown, shape), except those diffusers itself
 ignores when loading (``_keys_to_ignore_on_load_unexpected``), which are skipped the same way.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,14 @@ from typing import Dict, List, Tuple
 
 import torch
 
-__all__ = ["Entry", "mapping_table", "to_megatron", "to_diffusers", "diffusers_reference_shapes",
-           "ignored_diffusers_key"]
+__all__ = [
+    "Entry",
+    "mapping_table",
+    "to_megatron",
+    "to_diffusers",
+    "diffusers_reference_shapes",
+    "ignored_diffusers_key",
+]
 
 
 @dataclass(frozen=True)
@@ -29,28 +36,35 @@ class Entry:
 
 def _linear(ours: str, theirs: str, kind: str = "copy", parts=None) -> List[Entry]:
     parts = parts or (theirs,)
-    return [Entry(f"{ours}.{p}", tuple(f"{t}.{p}" for t in parts), kind)
-            for p in ("weight", "bias")]
+    return [
+        Entry(f"{ours}.{p}", tuple(f"{t}.{p}" for t in parts), kind) for p in ("weight", "bias")
+    ]
 
 
 def _layer(i: int, cfg) -> List[Entry]:
     o, d = f"decoder.layers.{i}", f"blocks.{i}"
     out = [Entry(f"{o}.modulation.scale_shift_table", (f"{d}.scale_shift_table",))]
     sa, ca = f"{o}.self_attention", f"{o}.cross_attention"
-    out += _linear(f"{sa}.linear_qkv", "", "heads", (f"{d}.attn1.to_q", f"{d}.attn1.to_k",
-                                                     f"{d}.attn1.to_v"))
-    out += [Entry(f"{sa}.q_layernorm.weight", (f"{d}.attn1.norm_q.weight",)),
-            Entry(f"{sa}.k_layernorm.weight", (f"{d}.attn1.norm_k.weight",))]
+    out += _linear(
+        f"{sa}.linear_qkv", "", "heads", (f"{d}.attn1.to_q", f"{d}.attn1.to_k", f"{d}.attn1.to_v")
+    )
+    out += [
+        Entry(f"{sa}.q_layernorm.weight", (f"{d}.attn1.norm_q.weight",)),
+        Entry(f"{sa}.k_layernorm.weight", (f"{d}.attn1.norm_k.weight",)),
+    ]
     out += _linear(f"{sa}.linear_proj", f"{d}.attn1.to_out.0")
     if cfg.cross_attn_norm:
         out += _linear(f"{o}.pre_cross_attn_layernorm", f"{d}.norm2")
     out += _linear(f"{ca}.linear_q", f"{d}.attn2.to_q")
     out += _linear(f"{ca}.linear_kv", "", "heads", (f"{d}.attn2.to_k", f"{d}.attn2.to_v"))
-    out += [Entry(f"{ca}.q_layernorm.weight", (f"{d}.attn2.norm_q.weight",)),
-            Entry(f"{ca}.k_layernorm.weight", (f"{d}.attn2.norm_k.weight",))]
+    out += [
+        Entry(f"{ca}.q_layernorm.weight", (f"{d}.attn2.norm_q.weight",)),
+        Entry(f"{ca}.k_layernorm.weight", (f"{d}.attn2.norm_k.weight",)),
+    ]
     if cfg.added_kv_proj_dim is not None:
-        out += _linear(f"{ca}.linear_kv_img", "", "heads",
-                       (f"{d}.attn2.add_k_proj", f"{d}.attn2.add_v_proj"))
+        out += _linear(
+            f"{ca}.linear_kv_img", "", "heads", (f"{d}.attn2.add_k_proj", f"{d}.attn2.add_v_proj")
+        )
         out += [Entry(f"{ca}.k_img_layernorm.weight", (f"{d}.attn2.norm_added_k.weight",))]
     out += _linear(f"{ca}.linear_proj", f"{d}.attn2.to_out.0")
     out += _linear(f"{o}.mlp.linear_fc1", f"{d}.ffn.net.0.proj")
@@ -61,10 +75,17 @@ def _layer(i: int, cfg) -> List[Entry]:
 def mapping_table(cfg) -> List[Entry]:
     """Every tensor of the model of ``cfg`` (a ``WanConfig``), global layer indices."""
     ce = "condition_embedder"
-    out = [Entry("patch_embedding.weight", ("patch_embedding.weight",), "patch"),
-           Entry("patch_embedding.bias", ("patch_embedding.bias",))]
-    for name in ("time_embedder.linear_1", "time_embedder.linear_2", "time_proj",
-                 "text_embedder.linear_1", "text_embedder.linear_2"):
+    out = [
+        Entry("patch_embedding.weight", ("patch_embedding.weight",), "patch"),
+        Entry("patch_embedding.bias", ("patch_embedding.bias",)),
+    ]
+    for name in (
+        "time_embedder.linear_1",
+        "time_embedder.linear_2",
+        "time_proj",
+        "text_embedder.linear_1",
+        "text_embedder.linear_2",
+    ):
         out += _linear(f"{ce}.{name}", f"{ce}.{name}")
     if cfg.image_dim is not None:
         ie = f"{ce}.image_embedder"
@@ -87,8 +108,9 @@ def _heads_in(parts, heads: int) -> torch.Tensor:
 
 
 def _heads_out(x: torch.Tensor, n: int, heads: int):
-    return [t.reshape(-1, *x.shape[1:]).clone()
-            for t in x.reshape(heads, n, -1, *x.shape[1:]).unbind(1)]
+    return [
+        t.reshape(-1, *x.shape[1:]).clone() for t in x.reshape(heads, n, -1, *x.shape[1:]).unbind(1)
+    ]
 
 
 def diffusers_reference_shapes(diffusers_config: dict) -> Dict[str, tuple]:
@@ -113,23 +135,35 @@ def _check_keys(sd: dict, expected: Dict[str, tuple], where: str, ignore) -> Non
     unknown = sorted(k for k in sd if k not in expected and not ignore(k))
     missing = sorted(k for k in expected if k not in sd)
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} ({len(unknown)} unknown: "
-                         f"{unknown[:5]}); the mapping (models/wan/mapping.py) has no entry for it")
+        raise ValueError(
+            f"{where}: unknown key {unknown[0]!r} ({len(unknown)} unknown: "
+            f"{unknown[:5]}); the mapping (models/wan/mapping.py) has no entry for it"
+        )
     if missing:
-        raise ValueError(f"{where}: missing key {missing[0]!r} ({len(missing)} missing: "
-                         f"{missing[:5]})")
+        raise ValueError(
+            f"{where}: missing key {missing[0]!r} ({len(missing)} missing: {missing[:5]})"
+        )
     for k, shape in expected.items():
         if tuple(sd[k].shape) != tuple(shape):
-            raise ValueError(f"{where}: key {k!r} has shape {tuple(sd[k].shape)}, the config "
-                             f"gives {tuple(shape)}")
+            raise ValueError(
+                f"{where}: key {k!r} has shape {tuple(sd[k].shape)}, the config "
+                f"gives {tuple(shape)}"
+            )
 
 
-def to_megatron(diffusers_sd: Dict[str, torch.Tensor], cfg, diffusers_config: dict,
-                ) -> Dict[str, torch.Tensor]:
+def to_megatron(
+    diffusers_sd: Dict[str, torch.Tensor],
+    cfg,
+    diffusers_config: dict,
+) -> Dict[str, torch.Tensor]:
     """Full (unsharded) Megatron tensors from a diffusers state dict; ``ValueError`` naming the
     key for unknown / missing keys and shape mismatches."""
-    _check_keys(diffusers_sd, diffusers_reference_shapes(diffusers_config), "diffusers weights",
-                ignored_diffusers_key)
+    _check_keys(
+        diffusers_sd,
+        diffusers_reference_shapes(diffusers_config),
+        "diffusers weights",
+        ignored_diffusers_key,
+    )
     H = cfg.num_attention_heads
     out = {}
     for e in mapping_table(cfg):
@@ -143,8 +177,12 @@ def to_megatron(diffusers_sd: Dict[str, torch.Tensor], cfg, diffusers_config: di
     return out
 
 
-def to_diffusers(megatron_sd: Dict[str, torch.Tensor], cfg, diffusers_config: dict,
-                 megatron_shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+def to_diffusers(
+    megatron_sd: Dict[str, torch.Tensor],
+    cfg,
+    diffusers_config: dict,
+    megatron_shapes: Dict[str, tuple],
+) -> Dict[str, torch.Tensor]:
     """The diffusers state dict from full Megatron tensors (checked against ``megatron_shapes``,
     the model's full shapes, by key)."""
     _check_keys(megatron_sd, megatron_shapes, "Megatron weights", lambda k: False)

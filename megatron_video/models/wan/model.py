@@ -10,6 +10,7 @@ self-attention core is the 2D attention, cross-attention has no CP. Precision: w
 computes in fp32 (modulation, norms, residual stream, output norm, timestep embedding) this
 computes in max(fp32, dtype) (``island_dtype``).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,19 @@ from megatron_video.models.embedders import mark_pipeline_replicated
 from megatron_video.models.wan.rope import WanRope, apply_wan_rope
 from megatron_video.parallel import comm
 
-__all__ = ["WanConfig", "WanModel", "WanLayer", "WanSelfAttention", "WanCrossAttention",
-           "WanQKNorm", "WanLayerNorm", "WanModulation", "island_dtype", "gelu_tanh",
-           "IMAGE_CONTEXT_TEXT_TOKENS"]
+__all__ = [
+    "WanConfig",
+    "WanModel",
+    "WanLayer",
+    "WanSelfAttention",
+    "WanCrossAttention",
+    "WanQKNorm",
+    "WanLayerNorm",
+    "WanModulation",
+    "island_dtype",
+    "gelu_tanh",
+    "IMAGE_CONTEXT_TEXT_TOKENS",
+]
 
 # diffusers' WanAttnProcessor: "512 is the context length of the text encoder, hardcoded for now";
 # with the image branch the first L - 512 context tokens are the image's.
@@ -72,7 +83,7 @@ class WanConfig(TransformerConfig):
     pos_embed_seq_len: Optional[int] = None
     rope_theta: float = 10000.0
     layer_backend: str = "local"
-    has_cond_embedder: bool = True   # embedders replicated on every pipeline stage
+    has_cond_embedder: bool = True  # embedders replicated on every pipeline stage
 
     def __post_init__(self):
         super().__post_init__()
@@ -80,8 +91,10 @@ class WanConfig(TransformerConfig):
             raise ValueError(f"patch_size ({self.patch_size!r}) must be three positive integers")
         self.patch_size = tuple(int(p) for p in self.patch_size)
         if self.num_query_groups not in (None, self.num_attention_heads):
-            raise ValueError(f"num_query_groups ({self.num_query_groups}) must equal "
-                             f"num_attention_heads ({self.num_attention_heads}) for Wan")
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) must equal "
+                f"num_attention_heads ({self.num_attention_heads}) for Wan"
+            )
         if self.image_dim is None and self.pos_embed_seq_len is not None:
             raise ValueError(f"pos_embed_seq_len ({self.pos_embed_seq_len}) needs image_dim")
 
@@ -101,8 +114,14 @@ class WanLayerNorm(torch.nn.Module):
     """diffusers' ``FP32LayerNorm`` in max(fp32, dtype), returned in that dtype (the caller
     casts); Megatron's norm-builder signature. ``elementwise_affine`` for ``norm2``."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: Optional[float] = None,
-                 elementwise_affine: bool = False, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: Optional[float] = None,
+        elementwise_affine: bool = False,
+        **kwargs,
+    ):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = config.layernorm_epsilon if eps is None else eps
@@ -139,13 +158,16 @@ def _tp_sum_impl(x: torch.Tensor, group) -> torch.Tensor:
     return _SumOverGroup.apply(x, group)
 
 
-tp_sum = _tp_sum_impl   # looked up at call time (a test replaces it to show the sum is needed)
+tp_sum = _tp_sum_impl  # looked up at call time (a test replaces it to show the sum is needed)
 
 
 def _tp_group(pg_collection):
     tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    return tp if tp is not None else parallel_state.get_tensor_model_parallel_group(
-        check_initialized=False)
+    return (
+        tp
+        if tp is not None
+        else parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    )
 
 
 class WanQKNorm(torch.nn.Module):
@@ -153,8 +175,14 @@ class WanQKNorm(torch.nn.Module):
     the heads: the sum of squares is summed over the TP group (exact), the mean taken over the
     full width ``heads * head_dim``. Computed in max(fp32, dtype), returned in the input dtype."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, full_size: int,
-                 tp_group=None, eps: Optional[float] = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        full_size: int,
+        tp_group=None,
+        eps: Optional[float] = None,
+    ):
         super().__init__()
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.full_size, self.tp_group = full_size, tp_group
@@ -170,8 +198,9 @@ class WanQKNorm(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True),
-                                                   prefix, {"weight": 0}, sharded_offsets)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets
+        )
 
 
 class WanModulation(MegatronModule):
@@ -183,7 +212,8 @@ class WanModulation(MegatronModule):
         super().__init__(config=config)
         D = config.hidden_size
         self.scale_shift_table = torch.nn.Parameter(
-            torch.randn(1, 6, D, dtype=config.params_dtype) / D ** 0.5)
+            torch.randn(1, 6, D, dtype=config.params_dtype) / D**0.5
+        )
 
     def forward(self, temb: torch.Tensor):
         cd = island_dtype(torch.promote_types(temb.dtype, self.scale_shift_table.dtype))
@@ -211,26 +241,48 @@ class WanSelfAttentionSubmodules:
 def _heads(config: TransformerConfig) -> Tuple[int, int]:
     H, tp = config.num_attention_heads, tp_world_size()
     if H % tp:
-        raise ValueError(f"num_attention_heads ({H}) must be divisible by "
-                         f"tensor_model_parallel_size ({tp})")
+        raise ValueError(
+            f"num_attention_heads ({H}) must be divisible by tensor_model_parallel_size ({tp})"
+        )
     return H // tp, config.kv_channels
 
 
 def _column(spec, n_in: int, n_out: int, config):
-    return build_module(spec, n_in, n_out, config=config, init_method=config.init_method,
-                        gather_output=False, bias=True, skip_bias_add=False, is_expert=False)
+    return build_module(
+        spec,
+        n_in,
+        n_out,
+        config=config,
+        init_method=config.init_method,
+        gather_output=False,
+        bias=True,
+        skip_bias_add=False,
+        is_expert=False,
+    )
 
 
 def _row(spec, n_in: int, n_out: int, config):
-    return build_module(spec, n_in, n_out, config=config,
-                        init_method=config.output_layer_init_method, bias=True,
-                        input_is_parallel=True, skip_bias_add=False, is_expert=False)
+    return build_module(
+        spec,
+        n_in,
+        n_out,
+        config=config,
+        init_method=config.output_layer_init_method,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        is_expert=False,
+    )
 
 
 def _norm(spec, config, heads: int, hd: int, pg_collection):
-    return build_module(spec, config=config, hidden_size=heads * hd,
-                        full_size=config.num_attention_heads * hd,
-                        tp_group=_tp_group(pg_collection))
+    return build_module(
+        spec,
+        config=config,
+        hidden_size=heads * hd,
+        full_size=config.num_attention_heads * hd,
+        tp_group=_tp_group(pg_collection),
+    )
 
 
 def _linear(layer, x):
@@ -243,26 +295,42 @@ class WanSelfAttention(MegatronModule):
     across heads, Wan's RoPE, ``core_attention`` with Megatron's core-attention interface (2D
     attention over the CP group; ``models.specs.with_2d_attention`` may swap it)."""
 
-    def __init__(self, config: TransformerConfig, submodules: WanSelfAttentionSubmodules,
-                 layer_number: int = 1, attn_mask_type=AttnMaskType.no_mask,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: WanSelfAttentionSubmodules,
+        layer_number: int = 1,
+        attn_mask_type=AttnMaskType.no_mask,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        **kwargs,
+    ):
         super().__init__(config=config)
         self.heads, self.head_dim = _heads(config)
         inner = self.heads * self.head_dim
         H = config.num_attention_heads
         self.attn_mask_type = attn_mask_type
-        self.linear_qkv = _column(submodules.linear_qkv, config.hidden_size,
-                                  3 * H * self.head_dim, config)
-        self.q_layernorm = _norm(submodules.q_layernorm, config, self.heads, self.head_dim,
-                                 pg_collection)
-        self.k_layernorm = _norm(submodules.k_layernorm, config, self.heads, self.head_dim,
-                                 pg_collection)
+        self.linear_qkv = _column(
+            submodules.linear_qkv, config.hidden_size, 3 * H * self.head_dim, config
+        )
+        self.q_layernorm = _norm(
+            submodules.q_layernorm, config, self.heads, self.head_dim, pg_collection
+        )
+        self.k_layernorm = _norm(
+            submodules.k_layernorm, config, self.heads, self.head_dim, pg_collection
+        )
         self.core_attention = build_module(
-            submodules.core_attention, config=config, layer_number=layer_number,
-            attn_mask_type=attn_mask_type, attention_type="self", cp_comm_type=cp_comm_type,
-            pg_collection=pg_collection)
-        self.linear_proj = _row(submodules.linear_proj, H * self.head_dim, config.hidden_size,
-                                config)
+            submodules.core_attention,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        self.linear_proj = _row(
+            submodules.linear_proj, H * self.head_dim, config.hidden_size, config
+        )
         self.inner = inner
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None):
@@ -273,9 +341,13 @@ class WanSelfAttention(MegatronModule):
         k = self.k_layernorm(mixed[..., 1, :].reshape(b, s, h * d)).view(b, s, h, d)
         v = mixed[..., 2, :]
         q, k = apply_wan_rope(q, cos, sin), apply_wan_rope(k, cos, sin)
-        o = self.core_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                v.transpose(0, 1).contiguous(), mask,
-                                attn_mask_type=self.attn_mask_type)    # [s, b, h*d]
+        o = self.core_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1).contiguous(),
+            mask,
+            attn_mask_type=self.attn_mask_type,
+        )  # [s, b, h*d]
         return _linear(self.linear_proj, o.transpose(0, 1))
 
 
@@ -298,8 +370,14 @@ class WanCrossAttention(MegatronModule):
     ``config.added_kv_proj_dim`` the first ``L - 512`` context tokens are the image's (own k / v
     projections and k norm, attended separately and added), as diffusers' ``WanAttnProcessor``."""
 
-    def __init__(self, config: TransformerConfig, submodules: WanCrossAttentionSubmodules,
-                 layer_number: int = 1, pg_collection=None, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: WanCrossAttentionSubmodules,
+        layer_number: int = 1,
+        pg_collection=None,
+        **kwargs,
+    ):
         super().__init__(config=config)
         self.heads, self.head_dim = _heads(config)
         H, hd, D = config.num_attention_heads, self.head_dim, config.hidden_size
@@ -309,10 +387,12 @@ class WanCrossAttention(MegatronModule):
         self.k_layernorm = _norm(submodules.k_layernorm, config, self.heads, hd, pg_collection)
         self.image_branch = getattr(config, "added_kv_proj_dim", None) is not None
         if self.image_branch:
-            self.linear_kv_img = _column(submodules.linear_kv_img, config.added_kv_proj_dim,
-                                         2 * H * hd, config)
-            self.k_img_layernorm = _norm(submodules.k_img_layernorm, config, self.heads, hd,
-                                         pg_collection)
+            self.linear_kv_img = _column(
+                submodules.linear_kv_img, config.added_kv_proj_dim, 2 * H * hd, config
+            )
+            self.k_img_layernorm = _norm(
+                submodules.k_img_layernorm, config, self.heads, hd, pg_collection
+            )
         self.linear_proj = _row(submodules.linear_proj, H * hd, D, config)
 
     def _kv(self, linear, norm, ctx):
@@ -330,10 +410,12 @@ class WanCrossAttention(MegatronModule):
         if self.image_branch:
             n = context.shape[1] - IMAGE_CONTEXT_TEXT_TOKENS
             if n <= 0:
-                raise ValueError(f"context length ({context.shape[1]}) must exceed "
-                                 f"{IMAGE_CONTEXT_TEXT_TOKENS}: with added_kv_proj_dim the first "
-                                 f"L - {IMAGE_CONTEXT_TEXT_TOKENS} tokens are the image's "
-                                 f"(diffusers' Wan I2V)")
+                raise ValueError(
+                    f"context length ({context.shape[1]}) must exceed "
+                    f"{IMAGE_CONTEXT_TEXT_TOKENS}: with added_kv_proj_dim the first "
+                    f"L - {IMAGE_CONTEXT_TEXT_TOKENS} tokens are the image's "
+                    f"(diffusers' Wan I2V)"
+                )
             img, context = context[:, :n], context[:, n:]
         k, v = self._kv(self.linear_kv, self.k_layernorm, context)
         o = attend(q, k, v)
@@ -366,29 +448,51 @@ class WanLayer(DiTLayerBase):
         cond, rope = params.conditioning, params.rotary_pos_emb
         want = [(b, 6, D), (b, s, 6, D)]
         if not isinstance(cond, torch.Tensor) or tuple(cond.shape) not in want:
-            raise ValueError(f"params.conditioning ({tuple(getattr(cond, 'shape', ())) or None}) "
-                             f"must be the time_proj output {want[0]} or per token {want[1]}")
+            raise ValueError(
+                f"params.conditioning ({tuple(getattr(cond, 'shape', ())) or None}) "
+                f"must be the time_proj output {want[0]} or per token {want[1]}"
+            )
         if not isinstance(rope, torch.Tensor) or tuple(rope.shape)[:2] != (2, s):
-            raise ValueError(f"params.rotary_pos_emb ({tuple(getattr(rope, 'shape', ())) or None})"
-                             f" must be Wan's RoPE rows [2, s = {s}, head_dim]")
+            raise ValueError(
+                f"params.rotary_pos_emb ({tuple(getattr(rope, 'shape', ())) or None})"
+                f" must be Wan's RoPE rows [2, s = {s}, head_dim]"
+            )
         if context is None:
             raise ValueError("context (the embedded text [L, b, D]) must be given to WanLayer")
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                context: Optional[torch.Tensor] = None, context_mask=None,
-                params: Optional[DiTParams] = None, rotary_pos_emb=None, attention_bias=None,
-                packed_seq_params=None, **unused):
-        params = self._check_params(params, "Wan's time_proj output and RoPE rows", dict(
-            attention_mask=attention_mask, context_mask=context_mask,
-            rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias,
-            packed_seq_params=packed_seq_params))
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context: Optional[torch.Tensor] = None,
+        context_mask=None,
+        params: Optional[DiTParams] = None,
+        rotary_pos_emb=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
+        params = self._check_params(
+            params,
+            "Wan's time_proj output and RoPE rows",
+            dict(
+                attention_mask=attention_mask,
+                context_mask=context_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            ),
+        )
         self._check(hidden_states, context, params)
         if self.config.context_parallel_size > 1:
-            comm.check_same_shape({"hidden_states": hidden_states, "context": context},
-                                  self.groups.cp_group, where="WanLayer")
+            comm.check_same_shape(
+                {"hidden_states": hidden_states, "context": context},
+                self.groups.cp_group,
+                where="WanLayer",
+            )
         shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(params.conditioning)
         cos, sin = params.rotary_pos_emb.unbind(0)
-        x = hidden_states.transpose(0, 1)                                 # [b, s, D]
+        x = hidden_states.transpose(0, 1)  # [b, s, D]
         dt, cd = x.dtype, island_dtype(x.dtype)
         y = (self.input_layernorm(x.to(cd)) * (1 + scale) + shift).to(dt)
         a = self.self_attention(y, cos, sin, params.attention_mask)
@@ -463,7 +567,8 @@ class WanImageEmbedder(torch.nn.Module):
         self.pos_embed = None
         if config.pos_embed_seq_len is not None:
             self.pos_embed = torch.nn.Parameter(
-                torch.zeros(1, config.pos_embed_seq_len, E, dtype=config.params_dtype))
+                torch.zeros(1, config.pos_embed_seq_len, E, dtype=config.params_dtype)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pos_embed is not None:
@@ -497,8 +602,10 @@ class WanConditionEmbedder(torch.nn.Module):
         context = self.text_embedder(text)
         if image is not None:
             if self.image_embedder is None:
-                raise ValueError("encoder_hidden_states_image was given but the model has no "
-                                 "image embedder (config image_dim is None)")
+                raise ValueError(
+                    "encoder_hidden_states_image was given but the model has no "
+                    "image embedder (config image_dim is None)"
+                )
             context = torch.cat([self.image_embedder(image), context], dim=1)
         return temb, proj, context
 
@@ -513,12 +620,13 @@ class WanOutputHead(torch.nn.Module):
         self.norm_out = WanLayerNorm(config, D, eps=config.layernorm_epsilon)
         self.proj_out = _linear_module(D, config.out_patch_dim, config)
         self.scale_shift_table = torch.nn.Parameter(
-            torch.randn(1, 2, D, dtype=config.params_dtype) / D ** 0.5)
+            torch.randn(1, 2, D, dtype=config.params_dtype) / D**0.5
+        )
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         cd = island_dtype(torch.promote_types(x.dtype, temb.dtype))
         table, temb = self.scale_shift_table.to(cd), temb.to(cd)
-        if temb.dim() == 3:      # per token: [b, s, D]
+        if temb.dim() == 3:  # per token: [b, s, D]
             shift, scale = (table[None] + temb[:, :, None]).unbind(2)
         else:
             shift, scale = (table + temb[:, None]).chunk(2, dim=1)
@@ -543,11 +651,19 @@ class WanModel(MegatronModule):
     last stage (hidden states ``[s_local, b, D]`` on the others).
     """
 
-    def __init__(self, config: WanConfig, pre_process: bool = True, post_process: bool = True,
-                 layer_spec: Optional[ModuleSpec] = None, vp_stage: Optional[int] = None):
+    def __init__(
+        self,
+        config: WanConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_spec: Optional[ModuleSpec] = None,
+        vp_stage: Optional[int] = None,
+    ):
         if layer_spec is None:  # as GPTModel: the spec is given (models/wan/wan_layer_specs.py)
-            raise ValueError("layer_spec (None) must be given: a Wan layer ModuleSpec, e.g. "
-                             "megatron_video.models.wan.get_wan_layer_spec(config)")
+            raise ValueError(
+                "layer_spec (None) must be given: a Wan layer ModuleSpec, e.g. "
+                "megatron_video.models.wan.get_wan_layer_spec(config)"
+            )
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False
@@ -558,8 +674,9 @@ class WanModel(MegatronModule):
         if pre_process:
             self.patch_embedding = _linear_module(config.patch_dim, config.hidden_size, config)
         spec = layer_spec
-        self.decoder = VideoTransformerBlock(config, spec, pre_process=pre_process,
-                                             post_process=False, vp_stage=vp_stage)
+        self.decoder = VideoTransformerBlock(
+            config, spec, pre_process=pre_process, post_process=False, vp_stage=vp_stage
+        )
         if post_process:
             self.head = WanOutputHead(config)
 
@@ -575,18 +692,28 @@ class WanModel(MegatronModule):
     def _check(self, s: int, timestep, text, geometry):
         P, _ = self.cp()
         if not isinstance(geometry, VideoGeometry) or s * P != geometry.tokens:
-            raise ValueError(f"tokens per rank ({s}) x cp_size ({P}) must equal the tokens of "
-                             f"geometry ({geometry})")
+            raise ValueError(
+                f"tokens per rank ({s}) x cp_size ({P}) must equal the tokens of "
+                f"geometry ({geometry})"
+            )
         if timestep.dim() not in (1, 2) or (timestep.dim() == 2 and timestep.shape[1] != s):
-            raise ValueError(f"timestep ({tuple(timestep.shape)}) must be [b] or per token "
-                             f"[b, s_local = {s}]")
+            raise ValueError(
+                f"timestep ({tuple(timestep.shape)}) must be [b] or per token [b, s_local = {s}]"
+            )
         if text.dim() != 3 or text.shape[-1] != self.config.text_dim:
-            raise ValueError(f"text ({tuple(text.shape)}) must be [b, L, text_dim = "
-                             f"{self.config.text_dim}]")
+            raise ValueError(
+                f"text ({tuple(text.shape)}) must be [b, L, text_dim = {self.config.text_dim}]"
+            )
 
-    def forward(self, tokens: Optional[torch.Tensor], timestep: torch.Tensor, text: torch.Tensor,
-                geometry: VideoGeometry, image: Optional[torch.Tensor] = None,
-                attention_mask=None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Optional[torch.Tensor],
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        geometry: VideoGeometry,
+        image: Optional[torch.Tensor] = None,
+        attention_mask=None,
+    ) -> torch.Tensor:
         s = tokens.shape[1] if self.pre_process else self.decoder.input_tensor.shape[0]
         self._check(s, timestep, text, geometry)
         _, rank = self.cp()
@@ -595,11 +722,17 @@ class WanModel(MegatronModule):
         hidden = None
         if self.pre_process:
             if tokens.dim() != 3 or tokens.shape[-1] != self.config.patch_dim:
-                raise ValueError(f"tokens ({tuple(tokens.shape)}) must be [b, s_local, "
-                                 f"patch_dim = {self.config.patch_dim}]")
+                raise ValueError(
+                    f"tokens ({tuple(tokens.shape)}) must be [b, s_local, "
+                    f"patch_dim = {self.config.patch_dim}]"
+                )
             hidden = self.patch_embedding(tokens).transpose(0, 1).contiguous()
-        params = DiTParams(conditioning=proj, geometry=geometry, attention_mask=attention_mask,
-                           rotary_pos_emb=torch.stack([cos, sin]).to(text.device))
+        params = DiTParams(
+            conditioning=proj,
+            geometry=geometry,
+            attention_mask=attention_mask,
+            rotary_pos_emb=torch.stack([cos, sin]).to(text.device),
+        )
         out = self.decoder(hidden, params, context=context.transpose(0, 1).contiguous())
         if isinstance(out, tuple):
             out = out[0]
@@ -607,8 +740,9 @@ class WanModel(MegatronModule):
             return out
         return self.head(out.transpose(0, 1), temb)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
         from megatron_video.models.video_dit import mark_pp_replicas
 
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

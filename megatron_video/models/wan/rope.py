@@ -6,6 +6,7 @@ sin table stored in float32 (repeat-interleaved, channel pairs ``(2i, 2i + 1)``)
 cos / sin in the tensor's dtype with rotate-half pairs, hence this table. Rows come from global
 token ids, so every context-parallel layout rotates a token the same way.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -29,8 +30,10 @@ def wan_rope_split(head_dim: int) -> Tuple[int, int, int]:
 def _axis_table(dim: int, max_len: int, theta: float):
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freqs)
-    return (angles.cos().repeat_interleave(2, dim=1).float(),
-            angles.sin().repeat_interleave(2, dim=1).float())
+    return (
+        angles.cos().repeat_interleave(2, dim=1).float(),
+        angles.sin().repeat_interleave(2, dim=1).float(),
+    )
 
 
 class WanRope(torch.nn.Module):
@@ -49,8 +52,10 @@ class WanRope(torch.nn.Module):
     def forward(self, ids: torch.Tensor, geometry: VideoGeometry):
         grid = (geometry.frames, geometry.height, geometry.width)
         if max(grid) > self.max_seq_len:
-            raise ValueError(f"token grid {grid} must not exceed rope_max_seq_len "
-                             f"({self.max_seq_len}) on any axis (Wan's RoPE table length)")
+            raise ValueError(
+                f"token grid {grid} must not exceed rope_max_seq_len "
+                f"({self.max_seq_len}) on any axis (Wan's RoPE table length)"
+            )
         thw = token_thw(ids.to(self.freqs_cos.device), geometry)
         out = []
         for table in (self.freqs_cos, self.freqs_sin):

@@ -7,6 +7,7 @@ cross-attention without CP (with the I2V image branch when ``config.added_kv_pro
 and Megatron's MLP with GELU-tanh. ``backend`` ``"local"`` (Megatron-core linears) or ``"te"``
 (TransformerEngine linears; the norms stay Wan's).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -37,30 +38,44 @@ __all__ = ["get_wan_layer_spec", "wan_self_attention_spec", "wan_cross_attention
 def wan_self_attention_spec(core_attention=None, backend: str = "local") -> ModuleSpec:
     """``WanSelfAttention`` with ``core_attention`` (default: 2D attention, contiguous split)."""
     m = dit_backend_modules(backend)
-    return ModuleSpec(module=WanSelfAttention, params=dict(attn_mask_type=AttnMaskType.no_mask),
-                      submodules=WanSelfAttentionSubmodules(
-                          linear_qkv=m["column"],
-                          core_attention=core_attention or full_2d_attention(),
-                          linear_proj=m["row"]))
+    return ModuleSpec(
+        module=WanSelfAttention,
+        params=dict(attn_mask_type=AttnMaskType.no_mask),
+        submodules=WanSelfAttentionSubmodules(
+            linear_qkv=m["column"],
+            core_attention=core_attention or full_2d_attention(),
+            linear_proj=m["row"],
+        ),
+    )
 
 
 def wan_cross_attention_spec(backend: str = "local") -> ModuleSpec:
     m = dit_backend_modules(backend)
-    return ModuleSpec(module=WanCrossAttention, submodules=WanCrossAttentionSubmodules(
-        linear_q=m["column"], linear_kv=m["column"], linear_kv_img=m["column"],
-        linear_proj=m["row"]))
+    return ModuleSpec(
+        module=WanCrossAttention,
+        submodules=WanCrossAttentionSubmodules(
+            linear_q=m["column"],
+            linear_kv=m["column"],
+            linear_kv_img=m["column"],
+            linear_proj=m["row"],
+        ),
+    )
 
 
-def get_wan_layer_spec(config=None, backend: Optional[str] = None, *,
-                       cross_attn_norm: Optional[bool] = None) -> ModuleSpec:
+def get_wan_layer_spec(
+    config=None, backend: Optional[str] = None, *, cross_attn_norm: Optional[bool] = None
+) -> ModuleSpec:
     """``ModuleSpec`` of ``WanLayer``; ``cross_attn_norm`` / ``backend`` default to the config's
     (``WanConfig.cross_attn_norm``, ``layer_backend``)."""
     if cross_attn_norm is None:
         cross_attn_norm = True if config is None else config.cross_attn_norm
     if backend is None:
         backend = "local" if config is None else config.layer_backend
-    norm2 = (ModuleSpec(module=WanLayerNorm, params=dict(elementwise_affine=True))
-             if cross_attn_norm else IdentityOp)
+    norm2 = (
+        ModuleSpec(module=WanLayerNorm, params=dict(elementwise_affine=True))
+        if cross_attn_norm
+        else IdentityOp
+    )
     return ModuleSpec(
         module=WanLayer,
         submodules=DiTLayerSubmodules(
@@ -70,4 +85,6 @@ def get_wan_layer_spec(config=None, backend: Optional[str] = None, *,
             cross_attention=wan_cross_attention_spec(backend),
             pre_mlp_layernorm=WanLayerNorm,
             mlp=dit_mlp_spec(backend),
-            modulation=WanModulation))
+            modulation=WanModulation,
+        ),
+    )

@@ -4,6 +4,7 @@
 the ``VideoDiTConfig`` of ``training.model_factory``, the objectives of ``training.objectives``);
 each family adds its layer type, model class, admitted objectives and configuration rules.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ __all__ = ["DiffusionFamily", "VIDEO_DIT", "STDIT", "AR_DIT"]
 class DiffusionFamily(FamilySpec):
     """A DiT on VAE latents trained with EDM or flow matching (``autoregressive``: Balanced SP
     teacher forcing, ``[clean ; noisy]`` per rank, per-block flow timesteps)."""
-    layer_type: str          # VideoDiTConfig.layer_type: "full" | "stdit"
+
+    layer_type: str  # VideoDiTConfig.layer_type: "full" | "stdit"
     autoregressive: bool
-    model: type              # built as model(tcfg, pre_process=, post_process=, vp_stage=)
+    model: type  # built as model(tcfg, pre_process=, post_process=, vp_stage=)
     needs_vae: bool = True
 
     @property
@@ -40,10 +42,17 @@ class DiffusionFamily(FamilySpec):
         """``model_factory.transformer_config``."""
         return transformer_config(config, has_gpu)
 
-    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                    config: Config = None):
-        return self.model(tcfg, pre_process=pre_process, post_process=post_process,
-                          vp_stage=vp_stage)
+    def build_model(
+        self,
+        tcfg,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage=None,
+        config: Config = None,
+    ):
+        return self.model(
+            tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        )
 
     def megatron_lm_config(self, base, config: Config):
         """``base`` plus only the video fields (``model_factory.video_transformer_config``)."""
@@ -61,8 +70,14 @@ class DiffusionFamily(FamilySpec):
         T, Hp, Wp = token_grid_of(config)
         if self.autoregressive:
             p = config.parallel
-            layout = BalancedSPLayout(F, Hp * Wp, config.model.frames_per_block, cp_size,
-                                      ring_size=p.ring_size, ring_balance=p.ring_balance)
+            layout = BalancedSPLayout(
+                F,
+                Hp * Wp,
+                config.model.frames_per_block,
+                cp_size,
+                ring_size=p.ring_size,
+                ring_balance=p.ring_balance,
+            )
             return SampleLayout(layout, VideoGeometry(F, Hp, Wp), 2 * F * Hp * Wp)
         return SampleLayout(None, VideoGeometry(T, Hp, Wp), T * Hp * Wp)
 
@@ -87,10 +102,12 @@ def _whole_frames_per_cp_rank(config: Config, world_size: int) -> None:
     pt = config.model.patch_size[0]
     T_tok = F // pt
     if T_tok % p.context_parallel_size:
-        raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token "
-                         f"frames with patch {pt}) must give token frames divisible by "
-                         f"parallel.context_parallel_size ({p.context_parallel_size}): each CP "
-                         f"rank holds whole frames")
+        raise ValueError(
+            f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token "
+            f"frames with patch {pt}) must give token frames divisible by "
+            f"parallel.context_parallel_size ({p.context_parallel_size}): each CP "
+            f"rank holds whole frames"
+        )
 
 
 def _check_stdit(config: Config, world_size: int) -> None:
@@ -101,12 +118,16 @@ def _check_stdit(config: Config, world_size: int) -> None:
         raise ValueError(f"model.stdit_variant ({m.stdit_variant!r}) must be one of {VARIANTS}")
     bad = [x for x in m.stdit_full_attention_layers if not 1 <= x <= m.num_layers]
     if bad:
-        raise ValueError(f"model.stdit_full_attention_layers ({bad}) must lie in [1, "
-                         f"model.num_layers ({m.num_layers})]")
+        raise ValueError(
+            f"model.stdit_full_attention_layers ({bad}) must lie in [1, "
+            f"model.num_layers ({m.num_layers})]"
+        )
     if m.stdit_variant == "ulysses_everywhere" and (H // TP) % CP:
-        raise ValueError(f"model.num_attention_heads ({H}) / tensor_model_parallel_size ({TP}) "
-                         f"must be divisible by parallel.context_parallel_size ({CP}) for "
-                         f"stdit_variant 'ulysses_everywhere'")
+        raise ValueError(
+            f"model.num_attention_heads ({H}) / tensor_model_parallel_size ({TP}) "
+            f"must be divisible by parallel.context_parallel_size ({CP}) for "
+            f"stdit_variant 'ulysses_everywhere'"
+        )
 
 
 def _check_ar_dit(config: Config, world_size: int) -> None:
@@ -114,32 +135,66 @@ def _check_ar_dit(config: Config, world_size: int) -> None:
     F, h, w = latent_shape(config)
     pt, ph, pw = m.patch_size
     if pt != 1:
-        raise ValueError(f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a "
-                         f"latent frame is the autoregressive unit)")
+        raise ValueError(
+            f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a "
+            f"latent frame is the autoregressive unit)"
+        )
     balance = p.ring_balance if p.ring_balance is not None else p.ring_size > 1
     if balance and p.placement == "ring_inner":
-        raise ValueError("parallel.ring_balance (True; the default when ring_size > 1) needs "
-                         "parallel.placement 'ulysses_inner' for model.family 'ar_dit'; set "
-                         "parallel.ring_balance: false to use 'ring_inner'")
+        raise ValueError(
+            "parallel.ring_balance (True; the default when ring_size > 1) needs "
+            "parallel.placement 'ulysses_inner' for model.family 'ar_dit'; set "
+            "parallel.ring_balance: false to use 'ring_inner'"
+        )
     try:
-        BalancedSPLayout(F, (h // ph) * (w // pw), m.frames_per_block, p.context_parallel_size,
-                         ring_size=p.ring_size, ring_balance=p.ring_balance, world_size=world_size,
-                         num_heads=m.num_attention_heads // p.tensor_model_parallel_size,
-                         ulysses_size=p.ulysses_size)
+        BalancedSPLayout(
+            F,
+            (h // ph) * (w // pw),
+            m.frames_per_block,
+            p.context_parallel_size,
+            ring_size=p.ring_size,
+            ring_balance=p.ring_balance,
+            world_size=world_size,
+            num_heads=m.num_attention_heads // p.tensor_model_parallel_size,
+            ulysses_size=p.ulysses_size,
+        )
     except ValueError as e:
-        raise ValueError(f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
-                         f"model.frames_per_block ({m.frames_per_block}) / parallel: {e}") from None
+        raise ValueError(
+            f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
+            f"model.frames_per_block ({m.frames_per_block}) / parallel: {e}"
+        ) from None
 
 
-VIDEO_DIT = register_family(DiffusionFamily(
-    name="video_dit", summary="full 3D attention over all frames (2D attention under CP)",
-    objectives=("edm", "flow"), layer_type="full", autoregressive=False, model=VideoDiT,
-    check=_whole_frames_per_cp_rank))
-STDIT = register_family(DiffusionFamily(
-    name="stdit", summary="spatial / temporal attention with the ST-DiT hybrid CP<->DP transitions",
-    objectives=("edm", "flow"), layer_type="stdit", autoregressive=False, model=VideoDiT,
-    check=_check_stdit))
-AR_DIT = register_family(DiffusionFamily(
-    name="ar_dit", summary="causal autoregressive DiT, Balanced SP teacher forcing",
-    objectives=("flow",), layer_type="full", autoregressive=True, model=ARVideoDiT,
-    check=_check_ar_dit))
+VIDEO_DIT = register_family(
+    DiffusionFamily(
+        name="video_dit",
+        summary="full 3D attention over all frames (2D attention under CP)",
+        objectives=("edm", "flow"),
+        layer_type="full",
+        autoregressive=False,
+        model=VideoDiT,
+        check=_whole_frames_per_cp_rank,
+    )
+)
+STDIT = register_family(
+    DiffusionFamily(
+        name="stdit",
+        summary="spatial / temporal attention with the ST-DiT hybrid CP<->DP transitions",
+        objectives=("edm", "flow"),
+        layer_type="stdit",
+        autoregressive=False,
+        model=VideoDiT,
+        check=_check_stdit,
+    )
+)
+AR_DIT = register_family(
+    DiffusionFamily(
+        name="ar_dit",
+        summary="causal autoregressive DiT, Balanced SP teacher forcing",
+        objectives=("flow",),
+        layer_type="full",
+        autoregressive=True,
+        model=ARVideoDiT,
+        check=_check_ar_dit,
+    )
+)

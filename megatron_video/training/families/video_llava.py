@@ -3,6 +3,7 @@
 ``MMSPLLaVAModel`` (``mmsp.factory``) on ``data.video_qa``, no VAE; sizes from the ``model`` section
 (vision encoder: one layer of width ``hidden_size / 2``); batches and objective in ``training.vlm``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,12 +27,19 @@ def _sizes(config: Config) -> VideoLLaVASizes:
     need = TEXT_LEN - 1 + d.num_frames * tokens_per_frame
     step = 2 * p.context_parallel_size
     return VideoLLaVASizes(
-        vocab_size=len(QA_VOCAB), max_sequence_length=-(-need // step) * step,
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        vocab_size=len(QA_VOCAB),
+        max_sequence_length=-(-need // step) * step,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        vision_layers=1, vision_hidden_size=m.hidden_size // 2, vision_heads=2, img_size=d.height,
-        patch_dim=patch)
+        vision_layers=1,
+        vision_hidden_size=m.hidden_size // 2,
+        vision_heads=2,
+        img_size=d.height,
+        patch_dim=patch,
+    )
 
 
 def _patch(config: Config) -> int:
@@ -50,85 +58,127 @@ def _cp_comm_type(config: Config) -> str:
 def _check(config: Config, world_size: int) -> None:
     m, d, p, t = config.model, config.data, config.parallel, config.train
     if d.height != d.width:
-        raise ValueError(f"data.height ({d.height}) must equal data.width ({d.width}) for "
-                         f"model.family 'video_llava' (square frames)")
+        raise ValueError(
+            f"data.height ({d.height}) must equal data.width ({d.width}) for "
+            f"model.family 'video_llava' (square frames)"
+        )
     if m.patch_size[1] != m.patch_size[2]:
-        raise ValueError(f"model.patch_size ({m.patch_size}) must have equal spatial sides for "
-                         f"model.family 'video_llava' (square vision patches)")
+        raise ValueError(
+            f"model.patch_size ({m.patch_size}) must have equal spatial sides for "
+            f"model.family 'video_llava' (square vision patches)"
+        )
     if d.num_frames < p.context_parallel_size:
-        raise ValueError(f"data.num_frames ({d.num_frames}) must be >= "
-                         f"parallel.context_parallel_size ({p.context_parallel_size}): every CP "
-                         f"rank encodes frames of every video")
+        raise ValueError(
+            f"data.num_frames ({d.num_frames}) must be >= "
+            f"parallel.context_parallel_size ({p.context_parallel_size}): every CP "
+            f"rank encodes frames of every video"
+        )
     if (m.hidden_size // 2) % 2:
-        raise ValueError(f"model.hidden_size ({m.hidden_size}) must be divisible by 4 for "
-                         f"model.family 'video_llava' (a vision encoder of width hidden_size / 2 "
-                         f"with 2 heads)")
+        raise ValueError(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by 4 for "
+            f"model.family 'video_llava' (a vision encoder of width hidden_size / 2 "
+            f"with 2 heads)"
+        )
     if t.sample:
-        raise ValueError("train.sample (True) must be false for model.family 'video_llava' (it has "
-                         "no sampler)")
+        raise ValueError(
+            "train.sample (True) must be false for model.family 'video_llava' (it has no sampler)"
+        )
     if d.source != "synthetic":
-        raise ValueError(f"data.source ({d.source!r}) must be 'synthetic' for model.family "
-                         f"'video_llava'")
+        raise ValueError(
+            f"data.source ({d.source!r}) must be 'synthetic' for model.family 'video_llava'"
+        )
 
 
 # precision of the vision encoder and projector: Megatron-LM's (--bf16 / --fp16) via the LLM config
 _PRECISION = ("bf16", "fp16", "params_dtype")
-_LLM_FIELDS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
-               ("num_attention_heads", "--num-attention-heads"),
-               ("num_query_groups", "--num-query-groups"), ("ffn_hidden_size", "--ffn-hidden-size"),
-               ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-               ("context_parallel_size", "--context-parallel-size"))
+_LLM_FIELDS = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("context_parallel_size", "--context-parallel-size"),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class VideoLLaVAFamily(FamilySpec):
     """``video_llava``: no VAE, its own batches, configs and model builder."""
+
     needs_vae: bool = False
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
         p = config.parallel
-        return video_llava_configs(_sizes(config), tp=p.tensor_model_parallel_size,
-                                   cp=p.context_parallel_size, pp=p.pipeline_model_parallel_size,
-                                   cp_comm_type=_cp_comm_type(config),
-                                   init_std=config.model.init_std, has_gpu=has_gpu)[0]
+        return video_llava_configs(
+            _sizes(config),
+            tp=p.tensor_model_parallel_size,
+            cp=p.context_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            cp_comm_type=_cp_comm_type(config),
+            init_std=config.model.init_std,
+            has_gpu=has_gpu,
+        )[0]
 
-    def build_model(self, tcfg, pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                    config: Config = None):
+    def build_model(
+        self,
+        tcfg,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage=None,
+        config: Config = None,
+    ):
         """``tcfg`` is the LLM's config; the vision encoder and projector take their sizes from
         ``config`` and their precision from ``tcfg``."""
         p = config.parallel
-        return video_llava_model(_sizes(config), tp=p.tensor_model_parallel_size,
-                                 cp=p.context_parallel_size, pp=p.pipeline_model_parallel_size,
-                                 cp_comm_type=_cp_comm_type(config), init_std=config.model.init_std,
-                                 pre_process=pre_process, post_process=post_process,
-                                 language_config=tcfg, **{k: getattr(tcfg, k) for k in _PRECISION})
+        return video_llava_model(
+            _sizes(config),
+            tp=p.tensor_model_parallel_size,
+            cp=p.context_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            cp_comm_type=_cp_comm_type(config),
+            init_std=config.model.init_std,
+            pre_process=pre_process,
+            post_process=post_process,
+            language_config=tcfg,
+            **{k: getattr(tcfg, k) for k in _PRECISION},
+        )
 
     def megatron_lm_config(self, base, config: Config):
         """The LLM's config is Megatron-LM's own (``base``) unchanged, once its sizes and
         parallel degrees are those of ``config``; the vision fields come from ``config``
         (``build_model``)."""
         if not isinstance(base, TransformerConfig):
-            raise ValueError(f"base ({type(base).__name__}) must be a megatron.core "
-                             f"TransformerConfig")
+            raise ValueError(
+                f"base ({type(base).__name__}) must be a megatron.core TransformerConfig"
+            )
         ours = self.transformer_config(config)
         for field, flag in _LLM_FIELDS:
             if getattr(base, field) != getattr(ours, field):
-                raise ValueError(f"TransformerConfig.{field} ({getattr(base, field)}; {flag}) must "
-                                 f"equal the video config's value ({getattr(ours, field)})")
+                raise ValueError(
+                    f"TransformerConfig.{field} ({getattr(base, field)}; {flag}) must "
+                    f"equal the video config's value ({getattr(ours, field)})"
+                )
         return base
 
     def check_megatron_lm_args(self, config: Config, args) -> None:
         m = config.model
-        groups = (getattr(args, "num_query_groups", None)
-                  if getattr(args, "group_query_attention", False) else m.num_attention_heads)
+        groups = (
+            getattr(args, "num_query_groups", None)
+            if getattr(args, "group_query_attention", False)
+            else m.num_attention_heads
+        )
         if groups is not None and groups != (m.num_query_groups or m.num_attention_heads):
-            raise ValueError(f"--num-query-groups ({groups}; with --group-query-attention) must "
-                             f"equal the video config's model.num_query_groups "
-                             f"({m.num_query_groups})")
+            raise ValueError(
+                f"--num-query-groups ({groups}; with --group-query-attention) must "
+                f"equal the video config's model.num_query_groups "
+                f"({m.num_query_groups})"
+            )
         ffn, ours = getattr(args, "ffn_hidden_size", None), m.ffn_hidden_size or 4 * m.hidden_size
         if ffn is not None and ffn != ours:
-            raise ValueError(f"--ffn-hidden-size ({ffn}) must equal the video config's value "
-                             f"({ours})")
+            raise ValueError(
+                f"--ffn-hidden-size ({ffn}) must equal the video config's value ({ours})"
+            )
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
         return SampleLayout(None, None, _sizes(config).max_sequence_length)
@@ -137,14 +187,20 @@ class VideoLLaVAFamily(FamilySpec):
         return _sizes(config).max_sequence_length
 
     def make_objective(self, config: Config, groups, sample: SampleLayout):
-        return LanguageModelObjective(groups.cp_group if groups is not None and groups.cp_size > 1
-                                      else None)
+        return LanguageModelObjective(
+            groups.cp_group if groups is not None and groups.cp_size > 1 else None
+        )
 
     def make_batches(self, config: Config, **kw) -> VideoQABatches:
         return VideoQABatches(config, kw["dp_rank"], kw["dp_size"])
 
 
-VIDEO_LLAVA = register_family(VideoLLaVAFamily(
-    name="video_llava", objectives=("lm",), check=_check,
-    summary="video-language model (LLaVA) with MM-SP: frames sharded for the encoder, one "
-            "all-to-all-v into the LLM's 2D attention"))
+VIDEO_LLAVA = register_family(
+    VideoLLaVAFamily(
+        name="video_llava",
+        objectives=("lm",),
+        check=_check,
+        summary="video-language model (LLaVA) with MM-SP: frames sharded for the encoder, one "
+        "all-to-all-v into the LLM's 2D attention",
+    )
+)
