@@ -54,7 +54,10 @@ ext_modules, cmdclass = _extensions()
 setup(
     name="megatron_video",
     version="0.1.0",
-    description="Megatron-Core extension for long-video training: 2D attention, Balanced SP, ST-DiT hybrid CP/DP",
+    description=(
+        "Megatron-Core extension for long-video training: 2D attention, Balanced SP, "
+        "ST-DiT hybrid CP/DP"
+    ),
     packages=find_packages(include=["megatron_video", "megatron_video.*"]),
     python_requires=">=3.10",
     install_requires=[

@@ -2,7 +2,8 @@
 and the engine's efficiency against single-process fused attention.
 
 1. For each layout: forward bytes per rank from the CommTracer, intra- and inter-node, next to the
-   docs/architecture.md formulas (a2a ``G*(2H+2H_kv')*(U-1)/U``, ring ``(R-1)*2*H_kv'*G``, ``G = b*(S/N)*D*e``,
+   docs/architecture.md formulas (a2a ``G*(2H+2H_kv')*(U-1)/U``, ring ``(R-1)*2*H_kv'*G``, ``G =
+   b*(S/N)*D*e``,
    ``H_kv' = lcm(H_kv, U)``); for each mask the engine tiles skipped; the CPU wall-clock of
    forward+backward relative to Ulysses-only; and causal vs full (target with Ulysses only: <= 0.6x).
 2. Efficiency (``--eff-seq``, U2 x R2): CPU time of forward+backward summed over the ranks

@@ -163,7 +163,8 @@ def main():
         ]  # rank 0's, after warm-up
 
     print(
-        f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile {a.tile or 'auto'}, fwd+bwd; "
+        f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile "
+        f"{a.tile or 'auto'}, fwd+bwd; "
         f"peak RSS growth per rank (max over ranks) and its multiple of one q shard"
     )
     print(f"{'S':>7}" + "".join(f"{m:>26}" for m in masks_) + f"{'torch flash, 1 process':>28}")

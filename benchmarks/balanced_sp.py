@@ -76,7 +76,8 @@ def per_rank_rows(a):
 
 
 def comm_per_layer(a):
-    """Forward bytes per rank per attention layer (docs/architecture.md, Capabilities 1), identical for all three layouts."""
+    """Forward bytes per rank per attention layer (docs/architecture.md, Capabilities 1),
+    identical for all three layouts."""
     U, R = a.ulysses, a.ring
     P = U * R
     G = a.batch * (2 * a.frames * a.tokens_per_frame // P) * a.head_dim * a.bytes_per_elt

@@ -3,7 +3,8 @@
 Halo scatter (8 ranks' raw-frame windows with a left halo out of a [B, C, T, H, W] video), halo
 gather (kept latents of all ranks into one tensor), the dense mask and the tile status of the
 teacher-forcing mask in Balanced-SP rank-major order, beside the best plain-torch formulation (per-tile
-id bounds), and the share of an attention step spent on mask work. Prints times, bytes moved, bandwidth against
+id bounds), and the share of an attention step spent on mask work. Prints times, bytes moved,
+bandwidth against
 a plain device copy of the same bytes, and the extension/reference time ratio.
 
     python benchmarks/ops.py                      # CPU, the default sizes
@@ -84,7 +85,8 @@ def bench_halo(args, device: torch.device) -> None:
     video = torch.randn(1, 3, args.raw_frames, args.height, args.width, device=device, dtype=dtype)
     print(
         f"halo: video [1, 3, {args.raw_frames}, {args.height}, {args.width}] {args.dtype} "
-        f"({video.numel() * video.element_size() / 2**30:.2f} GiB), {args.ranks} ranks, halo {args.halo} latents, "
+        f"({video.numel() * video.element_size() / 2**30:.2f} GiB), {args.ranks} ranks, halo "
+        f"{args.halo} latents, "
         f"windows {windows.tolist()}",
         flush=True,
     )
@@ -192,7 +194,8 @@ def bench_masks(args, device: torch.device) -> None:
     )
     L = ids.side.numel()
     print(
-        f"masks: teacher forcing, {args.latent_frames} latent frames x {args.tokens_per_frame} tokens, clean+noisy "
+        f"masks: teacher forcing, {args.latent_frames} latent frames x {args.tokens_per_frame} "
+        "tokens, clean+noisy "
         f"= {L} tokens, {args.ranks} ranks, {args.frames_per_block} frames/block, {args.tile}-token tiles",
         flush=True,
     )

@@ -164,13 +164,15 @@ def main():
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
         per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.iters, a.check_seq)
     print(
-        f"forward, S={a.seqs} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), {a.iters} interleaved "
+        f"forward, S={a.seqs} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), "
+        f"{a.iters} interleaved "
         f"iterations each: best CPU time summed over ranks (robust to other load), its spread (median/best "
         f"- 1, both libraries), best wall time (max over ranks); max-abs error vs float64 oracle at "
         f"S={a.check_seq}"
     )
     print(
-        f"{'S':>6} {'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}{'spread':>12}{'wall ours':>11}"
+        f"{'S':>6} {'layout':<8}{'mask':<8}{'CPU ours':>10}{'yunchang':>10}{'ratio':>8}"
+        f"{'spread':>12}{'wall ours':>11}"
         f"{'yunchang':>10}{'ratio':>8}{'err ours':>10}{'err yunchang':>13}"
     )
     worst, worst_spread = 0.0, 0.0

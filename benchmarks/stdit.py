@@ -10,7 +10,8 @@ nodes) in the three variants of ``megatron_video.models.stdit``:
 
 Per block (forward + backward, traced on every rank): all-to-all calls (split into the layout
 transitions and those inside attention), P2P sends, bytes sent per rank (max over ranks); wall
-clock per block step (max over ranks, best of ``--steps`` round-robin runs) and its ratio to Ulysses-everywhere.
+clock per block step (max over ranks, best of ``--steps`` round-robin runs) and its ratio to
+Ulysses-everywhere.
 Two block kinds: "ST" (spatial + temporal + cross + MLP) and "ST+full" (plus full attention).
 ``--ulysses`` sets U for the 2D attention (R = world / U); U = 1 makes full attention a pure ring.
 CPU timings on a shared machine are indicative only; the call counts are exact.

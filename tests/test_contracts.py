@@ -6,7 +6,8 @@
   or any layout for position-independent masks) or a ``ValueError`` before any communication.
 * ``init_video_parallel`` with PP = 2 and DP > 1 against Megatron's rank order from first principles.
 * ``RingExchange`` / ``ring_shift`` with a shift that is a whole turn (or a ring of one).
-* ``BalancedSPLayout`` and ``halo_windows`` against docs/architecture.md (Capabilities 2) derived by hand; ST-DiT
+* ``BalancedSPLayout`` and ``halo_windows`` against docs/architecture.md (Capabilities 2) derived
+by hand; ST-DiT
   index maps and transitions with ``n % P != 0``, ``b > 1``, ``P = 8``.
 """
 

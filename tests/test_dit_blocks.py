@@ -121,7 +121,8 @@ def _explicit_rope_3d(x, thw, dims, theta=10000.0):
     """The 3D RoPE formula written out element by element (float64, Python loops): the rotation
     angles are ``[t-angles, h-angles, w-angles]`` with ``angle_j = pos_axis * theta^(-2j / n_axis)``
     for the ``n_axis`` channels of each axis (``dims``), and channel ``i`` rotates with channel
-    ``i + d/2``: ``(x_i, x_{i+d/2}) -> (x_i cos a_i - x_{i+d/2} sin a_i, x_{i+d/2} cos a_i + x_i sin a_i)``."""
+    ``i + d/2``: ``(x_i, x_{i+d/2}) -> (x_i cos a_i - x_{i+d/2} sin a_i, x_{i+d/2} cos a_i + x_i
+    sin a_i)``."""
     b, s, h, d = x.shape
     out = torch.empty_like(x)
     for si in range(s):

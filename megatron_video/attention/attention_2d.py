@@ -197,7 +197,8 @@ def dist_attention(
     tile side in tokens (``attention.engine``; None: ``engine.choose_tile``, 512 aligned to the
     mask's frames / blocks); ``backend`` its kernel family (``"auto"``: math for
     float64, FlexAttention on CUDA, torch's fused CPU kernel otherwise). ``stats`` (a ``RingStats``)
-    counts ring steps, skipped tiles, kernel calls and the largest mask / score buffer. Input errors (including a mask whose
+    counts ring steps, skipped tiles, kernel calls and the largest mask / score buffer. Input
+    errors (including a mask whose
     ``dense`` does not return a bool tensor) raise ``ValueError`` before any collective; shapes
     that differ between the CP ranks raise ``ValueError`` on every rank instead of hanging.
     """

@@ -113,7 +113,8 @@ class AttentionMask(metaclass=_Frozen):
     def tile_status(
         self, q_ids: torch.Tensor, k_ids: torch.Tensor, q_tile: int, k_tile: int
     ) -> torch.Tensor:
-        """uint8 ``[ceil(len(q_ids)/q_tile), ceil(len(k_ids)/k_tile)]`` of tile verdicts (one tile at a time)."""
+        """uint8 ``[ceil(len(q_ids)/q_tile), ceil(len(k_ids)/k_tile)]`` of tile verdicts (one tile
+        at a time)."""
         qe, ke = _tile_edges(q_ids.numel(), q_tile), _tile_edges(k_ids.numel(), k_tile)
         out = torch.empty(len(qe), len(ke), dtype=torch.uint8)
         for i, (a, b) in enumerate(qe):

@@ -18,7 +18,8 @@ control: pass ``groups=init_video_parallel(...)`` in the spec's params, or call
 cut (2*CP chunks, CP rank c keeps chunks c and 2CP-1-c).
 
 Masks: an ``AttentionMask`` passed as ``attention_mask`` (per call; the video layers use it for
-teacher forcing and the ST-DiT baselines) wins; else ``attn_mask_type`` causal -> ``masks.causal()``, no_mask -> full (a dense ``attention_mask``
+teacher forcing and the ST-DiT baselines) wins; else ``attn_mask_type`` causal ->
+``masks.causal()``, no_mask -> full (a dense ``attention_mask``
 is then ignored, as Transformer Engine's core attention does: the type decides); a spec may instead
 pass any ``AttentionMask`` as ``params={"mask": ...}`` (block-causal video, teacher forcing, ...),
 which wins. Other mask types, ``attention_bias`` and packed ``thd`` input with CP > 1 raise

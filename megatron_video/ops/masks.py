@@ -176,7 +176,8 @@ def _check_tile(name: str, value) -> int:
 def block_mask_status(
     q: TokenIds, k: TokenIds, rule: str, q_block: int, k_block: int
 ) -> torch.Tensor:
-    """uint8 ``[ceil(Lq/q_block), ceil(Lk/k_block)]``: 0 empty, 1 partial, 2 full (over the tile's real tokens)."""
+    """uint8 ``[ceil(Lq/q_block), ceil(Lk/k_block)]``: 0 empty, 1 partial, 2 full (over the tile's
+    real tokens)."""
     _check_tile("q_block", q_block)
     _check_tile("k_block", k_block)
     qi, ki, same_doc = _prepare(q, k, rule)

@@ -1,7 +1,8 @@
 """The mask rules on token identities: the one Python definition (``csrc/mask_rules.h`` is the C++ one).
 
 Each token carries ``side`` (0 clean, 1 noisy), ``block`` (global latent frame // frames per block),
-``doc`` (document id, for packing) and ``pos`` (position). Rules (docs/attention.md, "Attention engine (linear memory)"):
+``doc`` (document id, for packing) and ``pos`` (position). Rules (docs/attention.md, "Attention
+engine (linear memory)"):
 
 ``full``             every pair;
 ``causal``           ``pos_k <= pos_q``;

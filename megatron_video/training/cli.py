@@ -261,7 +261,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 text = HFTextEncoder.from_pretrained(args.text_encoder, args.text_len)
             r = precompute_latents(config, args.out, sp_size=args.sp_size, text_encoder=text)
             print(
-                f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards under {args.out} "
+                f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards "
+                f"under {args.out} "
                 f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
                 f"data.shards={args.out}"
             )

@@ -142,7 +142,8 @@ def _exit_status(code: int) -> int:
 
 def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
     """Wait for the ranks; ``(0, "")`` when all succeeded, else ``(exit status, reason)`` for the
-    first rank that failed, or the rank(s) that hung: after start-up, no rank beat for ``timeout`` seconds, and the culprits are the ranks not waiting in communication (all, if every rank waits)."""
+    first rank that failed, or the rank(s) that hung: after start-up, no rank beat for ``timeout``
+    seconds, and the culprits are the ranks not waiting in communication (all, if every rank waits)."""
     n = len(procs)
 
     def progress():
