@@ -117,4 +117,6 @@ def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     warned = [
         ln for ln in console.splitlines() if "Transformer Engine and Apex are not installed" in ln
     ]
-    assert len(warned) == len(set(warned)), warned  # shown once, not once per rank
+    # not once per rank: at most once by the launcher's own imports and once by the forkserver
+    # that preloads Megatron for the ranks (both print to this console before any rank starts)
+    assert warned and all(warned.count(w) <= 2 for w in warned), warned
