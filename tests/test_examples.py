@@ -117,6 +117,6 @@ def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     warned = [
         ln for ln in console.splitlines() if "Transformer Engine and Apex are not installed" in ln
     ]
-    # not once per rank: at most once by the launcher's own imports and once by the forkserver
-    # that preloads Megatron for the ranks (both print to this console before any rank starts)
-    assert warned and all(warned.count(w) <= 2 for w in warned), warned
+    # not once per rank (4 ranks would be 5 with the launcher): today at most 3, from the
+    # launcher's own imports, the forkserver that preloads Megatron, and the logging rank itself
+    assert warned and all(warned.count(w) <= 3 for w in warned), warned
