@@ -11,9 +11,11 @@ PINS=requirements/constraints-py312-mcore019.txt
 KEY=$(cat "$PINS" requirements/requirements.txt | sha256sum | cut -c1-16)
 CACHE="${MEGATRON_VIDEO_CACHE:-$HOME/.cache/megatron_video}"
 ENV="$CACHE/env-py312-mcore019-$KEY"
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.lock-$KEY"
+flock 9  # one builder at a time: a second caller waits, then reuses the finished environment
 if [ ! -f "$ENV/.complete" ]; then
     rm -rf "$ENV"
-    mkdir -p "$CACHE"
     "$PY312" -m venv "$ENV" >&2
     "$ENV/bin/python" -m pip install -q --disable-pip-version-check \
         -r requirements/requirements.txt -c "$PINS" >&2
