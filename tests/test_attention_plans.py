@@ -3,14 +3,13 @@ ring step and the backward; masks are immutable values (no stale plan); no host 
 (``.cpu()``, ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` / ``float()`` of a tensor) inside an
 attention call once its plan exists."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_video.attention import dist_attention, local_attention, masks
 from megatron_video.attention.plans import PLANS, PlanCache
+from megatron_video.testing.host_reads import count_host_reads
 
 F64 = torch.float64
 
@@ -28,31 +27,6 @@ def _fwd_bwd(qkv, **kw):
     out = dist_attention(q, k, v, **kw)
     out.square().sum().backward()
     return out
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Counts calls of the ``torch.Tensor`` methods that read device data on the host."""
-    names = ("cpu", "item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-    counts = {n: 0 for n in names}
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def wrap(n):
-        orig = saved[n]
-
-        def f(self, *a, **k):
-            counts[n] += 1
-            return orig(self, *a, **k)
-
-        return f
-
-    for n in names:
-        setattr(torch.Tensor, n, wrap(n))
-    try:
-        yield counts
-    finally:
-        for n in names:
-            setattr(torch.Tensor, n, saved[n])
 
 
 # ------------------------------------------------------------------------------------------
@@ -254,3 +228,49 @@ def test_u2r2_one_build_then_none_and_no_host_sync(pool4):
         for kind, (first, later, counts, rank) in res.items():
             assert first == 1 and later == 1, (rank, kind, first, later)
             assert sum(counts.values()) == 0, (rank, kind, counts)
+
+
+# ------------------------------------------------------------------------------------------
+# Megatron's packed sequences: cu_seqlens read once per PackedSeqParams, not per layer
+# ------------------------------------------------------------------------------------------
+class _Cfg:
+    context_parallel_size = 1
+    kv_channels = 8
+    attention_dropout = 0.0
+    cp_comm_type = None
+
+
+@pytest.mark.parametrize("fmt", ["thd", "sbhd"])
+def test_packed_seq_params_read_once_per_micro_batch(fmt):
+    """Six layers share one ``PackedSeqParams`` (as Megatron passes it): the first reads
+    ``cu_seqlens`` on the host, the other five read nothing; each equals the float64 oracle; a
+    ``cu_seqlens`` changed in place is read again (no stale documents)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_video.attention.megatron import DistAttention2D
+    from megatron_video.testing.oracles import softmax_attention
+
+    layers = [DistAttention2D(_Cfg(), i + 1, AttnMaskType.causal, "self") for i in range(6)]
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format=fmt, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(16, 1, 2, 8, generator=g, dtype=F64) for _ in range(3)]
+    call = [x[:, 0] for x in qkv] if fmt == "thd" else qkv
+
+    def oracle(bounds):
+        doc = torch.bucketize(torch.arange(16), torch.tensor(bounds[1:]), right=True)
+        allow = (doc[:, None] == doc[None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
+        q, k, v = (x.transpose(0, 1) for x in qkv)
+        return softmax_attention(q, k, v, allow, 8**-0.5)[0].reshape(16, -1)
+
+    layers[0](*call, None, packed_seq_params=params)
+    with count_host_reads() as counts:
+        outs = [m(*call, None, packed_seq_params=params) for m in layers[1:]]
+    assert sum(counts.values()) == 0, counts
+    ref = oracle([0, 5, 12, 16])
+    for out in outs:
+        torch.testing.assert_close(out.reshape(16, -1), ref, rtol=1e-12, atol=1e-12)
+    cu[1] = 9  # in place: documents [0, 9), [9, 12), [12, 16)
+    out = layers[1](*call, None, packed_seq_params=params)
+    torch.testing.assert_close(out.reshape(16, -1), oracle([0, 9, 12, 16]), rtol=1e-12, atol=1e-12)

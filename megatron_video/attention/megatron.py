@@ -136,7 +136,7 @@ class DistAttention2D(MegatronModule):
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         inner = masks_mod.causal() if causal else None
         if packed_seq_params is not None:
-            return masks_mod.packed(packed_seq_params.cu_seqlens_q.cpu(), inner=inner)
+            return _packed_mask(packed_seq_params, self.video_groups(), inner)
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(
                 f"attn_mask_type ({mask_type}) needs a dense attention_mask, which "
@@ -173,23 +173,8 @@ class DistAttention2D(MegatronModule):
                 f"forward"
             )
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if packed_seq_params is not None:
-            cu_q, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
-            sbhd = packed_seq_params.qkv_format == "sbhd"
-            if (
-                not (thd or sbhd)
-                or (thd and cp > 1)
-                or (padded is not None and not torch.equal(padded, cu_q))
-                or not torch.equal(cu_q, packed_seq_params.cu_seqlens_kv)
-            ):
-                raise ValueError(
-                    f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, "
-                    f"context_parallel_size {cp}): supported are qkv_format 'thd' at "
-                    f"context_parallel_size 1 and 'sbhd' (documents on the global, "
-                    f"unsharded sequence, any CP size), both without padding and with "
-                    f"cu_seqlens_q == cu_seqlens_kv; or give the spec a "
-                    f"masks.packed(...) mask"
-                )
+        if packed_seq_params is not None:  # checked even when another mask wins
+            _packed_mask(packed_seq_params, groups, None)
         mask = self._mask(attn_mask_type, packed_seq_params, attention_mask)
         if thd:  # [t, h, d] -> [1, t, h, d]
             q, k, v = query[None], key[None], value[None]
@@ -208,6 +193,47 @@ class DistAttention2D(MegatronModule):
         if thd:
             return out[0].reshape(out.shape[1], -1)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
+
+
+_PACKED_MEMO = "_megatron_video_packed_masks"
+
+
+def _packed_mask(params, groups, inner):
+    """The checked ``masks.packed`` of a ``PackedSeqParams``, memoised on the params object: Megatron
+    hands the same object to every layer of a micro-batch, so its ``cu_seqlens`` are read on the
+    host (and compared) once per micro-batch, not once per layer. A field replaced or modified in
+    place (tensor identity, ``_version``) is read again."""
+    fields = (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded)
+    state = (params.qkv_format, tuple(getattr(t, "_version", None) for t in fields))
+    memo = params.__dict__.setdefault(_PACKED_MEMO, {})
+    hit = memo.get("state")
+    if hit is None or hit[1] != state or any(a is not b for a, b in zip(hit[0], fields)):
+        memo.clear()
+        memo["state"] = (fields, state)
+        memo["host_cu"] = _check_packed(params, groups.cp_size if groups is not None else 1)
+    if inner not in memo:
+        memo[inner] = masks_mod.packed(memo["host_cu"], inner=inner)
+    return memo[inner]
+
+
+def _check_packed(params, cp: int) -> torch.Tensor:
+    """``cu_seqlens_q`` on the host, or ``ValueError`` for a layout DistAttention2D cannot run."""
+    cu_q, padded = params.cu_seqlens_q, params.cu_seqlens_q_padded
+    thd, sbhd = params.qkv_format == "thd", params.qkv_format == "sbhd"
+    host = cu_q.cpu()
+    if (
+        not (thd or sbhd)
+        or (thd and cp > 1)
+        or (padded is not None and not torch.equal(padded.cpu(), host))
+        or not torch.equal(params.cu_seqlens_kv.cpu(), host)
+    ):
+        raise ValueError(
+            f"packed_seq_params (qkv_format {params.qkv_format!r}, context_parallel_size {cp}): "
+            f"supported are qkv_format 'thd' at context_parallel_size 1 and 'sbhd' (documents "
+            f"on the global, unsharded sequence, any CP size), both without padding and with "
+            f"cu_seqlens_q == cu_seqlens_kv; or give the spec a masks.packed(...) mask"
+        )
+    return host
 
 
 class UlyssesAttention(DistAttention2D):
