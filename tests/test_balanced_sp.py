@@ -268,3 +268,16 @@ def test_rank_and_index_validation():
     assert BalancedSPLayout(24, 1, 2, 4, ring_size=4, ring_balance=False).rank_segments(3) == [
         (18, 24)
     ]
+
+
+@pytest.mark.parametrize("F,nb", [(7, 2), (9, 4), (3, 2)])
+def test_partial_last_block_is_refused_on_every_path(F, nb):
+    """One rule for a clip that is not whole blocks (e.g. 7 latent frames in blocks of 2): the
+    single-GPU mask, the work accounting and the Balanced SP layout all refuse it."""
+    rule = rf"num_latent_frames \({F}\) must be a multiple of frames_per_block \({nb}\)"
+    with pytest.raises(ValueError, match=rule):
+        single_gpu_teacher_forcing_mask(F, 4, nb)
+    with pytest.raises(ValueError, match=rule):
+        naive_identity_units(F, nb)
+    with pytest.raises(ValueError, match=rf"num_latent_frames \({F}\) must be divisible"):
+        BalancedSPLayout(F, 4, nb, 1)

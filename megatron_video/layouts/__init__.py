@@ -1,5 +1,6 @@
 from .balanced_sp import (  # noqa: F401
     BalancedSPLayout,
+    check_whole_blocks,
     max_over_mean,
     naive_identity_units,
     naive_slice_global_ids,

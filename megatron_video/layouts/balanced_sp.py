@@ -16,6 +16,7 @@ __all__ = [
     "BalancedSPLayout",
     "teacher_forcing_rule",
     "single_gpu_teacher_forcing_mask",
+    "check_whole_blocks",
     "naive_slice_global_ids",
     "naive_identity_units",
     "ring_attention_work",
@@ -28,13 +29,26 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
+def check_whole_blocks(num_latent_frames: int, frames_per_block: int) -> None:
+    """The one partial-block rule of teacher forcing, for every path (single-GPU mask, Balanced SP
+    layout, work accounting): a clip is whole blocks, else ``ValueError``."""
+    _positive_int("num_latent_frames", num_latent_frames)
+    _positive_int("frames_per_block", frames_per_block)
+    if num_latent_frames % frames_per_block:
+        raise ValueError(
+            f"num_latent_frames ({num_latent_frames}) must be a multiple of frames_per_block "
+            f"({frames_per_block}): teacher forcing has no rule for a partial last block (as "
+            f"LongLive, blocks are whole); trim the clip to whole blocks"
+        )
+
+
 def single_gpu_teacher_forcing_mask(
     num_latent_frames: int, tokens_per_frame: int, frames_per_block: int
 ) -> torch.Tensor:
     """Bool ``[2FS, 2FS]`` mask in the single-GPU order ``[clean 0..F-1 ; noisy 0..F-1]``."""
     F, S, nb = num_latent_frames, tokens_per_frame, frames_per_block
-    for name, v in (("num_latent_frames", F), ("tokens_per_frame", S), ("frames_per_block", nb)):
-        _positive_int(name, v)
+    _positive_int("tokens_per_frame", S)
+    check_whole_blocks(F, nb)
     g = torch.arange(2 * F * S)
     side, block = g // (F * S), (g % (F * S)) // S // nb
     return teacher_forcing_rule(side[:, None], block[:, None], side[None, :], block[None, :])
@@ -85,6 +99,7 @@ def naive_identity_units(
     num_latent_frames: int, frames_per_block: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(side, block) of each block-unit in the naive (single-GPU) order, for work accounting."""
+    check_whole_blocks(num_latent_frames, frames_per_block)
     K = num_latent_frames // frames_per_block
     u = torch.arange(2 * K)
     return u // K, u % K
@@ -148,7 +163,7 @@ class BalancedSPLayout:
             ("ring_size", R),
         ):
             _positive_int(name, v)
-        if F % (P * nb):
+        if F % (P * nb):  # implies check_whole_blocks (whole blocks per rank)
             raise ValueError(
                 f"num_latent_frames ({F}) must be divisible by sp_size ({P}) * "
                 f"frames_per_block ({nb})"
