@@ -9,6 +9,7 @@ validated (parsed, shapes checked). The launcher's console (the logging rank onl
 is tested once through the command line.
 """
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,9 +115,7 @@ def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     assert console.count("megatron_video CPU mode (no CUDA device)") == 1
     for p in logs.values():  # nothing hidden: each rank's own log has its warnings
         assert "megatron_video CPU mode (no CUDA device)" in p.read_text()
-    warned = [
-        ln for ln in console.splitlines() if "Transformer Engine and Apex are not installed" in ln
-    ]
-    # not once per rank (4 ranks would be 5 with the launcher): today at most 3, from the
-    # launcher's own imports, the forkserver that preloads Megatron, and the logging rank itself
-    assert warned and all(warned.count(w) <= 3 for w in warned), warned
+    warned = [ln for ln in console.splitlines() if re.search(r"Warning: .*not installed", ln)]
+    # once, not once per rank: the launcher's imports show them; the forkserver, the ranks'
+    # spawned helpers (Megatron's async checkpoint writer) and the console rank repeat nothing
+    assert warned and all(warned.count(w) == 1 for w in warned), warned

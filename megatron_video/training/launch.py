@@ -92,6 +92,32 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
+# Megatron's warnings for a missing Transformer Engine / Apex (expected on CPU): the launcher's own
+# imports show them once on the console. The forkserver that preloads Megatron, and helpers the
+# ranks spawn (Megatron's async checkpoint writer starts a spawned manager that re-imports
+# Megatron), start with these filters, so they repeat nothing; each rank drops them again, so its
+# own warnings still reach its log.
+_REPEATED_WARNINGS = (
+    "ignore:Transformer Engine and Apex are not installed",
+    "ignore:Apex is not installed",
+)
+
+
+def _quiet_children_env() -> str:
+    """``PYTHONWARNINGS`` for processes started from here (the user's own entries kept first)."""
+    own = os.environ.get("PYTHONWARNINGS", "")
+    return ",".join([w for w in own.split(",") if w] + list(_REPEATED_WARNINGS))
+
+
+def _show_own_warnings() -> None:
+    """Undo, in this rank, the ``_REPEATED_WARNINGS`` filters it inherited from the forkserver
+    (a ``default`` filter in front wins): what the rank itself warns reaches its log."""
+    import warnings
+
+    for w in _REPEATED_WARNINGS:
+        warnings.filterwarnings("default", message=w.split(":", 1)[1])
+
+
 def _worker(
     rank: int,
     world: int,
@@ -106,6 +132,7 @@ def _worker(
     os.setpgid(0, 0)  # own process group: the launcher can end this rank and any helper it forked
     if rank != world - 1:  # the last rank logs (trainer.is_logger); the others write to files
         _redirect_output(rank_log(config, rank))
+    _show_own_warnings()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -247,8 +274,16 @@ def launch(
         file=sys.stderr,
         flush=True,
     )
-    for p in procs:
-        p.start()
+    saved_env = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = _quiet_children_env()  # the forkserver and the ranks inherit it
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved_env is None:
+            os.environ.pop("PYTHONWARNINGS")
+        else:
+            os.environ["PYTHONWARNINGS"] = saved_env
     code, reason = 1, ""
     try:
         code, reason = _watch(procs, shared, config.train.rank_timeout_s)
