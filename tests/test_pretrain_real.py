@@ -12,7 +12,6 @@ checked in every environment.
 import importlib.util
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from megatron_video.testing.doc_blocks import launch_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "launch.md"
@@ -40,14 +41,6 @@ REQUIRED_FLAGS = (
 )
 REQUIRED_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 MEGATRON_SEED = 1234  # Megatron-LM's --seed default (the documented lines do not set it)
-
-
-def launch_blocks(text: str) -> dict:
-    """``{name: tokens}`` of the fenced block after each ``<!-- launch:NAME -->`` marker."""
-    blocks = {}
-    for m in re.finditer(r"<!-- launch:(\S+) -->\s*```bash\n(.*?)```", text, re.S):
-        blocks[m.group(1)] = shlex.split(m.group(2).replace("\\\n", " "))
-    return blocks
 
 
 def check_launch_line(tokens) -> None:

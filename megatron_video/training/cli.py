@@ -1,8 +1,8 @@
 """``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
 
-Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``
-(``megatron-video SUBCOMMAND --help``). A bad configuration exits with status 2 naming the field,
-before any process or process group is started.
+Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``,
+``convert`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with status 2 naming
+the field, before any process or process group is started.
 """
 
 from __future__ import annotations
@@ -34,27 +34,24 @@ def demo_config_path() -> Path:
     return path
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="megatron-video",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+CPU_HELP = "enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)"
+
+
+def _common(p, config_required: bool) -> None:
+    p.add_argument(
+        "--config", required=config_required, help="YAML config (examples/configs/*.yaml)"
     )
-    sub = ap.add_subparsers(dest="command", required=True)
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. train.steps=20 parallel.ulysses_size=2",
+    )
 
-    def common(p, config_required: bool):
-        p.add_argument(
-            "--config", required=config_required, help="YAML config (examples/configs/*.yaml)"
-        )
-        p.add_argument(
-            "overrides",
-            nargs="*",
-            metavar="section.key=value",
-            help="config overrides, e.g. train.steps=20 parallel.ulysses_size=2",
-        )
 
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a model (standalone --nproc ranks or under torchrun)")
-    common(t, True)
+    _common(t, True)
     t.add_argument(
         "--nproc",
         type=int,
@@ -68,12 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         help="simulated ranks per node for the U x R placement (default: all on one node)",
     )
     t.add_argument("--output", default=None, help="run directory (default: the config's output)")
-    t.add_argument(
-        "--cpu",
-        action="store_true",
-        help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)",
-    )
+    t.add_argument("--cpu", action="store_true", help=CPU_HELP)
 
+
+def _add_demo(sub) -> None:
     d = sub.add_parser(
         "demo", help="the embedded demo: causal AR DiT, Balanced SP, 4 CPU ranks as 2x2"
     )
@@ -81,16 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--output", default=DEMO_ARGS["output"], help="run directory (default runs/demo)"
     )
-    d.add_argument(
-        "--cpu",
-        action="store_true",
-        help="enter CPU mode for Megatron-Core on a machine without CUDA (logged; no-op on a GPU)",
-    )
+    d.add_argument("--cpu", action="store_true", help=CPU_HELP)
 
+
+def _add_train_vae(sub) -> None:
     v = sub.add_parser("train-vae", help="train (and cache) the small causal video VAE")
-    common(v, False)
+    _common(v, False)
     v.add_argument("--output", default=None, help="weights file (default: the cache path)")
 
+
+def _add_prepare(sub) -> None:
     pr = sub.add_parser(
         "prepare", help="videos + captions -> an energon dataset (WebDataset + .nv-meta)"
     )
@@ -111,10 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--overrides", nargs="*", default=[], metavar="section.key=value")
 
+
+def _add_precompute(sub) -> None:
     pc = sub.add_parser(
         "precompute", help="energon dataset -> latent shards (VAE once, SP-folded windows)"
     )
-    common(pc, True)
+    _common(pc, True)
     pc.add_argument(
         "--out", required=True, help="output folder of latent shards (data.shards for training)"
     )
@@ -130,12 +127,57 @@ def _parser() -> argparse.ArgumentParser:
         "--text-len", type=int, default=64, help="tokens per caption for --text-encoder"
     )
 
+
+def _add_validate(sub) -> None:
     c = sub.add_parser(
         "validate", help="check a config without running it; print the resolved config"
     )
-    common(c, True)
+    _common(c, True)
     c.add_argument("--nproc", type=int, default=1)
     c.add_argument("--ranks-per-node", type=int, default=None)
+
+
+def _add_convert(sub) -> None:
+    cv = sub.add_parser(
+        "convert", help="Wan weights: diffusers folder <-> Megatron dist-checkpoint (docs/wan.md)"
+    )
+    way = cv.add_mutually_exclusive_group(required=True)
+    way.add_argument(
+        "--from-diffusers", metavar="DIR", help="WanTransformer3DModel folder (safetensors)"
+    )
+    way.add_argument(
+        "--to-diffusers", metavar="CKPT", help="checkpoint written by convert --from-diffusers"
+    )
+    cv.add_argument("--output", required=True, help="checkpoint folder, or diffusers folder")
+    for name in ("tensor", "pipeline"):
+        cv.add_argument(
+            f"--{name}-model-parallel-size",
+            type=int,
+            default=None,
+            help=f"{name} parallel size the checkpoint must load under (checked; default 1)",
+        )
+
+
+SUBCOMMANDS = (
+    _add_train,
+    _add_demo,
+    _add_train_vae,
+    _add_prepare,
+    _add_precompute,
+    _add_validate,
+    _add_convert,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="megatron-video",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return ap
 
 
@@ -231,6 +273,29 @@ def _prepare(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from megatron_video.models.wan.convert import checkpoint_to_diffusers, diffusers_to_checkpoint
+
+    sizes = dict(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    if args.to_diffusers is not None:
+        given = sorted(k for k, v in sizes.items() if v is not None)
+        if given:
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} applies to --from-diffusers only (a checkpoint "
+                f"loads under any layout)"
+            )
+        out = checkpoint_to_diffusers(args.to_diffusers, args.output)
+        print(f"[megatron-video] diffusers WanTransformer3DModel folder written to {out}")
+        return 0
+    sizes = {k: 1 if v is None else v for k, v in sizes.items()}
+    out = diffusers_to_checkpoint(args.from_diffusers, args.output, **sizes)
+    print(f"[megatron-video] Megatron dist-checkpoint written to {out}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -269,6 +334,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if args.command == "prepare":
             return _prepare(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
             validate(config, args.nproc)

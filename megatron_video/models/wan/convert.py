@@ -34,7 +34,13 @@ from megatron_video.models.wan.mapping import ignored_diffusers_key, to_diffuser
 from megatron_video.models.wan.model import WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
-__all__ = ["diffusers_to_checkpoint", "checkpoint_to_diffusers", "CONFIG_FILE", "STEP"]
+__all__ = [
+    "diffusers_to_checkpoint",
+    "checkpoint_to_diffusers",
+    "load_wan_transformer",
+    "CONFIG_FILE",
+    "STEP",
+]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as training/checkpoint.py
 MANIFEST_FILE = "manifest.json"
@@ -251,3 +257,21 @@ def checkpoint_to_diffusers(checkpoint, output) -> Path:
     config = {"_class_name": CLASS_NAME, "_diffusers_version": diffusers.__version__, **full}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
+
+
+def load_wan_transformer(folder):
+    """diffusers' ``WanTransformer3DModel`` of a folder, loaded without ``accelerate``: diffusers
+    0.42's ``from_pretrained`` needs it to keep its fp32 modules (``ValueError`` without). Built
+    with ``from_config`` and a strict ``load_state_dict`` (safetensors only; weights in the
+    folder's dtype, no fp32 islands kept: cast them yourself if the folder is bf16). Pass it to
+    ``WanPipeline.from_pretrained(pipeline_dir, transformer=load_wan_transformer(...))``."""
+    from diffusers import WanTransformer3DModel
+
+    config, sd = read_diffusers_folder(folder)
+    model = WanTransformer3DModel.from_config(full_diffusers_config(config))
+    sd = {k: v for k, v in sd.items() if not ignored_diffusers_key(k)}
+    try:
+        model.to(_one_dtype(sd)).load_state_dict(sd, strict=True)
+    except RuntimeError as e:  # names the missing / unexpected keys and shapes
+        raise ValueError(f"weights of {folder} do not fit its config.json: {e}") from None
+    return model.eval()
