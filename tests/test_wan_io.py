@@ -173,8 +173,8 @@ def _sample_inputs():
 
 
 def _sample_ours(cp: int = 1, hier=None):
+    from megatron_video.diffusion.wan_sampling import sample_wan
     from megatron_video.models.wan import from_diffusers
-    from megatron_video.models.wan.sampling import sample_wan
 
     model = from_diffusers(
         tiny_wan_transformer().double(), cp_comm_type="a2a+p2p" if hier else "p2p"
