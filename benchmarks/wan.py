@@ -172,7 +172,7 @@ def print_layer_rows(rows, dims, dtype) -> dict:
             f"{o['peak_mib']:>9.1f} {d['peak_mib']:>9.1f} {out[S][1]:>6.2f}"
         )
     ours = [r for r in rows if r["which"] == "ours"]
-    if len(ours) > 1:
+    if len(ours) > 1 and ours[0]["peak_mib"] > 0:  # tiny sizes may not move the high-water mark
         a, b = ours[0], ours[-1]
         print(f"ours peak growth {b['peak_mib'] / a['peak_mib']:.2f}x for {b['S'] / a['S']:.0f}x S")
     return out

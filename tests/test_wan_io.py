@@ -4,8 +4,9 @@
 checkpoint (TP = 2) -> folder is bit-identical, and the checkpoint loads under TP 2 on 4 gloo
 ranks; bad input exits with status 2 naming the field. The exported transformer loads in
 diffusers' ``WanPipeline`` (tiny random VAE, UMT5, tokenizer built here) and generates exactly the
-original's frames. ``sample_wan`` equals the single-process flow sampler with diffusers' model as
-the velocity (float64, 1e-5: diffusers' fp32 islands) and, under U2 x R2, our CP = 1 run (1e-10).
+original's frames. ``sample_wan`` (T2V and I2V, with guidance) equals the single-process flow
+sampler with diffusers' model as the velocity (float64, 1e-5: diffusers' fp32 islands) and, under
+U2 x R2, our CP = 1 run (1e-10).
 """
 
 from pathlib import Path
@@ -164,27 +165,37 @@ def test_export_loads_in_wan_pipeline_and_generates(tmp_path):
 STEPS, SHIFT, GUIDANCE = 3, 3.0, 2.5
 
 
-def _sample_inputs():
+I2V = dict(image_dim=24, added_kv_proj_dim=64)
+KINDS = ("t2v", "i2v")
+
+
+def _sample_inputs(kind: str):
+    """``(noise, text, negative text, image or None)``; I2V text is 512 tokens (diffusers' split)."""
     gen = torch.Generator().manual_seed(3)
     noise = torch.randn(2, 4, 4, 4, 6, generator=gen, dtype=torch.float64)  # 24 tokens
-    text = torch.randn(2, 7, 32, generator=gen, dtype=torch.float64)
-    negative = torch.randn(1, 7, 32, generator=gen, dtype=torch.float64)
-    return noise, text, negative
+    L = 512 if kind == "i2v" else 7
+    text = torch.randn(2, L, 32, generator=gen, dtype=torch.float64)
+    negative = torch.randn(1, L, 32, generator=gen, dtype=torch.float64)
+    image = torch.randn(2, 5, 24, generator=gen, dtype=torch.float64) if kind == "i2v" else None
+    return noise, text, negative, image
 
 
-def _sample_ours(cp: int = 1, hier=None):
+def _wan(kind: str):
+    return tiny_wan_transformer(**(I2V if kind == "i2v" else {})).double()
+
+
+def _sample_ours(kind: str, hier=None):
     from megatron_video.diffusion.wan_sampling import sample_wan
     from megatron_video.models.wan import from_diffusers
 
-    model = from_diffusers(
-        tiny_wan_transformer().double(), cp_comm_type="a2a+p2p" if hier else "p2p"
-    )
-    noise, text, negative = _sample_inputs()
+    model = from_diffusers(_wan(kind), cp_comm_type="a2a+p2p" if hier else "p2p")
+    noise, text, negative, image = _sample_inputs(kind)
     with torch.no_grad():
         return sample_wan(
             model,
             noise,
             text,
+            image,
             negative_encoder_hidden_states=negative,
             guidance_scale=GUIDANCE,
             num_steps=STEPS,
@@ -192,14 +203,14 @@ def _sample_ours(cp: int = 1, hier=None):
         )
 
 
-def _sample_rank():
+def _sample_rank(kind: str):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_video.compat import initialize_model_parallel
 
     initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
     model_parallel_cuda_manual_seed(0)
-    return _sample_ours(4, [2, 2])
+    return _sample_ours(kind, [2, 2])
 
 
 @pytest.fixture(scope="module")
@@ -207,18 +218,20 @@ def sampled_cp1():
     from megatron_video.models.wan.convert import _one_process
 
     with _one_process():
-        return _sample_ours()
+        return {kind: _sample_ours(kind) for kind in KINDS}
 
 
-def test_sample_wan_equals_single_process_sampler_on_diffusers(sampled_cp1):
+@pytest.mark.parametrize("kind", KINDS)
+def test_sample_wan_equals_single_process_sampler_on_diffusers(sampled_cp1, kind):
     from megatron_video.diffusion.cfg import guided_denoise
     from megatron_video.diffusion.samplers import flow_euler_sampler
 
-    model = tiny_wan_transformer().double()
-    noise, text, negative = _sample_inputs()
+    model = _wan(kind)
+    noise, text, negative, image = _sample_inputs(kind)
 
     def velocity(x, t, cond):
-        return model(x, t * 1000, cond, return_dict=False)[0]
+        img = None if image is None else torch.cat([image] * (x.shape[0] // image.shape[0]))
+        return model(x, t * 1000, cond, encoder_hidden_states_image=img, return_dict=False)[0]
 
     with torch.no_grad():
         want = flow_euler_sampler(
@@ -228,11 +241,12 @@ def test_sample_wan_equals_single_process_sampler_on_diffusers(sampled_cp1):
             num_steps=STEPS,
             shift=SHIFT,
         )
-    err = ((sampled_cp1 - want).norm() / want.norm()).item()
+    err = ((sampled_cp1[kind] - want).norm() / want.norm()).item()
     assert err <= 1e-5, err
 
 
-def test_sample_wan_u2xr2_equals_cp1(pool4, sampled_cp1):
-    for rank, got in enumerate(pool4.run(_sample_rank)):
-        err = ((got - sampled_cp1).norm() / sampled_cp1.norm()).item()
+@pytest.mark.parametrize("kind", KINDS)
+def test_sample_wan_u2xr2_equals_cp1(pool4, sampled_cp1, kind):
+    for rank, got in enumerate(pool4.run(_sample_rank, kind)):
+        err = ((got - sampled_cp1[kind]).norm() / sampled_cp1[kind].norm()).item()
         assert err <= 1e-10, (rank, err)
