@@ -140,14 +140,7 @@ def _local_ids(s: int) -> tuple:
 
 
 def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(
-                f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
-                f"[b, s_local, heads, head_dim]"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    kernels.check_qkv_tensors(q, k, v, seq="s_local")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, s_local and head_dim"
@@ -173,6 +166,39 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
     check_seq_len(q.shape[1] * N, N, scheme)
     if mask is not None:
         _probe_mask(mask)
+
+
+def _ring_layout(q, k, v, groups, scheme: str):
+    """``(U, R, ulysses group, ring group, ring rank, layout key, ring ids, order, inverse)`` of
+    ``groups`` for this ``s_local`` and ``scheme`` (cached per layout); with CP the ranks must
+    agree on the shapes and the scheme."""
+    if groups is None:
+        U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
+        layout_key = ("local", q.shape[1])
+        ring_ids, order, inverse = _local_ids(q.shape[1]), None, None
+    else:
+        U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
+        ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
+        layout_key = (
+            tuple(groups.cp_ranks),
+            tuple(groups.ulysses_ranks),
+            tuple(groups.ring_ranks),
+            U,
+            R,
+            groups.placement,
+            q.shape[1] * N,
+            scheme,
+        )
+        ring_ids, order, inverse = _layout_on(layout_key, str(q.device))
+        if N > 1:
+            # The scheme rides along as the length of an empty tensor: ranks that disagree on the
+            # layout would otherwise silently compute garbage.
+            check_same_shape(
+                {"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
+                groups.cp_group,
+                "dist_attention",
+            )
+    return U, R, ug, rg, ring_rank, layout_key, ring_ids, order, inverse
 
 
 def dist_attention(
@@ -207,32 +233,9 @@ def dist_attention(
         scheme = "contiguous"  # one CP rank: both layouts are the identity (any s_local)
     _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    if groups is None:
-        U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
-        layout_key = ("local", q.shape[1])
-        ring_ids, order, inverse = _local_ids(q.shape[1]), None, None
-    else:
-        U, R, N = groups.ulysses_size, groups.ring_size, groups.cp_size
-        ug, rg, ring_rank = groups.ulysses_group, groups.ring_group, groups.ring_rank
-        layout_key = (
-            tuple(groups.cp_ranks),
-            tuple(groups.ulysses_ranks),
-            tuple(groups.ring_ranks),
-            U,
-            R,
-            groups.placement,
-            q.shape[1] * N,
-            scheme,
-        )
-        ring_ids, order, inverse = _layout_on(layout_key, str(q.device))
-        if N > 1:
-            # The scheme rides along as the length of an empty tensor: ranks that disagree on the
-            # layout would otherwise silently compute garbage.
-            check_same_shape(
-                {"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
-                groups.cp_group,
-                "dist_attention",
-            )
+    U, R, ug, rg, ring_rank, layout_key, ring_ids, order, inverse = _ring_layout(
+        q, k, v, groups, scheme
+    )
 
     # Every ring rank's tokens sorted by global id: a permutation riding on the Ulysses all-to-all's
     # unpacking copy (a local one without Ulysses). A mask that ignores positions gives the same

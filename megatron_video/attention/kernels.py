@@ -119,15 +119,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 # Input checks and helpers
 # ----------------------------------------------------------------------------------------------
-def _check(q, k, v, mask) -> None:
+def check_qkv_tensors(q, k, v, seq: str = "s") -> None:
+    """``q``, ``k``, ``v`` are 4-D tensors ``[b, <seq>, heads, head_dim]``; ``k`` and ``v`` have
+    one shape."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(
                 f"{name} ({tuple(getattr(t, 'shape', ()))}) must be a 4-D tensor "
-                f"[b, s, heads, head_dim]"
+                f"[b, {seq}, heads, head_dim]"
             )
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+
+
+def _check(q, k, v, mask) -> None:
+    check_qkv_tensors(q, k, v)
     b, sq, h, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim")

@@ -21,6 +21,30 @@ def _check_dims(x: torch.Tensor, name: str, expected: tuple, what: str) -> None:
         )
 
 
+def _checked_cp_size(x, group, num_frames: int, num_positions: int, where: str, dims) -> int:
+    """The CP size ``P`` of ``group``, with ``num_frames`` divisible and ``x``'s dims 1 and 2
+    ``dims(P)``."""
+    P = group_size(group)
+    check_stdit_divisibility(num_frames, P)
+    _check_dims(
+        x,
+        "x",
+        dims(P),
+        f"{where} (num_frames={num_frames}, num_positions={num_positions}, cp_size={P})",
+    )
+    return P
+
+
+def _exchanges(x, group, num_frames: int, P: int, check_shapes: bool, where: str) -> bool:
+    """Whether the transition needs the all-to-all (not for images or one rank: a local
+    transpose); if so and ``check_shapes``, the ranks agree on ``x``'s shape first."""
+    if num_frames == 1 or P == 1:
+        return False
+    if check_shapes:
+        check_same_shape({"x": x}, group, where=where)
+    return True
+
+
 def frames_to_positions(
     x: torch.Tensor,
     group,
@@ -34,20 +58,16 @@ def frames_to_positions(
     ``check_shapes`` agrees on shapes across the group first (one small all-gather), so a
     mismatch raises ``ValueError`` instead of hanging in the all-to-all.
     """
-    P = group_size(group)
-    check_stdit_divisibility(num_frames, P)
-    tl = frames_per_rank(num_frames, P)
-    _check_dims(
+    P = _checked_cp_size(
         x,
-        "x",
-        (tl, num_positions),
-        f"frames_to_positions (num_frames={num_frames}, "
-        f"num_positions={num_positions}, cp_size={P})",
+        group,
+        num_frames,
+        num_positions,
+        "frames_to_positions",
+        lambda P: (frames_per_rank(num_frames, P), num_positions),
     )
-    if num_frames == 1 or P == 1:
+    if not _exchanges(x, group, num_frames, P, check_shapes, "frames_to_positions"):
         return x.transpose(1, 2)
-    if check_shapes:
-        check_same_shape({"x": x}, group, where="frames_to_positions")
     y = x.transpose(1, 2)  # [b, n, t/P, ...]
     pad = positions_per_rank(num_positions, P) * P - num_positions
     if pad:
@@ -65,19 +85,18 @@ def positions_to_frames(
     check_shapes: bool = True,
 ) -> torch.Tensor:
     """Layout B ``[b, ceil(n/P), t, ...]`` -> layout A ``[b, t/P, n, ...]``; inverse of the above."""
-    P = group_size(group)
-    check_stdit_divisibility(num_frames, P)
-    m = num_positions if num_frames == 1 else positions_per_rank(num_positions, P)
-    _check_dims(
+    P = _checked_cp_size(
         x,
-        "x",
-        (m, num_frames),
-        f"positions_to_frames (num_frames={num_frames}, "
-        f"num_positions={num_positions}, cp_size={P})",
+        group,
+        num_frames,
+        num_positions,
+        "positions_to_frames",
+        lambda P: (
+            num_positions if num_frames == 1 else positions_per_rank(num_positions, P),
+            num_frames,
+        ),
     )
-    if num_frames == 1 or P == 1:
+    if not _exchanges(x, group, num_frames, P, check_shapes, "positions_to_frames"):
         return x.transpose(1, 2)
-    if check_shapes:
-        check_same_shape({"x": x}, group, where="positions_to_frames")
     y = all_to_all(x, group, scatter_dim=2, gather_dim=1, tag=tag)  # [b, P*m, t/P, ...]
     return y[:, :num_positions].transpose(1, 2)

@@ -263,6 +263,25 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
 
 
+def _decode_windows(sample: dict, meta: dict, windows: Sequence[HaloWindow], num_frames: int):
+    """The raw frames of each of ``windows`` (as the decoder hands them) from a crude sample's
+    video; raises on a short or truncated video."""
+    ext = next(e for e in VIDEO_EXTENSIONS if e in sample)
+    if int(meta.get("num_frames", num_frames)) < num_frames:
+        raise ValueError(f"{meta.get('num_frames')} frames, training clips need {num_frames}")
+    dec = sample[ext]
+    # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
+    clips, _ = dec.get_video_clips(
+        [(w.raw_start, w.raw_end - 1) for w in windows], video_unit="frames"
+    )
+    if len(clips) != len(windows) or any(c.shape[0] != w.num_raw for c, w in zip(clips, windows)):
+        raise ValueError(
+            f"decoded {[int(c.shape[0]) for c in clips]} frames for windows "
+            f"{[w.window for w in windows]} (truncated file?)"
+        )
+    return clips
+
+
 def _make_task_encoder_class():
     from megatron.energon import (
         Cooker,
@@ -305,23 +324,7 @@ def _make_task_encoder_class():
             src = meta.get("source", sample.get("__key__"))
             key = sample.get("__key__")
             try:
-                ext = next(e for e in VIDEO_EXTENSIONS if e in sample)
-                if int(meta.get("num_frames", self.num_frames)) < self.num_frames:
-                    raise ValueError(
-                        f"{meta.get('num_frames')} frames, training clips need {self.num_frames}"
-                    )
-                dec = sample[ext]
-                # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
-                clips, _ = dec.get_video_clips(
-                    [(w.raw_start, w.raw_end - 1) for w in self.windows], video_unit="frames"
-                )
-                if len(clips) != len(self.windows) or any(
-                    c.shape[0] != w.num_raw for c, w in zip(clips, self.windows)
-                ):
-                    raise ValueError(
-                        f"decoded {[int(c.shape[0]) for c in clips]} frames for windows "
-                        f"{[w.window for w in self.windows]} (truncated file?)"
-                    )
+                clips = _decode_windows(sample, meta, self.windows, self.num_frames)
                 windows = [_resize_crop(c, self.height, self.width) for c in clips]
             except SkipSample:
                 raise

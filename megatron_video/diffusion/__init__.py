@@ -22,6 +22,7 @@ from .flow_matching import (
 from .samplers import (
     edm_euler_sampler,
     edm_heun_sampler,
+    edm_sampler,
     flow_euler_sampler,
     flow_timesteps,
     karras_sigmas,
@@ -44,6 +45,7 @@ __all__ = [
     "shift_timesteps",
     "edm_euler_sampler",
     "edm_heun_sampler",
+    "edm_sampler",
     "flow_euler_sampler",
     "flow_timesteps",
     "karras_sigmas",

@@ -19,6 +19,7 @@ from .flow_matching import shift_timesteps
 __all__ = [
     "karras_sigmas",
     "flow_timesteps",
+    "edm_sampler",
     "edm_heun_sampler",
     "edm_euler_sampler",
     "flow_euler_sampler",
@@ -79,20 +80,34 @@ def _check_schedule(values: Tensor, name: str) -> list[float]:
     return vals
 
 
-def _edm_sample(
+def edm_sampler(
     denoise: Denoise,
     noise: Tensor,
-    cond: Any,
-    sigmas: Tensor,
-    second_order: bool,
-    churn: float,
-    churn_min: float,
-    churn_max: float,
-    s_noise: float,
-    generator: Optional[torch.Generator],
-    noise_fn: Optional[Callable[[Tensor], Tensor]],
-    progress: bool,
+    cond: Any = None,
+    *,
+    second_order: bool = True,
+    num_steps: int = 18,
+    sigma_min: float = 0.002,
+    sigma_max: float = 80.0,
+    rho: float = 7.0,
+    sigmas: Optional[Tensor] = None,
+    churn: float = 0.0,
+    churn_min: float = 0.0,
+    churn_max: float = float("inf"),
+    s_noise: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    noise_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    progress: bool = False,
 ) -> Tensor:
+    """EDM Algorithm 2 on the Karras schedule: Heun steps (``second_order``; Euler on the last
+    step to sigma = 0) or Euler steps (one model call per step).
+
+    ``noise`` is unit-variance; the sampler starts at ``noise * sigmas[0]``. ``sigmas`` overrides the
+    Karras schedule. ``churn > 0`` adds the stochastic churn of the paper, drawn from ``noise_fn(x)``
+    if given (e.g. a CP rank slicing its shard out of a global draw) else from ``generator``.
+    """
+    if sigmas is None:
+        sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
     if churn < 0:
         raise ValueError(f"churn ({churn}) must be >= 0")
     sig = _check_schedule(sigmas, "sigmas")
@@ -125,83 +140,16 @@ def _edm_sample(
     return x
 
 
-def edm_heun_sampler(
-    denoise: Denoise,
-    noise: Tensor,
-    cond: Any = None,
-    *,
-    num_steps: int = 18,
-    sigma_min: float = 0.002,
-    sigma_max: float = 80.0,
-    rho: float = 7.0,
-    sigmas: Optional[Tensor] = None,
-    churn: float = 0.0,
-    churn_min: float = 0.0,
-    churn_max: float = float("inf"),
-    s_noise: float = 1.0,
-    generator: Optional[torch.Generator] = None,
-    noise_fn: Optional[Callable[[Tensor], Tensor]] = None,
-    progress: bool = False,
-) -> Tensor:
-    """EDM Algorithm 2: Heun steps on the Karras schedule (Euler on the last step to sigma = 0).
-
-    ``noise`` is unit-variance; the sampler starts at ``noise * sigmas[0]``. ``sigmas`` overrides the
-    Karras schedule. ``churn > 0`` adds the stochastic churn of the paper, drawn from ``noise_fn(x)``
-    if given (e.g. a CP rank slicing its shard out of a global draw) else from ``generator``.
-    """
-    if sigmas is None:
-        sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    return _edm_sample(
-        denoise,
-        noise,
-        cond,
-        sigmas,
-        True,
-        churn,
-        churn_min,
-        churn_max,
-        s_noise,
-        generator,
-        noise_fn,
-        progress,
-    )
+def edm_heun_sampler(denoise: Denoise, noise: Tensor, cond: Any = None, **options) -> Tensor:
+    """EDM Algorithm 2: Heun steps on the Karras schedule (Euler on the last step to sigma = 0);
+    ``edm_sampler`` with ``second_order=True``, the same keyword ``options``."""
+    return edm_sampler(denoise, noise, cond, second_order=True, **options)
 
 
-def edm_euler_sampler(
-    denoise: Denoise,
-    noise: Tensor,
-    cond: Any = None,
-    *,
-    num_steps: int = 18,
-    sigma_min: float = 0.002,
-    sigma_max: float = 80.0,
-    rho: float = 7.0,
-    sigmas: Optional[Tensor] = None,
-    churn: float = 0.0,
-    churn_min: float = 0.0,
-    churn_max: float = float("inf"),
-    s_noise: float = 1.0,
-    generator: Optional[torch.Generator] = None,
-    noise_fn: Optional[Callable[[Tensor], Tensor]] = None,
-    progress: bool = False,
-) -> Tensor:
-    """First-order (Euler) counterpart of ``edm_heun_sampler``: one model call per step."""
-    if sigmas is None:
-        sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    return _edm_sample(
-        denoise,
-        noise,
-        cond,
-        sigmas,
-        False,
-        churn,
-        churn_min,
-        churn_max,
-        s_noise,
-        generator,
-        noise_fn,
-        progress,
-    )
+def edm_euler_sampler(denoise: Denoise, noise: Tensor, cond: Any = None, **options) -> Tensor:
+    """First-order (Euler) counterpart of ``edm_heun_sampler``: one model call per step;
+    ``edm_sampler`` with ``second_order=False``, the same keyword ``options``."""
+    return edm_sampler(denoise, noise, cond, second_order=False, **options)
 
 
 def flow_euler_sampler(

@@ -108,15 +108,19 @@ def layout_b_indices(rank: int, num_frames: int, num_positions: int, cp_size: in
     return torch.where(p[:, None] < num_positions, g, torch.full_like(g, -1)).reshape(-1)
 
 
-def layout_a_owner(
-    global_index: torch.Tensor, num_frames: int, num_positions: int, cp_size: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``layout_a_indices`` for videos: ``(rank, local index)`` of global tokens."""
+def _check_video(num_frames: int) -> None:
     if num_frames == 1:
         raise ValueError(
             "num_frames (1): images are sharded by sample, not by token; every rank "
             "holds all tokens of its own samples"
         )
+
+
+def layout_a_owner(
+    global_index: torch.Tensor, num_frames: int, num_positions: int, cp_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``layout_a_indices`` for videos: ``(rank, local index)`` of global tokens."""
+    _check_video(num_frames)
     tl = frames_per_rank(num_frames, cp_size)
     g = torch.as_tensor(global_index)
     f, p = g // num_positions, g % num_positions
@@ -127,11 +131,7 @@ def layout_b_owner(
     global_index: torch.Tensor, num_frames: int, num_positions: int, cp_size: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``layout_b_indices`` for videos: ``(rank, local index)`` of global tokens."""
-    if num_frames == 1:
-        raise ValueError(
-            "num_frames (1): images are sharded by sample, not by token; every rank "
-            "holds all tokens of its own samples"
-        )
+    _check_video(num_frames)
     check_stdit_divisibility(num_frames, cp_size)
     m = positions_per_rank(num_positions, cp_size)
     g = torch.as_tensor(global_index)

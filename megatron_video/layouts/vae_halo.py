@@ -425,6 +425,48 @@ def _run(encoder: Encoder, x: torch.Tensor, name: str) -> torch.Tensor:
     return out
 
 
+def _gradient_reach(encoder: Encoder, x, N: int, st: int, cff: bool, g):
+    """The raw frames (indices) the gradients of the last and the previous latent of
+    ``encoder(x)`` reach, for one random weight ``w`` drawn from ``g``."""
+    T = x.shape[2]
+    with torch.enable_grad():
+        x.requires_grad_(True)
+        out = _run(encoder, x, "encoder")
+        if out.shape[2] != N:
+            raise ValueError(
+                f"encoder produced {out.shape[2]} latents for {T} raw frames; with "
+                f"temporal_stride={st}, causal_first_frame={cff} it must produce {N}"
+            )
+        w = torch.randn(out[:, :, -1:].shape, generator=g, dtype=out.dtype)
+        (g_last,) = torch.autograd.grad((out[:, :, -1:] * w).sum(), x, retain_graph=True)
+        (g_prev,) = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
+    reach_last = g_last.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
+    reach_prev = g_prev.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
+    return reach_last, reach_prev
+
+
+def _exact_halo(encoder: Encoder, x, N: int, L: int, h: int, st: int, cff: bool, atol: float):
+    """The smallest halo from ``h`` up whose window of the last latent of the ``N``-latent clip
+    ``x`` encodes to the full clip's last latent (within ``atol`` relative)."""
+    with torch.no_grad():
+        full = _run(encoder, x, "encoder")[:, :, -1:]
+        scale = max(1.0, float(full.abs().max()))
+        while True:
+            win = halo_window(N - 1, N, h, st, cff)
+            got = _run(encoder, win.slice_raw(x), "encoder")
+            if (
+                got.shape[2] == win.num_window_latents
+                and float((got[:, :, -1:] - full).abs().max()) <= atol * scale
+            ):
+                return h
+            if win.halo_start == 0:
+                raise ValueError(
+                    f"no halo below {N - 1} latents makes the encoder's windows exact "
+                    f"(look-back {L} raw frames); is it causal?"
+                )
+            h += 1
+
+
 def probe_halo(
     encoder: Encoder,
     temporal_stride: int = 4,
@@ -461,19 +503,7 @@ def probe_halo(
         while True:
             T = num_raw_frames(N, st, cff)
             x = torch.randn(1, c, T, *spatial, generator=g, dtype=torch.float64)
-            with torch.enable_grad():
-                x.requires_grad_(True)
-                out = _run(encoder, x, "encoder")
-                if out.shape[2] != N:
-                    raise ValueError(
-                        f"encoder produced {out.shape[2]} latents for {T} raw frames; with "
-                        f"temporal_stride={st}, causal_first_frame={cff} it must produce {N}"
-                    )
-                w = torch.randn(out[:, :, -1:].shape, generator=g, dtype=out.dtype)
-                (g_last,) = torch.autograd.grad((out[:, :, -1:] * w).sum(), x, retain_graph=True)
-                (g_prev,) = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
-            reach_last = g_last.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
-            reach_prev = g_prev.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
+            reach_last, reach_prev = _gradient_reach(encoder, x, N, st, cff, g)
             prev_end = st * (N - 2) if cff else st * (N - 1) - 1  # last raw frame of latent N-2
             if reach_prev.numel() and int(reach_prev[-1]) > prev_end:
                 raise ValueError(
@@ -495,27 +525,11 @@ def probe_halo(
                 f"(max_latents={max_latents}); it is not a finite causal window"
             )
         L = st * (N - 1) - first
-        h0 = h = halo_for_lookback(L, st, cff)
-        with torch.no_grad():
-            x = torch.randn(
-                1, c, num_raw_frames(N, st, cff), *spatial, generator=g, dtype=torch.float64
-            )
-            full = _run(encoder, x, "encoder")[:, :, -1:]
-            scale = max(1.0, float(full.abs().max()))
-            while True:
-                win = halo_window(N - 1, N, h, st, cff)
-                got = _run(encoder, win.slice_raw(x), "encoder")
-                if (
-                    got.shape[2] == win.num_window_latents
-                    and float((got[:, :, -1:] - full).abs().max()) <= atol * scale
-                ):
-                    break
-                if win.halo_start == 0:
-                    raise ValueError(
-                        f"no halo below {N - 1} latents makes the encoder's windows exact "
-                        f"(look-back {L} raw frames); is it causal?"
-                    )
-                h += 1
+        h0 = halo_for_lookback(L, st, cff)
+        x = torch.randn(
+            1, c, num_raw_frames(N, st, cff), *spatial, generator=g, dtype=torch.float64
+        )
+        h = _exact_halo(encoder, x, N, L, h0, st, cff, atol)
     return HaloProbe(halo=h, lookback=L, temporal_stride=st, probe_latents=N, verified_from=h0)
 
 

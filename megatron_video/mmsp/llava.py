@@ -168,6 +168,99 @@ class MMSPLLaVAModel(LLaVAModel):
         emb = self.vision_projection(emb.permute(1, 0, 2).contiguous())  # [img_seq_len, n, h]
         return emb.permute(1, 0, 2)  # [n, img_seq_len, h_language]
 
+    def _check_cp_forward(self, args, kwargs, inference_context, input_ids, packed_seq_params):
+        """Under CP, ``forward`` takes the training arguments only, no tile tags, and packed
+        sequences in ``sbhd`` with a batch of one."""
+        extra = [k for k, v in kwargs.items() if v is not None and k != "inference_params"]
+        if (
+            args
+            or extra
+            or inference_context is not None
+            or kwargs.get("inference_params") is not None
+        ):
+            raise ValueError(
+                f"MMSPLLaVAModel.forward with context_parallel_size "
+                f"({self.context_parallel_lm}) > 1 takes images, input_ids, "
+                f"position_ids, attention_mask, labels, loss_mask, num_image_tiles, "
+                f"image_token_index, runtime_gather_output and packed_seq_params "
+                f"(training); got also {extra or 'inference_context / positional extras'}"
+            )
+        if self._tile_tags is not None:
+            raise ValueError("tile_tags must be None for MMSPLLaVAModel under context parallelism")
+        if packed_seq_params is not None and (
+            packed_seq_params.qkv_format != "sbhd" or input_ids.shape[0] != 1
+        ):
+            raise ValueError(
+                f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, batch "
+                f"{input_ids.shape[0]}) must have qkv_format 'sbhd' with a batch of one "
+                f"and cu_seqlens on the combined text + visual sequence"
+            )
+
+    def _tiles(self, images, num_image_tiles):
+        """``(tiles per sample, has_images)``; with an encoder, the tiles must sum to the frames."""
+        has_images = images is not None and images.shape[0] > 0
+        if not has_images:
+            tiles = []
+        elif num_image_tiles is None:
+            tiles = [1] * images.shape[0]
+        else:
+            tiles = [int(t) for t in torch.as_tensor(num_image_tiles).flatten()]
+        n_tiles = images.shape[0] if images is not None else 0
+        if self.add_encoder and sum(tiles) != n_tiles:
+            raise ValueError(
+                f"num_image_tiles (sum {sum(tiles)}) must equal the number of frames in "
+                f"images ({n_tiles})"
+            )
+        return tiles, has_images
+
+    def _plan(self, input_ids, tiles, token) -> MMSPBatch:
+        """The MMSP plan of this batch over the CP group (heads and sequence length checked)."""
+        cfg, tp = self.config, self.tensor_model_parallel_size_lm
+        groups = self._groups() if self.language_model is not None else None
+        if groups is not None and (cfg.num_attention_heads // tp) % groups.ulysses_size:
+            raise ValueError(
+                f"num_attention_heads ({cfg.num_attention_heads}) / "
+                f"tensor_model_parallel_size ({tp}) must be divisible by the Ulysses "
+                f"size ({groups.ulysses_size}, from cp_comm_type {cfg.cp_comm_type!r})"
+            )
+        batch = plan_batch(
+            input_ids,
+            tiles,
+            token,
+            self.img_seq_len,
+            self.cp_group.rank(),
+            self.context_parallel_lm,
+            self.tubelet_size,
+            seq_len=self._language_max_sequence_length
+            if self._language_is_pipeline_parallel
+            else None,
+            group=self.cp_group,
+        )
+        if batch.layout.seq_len > self._language_max_sequence_length:
+            raise ValueError(
+                f"combined sequence length ({int(batch.layout.lengths.max())}, padded "
+                f"to {batch.layout.seq_len} for 2 * context_parallel_size) must be <= "
+                f"language_max_sequence_length ({self._language_max_sequence_length})"
+            )
+        return batch
+
+    def _combined_embeddings(self, images, has_images, input_ids, position_ids, token, batch):
+        """The first stage's LLM input ``[s, b, h]``: this rank's text and visual tokens on the
+        LLM's zigzag shard (visual tokens encoded here or handed by an encoder stage)."""
+        cfg = self.config
+        if self.add_encoder and has_images:
+            visual = encode_local(self._encode, images, batch)  # this rank's frames only
+        elif self.add_encoder:
+            visual = torch.zeros(0, cfg.hidden_size, dtype=cfg.params_dtype)
+        else:
+            visual = self.encoder_hidden_state  # this rank's visual tokens from an encoder stage
+        ids = input_ids.clone()
+        ids[ids == token] = 0
+        text = self.language_model.embedding(input_ids=ids, position_ids=position_ids)  # [T, b, h]
+        text = text.transpose(0, 1).reshape(-1, text.shape[-1])
+        visual = visual.to(text.dtype) if visual.numel() == 0 else visual
+        return reshard_to_llm(visual, text, batch, self.cp_group).transpose(0, 1).contiguous()
+
     def forward(
         self,
         images,
@@ -200,71 +293,10 @@ class MMSPLLaVAModel(LLaVAModel):
                 *args,
                 **kwargs,
             )
-        extra = [k for k, v in kwargs.items() if v is not None and k != "inference_params"]
-        if (
-            args
-            or extra
-            or inference_context is not None
-            or kwargs.get("inference_params") is not None
-        ):
-            raise ValueError(
-                f"MMSPLLaVAModel.forward with context_parallel_size "
-                f"({self.context_parallel_lm}) > 1 takes images, input_ids, "
-                f"position_ids, attention_mask, labels, loss_mask, num_image_tiles, "
-                f"image_token_index, runtime_gather_output and packed_seq_params "
-                f"(training); got also {extra or 'inference_context / positional extras'}"
-            )
-        if self._tile_tags is not None:
-            raise ValueError("tile_tags must be None for MMSPLLaVAModel under context parallelism")
-        if packed_seq_params is not None and (
-            packed_seq_params.qkv_format != "sbhd" or input_ids.shape[0] != 1
-        ):
-            raise ValueError(
-                f"packed_seq_params (qkv_format {packed_seq_params.qkv_format!r}, batch "
-                f"{input_ids.shape[0]}) must have qkv_format 'sbhd' with a batch of one "
-                f"and cu_seqlens on the combined text + visual sequence"
-            )
+        self._check_cp_forward(args, kwargs, inference_context, input_ids, packed_seq_params)
         token = self.image_token_index if image_token_index is None else image_token_index
-        has_images = images is not None and images.shape[0] > 0
-        if not has_images:
-            tiles = []
-        elif num_image_tiles is None:
-            tiles = [1] * images.shape[0]
-        else:
-            tiles = [int(t) for t in torch.as_tensor(num_image_tiles).flatten()]
-        n_tiles = images.shape[0] if images is not None else 0
-        if self.add_encoder and sum(tiles) != n_tiles:
-            raise ValueError(
-                f"num_image_tiles (sum {sum(tiles)}) must equal the number of frames in "
-                f"images ({n_tiles})"
-            )
-        cfg, tp = self.config, self.tensor_model_parallel_size_lm
-        groups = self._groups() if self.language_model is not None else None
-        if groups is not None and (cfg.num_attention_heads // tp) % groups.ulysses_size:
-            raise ValueError(
-                f"num_attention_heads ({cfg.num_attention_heads}) / "
-                f"tensor_model_parallel_size ({tp}) must be divisible by the Ulysses "
-                f"size ({groups.ulysses_size}, from cp_comm_type {cfg.cp_comm_type!r})"
-            )
-        batch = plan_batch(
-            input_ids,
-            tiles,
-            token,
-            self.img_seq_len,
-            self.cp_group.rank(),
-            self.context_parallel_lm,
-            self.tubelet_size,
-            seq_len=self._language_max_sequence_length
-            if self._language_is_pipeline_parallel
-            else None,
-            group=self.cp_group,
-        )
-        if batch.layout.seq_len > self._language_max_sequence_length:
-            raise ValueError(
-                f"combined sequence length ({int(batch.layout.lengths.max())}, padded "
-                f"to {batch.layout.seq_len} for 2 * context_parallel_size) must be <= "
-                f"language_max_sequence_length ({self._language_max_sequence_length})"
-            )
+        tiles, has_images = self._tiles(images, num_image_tiles)
+        batch = self._plan(input_ids, tiles, token)
         self.last_mmsp_batch = batch
         if packed_seq_params is not None:
             # RoPE length: Megatron takes max_seqlen for packed input and cuts it in zigzag; with
@@ -277,24 +309,8 @@ class MMSPLLaVAModel(LLaVAModel):
 
         combined = None
         if self.pre_process:
-            h = cfg.hidden_size
-            if self.add_encoder and has_images:
-                visual = encode_local(self._encode, images, batch)  # this rank's frames only
-            elif self.add_encoder:
-                visual = torch.zeros(0, h, dtype=cfg.params_dtype)
-            else:
-                visual = (
-                    self.encoder_hidden_state
-                )  # this rank's visual tokens from an encoder stage
-            ids = input_ids.clone()
-            ids[ids == token] = 0
-            text = self.language_model.embedding(
-                input_ids=ids, position_ids=position_ids
-            )  # [T, b, h]
-            text = text.transpose(0, 1).reshape(-1, text.shape[-1])
-            visual = visual.to(text.dtype) if visual.numel() == 0 else visual
-            combined = (
-                reshard_to_llm(visual, text, batch, self.cp_group).transpose(0, 1).contiguous()
+            combined = self._combined_embeddings(
+                images, has_images, input_ids, position_ids, token, batch
             )
 
         new_labels = new_loss_mask = None

@@ -6,13 +6,9 @@ spec: ``models.dit_layer_specs.get_ar_dit_layer_spec``; the model: ``models.ar_d
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.models.dit_layer import DiTLayerBase, DiTLayerSubmodules, DiTParams
-from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["ARDiTLayer"]
 
@@ -30,6 +26,7 @@ class ARDiTLayer(DiTLayerBase):
     """
 
     sequence_parallel_reason = "its sequence is already split by Balanced SP"
+    params_what = "per-token conditioning, teacher-forcing mask, RoPE"
 
     def __init__(
         self,
@@ -42,41 +39,13 @@ class ARDiTLayer(DiTLayerBase):
         super().__init__(config, submodules, layer_number, **kwargs)
         self._build_modulation(submodules.modulation, 9, lora_rank)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask=None,
-        context: Optional[torch.Tensor] = None,
-        context_mask: Optional[torch.Tensor] = None,
-        params: Optional[DiTParams] = None,
-        rotary_pos_emb=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        **unused,
-    ):
+    def _forward(self, hidden_states, context, context_mask, params: DiTParams):
         """``hidden_states [s, b, D]`` -> ``([s, b, D], context)``; see the class docstring."""
-        params = self._check_params(
-            params,
-            "per-token conditioning, teacher-forcing mask, RoPE",
-            dict(
-                attention_mask=attention_mask,
-                rotary_pos_emb=rotary_pos_emb,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            ),
-        )
         s, b, D = hidden_states.shape
-        cond = params.conditioning
-        if not isinstance(cond, torch.Tensor) or tuple(cond.shape) != (s, b, D):
-            raise ValueError(
-                f"params.conditioning (per-token) must be [s, b, D] = [{s}, {b}, {D}], "
-                f"got {tuple(getattr(cond, 'shape', ())) or None}"
-            )
-        if self.groups is not None and self.groups.cp_size > 1:
-            shapes = {"hidden_states": hidden_states}
-            if context is not None:
-                shapes["context"] = context
-            check_same_shape(shapes, self.groups.cp_group, where="ARDiTLayer")
+        cond = self._check_conditioning(
+            params.conditioning, (s, b, D), "params.conditioning (per-token) must be [s, b, D]"
+        )
+        self._check_same_shapes(hidden_states=hidden_states, context=context)
         mods = self.modulation(cond)  # 9 x [s, b, D]
         rope = params.rotary_pos_emb
         if rope is not None:

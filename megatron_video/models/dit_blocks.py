@@ -237,6 +237,42 @@ def _heads(config: TransformerConfig) -> Tuple[int, int, int]:
 # ----------------------------------------------------------------------------------------------
 # Attention projections
 # ----------------------------------------------------------------------------------------------
+def parallel_linear(
+    spec, n_in: int, n_out: int, config: TransformerConfig, *, bias: bool, row=False
+):
+    """Megatron's column-parallel linear ``n_in -> n_out`` from ``spec`` (output split over TP, the
+    ``init_method``), or with ``row`` the row-parallel one (input split, all-reduced output, the
+    ``output_layer_init_method``); the bias is added inside (``linear_out`` returns it added)."""
+    if row:
+        side = dict(init_method=config.output_layer_init_method, input_is_parallel=True)
+    else:
+        side = dict(init_method=config.init_method, gather_output=False)
+    return build_module(
+        spec, n_in, n_out, config=config, bias=bias, skip_bias_add=False, is_expert=False, **side
+    )
+
+
+def linear_out(layer, x: torch.Tensor) -> torch.Tensor:
+    """A Megatron linear layer's output on ``x`` with its returned bias (if any) added."""
+    out, bias = layer(x)
+    return out if bias is None else out + bias
+
+
+def _head_norms_and_projection(module, submodules, config: TransformerConfig, heads: int, hd: int):
+    """``module``'s per-head ``q_layernorm`` / ``k_layernorm`` and its row-parallel
+    ``linear_proj`` (``heads * hd -> hidden_size``), as Megatron's attention builds them."""
+    module.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=hd)
+    module.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=hd)
+    module.linear_proj = parallel_linear(
+        submodules.linear_proj,
+        heads * hd,
+        config.hidden_size,
+        config,
+        bias=config.add_bias_linear,
+        row=True,
+    )
+
+
 @dataclass
 class DiTAttentionSubmodules:
     """Submodules of ``DiTSelfAttention`` (the slots of Megatron's ``SelfAttentionSubmodules``)."""
@@ -284,16 +320,12 @@ class DiTSelfAttention(MegatronModule):
         tp = tp_world_size()
         self.heads, self.kv_heads, self.head_dim = H // tp, Hkv // tp, hd
         self.attn_mask_type = attn_mask_type
-        self.linear_qkv = build_module(
+        self.linear_qkv = parallel_linear(
             submodules.linear_qkv,
             config.hidden_size,
             (H + 2 * Hkv) * hd,
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
+            config,
             bias=config.add_bias_linear or config.add_qkv_bias,
-            skip_bias_add=False,
-            is_expert=False,
         )
         core = submodules.core_attention
         if core is None:
@@ -307,19 +339,7 @@ class DiTSelfAttention(MegatronModule):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
-        self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=hd)
-        self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=hd)
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            H * hd,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            is_expert=False,
-        )
+        _head_norms_and_projection(self, submodules, config, H, hd)
 
     def qkv(self, x: torch.Tensor, rope_angles: Optional[torch.Tensor] = None):
         """``x [..., D]`` -> q ``[..., h, d]``, k, v ``[..., h_kv, d]`` (this TP rank's heads);
@@ -337,8 +357,7 @@ class DiTSelfAttention(MegatronModule):
 
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """``o [..., h, d]`` -> ``[..., D]`` (all-reduced over TP by ``RowParallelLinear``)."""
-        out, bias = self.linear_proj(o.reshape(*o.shape[:-2], self.heads * self.head_dim))
-        return out if bias is None else out + bias
+        return linear_out(self.linear_proj, o.reshape(*o.shape[:-2], self.heads * self.head_dim))
 
     def forward(
         self,
@@ -388,41 +407,13 @@ class DiTCrossAttention(MegatronModule):
         tp = tp_world_size()
         self.heads, self.kv_heads, self.head_dim = H // tp, Hkv // tp, hd
         bias = config.add_bias_linear or config.add_qkv_bias
-        self.linear_q = build_module(
-            submodules.linear_q,
-            config.hidden_size,
-            H * hd,
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=bias,
-            skip_bias_add=False,
-            is_expert=False,
+        self.linear_q = parallel_linear(
+            submodules.linear_q, config.hidden_size, H * hd, config, bias=bias
         )
-        self.linear_kv = build_module(
-            submodules.linear_kv,
-            context_dim or config.hidden_size,
-            2 * Hkv * hd,
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=bias,
-            skip_bias_add=False,
-            is_expert=False,
+        self.linear_kv = parallel_linear(
+            submodules.linear_kv, context_dim or config.hidden_size, 2 * Hkv * hd, config, bias=bias
         )
-        self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=hd)
-        self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=hd)
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            H * hd,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            is_expert=False,
-        )
+        _head_norms_and_projection(self, submodules, config, H, hd)
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor, context_mask: Optional[torch.Tensor] = None
@@ -447,5 +438,4 @@ class DiTCrossAttention(MegatronModule):
                 )
             mask = context_mask.to(torch.bool)[:, None, None, :].expand(-1, 1, x.shape[1], -1)
         o = attend(q, k, v, mask)
-        out, bias = self.linear_proj(o.reshape(*x.shape[:-1], self.heads * self.head_dim))
-        return out if bias is None else out + bias
+        return linear_out(self.linear_proj, o.reshape(*x.shape[:-1], self.heads * self.head_dim))

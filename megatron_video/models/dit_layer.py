@@ -25,7 +25,7 @@ from megatron_video.attention.masks import AttentionMask
 from megatron_video.compat.cp_comm_type import layer_cp_comm_type, megatron_reads_layer_cp_comm_type
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import AdaLNLoRAModulation, gated, modulate
-from megatron_video.parallel.comm import group_rank
+from megatron_video.parallel.comm import check_same_shape, group_rank
 from megatron_video.parallel.topology import resolve_video_groups
 
 __all__ = [
@@ -153,7 +153,57 @@ class DiTLayerBase(TransformerLayer):
         g = self.groups
         return (1, 0) if g is None else (g.cp_size, g.cp_rank)
 
+    # -- forward -------------------------------------------------------------------------------
+    # what ``params`` carries for this layer (completes "must be a DiTParams (...)")
+    params_what: str = "the AdaLN conditioning and the global token grid"
+    # whether ``context_mask`` is a Megatron slot that must stay None (the layer masks no text)
+    context_mask_unused: bool = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        params: Optional[DiTParams] = None,
+        rotary_pos_emb=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
+        """Megatron's layer interface: the slots this layer does not use must be None, ``params``
+        a ``DiTParams``; the layer itself is ``_forward(hidden_states, context, context_mask,
+        params)`` -> ``(hidden_states, context)``."""
+        slots = dict(
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
+        if self.context_mask_unused:
+            slots["context_mask"] = context_mask
+        params = self._check_params(params, self.params_what, slots)
+        return self._forward(hidden_states, context, context_mask, params)
+
+    def _forward(self, hidden_states, context, context_mask, params: DiTParams):
+        raise NotImplementedError
+
     # -- shared forward helpers ---------------------------------------------------------------
+    def _check_conditioning(self, conditioning, shape, what: str) -> torch.Tensor:
+        """``conditioning`` must be a tensor of ``shape``; ``what`` is the error's start
+        ("params.conditioning must be [b, D]")."""
+        if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != tuple(shape):
+            raise ValueError(
+                f"{what} = {list(shape)}, got {tuple(getattr(conditioning, 'shape', ())) or None}"
+            )
+        return conditioning
+
+    def _check_same_shapes(self, **tensors) -> None:
+        """With CP, every CP rank must pass the same shapes (``None`` tensors are skipped)."""
+        if self.config.context_parallel_size > 1:
+            shapes = {k: v for k, v in tensors.items() if v is not None}
+            check_same_shape(shapes, self.groups.cp_group, where=type(self).__name__)
+
     def _check_params(self, params, what: str, slots: Optional[dict] = None) -> DiTParams:
         """``params`` as a ``DiTParams``; Megatron slots in ``slots`` must be unused (None)."""
         used = sorted(k for k, v in (slots or {}).items() if v is not None)

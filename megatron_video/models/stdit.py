@@ -40,7 +40,6 @@ from megatron_video.models.dit_layer import (
     DiTParams,
     adaln_branch,
 )
-from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["VARIANTS", "STDiTLayerSubmodules", "STDiTLayer"]
 
@@ -77,6 +76,7 @@ class STDiTLayer(DiTLayerBase):
 
     sequence_parallel_reason = "its tokens are laid out by frames and positions, not split over TP"
     cp_order_note = "; layout A and the 2D attention would disagree on which frames a rank holds"
+    params_what = "the AdaLN conditioning and the global (t, h, w)"
 
     def __init__(
         self,
@@ -164,31 +164,9 @@ class STDiTLayer(DiTLayerBase):
         return o.reshape(b, d1, d2, D)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask=None,
-        context: Optional[torch.Tensor] = None,
-        context_mask: Optional[torch.Tensor] = None,
-        params: Optional[DiTParams] = None,
-        rotary_pos_emb=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        **unused,
-    ):
-        """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module docstring."""
-        params = self._check_params(
-            params,
-            "the AdaLN conditioning and the global (t, h, w)",
-            dict(
-                attention_mask=attention_mask,
-                rotary_pos_emb=rotary_pos_emb,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            ),
-        )
+    def _check_inputs(self, hidden_states, context, params: DiTParams) -> VideoGeometry:
+        """The geometry of ``params``, checked against ``hidden_states`` (layout A) and the CP size."""
         geometry = self._geometry(params, "the global (t, h, w)")
-        conditioning = params.conditioning
         P = self._cp()[0]
         t, n = geometry.frames, geometry.positions
         check_stdit_divisibility(t, P)
@@ -199,18 +177,24 @@ class STDiTLayer(DiTLayerBase):
                 f"hidden_states sequence length ({s}) must be frames per rank ({tl}) x "
                 f"positions ({n}) for geometry {geometry} on cp_size ({P})"
             )
-        if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != (b, D):
-            raise ValueError(
-                f"params.conditioning must be the AdaLN conditioning vector [b, D] = "
-                f"[{b}, {D}], got {tuple(getattr(conditioning, 'shape', ())) or None}"
-            )
-        if P > 1:
-            shapes = {"hidden_states": hidden_states, "conditioning": conditioning}
-            if context is not None:
-                shapes["context"] = context
-            check_same_shape(shapes, self.cp_group, where="STDiTLayer")
+        conditioning = self._check_conditioning(
+            params.conditioning,
+            (b, D),
+            "params.conditioning must be the AdaLN conditioning vector [b, D]",
+        )
+        self._check_same_shapes(
+            hidden_states=hidden_states, conditioning=conditioning, context=context
+        )
+        return geometry
 
-        mods = self.modulation(conditioning)
+    def _forward(self, hidden_states, context, context_mask, params: DiTParams):
+        """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module docstring."""
+        geometry = self._check_inputs(hidden_states, context, params)
+        P = self._cp()[0]
+        t, n = geometry.frames, geometry.positions
+        tl = 1 if geometry.is_image else t // P
+        s, b, D = hidden_states.shape
+        mods = self.modulation(params.conditioning)
         index = {name: i for i, name in enumerate(self.sublayers)}
 
         def branch(name, x, norm, f):
@@ -218,6 +202,11 @@ class STDiTLayer(DiTLayerBase):
 
         def attn(module, pattern, layout):
             return lambda y: self._self_attention(module, y, pattern, geometry, layout)
+
+        def temporal_and_mlp(x, layout):
+            norm = self.pre_temporal_attn_layernorm
+            x = branch("temporal", x, norm, attn(self.temporal_attention, "temporal", layout))
+            return branch("mlp", x, self.pre_mlp_layernorm, self._mlp)
 
         x = hidden_states.transpose(0, 1).reshape(b, tl, n, D)
         if self.full_attention is not None:
@@ -238,29 +227,12 @@ class STDiTLayer(DiTLayerBase):
                     b, tl, n, D
                 ),
             )
-        if self._on_local_rows(self.temporal_attention, geometry):
-            # to layout B (a local transpose when P == 1 or for images), temporal + MLP, back to A
-            if P == 1:
-                xb = x.transpose(1, 2)
-            else:
-                xb = frames_to_positions(x, self.cp_group, t, n, check_shapes=False)
-            xb = branch(
-                "temporal",
-                xb,
-                self.pre_temporal_attn_layernorm,
-                attn(self.temporal_attention, "temporal", "B"),
-            )
-            xb = branch("mlp", xb, self.pre_mlp_layernorm, self._mlp)
-            if P == 1:
-                x = xb.transpose(1, 2)
-            else:
-                x = positions_to_frames(xb, self.cp_group, t, n, check_shapes=False)
-        else:
-            x = branch(
-                "temporal",
-                x,
-                self.pre_temporal_attn_layernorm,
-                attn(self.temporal_attention, "temporal", "A"),
-            )
-            x = branch("mlp", x, self.pre_mlp_layernorm, self._mlp)
+        if not self._on_local_rows(self.temporal_attention, geometry):
+            x = temporal_and_mlp(x, "A")
+        elif P == 1:  # layout B is a local transpose
+            x = temporal_and_mlp(x.transpose(1, 2), "B").transpose(1, 2)
+        else:  # to layout B, temporal + MLP, back to A
+            xb = frames_to_positions(x, self.cp_group, t, n, check_shapes=False)
+            xb = temporal_and_mlp(xb, "B")
+            x = positions_to_frames(xb, self.cp_group, t, n, check_shapes=False)
         return x.reshape(b, s, D).transpose(0, 1).contiguous(), context

@@ -19,7 +19,6 @@ from megatron_video.models.dit_layer import (
     DiTParams,
     adaln_branch,
 )
-from megatron_video.parallel.comm import check_same_shape
 
 __all__ = ["VideoDiTLayer"]
 
@@ -59,31 +58,9 @@ class VideoDiTLayer(DiTLayerBase):
         )
         return rope_embedding(angles).to(device)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask=None,
-        context: Optional[torch.Tensor] = None,
-        context_mask: Optional[torch.Tensor] = None,
-        params: Optional[DiTParams] = None,
-        rotary_pos_emb=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        **unused,
-    ):
+    def _forward(self, hidden_states, context, context_mask, params: DiTParams):
         """``hidden_states [s, b, D]`` (contiguous CP shard) -> ``([s, b, D], context)``."""
-        params = self._check_params(
-            params,
-            "the AdaLN conditioning and the global token grid",
-            dict(
-                attention_mask=attention_mask,
-                rotary_pos_emb=rotary_pos_emb,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            ),
-        )
         geometry = self._geometry(params, "the global token grid")
-        conditioning = params.conditioning
         s, b, D = hidden_states.shape
         P, _ = self._cp()
         if s * P != geometry.tokens:
@@ -91,16 +68,12 @@ class VideoDiTLayer(DiTLayerBase):
                 f"hidden_states sequence length ({s}) x cp_size ({P}) must equal the "
                 f"tokens of geometry {geometry} ({geometry.tokens})"
             )
-        if not isinstance(conditioning, torch.Tensor) or tuple(conditioning.shape) != (b, D):
-            raise ValueError(
-                f"params.conditioning must be [b, D] = [{b}, {D}], got "
-                f"{tuple(getattr(conditioning, 'shape', ())) or None}"
-            )
-        if P > 1:
-            shapes = {"hidden_states": hidden_states, "conditioning": conditioning}
-            if context is not None:
-                shapes["context"] = context
-            check_same_shape(shapes, self.groups.cp_group, where="VideoDiTLayer")
+        conditioning = self._check_conditioning(
+            params.conditioning, (b, D), "params.conditioning must be [b, D]"
+        )
+        self._check_same_shapes(
+            hidden_states=hidden_states, conditioning=conditioning, context=context
+        )
         mods = self.modulation(conditioning)
         rope = self._rope(s, geometry, hidden_states.device)
 

@@ -357,6 +357,35 @@ def _pg(pg_collection, name):
     return getattr(pg_collection, name, None) if pg_collection is not None else None
 
 
+def _megatron_ulysses_ring(comm: str, cp_group, n: int, pg_collection):
+    """``(U, ulysses group, ring group)`` of a CP group of ``n`` ranks for ``cp_comm_type``
+    ``comm``: the whole group is Ulysses (``a2a``) or ring (``p2p``), or for ``a2a+p2p``
+    Megatron's two hierarchical levels."""
+    from megatron.core import parallel_state as ps
+
+    if comm == "a2a":
+        return n, cp_group, None
+    if comm == "p2p":
+        return 1, None, cp_group
+    hcp = _pg(pg_collection, "hcp") or ps.get_hierarchical_context_parallel_groups(
+        check_initialized=False
+    )
+    if not hcp or len(hcp) != 2:
+        raise ValueError(
+            f"cp_comm_type ('a2a+p2p') needs two levels of hierarchical context-parallel groups "
+            f"(initialize_model_parallel(..., hierarchical_context_parallel_sizes=[U, R]) or "
+            f"pg_collection.hcp); got {0 if not hcp else len(hcp)}"
+        )
+    ug, rg = hcp
+    U = dist.get_world_size(ug)
+    if U * dist.get_world_size(rg) != n:
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes ([{U}, {dist.get_world_size(rg)}]) "
+            f"must multiply to context_parallel_size ({n})"
+        )
+    return U, ug, rg
+
+
 def groups_from_megatron(
     pg_collection=None, cp_comm_type=None, ranks_per_node: Optional[int] = None
 ) -> Optional[VideoParallelGroups]:
@@ -381,27 +410,7 @@ def groups_from_megatron(
     cp_ranks = list(dist.get_process_group_ranks(cp_group))
     me = dist.get_rank()
     n, cp_rank = len(cp_ranks), cp_ranks.index(me)
-    if comm == "a2a":
-        U, ug, rg = n, cp_group, None
-    elif comm == "p2p":
-        U, ug, rg = 1, None, cp_group
-    else:
-        hcp = _pg(pg_collection, "hcp") or ps.get_hierarchical_context_parallel_groups(
-            check_initialized=False
-        )
-        if not hcp or len(hcp) != 2:
-            raise ValueError(
-                f"cp_comm_type ('a2a+p2p') needs two levels of hierarchical context-parallel groups "
-                f"(initialize_model_parallel(..., hierarchical_context_parallel_sizes=[U, R]) or "
-                f"pg_collection.hcp); got {0 if not hcp else len(hcp)}"
-            )
-        ug, rg = hcp
-        U = dist.get_world_size(ug)
-        if U * dist.get_world_size(rg) != n:
-            raise ValueError(
-                f"hierarchical_context_parallel_sizes ([{U}, {dist.get_world_size(rg)}]) "
-                f"must multiply to context_parallel_size ({n})"
-            )
+    U, ug, rg = _megatron_ulysses_ring(comm, cp_group, n, pg_collection)
     R = n // U
     u, r = cp_rank % U, cp_rank // U
     want_u, want_r = cp_ranks[r * U : (r + 1) * U], cp_ranks[u::U]

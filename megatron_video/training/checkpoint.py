@@ -7,7 +7,6 @@ saves (``save_checkpoint``), resume under any parallel layout that runs no code 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import multiprocessing
@@ -17,12 +16,15 @@ import random
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..compat.manifest import MANIFEST_FILE, write_manifest
+from ..compat.manifest import manifest_files as _files
+from ..compat.manifest import sha256_file as _sha256
 from ..parallel import comm
 
 __all__ = [
@@ -40,7 +42,6 @@ __all__ = [
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-MANIFEST_FILE = "manifest.json"
 DATA_STATE_DIR = "dataloader"
 
 
@@ -337,28 +338,6 @@ def safe_read_common(path, index) -> dict:
         ) from None
 
 
-def _sha256(f: Path) -> str:
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(path: Path) -> List[str]:
-    return sorted(
-        str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE
-    )
-
-
-def _write_manifest(path: Path) -> None:
-    files = {
-        name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
-        for name in _files(path)
-    }
-    (path / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
-
-
 def _verify_share(path: Path, rank: int, world: int) -> Optional[str]:
     """Check this rank's round-robin share of the files against the manifest; a reason or None."""
     m = path / MANIFEST_FILE
@@ -437,7 +416,7 @@ def save_checkpoint(
         (partial / DATA_STATE_DIR / f"{name}.json").write_text(text)
     dist.barrier()
     if dist.get_rank() == 0:
-        _write_manifest(partial)
+        write_manifest(partial)
         if final.exists():  # a re-save of the same step: swap, then drop the old one
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

@@ -114,21 +114,7 @@ class Trainer:
         heartbeat: Optional[Callable[[int], None]] = None,
         cpu: bool = False,
     ):
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call init_distributed() first"
-            )
-        if cpu:  # explicit: `megatron-video ... --cpu` (a no-op where CUDA is available)
-            ensure_cpu_mode()
-        if not torch.cuda.is_available() and not cpu_mode_active():
-            raise RuntimeError(
-                "no CUDA device: run on CPU with `megatron-video ... --cpu`, or call "
-                "megatron_video.compat.ensure_cpu_mode() before the trainer "
-                "(docs/architecture.md, 'CPU mode')"
-            )
+        self._check_runtime(cpu)
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.has_gpu = torch.cuda.is_available()
@@ -142,29 +128,7 @@ class Trainer:
         self.heartbeat = heartbeat  # progress report to the launcher's watchdog (launch.py)
         self.progress = self.is_logger and (config.train.progress if progress is None else progress)
 
-        p = config.parallel
-        U, R = p.ulysses_size, p.ring_size
-        kw = dict(
-            tensor_model_parallel_size=p.tensor_model_parallel_size,
-            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-            context_parallel_size=p.context_parallel_size,
-        )
-        if U > 1 and R > 1:
-            kw["hierarchical_context_parallel_sizes"] = (
-                [U, R] if p.placement == "ulysses_inner" else [R, U]
-            )
-        initialize_model_parallel(**kw)
-        self.groups = init_video_parallel(
-            U, R, ranks_per_node=p.ranks_per_node, placement=p.placement
-        )
-        model_parallel_cuda_manual_seed(config.train.seed)
-        self.first_stage, self.last_stage = (
-            ps.is_pipeline_first_stage(),
-            ps.is_pipeline_last_stage(),
-        )
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
+        self._init_parallel(config)
 
         self.family = get_family(config.model.family)
         # VAE (trained once and cached; under --nproc the launcher did it before spawning). Rank 0
@@ -197,6 +161,51 @@ class Trainer:
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
         self._beat(-1)  # start-up done (the watchdog's clock restarts at every beat)
+
+    @staticmethod
+    def _check_runtime(cpu: bool) -> None:
+        """torch.distributed is initialised and there is CUDA or CPU mode (entered if ``cpu``)."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_distributed() first"
+            )
+        if cpu:  # explicit: `megatron-video ... --cpu` (a no-op where CUDA is available)
+            ensure_cpu_mode()
+        if not torch.cuda.is_available() and not cpu_mode_active():
+            raise RuntimeError(
+                "no CUDA device: run on CPU with `megatron-video ... --cpu`, or call "
+                "megatron_video.compat.ensure_cpu_mode() before the trainer "
+                "(docs/architecture.md, 'CPU mode')"
+            )
+
+    def _init_parallel(self, config: Config) -> None:
+        """Megatron's model-parallel state, the U x R video groups and this rank's place in them."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        p = config.parallel
+        U, R = p.ulysses_size, p.ring_size
+        kw = dict(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size,
+        )
+        if U > 1 and R > 1:
+            kw["hierarchical_context_parallel_sizes"] = (
+                [U, R] if p.placement == "ulysses_inner" else [R, U]
+            )
+        initialize_model_parallel(**kw)
+        self.groups = init_video_parallel(
+            U, R, ranks_per_node=p.ranks_per_node, placement=p.placement
+        )
+        model_parallel_cuda_manual_seed(config.train.seed)
+        self.first_stage, self.last_stage = (
+            ps.is_pipeline_first_stage(),
+            ps.is_pipeline_last_stage(),
+        )
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
 
     def _load_vae(self, config: Config) -> None:
         failed, error = torch.zeros(1), None
@@ -431,7 +440,7 @@ class Trainer:
         guidance, the configured sampler) and gathered. Returns the clean tokens ``[b, N, C]``."""
         from megatron_video.diffusion import cp_sampling as cps
 
-        c, df = self.config, self.config.diffusion
+        c = self.config
         b = num_samples or c.train.sample_batch
         items = self._held_out(b)
         ids = torch.stack([it["caption_ids"] for it in items]).to(self.device)
@@ -451,65 +460,56 @@ class Trainer:
         self.ddp.eval()
         try:
             with torch.no_grad():
-                if self.family.autoregressive:
-                    tf = self.objective.tf
-
-                    def velocity(x, t, cnd):
-                        return self.ddp(
-                            x,
-                            t,
-                            frame_positions=tf.frame_positions,
-                            token_ids=tf.token_ids,
-                            mask=tf.mask,
-                            caption_ids=cnd[0],
-                            caption_mask=cnd[1],
-                            geometry=self.geometry,
-                            drop=cnd[2],
-                        )
-
-                    out = cps.sample_autoregressive(
-                        velocity,
-                        self.layout,
-                        self.cp_rank,
-                        noise_local,
-                        cond,
-                        null_cond=null,
-                        guidance_scale=df.guidance_scale,
-                        num_steps=df.sample_steps,
-                        shift=df.flow_shift,
-                        progress=self.progress,
-                    )
-                else:
-
-                    def net(x, tt, cnd):
-                        return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
-
-                    if c.objective == "edm":
-                        out = cps.sample_edm(
-                            net,
-                            noise_local,
-                            cond,
-                            null_cond=null,
-                            guidance_scale=df.guidance_scale,
-                            sigma_data=df.sigma_data,
-                            sampler=df.sampler,
-                            num_steps=df.sample_steps,
-                            progress=self.progress,
-                        )
-                    else:
-                        out = cps.sample_flow(
-                            net,
-                            noise_local,
-                            cond,
-                            null_cond=null,
-                            guidance_scale=df.guidance_scale,
-                            num_steps=df.sample_steps,
-                            shift=df.flow_shift,
-                            progress=self.progress,
-                        )
+                out = self._sample_local(noise_local, cond, null)
                 return cps.gather_tokens(out, local_ids, self.groups.cp_group, N)
         finally:
             self.ddp.train()
+
+    def _sample_local(self, noise_local, cond, null):
+        """This rank's shard of the samples with the configured sampler (model in eval, no grad)."""
+        from megatron_video.diffusion import cp_sampling as cps
+
+        df = self.config.diffusion
+        guided = dict(
+            null_cond=null,
+            guidance_scale=df.guidance_scale,
+            num_steps=df.sample_steps,
+            progress=self.progress,
+        )
+        if self.family.autoregressive:
+            tf = self.objective.tf
+
+            def velocity(x, t, cnd):
+                return self.ddp(
+                    x,
+                    t,
+                    frame_positions=tf.frame_positions,
+                    token_ids=tf.token_ids,
+                    mask=tf.mask,
+                    caption_ids=cnd[0],
+                    caption_mask=cnd[1],
+                    geometry=self.geometry,
+                    drop=cnd[2],
+                )
+
+            return cps.sample_autoregressive(
+                velocity,
+                self.layout,
+                self.cp_rank,
+                noise_local,
+                cond,
+                shift=df.flow_shift,
+                **guided,
+            )
+
+        def net(x, tt, cnd):
+            return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
+
+        if self.config.objective == "edm":
+            return cps.sample_edm(
+                net, noise_local, cond, sigma_data=df.sigma_data, sampler=df.sampler, **guided
+            )
+        return cps.sample_flow(net, noise_local, cond, shift=df.flow_shift, **guided)
 
     def generate_sample(self, num_samples: Optional[int] = None):
         """``sample_tokens`` decoded with the VAE: ``(generated, data, VAE reconstruction,
@@ -547,14 +547,7 @@ class Trainer:
             writer = SummaryWriter(str(out_dir / "tensorboard"))
         start = self.maybe_resume()
         self._beat(start - 1)
-        history: List[Dict] = []
-        prev = out_dir / "metrics.json"
-        if start and self.is_logger and prev.is_file():  # keep the curve of the interrupted run
-            import json
-
-            history = [
-                h for h in json.loads(prev.read_text()).get("history", []) if h["step"] < start
-            ]
+        history = self._previous_history(start, out_dir / "metrics.json")
         tokens_per_step = self.global_batch * self.seq_length
         bar = tqdm(
             total=t.steps,
@@ -579,23 +572,7 @@ class Trainer:
                 self._nonfinite(step, rec, skipped_run, history, train_wall=time.time() - wall0)
             if self.is_logger:
                 history.append(rec)
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{rec['loss']:.4f}",
-                    tok_s=f"{rec['tokens_per_s']:.0f}",
-                    step_s=f"{dt:.2f}",
-                )
-                if writer is not None and step % t.log_interval == 0:
-                    for k in (
-                        "loss",
-                        "grad_norm",
-                        "lr",
-                        "tokens_per_s",
-                        "step_time",
-                        "skipped_total",
-                    ):
-                        if rec.get(k) is not None:
-                            writer.add_scalar(f"train/{k}", rec[k], step)
+                self._log_step(rec, step, bar, writer)
             if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
                 self.save(step + 1)
                 last_saved = step + 1
@@ -619,6 +596,27 @@ class Trainer:
             writer.close()
         dist.barrier()
         return metrics
+
+    def _previous_history(self, start: int, prev: Path) -> List[Dict]:
+        """On resume, the logging rank keeps the curve of the interrupted run (steps < start)."""
+        if not (start and self.is_logger and prev.is_file()):
+            return []
+        import json
+
+        return [h for h in json.loads(prev.read_text()).get("history", []) if h["step"] < start]
+
+    def _log_step(self, rec: Dict, step: int, bar, writer) -> None:
+        """The logging rank's progress bar and, every ``train.log_interval`` steps, TensorBoard."""
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{rec['loss']:.4f}",
+            tok_s=f"{rec['tokens_per_s']:.0f}",
+            step_s=f"{rec['step_time']:.2f}",
+        )
+        if writer is not None and step % self.config.train.log_interval == 0:
+            for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "skipped_total"):
+                if rec.get(k) is not None:
+                    writer.add_scalar(f"train/{k}", rec[k], step)
 
     def _beat(self, step: int) -> None:
         if self.heartbeat is not None:

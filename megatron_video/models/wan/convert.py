@@ -11,7 +11,6 @@ bit-identical. Keys diffusers ignores when loading are ignored here too (not wri
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_video.compat.manifest import MANIFEST_FILE, write_manifest
+from megatron_video.compat.manifest import file_manifest as _manifest
 from megatron_video.models.wan.interop import (
     CLASS_NAME,
     full_diffusers_config,
@@ -43,28 +44,12 @@ __all__ = [
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # as training/checkpoint.py
-MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "diffusers_config.json"
 STEP = 0
 
 
 def _iter_dir(directory, step: int) -> Path:
     return Path(directory) / f"iter_{step:07d}"
-
-
-def _sha256(f: Path) -> str:
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _manifest(path: Path) -> dict:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-    return {
-        str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
-    }
 
 
 @contextmanager
@@ -165,9 +150,7 @@ def diffusers_to_checkpoint(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
     (partial / CONFIG_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-    (partial / MANIFEST_FILE).write_text(
-        json.dumps({"files": _manifest(partial)}, indent=1, sort_keys=True)
-    )
+    write_manifest(partial)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     tmp = Path(output) / f"{TRACKER_FILE}.tmp{os.getpid()}"

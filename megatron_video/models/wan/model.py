@@ -28,7 +28,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.layouts.geometry import VideoGeometry
-from megatron_video.models.dit_blocks import attend, tp_world_size
+from megatron_video.models.dit_blocks import attend, linear_out, parallel_linear, tp_world_size
 from megatron_video.models.dit_layer import DiTLayerBase, DiTParams, VideoTransformerBlock
 from megatron_video.models.embedders import mark_pipeline_replicated
 from megatron_video.models.wan.rope import WanRope, apply_wan_rope
@@ -248,31 +248,11 @@ def _heads(config: TransformerConfig) -> Tuple[int, int]:
 
 
 def _column(spec, n_in: int, n_out: int, config):
-    return build_module(
-        spec,
-        n_in,
-        n_out,
-        config=config,
-        init_method=config.init_method,
-        gather_output=False,
-        bias=True,
-        skip_bias_add=False,
-        is_expert=False,
-    )
+    return parallel_linear(spec, n_in, n_out, config, bias=True)
 
 
 def _row(spec, n_in: int, n_out: int, config):
-    return build_module(
-        spec,
-        n_in,
-        n_out,
-        config=config,
-        init_method=config.output_layer_init_method,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        is_expert=False,
-    )
+    return parallel_linear(spec, n_in, n_out, config, bias=True, row=True)
 
 
 def _norm(spec, config, heads: int, hd: int, pg_collection):
@@ -285,9 +265,7 @@ def _norm(spec, config, heads: int, hd: int, pg_collection):
     )
 
 
-def _linear(layer, x):
-    out, bias = layer(x)
-    return out if bias is None else out + bias
+_linear = linear_out
 
 
 class WanSelfAttention(MegatronModule):
@@ -438,6 +416,8 @@ class WanLayer(DiTLayerBase):
     (cos, sin) and ``params.attention_mask`` (None: full attention)."""
 
     sequence_parallel_reason = "its sequence is already split by context parallelism"
+    params_what = "Wan's time_proj output and RoPE rows"
+    context_mask_unused = True
 
     def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
@@ -460,36 +440,9 @@ class WanLayer(DiTLayerBase):
         if context is None:
             raise ValueError("context (the embedded text [L, b, D]) must be given to WanLayer")
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask=None,
-        context: Optional[torch.Tensor] = None,
-        context_mask=None,
-        params: Optional[DiTParams] = None,
-        rotary_pos_emb=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        **unused,
-    ):
-        params = self._check_params(
-            params,
-            "Wan's time_proj output and RoPE rows",
-            dict(
-                attention_mask=attention_mask,
-                context_mask=context_mask,
-                rotary_pos_emb=rotary_pos_emb,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            ),
-        )
+    def _forward(self, hidden_states, context, context_mask, params: DiTParams):
         self._check(hidden_states, context, params)
-        if self.config.context_parallel_size > 1:
-            comm.check_same_shape(
-                {"hidden_states": hidden_states, "context": context},
-                self.groups.cp_group,
-                where="WanLayer",
-            )
+        self._check_same_shapes(hidden_states=hidden_states, context=context)
         shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(params.conditioning)
         cos, sin = params.rotary_pos_emb.unbind(0)
         x = hidden_states.transpose(0, 1)  # [b, s, D]
