@@ -118,15 +118,13 @@ def test_resume_under_another_layout(pool4, vae_dir):
         for name in OTHER_LAYOUTS:
             losses, gbs, dp = r[name]
             assert gbs == r["gbs"] == 4
-            if losses[0] is None:  # a first pipeline stage: no loss here
-                assert name.startswith("pp")
-                continue
+            # every rank has the step's loss, a first pipeline stage too (the console is rank 0)
             for a, b in zip(same, losses):
                 assert math.isfinite(a) and abs(a - b) <= 1e-5 * abs(a), (name, same, losses)
     assert res[0]["dp2_cp2_u2"][2] == 2
-    steps, losses = zip(*res[3]["run"])  # the logging rank's metrics of the resumed job
+    steps, losses = zip(*res[0]["run"])  # the logging rank's metrics of the resumed job
     assert steps == (2, 3) and all(
-        abs(a - b) <= 1e-5 * abs(a) for a, b in zip(res[3]["same"], losses)
+        abs(a - b) <= 1e-5 * abs(a) for a, b in zip(res[0]["same"], losses)
     )
     msgs = pool4.run(_refuse_shape, vae_dir)
     for m in msgs:
@@ -306,7 +304,7 @@ def _nonfinite(tmp, policy):
 
 def test_nonfinite_skip_and_stop(pool4, vae_dir):
     for r, (count, history) in enumerate(pool4.run(_nonfinite, vae_dir, "skip")):
-        if r != 3:  # the logging rank writes the metrics
+        if r != 0:  # the logging rank writes the metrics
             continue
         assert count == 2
         assert [h[1] for h in history] == [False, True, True, False]
@@ -320,7 +318,7 @@ def test_nonfinite_skip_and_stop(pool4, vae_dir):
             and "nonfinite_policy is 'stop'" in msg
         )
         assert "iter_0000001" in msg and latest == 1  # the state before the bad step
-        if r == 3:
+        if r == 0:
             assert metrics["nonfinite_steps"] == 1 and metrics["steps"] == 2
     # skip with max_skipped_steps=1: the first bad step passes, the second in a row stops the job
     for _r, (msg, _metrics, latest) in enumerate(pool4.run(_nonfinite, vae_dir, "skip1")):

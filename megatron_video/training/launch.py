@@ -3,7 +3,7 @@
 ``--nproc N`` simulates nodes of ``ranks_per_node`` (``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` /
 ``GROUP_RANK`` as torchrun sets them, which the U x R placement rules read); workers fork from a
 server that preloaded torch and Megatron; a watchdog ends the job when a rank dies or stalls
-(``launch``; docs/reliability.md). Only the logging rank writes to the console; every other rank's
+(``launch``; docs/reliability.md). Only rank 0 (the logging rank) writes to the console; every other rank's
 stdout / stderr go to ``<output>/logs/rank<N>.log`` (torchrun's ``--log-dir`` / ``--redirects``
 convention). Under ``torchrun`` this process is one rank.
 """
@@ -130,7 +130,7 @@ def _worker(
     cpu: bool,
 ) -> None:
     os.setpgid(0, 0)  # own process group: the launcher can end this rank and any helper it forked
-    if rank != world - 1:  # the last rank logs (trainer.is_logger); the others write to files
+    if rank != 0:  # rank 0 logs (trainer.is_logger); the others write to files
         _redirect_output(rank_log(config, rank))
     _show_own_warnings()
     os.environ.update(
@@ -269,7 +269,7 @@ def launch(
         for r in range(nproc)
     ]
     print(
-        f"[megatron-video] {nproc} ranks; rank {nproc - 1} logs here, ranks 0-{nproc - 2} to "
+        f"[megatron-video] {nproc} ranks; rank 0 logs here, ranks 1-{nproc - 1} to "
         f"{os.path.dirname(rank_log(config, 0))}/rank<N>.log",
         file=sys.stderr,
         flush=True,

@@ -14,7 +14,7 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,7 @@ class Trainer:
             if self.has_gpu
             else torch.device("cpu")
         )
-        self.is_logger = self.rank == self.world - 1
+        self.is_logger = self.rank == 0  # the console rank (launch.py); every rank has the loss
         self.heartbeat = heartbeat  # progress report to the launcher's watchdog (launch.py)
         self.progress = self.is_logger and (config.train.progress if progress is None else progress)
 
@@ -332,8 +332,8 @@ class Trainer:
         """One step. A non-finite loss or gradient on any rank is seen by every rank (one
         all-reduce) and the update is not applied: ``nonfinite`` is True in the record and the
         caller applies ``train.nonfinite_policy`` (see ``run``)."""
-        loss = self.forward_backward(step)
-        if not self._all_finite(loss):
+        finite, loss = self._all_finite(self.forward_backward(step))
+        if not finite:
             self.optimizer.zero_grad()
             return {
                 "loss": loss,
@@ -353,11 +353,15 @@ class Trainer:
             "nonfinite": False,
         }
 
-    def _all_finite(self, loss: Optional[float]) -> bool:
-        """Collective over all ranks: this step's loss (last stage) and reduced gradients are finite."""
-        flag = torch.zeros(1, device=self.device)
+    def _all_finite(self, loss: Optional[float]) -> Tuple[bool, float]:
+        """Collective over all ranks: whether this step's loss (last stage) and reduced gradients
+        are finite, and the loss itself on every rank (the last rank's, carried by the same
+        all-reduce: the console rank 0 may be on another pipeline stage)."""
+        verdict = torch.zeros(2, dtype=torch.float64, device=self.device)
         if loss is not None and not math.isfinite(loss):
-            flag += 1
+            verdict[0] += 1
+        if self.rank == self.world - 1:  # always a last-stage rank
+            verdict[1] = loss
         # one reduction per gradient buffer (Megatron DDP keeps them contiguous), no host sync here
         buffers = getattr(self.ddp, "buffers", []) + getattr(
             self.ddp, "expert_parallel_buffers", []
@@ -367,9 +371,10 @@ class Trainer:
         ]
         for g in grads:
             if g is not None and g.numel():
-                flag += (~torch.isfinite(g)).any().to(flag.dtype)
-        dist.all_reduce(flag)
-        return flag.item() == 0.0
+                verdict[0] += (~torch.isfinite(g)).any().to(verdict.dtype)
+        dist.all_reduce(verdict)
+        flag, loss = verdict.tolist()
+        return flag == 0.0, loss
 
     # -- checkpoints -------------------------------------------------------------------------
     @property
