@@ -650,8 +650,9 @@ class WanModel(MegatronModule):
     ``text [b, L, text_dim]``, ``image [b, L_img, image_dim]`` (I2V), ``geometry`` the global
     token grid; ``positions [s_local]`` the tokens' ids in ``geometry`` for RoPE (default: the
     contiguous CP split; the teacher-forcing layout passes its own, both halves sharing them) and
-    ``attention_mask`` the 2D attention's mask (teacher forcing). Returns ``[b, s_local, pt*ph*pw*C_out]`` on the
-    last stage (hidden states ``[s_local, b, D]`` on the others).
+    ``attention_mask`` the 2D attention's mask (teacher forcing). Returns
+    ``[b, s_local, pt*ph*pw*C_out]`` on the last stage (hidden states ``[s_local, b, D]`` on the
+    others).
     """
 
     def __init__(

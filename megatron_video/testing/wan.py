@@ -1,0 +1,168 @@
+"""Tiny random Wan pieces for the tests (nothing downloaded): the training config, latent shards,
+and a diffusers ``WanTransformer3DModel`` / ``AutoencoderKLWan`` / UMT5 encoder saved locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "TEXT_DIM",
+    "TEXT_LEN",
+    "tiny_wan_config",
+    "write_random_latent_shards",
+    "save_tiny_wan_transformer",
+    "save_tiny_wan_vae",
+    "save_tiny_umt5",
+]
+
+TEXT_DIM, TEXT_LEN = 32, 7
+
+
+def tiny_wan_config(family: str, tmp, shards, **parallel):
+    """2 layers, 4 heads x 16, FFN 96, text_dim 32; 13 raw frames of 32 x 48 (latent 4 x 4 x 6,
+    tokens 4 x 2 x 3 under patch (1, 2, 2)), 4 latent channels, shift 3."""
+    from megatron_video.training.config import config_from_dict
+
+    model = dict(
+        family=family,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=96,
+        patch_size=[1, 2, 2],
+    )
+    if family == "wan_ar":
+        model["frames_per_block"] = 1
+    return config_from_dict(
+        dict(
+            model=model,
+            parallel=dict(parallel),
+            data=dict(
+                source="shards",
+                shards=str(shards),
+                text_embed_dim=TEXT_DIM,
+                caption_len=TEXT_LEN,
+                num_frames=13,
+                height=32,
+                width=48,
+            ),
+            vae=dict(latent_channels=4, cache_dir=f"{tmp}/cache"),
+            diffusion=dict(objective="flow", flow_shift=3.0, cfg_dropout=0.5),
+            train=dict(
+                steps=2,
+                micro_batch_size=2,
+                lr=1e-3,
+                warmup_steps=0,
+                sample=False,
+                progress=False,
+                tensorboard=False,
+                save=False,
+                resume=False,
+            ),
+            output=f"{tmp}/run",
+        )
+    )
+
+
+def write_random_latent_shards(config, out_dir, num_samples: int = 4, seed: int = 0) -> str:
+    """Shards in ``precompute``'s format with random latents and caption embeddings (varying
+    lengths, padded positions zero) of ``config``'s sizes; returns ``out_dir``."""
+    from megatron_video.training.config import latent_shape
+    from megatron_video.training.precompute import LatentShardWriter
+
+    d = config.data
+    shape = (config.vae.latent_channels, *latent_shape(config))
+    g = torch.Generator().manual_seed(seed)
+    with LatentShardWriter(out_dir, samples_per_shard=max(1, num_samples // 2)) as w:
+        for i in range(num_samples):
+            n = 1 + i % d.caption_len
+            mask = torch.arange(d.caption_len) < n
+            emb = torch.randn(d.caption_len, d.text_embed_dim, generator=g) * mask[:, None]
+            lat = torch.randn(*shape, generator=g)
+            w.write(f"s{i:04d}", dict(latent=lat, text_emb=emb, text_mask=mask), f"clip {i}", {})
+    return str(out_dir)
+
+
+def save_tiny_wan_transformer(folder, config, seed: int = 0) -> Path:
+    """A random ``WanTransformer3DModel`` of ``config``'s sizes (norms and biases perturbed so no
+    weight is trivial) saved as safetensors under ``folder``."""
+    from diffusers import WanTransformer3DModel
+
+    from megatron_video.training.families.wan import WAN_FIXED
+
+    m = config.model
+    fixed = {k: v for k, v in WAN_FIXED.items() if k not in ("image_dim", "added_kv_proj_dim")}
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(
+        patch_size=tuple(m.patch_size),
+        num_attention_heads=m.num_attention_heads,
+        attention_head_dim=m.hidden_size // m.num_attention_heads,
+        in_channels=config.vae.latent_channels,
+        out_channels=config.vae.latent_channels,
+        text_dim=config.data.text_embed_dim,
+        ffn_dim=m.ffn_hidden_size,
+        num_layers=m.num_layers,
+        **fixed,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias") or "scale_shift_table" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)
+
+
+def save_tiny_wan_vae(folder, z_dim: int = 4, seed: int = 0) -> Path:
+    """A random tiny ``AutoencoderKLWan`` (temporal stride 4, spatial 8) under ``folder``."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1 * i for i in range(z_dim)],
+        latents_std=[1.0 + 0.5 * i for i in range(z_dim)],
+    )
+    vae.save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)
+
+
+def save_tiny_umt5(folder, captions: Sequence[str], d_model: int = TEXT_DIM) -> Path:
+    """A random tiny UMT5 encoder and a WordLevel tokenizer trained on ``captions``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        list(captions) * 2, trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "</s>"])
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    torch.manual_seed(0)
+    cfg = transformers.UMT5Config(
+        vocab_size=fast.vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        pad_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+    )
+    enc = transformers.UMT5EncoderModel(cfg).eval()
+    fast.save_pretrained(str(folder))
+    enc.save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)

@@ -1,0 +1,281 @@
+"""Training Wan (``model.family`` ``wan`` / ``wan_ar``, training/families/wan.py), float64.
+
+* One step of the family's own pieces (``transformer_config`` / ``build_model`` with
+  ``model.init_from`` a tiny diffusers folder, ``make_batches`` on latent shards,
+  ``make_objective``) on 4 gloo ranks: loss and every parameter gradient (summed over CP as
+  Megatron's DDP does, TP shards gathered) at U2xR2, U4, R4 and TP2xCP2 equal CP = 1; ``wan_ar``
+  (Balanced SP teacher forcing) at SP = 4 equals SP = 1.
+* CP = 1 equals the explicit flow-matching loss on diffusers' own ``WanTransformer3DModel``.
+* ``init_from`` a converted dist-checkpoint gives the diffusers folder's weights.
+* The config rules: ``ValueError`` naming the field.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from megatron_video.testing.wan import (  # noqa: E402
+    save_tiny_wan_transformer,
+    tiny_wan_config,
+    write_random_latent_shards,
+)
+
+LAYOUTS = {  # (TP, U, R, ranks per simulated node)
+    "reference": (1, 1, 1, 4),
+    "u2xr2": (1, 2, 2, 2),
+    "u4": (1, 4, 1, 4),
+    "r4": (1, 1, 4, 2),
+    "tp2xcp2": (2, 1, 2, 2),
+}
+CASES = [("wan", k) for k in ("u2xr2", "u4", "r4", "tp2xcp2")] + [
+    ("wan_ar", k) for k in ("u2xr2", "u4")
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """Latent shards and a tiny diffusers Wan folder of ``tiny_wan_config``'s sizes."""
+    root = tmp_path_factory.mktemp("wan_train")
+    cfg = tiny_wan_config("wan", root, root / "shards")
+    write_random_latent_shards(cfg, root / "shards")
+    save_tiny_wan_transformer(root / "transformer", cfg)
+    return root
+
+
+def _config(family: str, root, layout: str):
+    tp, U, R, rpn = LAYOUTS[layout]
+    cfg = tiny_wan_config(
+        family,
+        root,
+        root / "shards",
+        tensor_model_parallel_size=tp,
+        context_parallel_size=U * R,
+        ulysses_size=U,
+        ring_size=R,
+        ranks_per_node=rpn,
+    )
+    cfg.model.init_from = str(root / "transformer")
+    return cfg
+
+
+def _float64(mb):
+    for k, v in vars(mb).items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            setattr(mb, k, v.double())
+    return mb
+
+
+def _full_grads(model, groups) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.parallel import comm
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        if groups.cp_size > 1:
+            comm.all_reduce(g, groups.cp_group, tag="test.grad")
+        if getattr(p, "tensor_model_parallel", False) and p.partition_dim >= 0:
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                g = comm.all_gather_cat(
+                    g, ps.get_tensor_model_parallel_group(), dim=p.partition_dim
+                )
+        out[name] = g
+    return out
+
+
+def _step(family: str, root, layout: str) -> dict:
+    """Rank side: one float64 step of the family's pieces under ``layout``."""
+    import torch.distributed as dist
+
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.config import validate
+    from megatron_video.training.families import get_family
+    from megatron_video.training.families.wan import wan_transformer_config
+
+    cfg = _config(family, root, layout)
+    validate(cfg, dist.get_world_size())
+    tp, U, R, rpn = LAYOUTS[layout]
+    fam = get_family(family)
+    with video_parallel(U, R, tp=tp, ranks_per_node=rpn, seed=0) as groups:
+        model = fam.build_model(wan_transformer_config(cfg, params_dtype=torch.float64), config=cfg)
+        sample = fam.sample_layout(cfg, groups.cp_size)
+        batches = fam.make_batches(
+            cfg,
+            vae=None,
+            latent_scale=1.0,
+            cp_rank=groups.cp_rank,
+            cp_size=groups.cp_size,
+            dp_rank=0,
+            dp_size=1,
+            layout=sample.layout,
+        )
+        objective = fam.make_objective(cfg, groups, sample)
+        mb = _float64(batches.micro_batch(0, 0))
+        args, kwargs = objective.model_call(mb, True)
+        share = objective.loss(model(*args, **kwargs), mb)
+        share.backward()
+        loss = share.detach().clone()
+        if groups.cp_size > 1:
+            comm.all_reduce(loss, groups.cp_group, tag="test.loss")
+        return dict(loss=float(loss), grads=_full_grads(model, groups), mb=mb)
+
+
+_REFERENCE = {}
+
+
+def _reference(pool4, family, root) -> dict:
+    if family not in _REFERENCE:
+        _REFERENCE[family] = pool4.run(_step, family, root, "reference")[0]
+    return _REFERENCE[family]
+
+
+@pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{k}" for f, k in CASES])
+def test_step_matches_cp1(pool4, root, family, layout):
+    ref = _reference(pool4, family, root)
+    assert ref["loss"] > 0
+    nonzero = [n for n, g in ref["grads"].items() if float(g.abs().max()) > 0]
+    assert len(nonzero) > 0.9 * len(ref["grads"]), "most parameters must receive a gradient"
+    per_rank = pool4.run(_step, family, root, layout, ranks_per_node=LAYOUTS[layout][3])
+    for rank, got in enumerate(per_rank):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-12 * ref["loss"], (rank, got["loss"])
+        assert got["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            err = float((got["grads"][name] - g).abs().max()) / (float(g.abs().max()) + 1e-30)
+            assert err <= 1e-9, (rank, name, err)
+
+
+def test_cp1_loss_is_flow_matching_on_diffusers(pool4, root, monkeypatch):
+    """The reference loss equals ``mean((v(x_t, 1000 t, text) - (eps - x0))^2)`` with diffusers'
+    own model, ``x_t = (1 - t) x0 + t eps``, the text zeroed where padded or CFG-dropped."""
+    from diffusers import WanTransformer3DModel
+
+    from megatron_video.models.embedders import unpatchify
+
+    ref = _reference(pool4, "wan", root)
+    cfg, mb = _config("wan", root, "reference"), ref["mb"]
+    # diffusers 0.42 needs accelerate (not pinned) to keep its fp32 modules: float64 anyway here
+    monkeypatch.setattr(WanTransformer3DModel, "_keep_in_fp32_modules", None)
+    model = WanTransformer3DModel.from_pretrained(str(root / "transformer")).double()
+    grid, patch = (4, 2, 3), tuple(cfg.model.patch_size)
+    x0, eps = (unpatchify(v, patch, grid, 4) for v in (mb.clean, mb.noise))
+    t = mb.t.view(-1, 1, 1, 1, 1)
+    text = mb.caption_ids * mb.caption_mask[..., None] * (~mb.drop)[:, None, None]
+    with torch.no_grad():
+        v = model((1 - t) * x0 + t * eps, 1000 * mb.t, text, return_dict=False)[0]
+    want = float(((v - (eps - x0)) ** 2).mean())
+    assert bool(mb.drop.any()) and not bool(mb.drop.all())  # one sample CFG-dropped, one not
+    assert math.isclose(ref["loss"], want, rel_tol=1e-6), (ref["loss"], want)
+
+
+def _init_from_checkpoint(root, ckpt) -> float:
+    """Rank side: the CP = 1 model built from the converted checkpoint; max |weight difference|
+    from the one built from the diffusers folder."""
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.families import get_family
+    from megatron_video.training.families.wan import wan_transformer_config
+
+    fam = get_family("wan")
+    out = []
+    with video_parallel(1, 2, tp=2, ranks_per_node=2, seed=0):
+        for source in (root / "transformer", ckpt):
+            cfg = _config("wan", root, "tp2xcp2")
+            cfg.model.init_from = str(source)
+            tcfg = wan_transformer_config(cfg)
+            out.append(
+                {
+                    n: p.detach().clone()
+                    for n, p in fam.build_model(tcfg, config=cfg).named_parameters()
+                }
+            )
+    return max(float((out[0][n] - out[1][n]).abs().max()) for n in out[0])
+
+
+def test_init_from_converted_checkpoint(pool4, root):
+    from megatron_video.models.wan.convert import diffusers_to_checkpoint
+
+    ckpt = root / "ckpt"
+    if not ckpt.exists():
+        diffusers_to_checkpoint(root / "transformer", ckpt)
+    diffs = pool4.run(_init_from_checkpoint, root, ckpt, ranks_per_node=2)
+    assert diffs == [0.0] * 4, diffs
+
+
+# ---------------------------------------------------------------------------------------------
+# config rules
+# ---------------------------------------------------------------------------------------------
+def _validate(family, root, world=4, **fields):
+    from megatron_video.training.config import validate
+
+    cfg = _config(family, root, "reference")
+    for key, value in fields.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    validate(cfg, world)
+
+
+@pytest.mark.parametrize(
+    "family, fields, message",
+    [
+        (
+            "wan",
+            dict(model__lora_rank=8),
+            r"model.lora_rank \(8\) is not a field of model.family 'wan'",
+        ),
+        (
+            "wan",
+            dict(data__text_embed_dim=None),
+            r"data.source \('shards'\) must be 'shards' with data.text_embed_dim set \(got None\)",
+        ),
+        (
+            "wan",
+            dict(train__sample=True),
+            r"train.sample \(True\) must be false for model.family 'wan'",
+        ),
+        (
+            "wan",
+            dict(model__num_layers=3),
+            r"its num_layers \(2\) must equal model.num_layers \(3\)",
+        ),
+        (
+            "wan",
+            dict(vae__latent_channels=16),
+            r"its in_channels \(4\) must equal vae.latent_channels \(16\)",
+        ),
+        (
+            "wan",
+            dict(model__init_from="/nonexistent"),
+            r"model.init_from \('/nonexistent'\) must be",
+        ),
+        (
+            "wan_ar",
+            dict(model__frames_per_block=3),
+            r"model.frames_per_block \(3\)",
+        ),
+        (
+            "wan_ar",
+            dict(model__per_token_timesteps=True),
+            r"model.per_token_timesteps \(True\) is implied by model.family 'wan_ar'",
+        ),
+        ("wan", dict(model__rope_theta=None), r"model.rope_theta \(None\) must be a number"),
+    ],
+)
+def test_bad_config_names_the_field(root, family, fields, message):
+    with pytest.raises(ValueError, match=message):
+        _validate(family, root, **fields)
+
+
+def test_other_families_refuse_wan_fields(root):
+    from megatron_video.testing.configs import tiny_config
+    from megatron_video.training.config import validate
+
+    cfg = tiny_config("ar_dit", str(root))
+    cfg.model.init_from = str(root / "transformer")
+    with pytest.raises(
+        ValueError, match=r"model.init_from \('.*'\) is not a field of model.family 'ar_dit'"
+    ):
+        validate(cfg, 1)
