@@ -261,7 +261,11 @@ def _validate(family, root, world=4, **fields):
             dict(model__per_token_timesteps=True),
             r"model.per_token_timesteps \(True\) is implied by model.family 'wan_ar'",
         ),
-        ("wan", dict(model__rope_theta=None), r"model.rope_theta \(None\) must be a number"),
+        (
+            "wan",
+            dict(model__rope_theta=None),
+            r"model.rope_theta \(None\) must be 10000.0 for model.family 'wan'",
+        ),
     ],
 )
 def test_bad_config_names_the_field(root, family, fields, message):

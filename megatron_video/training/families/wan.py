@@ -29,7 +29,14 @@ from ..family_spec import register_family
 from ..objectives import WanFlowObjective, WanTeacherForcing
 from .diffusion import DiffusionFamily, _check_ar_dit, _whole_frames_per_cp_rank
 
-__all__ = ["WanFamily", "WAN", "WAN_AR", "wan_transformer_config", "init_from_config"]
+__all__ = [
+    "WanFamily",
+    "WAN",
+    "WAN_AR",
+    "wan_transformer_config",
+    "init_from_config",
+    "diffusers_config_of",
+]
 
 # Wan 2.1 / 2.2 (every released size): the architecture constants the config does not vary
 WAN_FIXED = dict(
@@ -41,6 +48,7 @@ WAN_FIXED = dict(
     image_dim=None,
     added_kv_proj_dim=None,
 )
+WAN_ROPE_THETA = 10000.0
 _FIELDS = ("init_from", "per_token_timesteps")
 _UNUSED = ("lora_rank", "stdit_variant", "stdit_full_attention_layers", "num_query_groups")
 
@@ -124,28 +132,45 @@ def init_from_config(path) -> tuple:
     )
 
 
+_FIELD_OF = dict(  # diffusers config key -> the config field it comes from
+    num_layers="model.num_layers",
+    num_attention_heads="model.num_attention_heads",
+    attention_head_dim="model.hidden_size / model.num_attention_heads",
+    ffn_dim="model.ffn_hidden_size",
+    in_channels="vae.latent_channels",
+    out_channels="vae.latent_channels",
+    text_dim="data.text_embed_dim",
+    patch_size="model.patch_size",
+)
+
+
+def diffusers_config_of(config: Config) -> dict:
+    """The diffusers ``WanTransformer3DModel`` config that ``config`` trains."""
+    m, z = config.model, config.vae.latent_channels
+    return dict(
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        attention_head_dim=m.hidden_size // m.num_attention_heads,
+        ffn_dim=m.ffn_hidden_size or 4 * m.hidden_size,
+        in_channels=z,
+        out_channels=z,
+        text_dim=config.data.text_embed_dim,
+        patch_size=list(m.patch_size),
+        **WAN_FIXED,
+    )
+
+
 def _check_init_from(config: Config) -> None:
     from megatron_video.models.wan.interop import full_diffusers_config
 
-    m = config.model
-    _, theirs = init_from_config(m.init_from)
+    path = config.model.init_from
+    _, theirs = init_from_config(path)
     theirs = full_diffusers_config(theirs)
-    z = config.vae.latent_channels
-    ours = dict(
-        num_layers=(m.num_layers, "model.num_layers"),
-        num_attention_heads=(m.num_attention_heads, "model.num_attention_heads"),
-        attention_head_dim=(m.hidden_size // m.num_attention_heads, "model.hidden_size / heads"),
-        ffn_dim=(m.ffn_hidden_size or 4 * m.hidden_size, "model.ffn_hidden_size"),
-        in_channels=(z, "vae.latent_channels"),
-        out_channels=(z, "vae.latent_channels"),
-        text_dim=(config.data.text_embed_dim, "data.text_embed_dim"),
-        patch_size=(list(m.patch_size), "model.patch_size"),
-        **{k: (v, "Wan's fixed architecture") for k, v in WAN_FIXED.items()},
-    )
-    for key, (want, field) in ours.items():
+    for key, want in diffusers_config_of(config).items():
         if theirs[key] != want:
+            field = _FIELD_OF.get(key, "Wan's fixed architecture")
             raise ValueError(
-                f"model.init_from ({m.init_from!r}): its {key} ({theirs[key]!r}) must equal "
+                f"model.init_from ({path!r}): its {key} ({theirs[key]!r}) must equal "
                 f"{field} ({want!r})"
             )
 
@@ -189,8 +214,11 @@ def _check_common(config: Config, world_size: int) -> None:
                 f"{name!r} (Wan's architecture has no such choice); leave it at "
                 f"{getattr(default, field)!r}"
             )
-    if m.rope_theta is None:
-        raise ValueError(f"model.rope_theta (None) must be a number for model.family {name!r}")
+    if m.rope_theta != WAN_ROPE_THETA:
+        raise ValueError(
+            f"model.rope_theta ({m.rope_theta!r}) must be {WAN_ROPE_THETA} for model.family "
+            f"{name!r} (Wan's RoPE)"
+        )
     if d.source != "shards" or d.text_embed_dim is None:
         raise ValueError(
             f"data.source ({d.source!r}) must be 'shards' with data.text_embed_dim set (got "
