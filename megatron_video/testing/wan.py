@@ -25,6 +25,7 @@ def tiny_wan_config(family: str, tmp, shards, **parallel):
     """2 layers, 4 heads x 16, FFN 96, text_dim 32; 13 raw frames of 32 x 48 (latent 4 x 4 x 6,
     tokens 4 x 2 x 3 under patch (1, 2, 2)), 4 latent channels, shift 3."""
     from megatron_video.training.config import config_from_dict
+    from megatron_video.training.families import get_family
 
     model = dict(
         family=family,
@@ -34,7 +35,7 @@ def tiny_wan_config(family: str, tmp, shards, **parallel):
         ffn_hidden_size=96,
         patch_size=[1, 2, 2],
     )
-    if family == "wan_ar":
+    if get_family(family).autoregressive:
         model["frames_per_block"] = 1
     return config_from_dict(
         dict(
