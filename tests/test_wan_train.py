@@ -138,6 +138,9 @@ def _reference(pool4, family, root) -> dict:
 def test_step_matches_cp1(pool4, root, family, layout):
     ref = _reference(pool4, family, root)
     assert ref["loss"] > 0
+    # one sample CFG-dropped, one not: the text path gets gradients (all dropped, the
+    # cross-attention's query side would have ~0 gradients, compared as noise)
+    assert bool(ref["mb"].drop.any()) and not bool(ref["mb"].drop.all())
     nonzero = [n for n, g in ref["grads"].items() if float(g.abs().max()) > 0]
     assert len(nonzero) > 0.9 * len(ref["grads"]), "most parameters must receive a gradient"
     per_rank = pool4.run(_step, family, root, layout, ranks_per_node=LAYOUTS[layout][3])

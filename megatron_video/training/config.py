@@ -264,7 +264,8 @@ class DiffusionSection:
     sigma_data: float = 1.0  # latents are scaled to unit variance
     p_mean: float = -0.4
     p_std: float = 1.2
-    flow_shift: float = 1.0
+    flow_shift: float = 1.0  # flow timesteps t -> shift t / (1 + (shift - 1) t) (Wan's shift)
+    flow_distribution: str = "logit_normal"  # flow t before the shift: logit_normal | uniform
     cfg_dropout: float = 0.1  # probability of training with the null caption
     guidance_scale: float = 3.0
     sampler: str = "heun"  # heun | euler (EDM); flow always uses Euler
@@ -277,6 +278,11 @@ class DiffusionSection:
             _positive(f"diffusion.{name}", getattr(df, name))
         if not 0.0 <= df.cfg_dropout <= 1.0:
             raise ValueError(f"diffusion.cfg_dropout ({df.cfg_dropout}) must be in [0, 1]")
+        if df.flow_distribution not in ("logit_normal", "uniform"):
+            raise ValueError(
+                f"diffusion.flow_distribution ({df.flow_distribution!r}) must be "
+                f"'logit_normal' or 'uniform'"
+            )
         if df.sampler not in ("heun", "euler"):
             raise ValueError(f"diffusion.sampler ({df.sampler!r}) must be 'heun' or 'euler'")
         _pos_int("diffusion.sample_steps", df.sample_steps)
