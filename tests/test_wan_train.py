@@ -511,3 +511,18 @@ def test_trainer_pipeline_parallel_matches(pool4, root, family):
             scale = float(ref["grads"][name].abs().max()) + 1e-8
             assert_close(g, ref["grads"][name], rtol=2e-4, atol=2e-5 * scale, msg=name)
     assert len(stages) == 2 and set().union(*stages) == set(ref["grads"])  # two stages, all params
+
+
+def test_checkpoint_of_other_shapes_is_refused(root):
+    """``init_from`` a converted checkpoint: its ``diffusers_config.json`` against the config."""
+    from megatron_video.models.wan.convert import diffusers_to_checkpoint
+
+    ckpt = root / "ckpt"
+    if not ckpt.exists():
+        diffusers_to_checkpoint(root / "transformer", ckpt)
+    with pytest.raises(
+        ValueError,
+        match=r"model.init_from \('.*ckpt'\): its ffn_dim \(96\) must equal "
+        r"model.ffn_hidden_size \(128\)",
+    ):
+        _validate("wan", root, model__init_from=str(ckpt), model__ffn_hidden_size=128)
