@@ -21,9 +21,12 @@ ring 2, ``--eval-interval`` and what else megatron-core 0.19 requires) and the f
 without CUDA; tests/test_pretrain_real.py runs those lines as written under the real
 ``pretrain()``.
 
-``--seq-length`` is the model's token sequence per sample (VideoDiT / ST-DiT: frames x height x
-width tokens; AR DiT: twice that, ``[clean ; noisy]``); ``--num-layers`` / ``--hidden-size`` /
-``--num-attention-heads`` must match the YAML (checked). The providers are those of
+``--seq-length`` is the model's token sequence per sample (VideoDiT / ST-DiT / Wan: frames x
+height x width tokens; AR DiT / ``wan_ar``: twice that, ``[clean ; noisy]``); ``--num-layers`` /
+``--hidden-size`` / ``--num-attention-heads`` (and for Wan ``--ffn-hidden-size``) must match the
+YAML (checked). For ``wan`` / ``wan_ar`` Megatron-LM's precision, recompute, parallel and fusion
+flags reach the model, Wan's architecture (norms, GELU-tanh, biases) is the YAML's
+(``families.wan.WanFamily.megatron_lm_config``). The providers are those of
 ``megatron_video.training.megatron_lm`` (shared with ``examples/pretrain_video_llava.py``);
 ``megatron.training`` is imported only when Megatron-LM runs, so they can be imported and tested
 without it.
@@ -58,7 +61,9 @@ __all__ = [
     "main",
 ]
 
-ENTRY = MegatronLMEntry("examples/pretrain_video_dit.py", ("video_dit", "stdit", "ar_dit"))
+ENTRY = MegatronLMEntry(
+    "examples/pretrain_video_dit.py", ("video_dit", "stdit", "ar_dit", "wan", "wan_ar")
+)
 video_config_from_args = ENTRY.video_config_from_args
 model_provider = ENTRY.model_provider
 forward_step = ENTRY.forward_step

@@ -9,6 +9,7 @@ validated (parsed, shapes checked). The launcher's console (the logging rank onl
 is tested once through the command line.
 """
 
+import math
 import re
 import subprocess
 import sys
@@ -60,6 +61,14 @@ def _demo_data(cfg, folder: Path) -> str:
     return str(folder)
 
 
+def _latent_shards(cfg, folder: Path) -> str:
+    """wan_*.yaml read latent shards (``megatron-video precompute`` with a Wan VAE and UMT5,
+    tests/test_wan_train.py): 8 random ones of the config's sizes here."""
+    from megatron_video.testing.wan import write_random_latent_shards
+
+    return write_random_latent_shards(cfg, folder, num_samples=8)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
     from megatron_video.training.config import load_config
@@ -68,20 +77,37 @@ def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
     cfg = load_config(path)
     if cfg.data.source == "energon":
         overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
+    if cfg.data.source == "shards":
+        overrides.append(f"data.shards={_latent_shards(cfg, tmp_path / 'shards')}")
     for first, second in pool4.run(_run, str(path), overrides):
         assert first == (None, [0, 1], 2)  # trained 2 steps, saved the final checkpoint
         assert second == (2, [2], 3)  # resumed from it, ran step 3 only, saved it
 
 
+# parameters of the released models (diffusers' WanTransformer3DModel of each size), to 0.5 %
+WAN_PARAMS = {"wan2.1_t2v_1.3b": 1.419e9, "wan2.1_t2v_14b": 14.289e9, "wan2.2_ti2v_5b": 4.999e9}
+
+
 @pytest.mark.parametrize("path", FULL, ids=[p.stem for p in FULL])
 def test_full_size_config_validates(path):
+    """GPU configs (bf16): validated for a GPU world of TP x PP x CP ranks; a Wan config's model
+    (diffusers' own, on the meta device) has the released model's parameter count."""
     from megatron_video.training.config import load_config, validate
 
     cfg = load_config(path)
     p = cfg.parallel
     validate(
-        cfg, p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        cfg,
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size,
+        has_gpu=True,
     )
+    if cfg.model.family in ("wan", "wan_ar"):
+        from megatron_video.models.wan.mapping import diffusers_reference_shapes
+        from megatron_video.training.families.wan import diffusers_config_of
+
+        shapes = diffusers_reference_shapes(diffusers_config_of(cfg))
+        n = sum(math.prod(s) for s in shapes.values())
+        assert abs(n / WAN_PARAMS[path.stem] - 1) < 5e-3, n
 
 
 def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):

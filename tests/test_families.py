@@ -12,13 +12,14 @@ from megatron_video.training.families import (
     DiffusionFamily,
     FamilySpec,
     VideoLLaVAFamily,
+    WanFamily,
     family_names,
     get_family,
     register_family,
 )
 from megatron_video.training.model_factory import transformer_config
 
-BUILT_IN = ("video_dit", "stdit", "ar_dit", "video_llava")
+BUILT_IN = ("video_dit", "stdit", "ar_dit", "video_llava", "wan", "wan_ar")
 
 
 def test_built_in_families_are_registered():
@@ -27,14 +28,19 @@ def test_built_in_families_are_registered():
         spec = get_family(name)
         assert spec.name == name and isinstance(spec, FamilySpec)
     assert isinstance(get_family("video_llava"), VideoLLaVAFamily)
+    assert {n for n in BUILT_IN if isinstance(get_family(n), WanFamily)} == {"wan", "wan_ar"}
     assert {n for n in BUILT_IN if isinstance(get_family(n), DiffusionFamily)} == {
         "video_dit",
         "stdit",
         "ar_dit",
+        "wan",
+        "wan_ar",
     }
     # each family supplies its defaults: the objective, and whether it needs the VAE
-    assert [get_family(n).default_objective for n in BUILT_IN] == ["edm", "edm", "flow", "lm"]
-    assert [get_family(n).needs_vae for n in BUILT_IN] == [True, True, True, False]
+    objectives = ["edm", "edm", "flow", "lm", "flow", "flow"]
+    assert [get_family(n).default_objective for n in BUILT_IN] == objectives
+    # Wan trains on precomputed Wan-VAE latents: not the project's VAE
+    assert [get_family(n).needs_vae for n in BUILT_IN] == [True, True, True, False, False, False]
     assert get_family("stdit").layer_type == "stdit" and get_family("ar_dit").autoregressive
 
 
@@ -42,7 +48,7 @@ def test_unknown_family_names_it_and_the_registered_ones():
     with pytest.raises(
         ValueError,
         match=r"model.family \('unet'\) must be one of \('video_dit', "
-        r"'stdit', 'ar_dit', 'video_llava'\)",
+        r"'stdit', 'ar_dit', 'video_llava', 'wan', 'wan_ar'\)",
     ):
         get_family("unet")
     with pytest.raises(ValueError, match=r"model.family \(\['ar_dit'\]\) must be one of"):

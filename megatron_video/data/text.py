@@ -29,11 +29,18 @@ class HFTextEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str, max_len: int = 64) -> "HFTextEncoder":
-        """Tokenizer + encoder from a local folder (``save_pretrained`` layout), e.g. a T5 / UMT5."""
-        from transformers import AutoTokenizer, T5EncoderModel
+        """Tokenizer + encoder from a local folder (``save_pretrained`` layout): a T5 or a UMT5
+        (Wan's text encoder), by the folder's ``model_type``."""
+        from transformers import AutoConfig, AutoTokenizer, T5EncoderModel, UMT5EncoderModel
 
+        kinds = {"t5": T5EncoderModel, "umt5": UMT5EncoderModel}
+        kind = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+        if kind not in kinds:
+            raise ValueError(
+                f"text encoder {path!r}: model_type ({kind!r}) must be one of {sorted(kinds)}"
+            )
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        enc = T5EncoderModel.from_pretrained(path, local_files_only=True, use_safetensors=True)
+        enc = kinds[kind].from_pretrained(path, local_files_only=True, use_safetensors=True)
         return cls(tok, enc, max_len)
 
     @property

@@ -1,12 +1,27 @@
-"""Tiny Wan pieces for tests (nothing downloaded): a random diffusers ``WanTransformer3DModel``
-and a complete tiny ``WanPipeline`` (WordLevel tokenizer trained here, UMT5 encoder,
-``AutoencoderKLWan``, flow-matching Euler scheduler)."""
+"""Tiny random Wan pieces for tests (nothing downloaded): a diffusers ``WanTransformer3DModel``,
+a complete tiny ``WanPipeline`` (WordLevel tokenizer trained here, UMT5 encoder,
+``AutoencoderKLWan``, flow-matching Euler scheduler), the training config, latent shards, and the
+transformer / VAE / UMT5 encoder saved locally."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Sequence
+
 import torch
 
-__all__ = ["tiny_wan_transformer", "tiny_wan_pipeline", "TINY_WAN"]
+__all__ = [
+    "TINY_WAN",
+    "TEXT_DIM",
+    "TEXT_LEN",
+    "tiny_wan_transformer",
+    "tiny_wan_pipeline",
+    "tiny_wan_config",
+    "write_random_latent_shards",
+    "save_tiny_wan_transformer",
+    "save_tiny_wan_vae",
+    "save_tiny_umt5",
+]
 
 TINY_WAN = dict(
     patch_size=(1, 2, 2),
@@ -38,41 +53,48 @@ def tiny_wan_transformer(seed: int = 0, **extra):
     return model
 
 
-def _tokenizer():
+def _tokenizer(texts: Sequence[str]):
+    """A WordLevel tokenizer trained on ``texts`` (ids: ``<pad>`` 0, ``<unk>`` 1, ``</s>`` 2)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"])
-    tok.train_from_iterator([" ".join(WORDS)], trainer)
+    tok.train_from_iterator(
+        list(texts) * 2, trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "</s>"])
+    )
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
     )
 
 
+def _umt5(vocab_size: int, d_model: int, num_layers: int):
+    """A random tiny ``UMT5EncoderModel`` (seeded)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.UMT5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=64,
+        num_layers=num_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+    )
+    return transformers.UMT5EncoderModel(cfg).eval()
+
+
 def tiny_wan_pipeline(transformer=None):
     """``WanPipeline`` with tiny random parts: VAE 2x spatial / 2x temporal, 4 latent channels,
     UMT5 of width ``TINY_WAN['text_dim']``; ``transformer`` defaults to ``tiny_wan_transformer()``."""
-    import transformers
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    tokenizer = _tokenizer()
-    torch.manual_seed(0)
-    text_encoder = transformers.UMT5EncoderModel(
-        transformers.UMT5Config(
-            vocab_size=tokenizer.vocab_size,
-            d_model=TINY_WAN["text_dim"],
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    ).eval()
+    tokenizer = _tokenizer(WORDS)
+    text_encoder = _umt5(tokenizer.vocab_size, TINY_WAN["text_dim"], num_layers=1)
     vae = AutoencoderKLWan(
         base_dim=8,
         z_dim=TINY_WAN["in_channels"],
@@ -91,3 +113,135 @@ def tiny_wan_pipeline(transformer=None):
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=(transformer if transformer is not None else tiny_wan_transformer()).eval(),
     )
+
+
+TEXT_DIM, TEXT_LEN = 32, 7
+
+
+def tiny_wan_config(family: str, tmp, shards, **parallel):
+    """2 layers, 4 heads x 16, FFN 96, text_dim 32; 13 raw frames of 32 x 48 (latent 4 x 4 x 6,
+    tokens 4 x 2 x 3 under patch (1, 2, 2)), 4 latent channels, uniform timesteps shifted by 3."""
+    from megatron_video.training.config import config_from_dict
+    from megatron_video.training.families import get_family
+
+    model = dict(
+        family=family,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=96,
+        patch_size=[1, 2, 2],
+    )
+    if get_family(family).autoregressive:
+        model["frames_per_block"] = 1
+    return config_from_dict(
+        dict(
+            model=model,
+            parallel=dict(parallel),
+            data=dict(
+                source="shards",
+                shards=str(shards),
+                text_embed_dim=TEXT_DIM,
+                caption_len=TEXT_LEN,
+                num_frames=13,
+                height=32,
+                width=48,
+            ),
+            vae=dict(latent_channels=4, cache_dir=f"{tmp}/cache"),
+            diffusion=dict(
+                objective="flow", flow_shift=3.0, flow_distribution="uniform", cfg_dropout=0.5
+            ),
+            train=dict(
+                steps=2,
+                seed=4,  # step 0 CFG-drops one of its two samples (wan and wan_ar alike)
+                micro_batch_size=2,
+                lr=1e-3,
+                warmup_steps=0,
+                sample=False,
+                progress=False,
+                tensorboard=False,
+                save=False,
+                resume=False,
+            ),
+            output=f"{tmp}/run",
+        )
+    )
+
+
+def write_random_latent_shards(config, out_dir, num_samples: int = 4, seed: int = 0) -> str:
+    """Shards in ``precompute``'s format with random latents and caption embeddings (varying
+    lengths, padded positions zero) of ``config``'s sizes; returns ``out_dir``."""
+    from megatron_video.training.config import latent_shape
+    from megatron_video.training.precompute import LatentShardWriter
+
+    d = config.data
+    shape = (config.vae.latent_channels, *latent_shape(config))
+    g = torch.Generator().manual_seed(seed)
+    with LatentShardWriter(out_dir, samples_per_shard=max(1, num_samples // 2)) as w:
+        for i in range(num_samples):
+            n = 1 + i % d.caption_len
+            mask = torch.arange(d.caption_len) < n
+            emb = torch.randn(d.caption_len, d.text_embed_dim, generator=g) * mask[:, None]
+            lat = torch.randn(*shape, generator=g)
+            w.write(f"s{i:04d}", dict(latent=lat, text_emb=emb, text_mask=mask), f"clip {i}", {})
+    return str(out_dir)
+
+
+def save_tiny_wan_transformer(folder, config, seed: int = 0) -> Path:
+    """A random ``WanTransformer3DModel`` of ``config``'s sizes (norms and biases perturbed so no
+    weight is trivial) saved as safetensors under ``folder``."""
+    from diffusers import WanTransformer3DModel
+
+    from megatron_video.training.families.wan import WAN_FIXED
+
+    m = config.model
+    fixed = {k: v for k, v in WAN_FIXED.items() if k not in ("image_dim", "added_kv_proj_dim")}
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(
+        patch_size=tuple(m.patch_size),
+        num_attention_heads=m.num_attention_heads,
+        attention_head_dim=m.hidden_size // m.num_attention_heads,
+        in_channels=config.vae.latent_channels,
+        out_channels=config.vae.latent_channels,
+        text_dim=config.data.text_embed_dim,
+        ffn_dim=m.ffn_hidden_size,
+        num_layers=m.num_layers,
+        **fixed,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias") or "scale_shift_table" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)
+
+
+def save_tiny_wan_vae(folder, z_dim: int = 4, seed: int = 0) -> Path:
+    """A random tiny ``AutoencoderKLWan`` (temporal stride 4, spatial 8) under ``folder``."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1 * i for i in range(z_dim)],
+        latents_std=[1.0 + 0.5 * i for i in range(z_dim)],
+    )
+    vae.save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)
+
+
+def save_tiny_umt5(folder, captions: Sequence[str], d_model: int = TEXT_DIM) -> Path:
+    """A random tiny UMT5 encoder and a WordLevel tokenizer trained on ``captions``."""
+    fast = _tokenizer(captions)
+    enc = _umt5(fast.vocab_size, d_model, num_layers=2)
+    fast.save_pretrained(str(folder))
+    enc.save_pretrained(str(folder), safe_serialization=True)
+    return Path(folder)

@@ -64,6 +64,10 @@ class ModelSection:
     frames_per_block: int = 2  # ar_dit: latent frames per autoregressive block
     stdit_variant: str = "hybrid"  # stdit: hybrid | cp_everywhere | ulysses_everywhere
     stdit_full_attention_layers: List[int] = field(default_factory=list)
+    # wan / wan_ar (training/families/wan.py): weights to start from -- a diffusers
+    # WanTransformer3DModel folder or a checkpoint from models/wan/convert.py; timestep per token
+    init_from: Optional[str] = None
+    per_token_timesteps: bool = False
 
     def validate(self) -> None:
         m = self
@@ -233,6 +237,7 @@ class VAESection:
     kl_weight: float = 1e-6
     foreground_weight: float = 4.0  # extra loss weight on the shapes' pixels
     halo_latents: Optional[int] = None  # default: the encoder's temporal receptive field
+    diffusers: Optional[str] = None  # precompute: a local diffusers AutoencoderKLWan folder
 
     def validate(self) -> None:
         v = self
@@ -241,6 +246,11 @@ class VAESection:
         _positive("vae.lr", v.lr)
         if v.halo_latents is not None:
             _pos_int("vae.halo_latents", v.halo_latents, 0)
+        if v.diffusers is not None and not (Path(v.diffusers) / "config.json").is_file():
+            raise ValueError(
+                f"vae.diffusers ({v.diffusers!r}) must be a local diffusers AutoencoderKLWan "
+                f"folder (with config.json)"
+            )
         if v.weights is not None and not Path(v.weights).is_file():
             raise ValueError(
                 f"vae.weights ({v.weights!r}) must be an existing file (or null to "
@@ -254,7 +264,8 @@ class DiffusionSection:
     sigma_data: float = 1.0  # latents are scaled to unit variance
     p_mean: float = -0.4
     p_std: float = 1.2
-    flow_shift: float = 1.0
+    flow_shift: float = 1.0  # flow timesteps t -> shift t / (1 + (shift - 1) t) (Wan's shift)
+    flow_distribution: str = "logit_normal"  # flow t before the shift: logit_normal | uniform
     cfg_dropout: float = 0.1  # probability of training with the null caption
     guidance_scale: float = 3.0
     sampler: str = "heun"  # heun | euler (EDM); flow always uses Euler
@@ -267,6 +278,11 @@ class DiffusionSection:
             _positive(f"diffusion.{name}", getattr(df, name))
         if not 0.0 <= df.cfg_dropout <= 1.0:
             raise ValueError(f"diffusion.cfg_dropout ({df.cfg_dropout}) must be in [0, 1]")
+        if df.flow_distribution not in ("logit_normal", "uniform"):
+            raise ValueError(
+                f"diffusion.flow_distribution ({df.flow_distribution!r}) must be "
+                f"'logit_normal' or 'uniform'"
+            )
         if df.sampler not in ("heun", "euler"):
             raise ValueError(f"diffusion.sampler ({df.sampler!r}) must be 'heun' or 'euler'")
         _pos_int("diffusion.sample_steps", df.sample_steps)
@@ -466,6 +482,7 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     _model_fits_parallel(config)
     config.data.validate()
     _patch_fits_latents(config)
+    _family_fields(config, family)
     family.check(config, world_size)  # the family's own rules (training/families/)
     config.vae.validate()
     objective = config.objective
@@ -506,6 +523,22 @@ def _model_fits_parallel(config: Config) -> None:
             f"model.num_layers ({m.num_layers}) must be divisible by "
             f"parallel.pipeline_model_parallel_size ({PP})"
         )
+
+
+# model fields only some families read (FamilySpec.model_fields): refused where unread
+FAMILY_MODEL_FIELDS = ("init_from", "per_token_timesteps")
+
+
+def _family_fields(config: Config, family) -> None:
+    default = ModelSection()
+    for name in FAMILY_MODEL_FIELDS:
+        value = getattr(config.model, name)
+        if value != getattr(default, name) and name not in family.model_fields:
+            raise ValueError(
+                f"model.{name} ({value!r}) is not a field of model.family "
+                f"{config.model.family!r} (it does not read it); leave it at "
+                f"{getattr(default, name)!r}"
+            )
 
 
 def _patch_fits_latents(config: Config) -> None:

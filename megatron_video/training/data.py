@@ -348,19 +348,16 @@ class BatchMaker:
             ids, mask = self.tokenizer.encode_batch(captions)
         C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
         noise, sig, ts, drop = [], [], [], []
+        flow = dict(shift=cfg.diffusion.flow_shift, distribution=cfg.diffusion.flow_distribution)
         for pos in positions:
             g = sample_generator(seed, step, pos)
             n = torch.randn(self.num_tokens, C, generator=g)
             noise.append(n.index_select(0, self.token_ids))
             sig.append(sample_sigma((1,), self.edm, generator=g))
             if self.layout is not None:
-                ts.append(
-                    sample_timesteps(
-                        (1, self.layout.num_blocks), generator=g, shift=cfg.diffusion.flow_shift
-                    )
-                )
+                ts.append(sample_timesteps((1, self.layout.num_blocks), generator=g, **flow))
             else:
-                ts.append(sample_timesteps((1,), generator=g, shift=cfg.diffusion.flow_shift))
+                ts.append(sample_timesteps((1,), generator=g, **flow))
             drop.append(bool(torch.rand(1, generator=g) < cfg.diffusion.cfg_dropout))
         clean = None
         if self.need_latents:

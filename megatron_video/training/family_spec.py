@@ -37,6 +37,7 @@ class FamilySpec(abc.ABC):
     check: Callable[
         [Any, int], None
     ]  # (Config, world_size): family rules (ValueError), called by config.validate
+    model_fields: Tuple[str, ...] = ()  # the config's family-only model fields it reads
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -25,7 +25,14 @@ from megatron_video.layouts.stdit import VideoGeometry
 
 from .data import MicroBatch
 
-__all__ = ["EDMObjective", "FlowObjective", "TeacherForcing"]
+__all__ = [
+    "EDMObjective",
+    "FlowObjective",
+    "TeacherForcing",
+    "WanFlowObjective",
+    "WanTeacherForcing",
+    "WAN_NUM_TIMESTEPS",
+]
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -121,3 +128,72 @@ class TeacherForcing:
         per_element = (output[:, self.half :].to(acc) - target.to(acc)) ** 2
         n = mb.clean.shape[0] * self.layout.num_loss_tokens
         return reduce_token_loss(per_element, None, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wan (training/families/wan.py): the same flow matching, Wan's model interface
+# ----------------------------------------------------------------------------------------------
+WAN_NUM_TIMESTEPS = 1000.0  # Wan's scheduler: the model takes the timestep t * 1000
+
+
+def wan_text(mb: MicroBatch) -> Tensor:
+    """The text Wan attends to: the precomputed caption embeddings ``[b, L, text_dim]`` with padded
+    positions zeroed (Wan's UMT5 convention) and all zeros for CFG-dropped samples."""
+    emb = mb.caption_ids
+    if not torch.is_floating_point(emb) or emb.dim() != 3:
+        raise ValueError(
+            f"caption_ids ({tuple(emb.shape)}, {emb.dtype}) must be precomputed text embeddings "
+            f"[b, L, text_dim] (data.text_embed_dim; `megatron-video precompute --text-encoder`)"
+        )
+    keep = mb.caption_mask.to(emb.dtype)[..., None] * (~mb.drop).to(emb.dtype)[:, None, None]
+    return emb * keep
+
+
+def wan_to_patchify_order(output: Tensor, patch, channels: int) -> Tensor:
+    """Wan's ``proj_out`` channel order ``(pt, ph, pw, C)`` -> ``embedders.patchify``'s
+    ``(C, pt, ph, pw)``, so the loss compares like with like."""
+    b, s, _ = output.shape
+    x = output.reshape(b, s, *patch, channels)
+    return x.permute(0, 1, 5, 2, 3, 4).reshape(b, s, -1)
+
+
+class WanFlowObjective(FlowObjective):
+    """Wan T2V: ``FlowObjective`` (``x_t = (1 - t) x0 + t eps``, velocity ``eps - x0``, t drawn
+    shifted by ``diffusion.flow_shift`` in ``data.BatchMaker``) with Wan's interface: timestep
+    ``1000 t`` (per token when ``per_token``, Wan 2.2 TI2V), the text from ``wan_text``."""
+
+    def __init__(self, geometry: VideoGeometry, patch, channels: int, per_token: bool, cp: int):
+        super().__init__(geometry)
+        self.patch, self.channels, self.per_token = tuple(patch), channels, per_token
+        self.s_local = geometry.tokens // cp
+
+    def model_call(self, mb: MicroBatch, first_stage: bool) -> Tuple[tuple, dict]:
+        (tokens, t, *_), _ = super().model_call(mb, first_stage)
+        t = WAN_NUM_TIMESTEPS * t
+        if self.per_token:
+            t = t[:, None].expand(-1, self.s_local).contiguous()
+        return (tokens, t, wan_text(mb), self.geometry), {}
+
+    def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
+        return super().loss(wan_to_patchify_order(output, self.patch, self.channels), mb)
+
+
+class WanTeacherForcing(TeacherForcing):
+    """``wan_ar``: ``TeacherForcing`` (``[clean_r ; noisy_r]`` on the Balanced SP layout,
+    per-block timesteps, the teacher-forcing mask) with Wan's interface: per-token timestep
+    ``1000 t``, RoPE ids from the layout's frame positions, the mask to the 2D attention."""
+
+    def __init__(self, layout, groups, geometry: VideoGeometry, patch, channels: int):
+        super().__init__(layout, groups, geometry)
+        self.patch, self.channels = tuple(patch), channels
+
+    def model_call(self, mb: MicroBatch, first_stage: bool) -> Tuple[tuple, dict]:
+        (x, t), kw = super().model_call(mb, first_stage)
+        g = self.geometry
+        positions = kw["frame_positions"] * g.positions + kw["token_ids"] % g.positions
+        return (x, WAN_NUM_TIMESTEPS * t, wan_text(mb), g), dict(
+            attention_mask=kw["mask"], positions=positions
+        )
+
+    def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
+        return super().loss(wan_to_patchify_order(output, self.patch, self.channels), mb)

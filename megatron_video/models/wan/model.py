@@ -597,11 +597,15 @@ def wan_unpatchify(tokens: torch.Tensor, grid, patch, channels: int) -> torch.Te
 class WanModel(MegatronModule):
     """diffusers' ``WanTransformer3DModel`` on Megatron; see the module docstring.
 
-    ``forward(tokens, timestep, text, geometry, image=None)``: ``tokens [b, s_local, C*pt*ph*pw]``
-    this CP rank's patch tokens (``embedders.patchify`` order; first stage), ``timestep [b]`` or
-    per token ``[b, s_local]``, ``text [b, L, text_dim]``, ``image [b, L_img, image_dim]``
-    (I2V), ``geometry`` the global token grid. Returns ``[b, s_local, pt*ph*pw*C_out]`` on the
-    last stage (hidden states ``[s_local, b, D]`` on the others).
+    ``forward(tokens, timestep, text, geometry, image=None, attention_mask=None,
+    positions=None)``: ``tokens [b, s_local, C*pt*ph*pw]`` this CP rank's patch tokens
+    (``embedders.patchify`` order; first stage), ``timestep [b]`` or per token ``[b, s_local]``,
+    ``text [b, L, text_dim]``, ``image [b, L_img, image_dim]`` (I2V), ``geometry`` the global
+    token grid; ``positions [s_local]`` the tokens' ids in ``geometry`` for RoPE (default: the
+    contiguous CP split; the teacher-forcing layout passes its own, both halves sharing them) and
+    ``attention_mask`` the 2D attention's mask (teacher forcing). Returns
+    ``[b, s_local, pt*ph*pw*C_out]`` on the last stage (hidden states ``[s_local, b, D]`` on the
+    others).
     """
 
     def __init__(
@@ -642,9 +646,15 @@ class WanModel(MegatronModule):
         """``(cp_size, cp_rank)`` of the layers (resolved by their one rule)."""
         return self.decoder.layers[0]._cp()
 
-    def _check(self, s: int, timestep, text, geometry):
+    def _check(self, s: int, timestep, text, geometry, positions):
         P, _ = self.cp()
-        if not isinstance(geometry, VideoGeometry) or s * P != geometry.tokens:
+        if positions is not None:
+            if not isinstance(geometry, VideoGeometry) or tuple(positions.shape) != (s,):
+                raise ValueError(
+                    f"positions ({tuple(positions.shape)}) must be [s_local = {s}] global "
+                    f"token ids of geometry ({geometry})"
+                )
+        elif not isinstance(geometry, VideoGeometry) or s * P != geometry.tokens:
             raise ValueError(
                 f"tokens per rank ({s}) x cp_size ({P}) must equal the tokens of "
                 f"geometry ({geometry})"
@@ -666,11 +676,14 @@ class WanModel(MegatronModule):
         geometry: VideoGeometry,
         image: Optional[torch.Tensor] = None,
         attention_mask=None,
+        positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         s = tokens.shape[1] if self.pre_process else self.decoder.input_tensor.shape[0]
-        self._check(s, timestep, text, geometry)
+        self._check(s, timestep, text, geometry, positions)
         _, rank = self.cp()
-        cos, sin = self.rope(torch.arange(rank * s, (rank + 1) * s), geometry)
+        if positions is None:  # the contiguous CP split
+            positions = torch.arange(rank * s, (rank + 1) * s)
+        cos, sin = self.rope(positions, geometry)
         temb, proj, context = self.condition_embedder(timestep, text, image)
         hidden = None
         if self.pre_process:

@@ -136,14 +136,14 @@ def _check_ar_dit(config: Config, world_size: int) -> None:
     pt, ph, pw = m.patch_size
     if pt != 1:
         raise ValueError(
-            f"model.patch_size[0] ({pt}) must be 1 for model.family 'ar_dit' (a "
+            f"model.patch_size[0] ({pt}) must be 1 for model.family {m.family!r} (a "
             f"latent frame is the autoregressive unit)"
         )
     balance = p.ring_balance if p.ring_balance is not None else p.ring_size > 1
     if balance and p.placement == "ring_inner":
         raise ValueError(
             "parallel.ring_balance (True; the default when ring_size > 1) needs "
-            "parallel.placement 'ulysses_inner' for model.family 'ar_dit'; set "
+            f"parallel.placement 'ulysses_inner' for model.family {m.family!r}; set "
             "parallel.ring_balance: false to use 'ring_inner'"
         )
     try:
