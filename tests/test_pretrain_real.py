@@ -67,7 +67,7 @@ def test_documented_lines_carry_what_pretrain_requires(name):
             check_launch_line(tokens[:i] + tokens[i + 2 :])
     with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         check_launch_line(tokens[1:])
-    assert {"cpu", "scaled", "tp2cp2", "stdit", "ar_dit"} <= set(BLOCKS)
+    assert {"cpu", "scaled", "tp2cp2", "stdit", "ar_dit", "wan", "wan_ar"} <= set(BLOCKS)
 
 
 def _provider_model():
@@ -282,6 +282,35 @@ def test_other_dit_families(family, tmp_path):
         "5",
         "--eval-interval",
         "5",
+    )
+    _falls(run["losses"], 5)
+    assert sum(final for _, final, _ in run["evals"]) == 2
+
+
+@pytest.fixture(scope="module")
+def wan_shards(tmp_path_factory):
+    from megatron_video.testing.wan import write_random_latent_shards
+    from megatron_video.training.config import load_config
+
+    out = tmp_path_factory.mktemp("wan_shards")
+    cfg = load_config(str(ROOT / "examples/configs/wan_tiny.yaml"))
+    return write_random_latent_shards(cfg, str(out), num_samples=8)
+
+
+@real
+@pytest.mark.parametrize("family", ["wan", "wan_ar"])
+def test_wan_families(family, wan_shards, tmp_path):
+    run = _run(
+        family,
+        tmp_path / "run",
+        "--train-iters",
+        "5",
+        "--save-interval",
+        "5",
+        "--eval-interval",
+        "5",
+        "--video-override",
+        f"data.shards={wan_shards}",
     )
     _falls(run["losses"], 5)
     assert sum(final for _, final, _ in run["evals"]) == 2

@@ -117,6 +117,24 @@ def test_probe_matches_declared_receptive_field():
         assert _max_err(bare.double(), x, 12, 4, 2) <= 1e-10
 
 
+def test_probe_of_a_no_grad_encoder_equals_the_gradient_probe(wan):
+    """An encoder given as a ``torch.no_grad()``-wrapped callable (the inference idiom) has no
+    gradient to probe; the probe perturbs raw frames instead and finds the same halo, for the
+    project's encoder and for diffusers' Wan VAE."""
+    torch.manual_seed(0)
+    bare = _undeclared(CausalVideoEncoder(3, 4, 8))
+    plain = probe_halo(bare)
+    wrapped = probe_halo(torch.no_grad()(lambda x: bare(x)), in_channels=3)
+    assert (wrapped.halo, wrapped.lookback) == (plain.halo, plain.lookback) == (2, 9)
+
+    def encode(x):
+        return wan.encode(x).latent_dist.mean
+
+    ref = probe_halo(encode, in_channels=3, spatial=(HW, HW))
+    got = probe_halo(torch.no_grad()(encode), in_channels=3, spatial=(HW, HW))
+    assert (got.halo, got.lookback) == (ref.halo, ref.lookback)
+
+
 def test_probe_cached_per_configuration_and_declared_fast_path(monkeypatch):
     calls = []
     real = vae_halo.probe_halo

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -327,30 +328,35 @@ class HaloProbe:
     verified_from: int
 
 
-def _modules_of(encoder: Encoder) -> List[nn.Module]:
-    """The modules an encoder runs: itself, or those a callable closes over / is bound to."""
+def _modules_of(encoder: Encoder, _seen=None) -> List[nn.Module]:
+    """The modules an encoder runs: itself, or those a callable closes over / is bound to,
+    looking through wrappers (``functools.wraps``' ``__wrapped__``, e.g. ``torch.no_grad()(f)``,
+    and functions in its closure)."""
     if isinstance(encoder, nn.Module):
         return [encoder]
-    found = []
+    seen = set() if _seen is None else _seen
+    if id(encoder) in seen:
+        return []
+    seen.add(id(encoder))
+    found, inner = [], [getattr(encoder, "__wrapped__", None)]
     bound = getattr(encoder, "__self__", None)
     if isinstance(bound, nn.Module):
         found.append(bound)
     for cell in getattr(encoder, "__closure__", None) or ():
         try:
-            v = cell.cell_contents
+            inner.append(cell.cell_contents)
         except ValueError:
             continue
-        if isinstance(v, nn.Module):
-            found.append(v)
     code = getattr(encoder, "__code__", None)
     glb = getattr(encoder, "__globals__", {}) or {}
-    if code is not None:
-        for name in code.co_names:
-            if isinstance(glb.get(name), nn.Module):
-                found.append(glb[name])
-    for v in getattr(encoder, "__defaults__", None) or ():
+    direct = [glb.get(name) for name in code.co_names] if code is not None else []
+    direct += list(getattr(encoder, "__defaults__", None) or ())
+    found += [v for v in direct if isinstance(v, nn.Module)]
+    for v in inner:
         if isinstance(v, nn.Module):
             found.append(v)
+        elif inspect.isfunction(v):
+            found += _modules_of(v, seen)
     return list({id(m): m for m in found}.values())
 
 
@@ -427,7 +433,9 @@ def _run(encoder: Encoder, x: torch.Tensor, name: str) -> torch.Tensor:
 
 def _gradient_reach(encoder: Encoder, x, N: int, st: int, cff: bool, g):
     """The raw frames (indices) the gradients of the last and the previous latent of
-    ``encoder(x)`` reach, for one random weight ``w`` drawn from ``g``."""
+    ``encoder(x)`` reach, for one random weight ``w`` drawn from ``g``. An encoder that gives
+    no gradient (e.g. wrapped in ``torch.no_grad()``, the usual inference idiom) is probed by
+    perturbing one raw frame at a time instead (:func:`_perturbation_reach`)."""
     T = x.shape[2]
     with torch.enable_grad():
         x.requires_grad_(True)
@@ -437,12 +445,31 @@ def _gradient_reach(encoder: Encoder, x, N: int, st: int, cff: bool, g):
                 f"encoder produced {out.shape[2]} latents for {T} raw frames; with "
                 f"temporal_stride={st}, causal_first_frame={cff} it must produce {N}"
             )
+        if not out.requires_grad:
+            x.requires_grad_(False)
+            return _perturbation_reach(encoder, x, out.detach(), g)
         w = torch.randn(out[:, :, -1:].shape, generator=g, dtype=out.dtype)
         (g_last,) = torch.autograd.grad((out[:, :, -1:] * w).sum(), x, retain_graph=True)
         (g_prev,) = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
     reach_last = g_last.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
     reach_prev = g_prev.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
     return reach_last, reach_prev
+
+
+def _perturbation_reach(encoder: Encoder, x, out, g):
+    """``_gradient_reach`` without autograd: raw frame ``t`` is in a latent's reach when adding
+    noise to frame ``t`` alone changes that latent (float64: a frame it does not read leaves it
+    bit-identical). One encoder call per raw frame."""
+    changed = []
+    with torch.no_grad():
+        for t in range(x.shape[2]):
+            xt = x.clone()
+            xt[:, :, t] += torch.randn(xt[:, :, t].shape, generator=g, dtype=x.dtype)
+            d = (_run(encoder, xt, "encoder") - out).abs()
+            changed.append((bool(d[:, :, -1].max() > 0), bool(d[:, :, -2].max() > 0)))
+    last = torch.tensor([c[0] for c in changed])
+    prev = torch.tensor([c[1] for c in changed])
+    return last.nonzero().flatten(), prev.nonzero().flatten()
 
 
 def _exact_halo(encoder: Encoder, x, N: int, L: int, h: int, st: int, cff: bool, atol: float):
