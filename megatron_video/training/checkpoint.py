@@ -384,11 +384,14 @@ def save_checkpoint(
     scheduler,
     meta: Optional[dict] = None,
     data_state: Optional[Tuple[str, str]] = None,
+    extra_files: Optional[Dict[str, str]] = None,
 ) -> Path:
     """Collective: save everything for ``step`` atomically; returns the checkpoint folder.
     ``meta`` (the model's shape-defining configuration) is stored to explain a refused resume.
     ``data_state``: ``(name, json_text)`` this rank's data-loader state, written to
     ``dataloader/<name>.json`` (plain JSON, covered by the manifest; ``read_data_state``).
+    ``extra_files``: ``{file name: JSON text}`` rank 0 writes beside the tensors (the family's
+    ``checkpoint_files``), covered by the manifest.
 
     Atomic: the save writes ``iter_XXXXXXX.partial/``, then rank 0 writes a manifest (size and
     SHA-256 of every file), renames the folder to ``iter_XXXXXXX/`` and only then replaces the
@@ -397,6 +400,10 @@ def save_checkpoint(
     the next save."""
     from megatron.core import dist_checkpointing
 
+    for name, text in (extra_files or {}).items():  # on every rank, before any collective
+        if not name or "/" in name or name.startswith(".") or name == MANIFEST_FILE:
+            raise ValueError(f"extra_files name ({name!r}) must be a plain file name")
+        json.loads(text)  # only JSON goes into a checkpoint
     final = checkpoint_path(directory, step)
     partial = final.with_name(final.name + ".partial")
     if dist.get_rank() == 0:
@@ -416,6 +423,8 @@ def save_checkpoint(
         (partial / DATA_STATE_DIR / f"{name}.json").write_text(text)
     dist.barrier()
     if dist.get_rank() == 0:
+        for name, text in (extra_files or {}).items():
+            (partial / name).write_text(text)
         write_manifest(partial)
         if final.exists():  # a re-save of the same step: swap, then drop the old one
             old = final.with_name(final.name + ".old")

@@ -111,6 +111,11 @@ class FamilySpec(abc.ABC):
     def make_objective(self, config, groups, sample: SampleLayout):
         """The objective the trainer calls (``model_call``, ``loss``; ``training.objectives``)."""
 
+    def checkpoint_files(self, config, params_dtype) -> Dict[str, str]:
+        """Extra JSON files (name -> text) each checkpoint of the trainer carries (e.g. what an
+        export reads); covered by the checkpoint's manifest. None by default."""
+        return {}
+
 
 _FAMILIES: Dict[str, FamilySpec] = {}
 

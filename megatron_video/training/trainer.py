@@ -398,6 +398,7 @@ class Trainer:
             self.scheduler,
             meta=self.model_meta,
             data_state=None if state is None else (f"rank{dist.get_rank()}", state),
+            extra_files=self.family.checkpoint_files(self.config, self.tcfg.params_dtype),
         )
 
     def load(self, directory=None, step: Optional[int] = None) -> int:

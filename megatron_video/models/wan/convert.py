@@ -120,6 +120,17 @@ def _params_only(model: WanModel, sd: dict) -> dict:
     return {k: v for k, v in sd.items() if k in names}
 
 
+def checkpoint_meta(full_config: dict, dtype, tensor_parallel: int, pipeline_parallel: int) -> str:
+    """The text of ``CONFIG_FILE``: what ``checkpoint_to_diffusers`` and ``init_from`` read."""
+    meta = dict(
+        diffusers_config=full_config,
+        params_dtype=str(dtype).replace("torch.", ""),
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+    )
+    return json.dumps(meta, indent=1, sort_keys=True)
+
+
 def diffusers_to_checkpoint(
     source, output, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
 ) -> Path:
@@ -143,13 +154,8 @@ def diffusers_to_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         dist_checkpointing.save({"model": model.sharded_state_dict()}, str(partial))
-    meta = dict(
-        diffusers_config=full,
-        params_dtype=str(dtype).replace("torch.", ""),
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-    )
-    (partial / CONFIG_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    meta = checkpoint_meta(full, dtype, tensor_model_parallel_size, pipeline_model_parallel_size)
+    (partial / CONFIG_FILE).write_text(meta)
     write_manifest(partial)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
@@ -184,6 +190,14 @@ def _read_checkpoint_meta(directory) -> tuple:
     return path, meta
 
 
+def weights_request(model) -> dict:
+    """The model's sharded weights to load from a convert or trainer checkpoint: tensors only
+    (the trainer saves no ``_extra_state`` objects)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {k: v for k, v in model.sharded_state_dict().items() if isinstance(v, ShardedTensor)}
+
+
 def _check_against_index(path: Path, request: dict) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -195,6 +209,8 @@ def _check_against_index(path: Path, request: dict) -> None:
     wanted = {
         v.key: tuple(v.global_shape) for v in request.values() if isinstance(v, ShardedTensor)
     }
+    # a trainer's checkpoint also holds the optimizer's state and the RNG states: not weights
+    saved = {k: v for k, v in saved.items() if not k.startswith(("optimizer.", "rng."))}
     for key in sorted(set(saved) | set(wanted)):
         if key not in saved or key not in wanted or saved[key] != wanted[key]:
             raise ValueError(
@@ -206,7 +222,8 @@ def _check_against_index(path: Path, request: dict) -> None:
 
 def checkpoint_to_diffusers(checkpoint, output) -> Path:
     """Write a folder ``WanTransformer3DModel.from_pretrained`` loads (``config.json`` +
-    ``diffusion_pytorch_model.safetensors``) from a checkpoint of ``diffusers_to_checkpoint``."""
+    ``diffusion_pytorch_model.safetensors``) from a checkpoint of ``diffusers_to_checkpoint`` or of
+    ``megatron-video train`` (family ``wan`` / ``wan_ar``)."""
     import diffusers
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
@@ -221,7 +238,7 @@ def checkpoint_to_diffusers(checkpoint, output) -> Path:
     with _one_process():
         cfg = wan_config(full, params_dtype=dtype)
         model = WanModel(cfg, layer_spec=get_wan_layer_spec(cfg))
-        request = model.sharded_state_dict()
+        request = weights_request(model)
         _check_against_index(path, request)
         loaded = dist_checkpointing.load({"model": request}, str(path))["model"]
         model.load_state_dict(loaded, strict=False)

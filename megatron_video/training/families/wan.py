@@ -195,7 +195,7 @@ def _load_init_from(model: WanModel, path) -> None:
     from megatron.core import dist_checkpointing
 
     iter_dir, _ = convert._read_checkpoint_meta(path)
-    request = model.sharded_state_dict()
+    request = convert.weights_request(model)
     convert._check_against_index(iter_dir, request)
     loaded = dist_checkpointing.load({"model": request}, str(iter_dir))["model"]
     model.load_state_dict(loaded, strict=False)
@@ -282,6 +282,21 @@ class WanFamily(DiffusionFamily):
         if config is not None and config.model.init_from is not None:
             _load_init_from(model, config.model.init_from)
         return model
+
+    def checkpoint_files(self, config: Config, params_dtype) -> dict:
+        """``diffusers_config.json``, as ``models.wan.convert`` writes it: ``megatron-video
+        convert --to-diffusers`` exports a trained checkpoint."""
+        from megatron_video.models.wan.convert import CONFIG_FILE, checkpoint_meta
+        from megatron_video.models.wan.interop import full_diffusers_config
+
+        p = config.parallel
+        meta = checkpoint_meta(
+            full_diffusers_config(diffusers_config_of(config)),
+            params_dtype,
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+        )
+        return {CONFIG_FILE: meta}
 
     def megatron_lm_config(self, base, config: Config) -> WanConfig:
         """Megatron-LM's ``base`` for precision, recompute, parallel and fusion settings; Wan's
