@@ -185,6 +185,42 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
     return 0, ""
 
 
+def _start_ranks(config: Config, nproc: int, ranks_per_node: int, target, cpu: bool):
+    """Start the ``nproc`` rank processes (forked from a preloaded forkserver); returns them and
+    the shared array of their progress that the watchdog reads."""
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    port = _free_port()
+    # Ranks fork from a server that imported torch / Megatron once (a fresh import per rank costs
+    # seconds each); the server itself never touches CUDA, so forking stays safe on GPUs.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "megatron.core.parallel_state",
+            "megatron_video.training.trainer",
+        ]
+    )
+    shared = ctx.Array("d", [-1.0, 0.0, 0.0] * nproc, lock=False)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, nproc, port, ranks_per_node, threads, config, shared, target, cpu),
+            daemon=False,
+        )
+        for r in range(nproc)
+    ]
+    print(
+        f"[megatron-video] {nproc} ranks; rank {nproc - 1} logs here, ranks 0-{nproc - 2} to "
+        f"{os.path.dirname(rank_log(config, 0))}/rank<N>.log",
+        file=sys.stderr,
+        flush=True,
+    )
+    for p in procs:
+        p.start()
+    return procs, shared
+
+
 def launch(
     config: Config,
     nproc: int,
@@ -219,36 +255,7 @@ def launch(
 
         train(config, cpu=cpu)
         return 0
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    port = _free_port()
-    # Ranks fork from a server that imported torch / Megatron once (a fresh import per rank costs
-    # seconds each); the server itself never touches CUDA, so forking stays safe on GPUs.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        [
-            "torch",
-            "torch.distributed",
-            "megatron.core.parallel_state",
-            "megatron_video.training.trainer",
-        ]
-    )
-    shared = ctx.Array("d", [-1.0, 0.0, 0.0] * nproc, lock=False)
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, nproc, port, ranks_per_node, threads, config, shared, target, cpu),
-            daemon=False,
-        )
-        for r in range(nproc)
-    ]
-    print(
-        f"[megatron-video] {nproc} ranks; rank {nproc - 1} logs here, ranks 0-{nproc - 2} to "
-        f"{os.path.dirname(rank_log(config, 0))}/rank<N>.log",
-        file=sys.stderr,
-        flush=True,
-    )
-    for p in procs:
-        p.start()
+    procs, shared = _start_ranks(config, nproc, ranks_per_node, target, cpu)
     code, reason = 1, ""
     try:
         code, reason = _watch(procs, shared, config.train.rank_timeout_s)
