@@ -18,6 +18,7 @@ import os
 import time
 
 import torch
+from _attention_setup import N, attention_mask, u2r2_groups
 
 MASKS = ("causal", "block_causal", "teacher_forcing")
 
@@ -33,26 +34,6 @@ def _status(key: str) -> float:
             if line.startswith(key):
                 return int(line.split()[1]) / 1024.0  # MiB
     raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def _mask(name, S, N, U, R):
-    from megatron_video.attention import masks
-    from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
-    from megatron_video.layouts import BalancedSPLayout
-
-    if name == "causal":
-        return masks.causal(), "zigzag"
-    if name == "block_causal":
-        return masks.block_causal(S // 32), "zigzag"  # 32 frames
-    F = 32  # latent frames; [clean; noisy] -> 2 * F * tokens = S
-    lay = BalancedSPLayout(
-        num_latent_frames=F,
-        tokens_per_frame=S // (2 * F),
-        frames_per_block=2,
-        sp_size=N,
-        ring_size=R,
-    )
-    return TeacherForcingMask(lay), "contiguous"
 
 
 def _measure(fn):
@@ -71,22 +52,12 @@ def _rank_bench(seqs, heads, dim, tile, masks_):
     import torch.distributed as dist
 
     from megatron_video.attention import RingStats, dist_attention
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
-    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
 
-    U, R = 2, 2
-    N = U * R
-    initialize_model_parallel(
-        tensor_model_parallel_size=1,
-        context_parallel_size=N,
-        hierarchical_context_parallel_sizes=[U, R],
-    )
-    groups = init_video_parallel(U, R, ranks_per_node=2)
     rows = []
-    try:
+    with u2r2_groups() as groups:
         for S in seqs:
             for name in masks_:
-                mask, scheme = _mask(name, S, N, U, R)
+                mask, scheme = attention_mask(name, S)
                 g = torch.Generator().manual_seed(dist.get_rank())
                 q, k, v = (
                     torch.randn(1, S // N, heads, dim, generator=g).requires_grad_()
@@ -115,9 +86,6 @@ def _rank_bench(seqs, heads, dim, tile, masks_):
                         skipped=(st.tiles_skipped, st.tiles),
                     )
                 )
-    finally:
-        destroy_video_parallel()
-        destroy_model_parallel()
     return rows
 
 

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from _attention_setup import N, R, U, attention_mask, u2r2_groups
 
 MASKS = ("causal", "teacher_forcing")
 H200_FLOPS = 0.6 * 790e12
@@ -60,24 +61,6 @@ _META = {
 }
 
 
-def _mask(name, S, N, R):
-    from megatron_video.attention import masks
-    from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
-    from megatron_video.layouts import BalancedSPLayout
-
-    if name == "causal":
-        return masks.causal(), "zigzag"
-    F = 32
-    lay = BalancedSPLayout(
-        num_latent_frames=F,
-        tokens_per_frame=S // (2 * F),
-        frames_per_block=2,
-        sp_size=N,
-        ring_size=R,
-    )
-    return TeacherForcingMask(lay), "contiguous"
-
-
 class _CommTimer:
     """Seconds spent inside the ``parallel.comm`` primitives the attention uses (patched)."""
 
@@ -106,6 +89,12 @@ class _CommTimer:
                 self.seconds += time.perf_counter() - t0
 
         return f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def close(self):
         for owner, name, orig in self._saved:
@@ -193,24 +182,13 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
     from megatron_video.attention import RingStats, dist_attention
     from megatron_video.attention.plans import PLANS
     from megatron_video.attention.ring import ring_block_plans
-    from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
-    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
 
     torch.set_num_threads(1)
-    U, R = 2, 2
-    N = U * R
-    initialize_model_parallel(
-        tensor_model_parallel_size=1,
-        context_parallel_size=N,
-        hierarchical_context_parallel_sizes=[U, R],
-    )
-    groups = init_video_parallel(U, R, ranks_per_node=2)
-    timer = _CommTimer()
     rows = []
-    try:
+    with u2r2_groups() as groups, _CommTimer() as timer:
         for S in seqs:
             for name in masks_:
-                mask, scheme = _mask(name, S, N, R)
+                mask, scheme = attention_mask(name, S)
                 g = torch.Generator().manual_seed(dist.get_rank())
                 st = RingStats()
 
@@ -257,10 +235,6 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
                         gpu_bwd=2.5 * fwd_flops / H200_FLOPS,
                     )
                 )
-    finally:
-        timer.close()
-        destroy_video_parallel()
-        destroy_model_parallel()
     return rows
 
 

@@ -102,9 +102,10 @@ def edm_sampler(
     """EDM Algorithm 2 on the Karras schedule: Heun steps (``second_order``; Euler on the last
     step to sigma = 0) or Euler steps (one model call per step).
 
-    ``noise`` is unit-variance; the sampler starts at ``noise * sigmas[0]``. ``sigmas`` overrides the
-    Karras schedule. ``churn > 0`` adds the stochastic churn of the paper, drawn from ``noise_fn(x)``
-    if given (e.g. a CP rank slicing its shard out of a global draw) else from ``generator``.
+    ``noise`` is unit-variance; the sampler starts at ``noise * sigmas[0]``. ``sigmas`` overrides
+    the Karras schedule. ``churn > 0`` adds the stochastic churn of the paper, drawn from
+    ``noise_fn(x)`` if given (e.g. a CP rank slicing its shard out of a global draw) else from
+    ``generator``.
     """
     if sigmas is None:
         sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)

@@ -78,7 +78,9 @@ def adaln_branch(x, mods, i: int, norm, f):
 
 
 class DiTLayerBase(TransformerLayer):
-    """Base of the DiT layers; subclasses set the error-message fragments and ``num_modulations``."""
+    """Base of the DiT layers: Megatron's ``forward`` (unused slots checked, ``params`` a
+    ``DiTParams``) calls the subclass's ``_forward``; subclasses set the error-message fragments
+    (``sequence_parallel_reason``, ``cp_order_note``, ``params_what``)."""
 
     # why ``config.sequence_parallel`` cannot be used (completes "... is not supported by X: ")
     sequence_parallel_reason: str = "its sequence is already split by context parallelism"
@@ -200,7 +202,7 @@ class DiTLayerBase(TransformerLayer):
 
     def _check_same_shapes(self, **tensors) -> None:
         """With CP, every CP rank must pass the same shapes (``None`` tensors are skipped)."""
-        if self.config.context_parallel_size > 1:
+        if self._cp()[0] > 1:
             shapes = {k: v for k, v in tensors.items() if v is not None}
             check_same_shape(shapes, self.groups.cp_group, where=type(self).__name__)
 

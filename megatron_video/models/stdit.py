@@ -165,7 +165,8 @@ class STDiTLayer(DiTLayerBase):
 
     # -- forward ------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states, context, params: DiTParams) -> VideoGeometry:
-        """The geometry of ``params``, checked against ``hidden_states`` (layout A) and the CP size."""
+        """The geometry of ``params``, checked against ``hidden_states`` (layout A), the CP size
+        and the conditioning."""
         geometry = self._geometry(params, "the global (t, h, w)")
         P = self._cp()[0]
         t, n = geometry.frames, geometry.positions
@@ -188,7 +189,8 @@ class STDiTLayer(DiTLayerBase):
         return geometry
 
     def _forward(self, hidden_states, context, context_mask, params: DiTParams):
-        """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module docstring."""
+        """``hidden_states [s, b, D]`` (layout A) -> ``([s, b, D], context)``; see the module
+        docstring."""
         geometry = self._check_inputs(hidden_states, context, params)
         P = self._cp()[0]
         t, n = geometry.frames, geometry.positions

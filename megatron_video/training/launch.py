@@ -212,40 +212,9 @@ def _watch(procs, shared, timeout: float) -> Tuple[int, str]:
     return 0, ""
 
 
-def launch(
-    config: Config,
-    nproc: int,
-    ranks_per_node: Optional[int] = None,
-    target: Optional[Callable] = None,
-    cpu: bool = False,
-) -> int:
-    """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success).
-
-    ``cpu``: every rank enters CPU mode (``megatron_video.compat.ensure_cpu_mode``) first.
-
-    ``target(config, heartbeat=...)`` runs on every rank (default: ``trainer.train``). If a rank
-    dies, or no rank makes progress for ``config.train.rank_timeout_s`` seconds, every rank (and
-    anything it forked) is killed, the rank and the step are named on stderr and the exit code is
-    non-zero (docs/reliability.md).
-
-    Workers are not daemonic (Megatron's checkpoint writer forks helpers); each rank runs in its
-    own process group and reports the step it starts in a shared array, which the watchdog
-    reads."""
-    if ranks_per_node is None:
-        ranks_per_node = config.parallel.ranks_per_node or nproc
-    validate(config, nproc)  # again here: launch() is also a library entry
-    if nproc % ranks_per_node:
-        raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide --nproc ({nproc})")
-    from .vae_stage import ensure_vae
-
-    if get_family(config.model.family).needs_vae:
-        ensure_vae(config, progress=config.train.progress)  # once, before the ranks start
-    if nproc == 1 and target is None:
-        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-        from .trainer import train
-
-        train(config, cpu=cpu)
-        return 0
+def _start_ranks(config: Config, nproc: int, ranks_per_node: int, target, cpu: bool):
+    """Start the ``nproc`` rank processes (forked from a preloaded forkserver); returns them and
+    the shared array of their progress that the watchdog reads."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
     port = _free_port()
     # Ranks fork from a server that imported torch / Megatron once (a fresh import per rank costs
@@ -284,6 +253,44 @@ def launch(
             os.environ.pop("PYTHONWARNINGS")
         else:
             os.environ["PYTHONWARNINGS"] = saved_env
+    return procs, shared
+
+
+def launch(
+    config: Config,
+    nproc: int,
+    ranks_per_node: Optional[int] = None,
+    target: Optional[Callable] = None,
+    cpu: bool = False,
+) -> int:
+    """Run ``config`` on ``nproc`` local ranks; returns the exit code (0 = success).
+
+    ``cpu``: every rank enters CPU mode (``megatron_video.compat.ensure_cpu_mode``) first.
+
+    ``target(config, heartbeat=...)`` runs on every rank (default: ``trainer.train``). If a rank
+    dies, or no rank makes progress for ``config.train.rank_timeout_s`` seconds, every rank (and
+    anything it forked) is killed, the rank and the step are named on stderr and the exit code is
+    non-zero (docs/reliability.md).
+
+    Workers are not daemonic (Megatron's checkpoint writer forks helpers); each rank runs in its
+    own process group and reports the step it starts in a shared array, which the watchdog
+    reads."""
+    if ranks_per_node is None:
+        ranks_per_node = config.parallel.ranks_per_node or nproc
+    validate(config, nproc)  # again here: launch() is also a library entry
+    if nproc % ranks_per_node:
+        raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide --nproc ({nproc})")
+    from .vae_stage import ensure_vae
+
+    if get_family(config.model.family).needs_vae:
+        ensure_vae(config, progress=config.train.progress)  # once, before the ranks start
+    if nproc == 1 and target is None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        from .trainer import train
+
+        train(config, cpu=cpu)
+        return 0
+    procs, shared = _start_ranks(config, nproc, ranks_per_node, target, cpu)
     code, reason = 1, ""
     try:
         code, reason = _watch(procs, shared, config.train.rank_timeout_s)
