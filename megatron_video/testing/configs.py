@@ -5,10 +5,23 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-__all__ = ["tiny_config", "load_example", "REPO_ROOT"]
+__all__ = ["tiny_config", "load_example", "REPO_ROOT", "TINY_TRAIN"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _TINY_EXTRAS = {"stdit": dict(stdit_full_attention_layers=[1])}  # per-family extras of tiny_config
+
+
+# the train section of the tiny test configs: 2 quick steps, no outputs (testing.wan uses it too)
+TINY_TRAIN = dict(
+    steps=2,
+    lr=1e-3,
+    warmup_steps=0,
+    sample=False,
+    progress=False,
+    tensorboard=False,
+    save=False,
+    resume=False,
+)
 
 
 def tiny_config(family: str, tmp: str, **parallel):
@@ -32,18 +45,7 @@ def tiny_config(family: str, tmp: str, **parallel):
             data=dict(num_frames=13, height=16, width=16, num_samples=64),
             vae=dict(base_channels=4, train_steps=1, batch_size=1, cache_dir=f"{tmp}/cache"),
             diffusion=dict(cfg_dropout=0.5, sample_steps=3),
-            train=dict(
-                steps=2,
-                micro_batch_size=1,
-                global_batch_size=4,
-                lr=1e-3,
-                warmup_steps=0,
-                sample=False,
-                progress=False,
-                tensorboard=False,
-                save=False,
-                resume=False,
-            ),
+            train=dict(TINY_TRAIN, micro_batch_size=1, global_batch_size=4),
             output=f"{tmp}/run",
         )
     )

@@ -124,6 +124,8 @@ def tiny_wan_config(family: str, tmp, shards, **parallel):
     from megatron_video.training.config import config_from_dict
     from megatron_video.training.families import get_family
 
+    from .configs import TINY_TRAIN
+
     model = dict(
         family=family,
         num_layers=2,
@@ -151,18 +153,8 @@ def tiny_wan_config(family: str, tmp, shards, **parallel):
             diffusion=dict(
                 objective="flow", flow_shift=3.0, flow_distribution="uniform", cfg_dropout=0.5
             ),
-            train=dict(
-                steps=2,
-                seed=4,  # step 0 CFG-drops one of its two samples (wan and wan_ar alike)
-                micro_batch_size=2,
-                lr=1e-3,
-                warmup_steps=0,
-                sample=False,
-                progress=False,
-                tensorboard=False,
-                save=False,
-                resume=False,
-            ),
+            # seed 4: step 0 CFG-drops one of its two samples (wan and wan_ar alike)
+            train=dict(TINY_TRAIN, seed=4, micro_batch_size=2),
             output=f"{tmp}/run",
         )
     )

@@ -102,6 +102,18 @@ _LLM_FIELDS = (
 )
 
 
+def _layout_kwargs(config: Config) -> dict:
+    """The parallel layout and init keywords of ``mmsp.factory``'s builders."""
+    p = config.parallel
+    return dict(
+        tp=p.tensor_model_parallel_size,
+        cp=p.context_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        cp_comm_type=_cp_comm_type(config),
+        init_std=config.model.init_std,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class VideoLLaVAFamily(FamilySpec):
     """``video_llava``: no VAE, its own batches, configs and model builder."""
@@ -109,16 +121,7 @@ class VideoLLaVAFamily(FamilySpec):
     needs_vae: bool = False
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
-        p = config.parallel
-        return video_llava_configs(
-            _sizes(config),
-            tp=p.tensor_model_parallel_size,
-            cp=p.context_parallel_size,
-            pp=p.pipeline_model_parallel_size,
-            cp_comm_type=_cp_comm_type(config),
-            init_std=config.model.init_std,
-            has_gpu=has_gpu,
-        )[0]
+        return video_llava_configs(_sizes(config), **_layout_kwargs(config), has_gpu=has_gpu)[0]
 
     def build_model(
         self,
@@ -130,14 +133,9 @@ class VideoLLaVAFamily(FamilySpec):
     ):
         """``tcfg`` is the LLM's config; the vision encoder and projector take their sizes from
         ``config`` and their precision from ``tcfg``."""
-        p = config.parallel
         return video_llava_model(
             _sizes(config),
-            tp=p.tensor_model_parallel_size,
-            cp=p.context_parallel_size,
-            pp=p.pipeline_model_parallel_size,
-            cp_comm_type=_cp_comm_type(config),
-            init_std=config.model.init_std,
+            **_layout_kwargs(config),
             pre_process=pre_process,
             post_process=post_process,
             language_config=tcfg,
