@@ -146,3 +146,54 @@ def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     # once, not once per rank: the launcher's imports show them; the forkserver, the ranks'
     # spawned helpers (Megatron's async checkpoint writer) and the console rank repeat nothing
     assert warned and all(warned.count(w) == 1 for w in warned), warned
+
+
+def _readme_commands():
+    """Each ``megatron-video ...`` line of the README's fenced blocks (continuations joined,
+    trailing comments dropped), as tokens."""
+    import shlex
+
+    lines, fenced, current = [], False, ""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            continue
+        current += line
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        if current.startswith("megatron-video "):
+            lines.append(shlex.split(current.split("#", 1)[0]))
+        current = ""
+    return lines
+
+
+README_COMMANDS = _readme_commands()
+
+
+@pytest.mark.parametrize("tokens", README_COMMANDS, ids=[" ".join(t[1:3]) for t in README_COMMANDS])
+def test_readme_commands_parse_and_their_configs_validate(tokens):
+    """The README's commands have the flags the CLI takes, and every config a ``train`` line names
+    validates at the world size it launches (each such config is also trained above); the
+    convert lines run in tests/test_wan_io.py (from docs/wan.md), precompute with the Wan VAE and
+    UMT5 in tests/test_wan_train.py; ``my.yaml`` stands for the user's own config."""
+    from megatron_video.training import cli
+    from megatron_video.training.config import load_config, validate
+
+    args = cli._parser().parse_args(tokens[1:])
+    config = getattr(args, "config", None)
+    if tokens[1] != "train" or config == "my.yaml":  # precompute: tests/test_wan_train.py
+        return
+    assert (ROOT / config).is_file(), config
+    cfg = load_config(str(ROOT / config), list(getattr(args, "overrides", []) or []))
+    p = cfg.parallel
+    world = getattr(args, "nproc", None) or (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
+    validate(cfg, world)
+
+
+def test_readme_lists_commands():
+    assert {t[1] for t in README_COMMANDS} >= {"train", "validate", "convert", "precompute"}
