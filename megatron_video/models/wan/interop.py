@@ -62,7 +62,7 @@ def wan_config(diffusers_config: dict, **overrides) -> WanConfig:
     from megatron.core import parallel_state as ps
 
     from megatron_video.compat import device_transformer_config_kwargs
-    from megatron_video.models.wan.model import gelu_tanh
+    from megatron_video.models.wan.model import wan_architecture
 
     c = full_diffusers_config(diffusers_config)
     kw = device_transformer_config_kwargs(
@@ -73,11 +73,7 @@ def wan_config(diffusers_config: dict, **overrides) -> WanConfig:
         kv_channels=c["attention_head_dim"],
         ffn_hidden_size=c["ffn_dim"],
         layernorm_epsilon=c["eps"],
-        add_bias_linear=True,
-        activation_func=gelu_tanh,
-        bias_activation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **wan_architecture(),
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),

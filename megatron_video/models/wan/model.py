@@ -45,6 +45,7 @@ __all__ = [
     "WanModulation",
     "island_dtype",
     "gelu_tanh",
+    "wan_architecture",
     "IMAGE_CONTEXT_TEXT_TOKENS",
 ]
 
@@ -56,6 +57,18 @@ IMAGE_CONTEXT_TEXT_TOKENS = 512
 def island_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where diffusers computes in fp32: max(fp32, dtype) (bf16 -> fp32, float64 stays float64)."""
     return torch.promote_types(torch.float32, dtype)
+
+
+def wan_architecture() -> dict:
+    """The ``TransformerConfig`` settings every Wan model has (biased linears, GELU-tanh FFN, no
+    dropout), whichever config its sizes come from."""
+    return dict(
+        add_bias_linear=True,
+        activation_func=gelu_tanh,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_video.models.wan.model import WanConfig, WanModel, gelu_tanh
+from megatron_video.models.wan.model import WanConfig, WanModel, wan_architecture
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
 from ..config import Config, token_grid_of
@@ -70,11 +70,7 @@ def wan_transformer_config(
         kv_channels=m.hidden_size // m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         layernorm_epsilon=WAN_FIXED["eps"],
-        add_bias_linear=True,
-        activation_func=gelu_tanh,
-        bias_activation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **wan_architecture(),
         init_method_std=m.init_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
