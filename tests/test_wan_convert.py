@@ -21,20 +21,10 @@ from megatron_video.models.wan.convert import checkpoint_to_diffusers, diffusers
 def _model(**extra):
     from diffusers import WanTransformer3DModel
 
+    from megatron_video.testing.wan import TINY_WAN
+
     torch.manual_seed(0)
-    cfg = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=96,
-        num_layers=2,
-        rope_max_seq_len=64,
-    )
-    return WanTransformer3DModel(**{**cfg, **extra})
+    return WanTransformer3DModel(**{**TINY_WAN, **extra})
 
 
 I2V = dict(image_dim=24, added_kv_proj_dim=64)
