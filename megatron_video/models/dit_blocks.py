@@ -364,15 +364,21 @@ class DiTSelfAttention(MegatronModule):
         hidden_states: torch.Tensor,
         attention_mask=None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
+        placement=None,
         **kwargs,
     ):
         """``[s, b, D]`` -> ``([s, b, D], None)``; ``rotary_pos_emb [s, 1|b, 1, d]`` (see
-        ``rope_embedding``); ``attention_mask``: None or a megatron_video ``AttentionMask``."""
+        ``rope_embedding``); ``attention_mask``: None or a megatron_video ``AttentionMask``;
+        ``placement`` (a packed micro-batch's ``layouts.placement.Placement``) goes to the core
+        attention as its keyword when given."""
         angles = None
         if rotary_pos_emb is not None:
             angles = rotary_pos_emb[..., 0, : self.head_dim // 2]  # [s, 1|b, d/2]
         q, k, v = self.qkv(hidden_states, angles)
-        o = self.core_attention(q, k, v, attention_mask, attn_mask_type=self.attn_mask_type)
+        extra = {} if placement is None else {"placement": placement}
+        o = self.core_attention(
+            q, k, v, attention_mask, attn_mask_type=self.attn_mask_type, **extra
+        )
         return self.project(o.view(*o.shape[:2], self.heads, self.head_dim)), None
 
 
@@ -416,9 +422,15 @@ class DiTCrossAttention(MegatronModule):
         _head_norms_and_projection(self, submodules, config, H, hd)
 
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor, context_mask: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``x [b, s, D]``, ``context [b, L, D_c]``, ``context_mask [b, L]`` (True = real text token)."""
+        """``x [b, s, D]``, ``context [b, L, D_c]``, ``context_mask [b, L]`` (True = real text
+        token); ``attention_mask`` (optional) a bool ``[b|1, 1, s, L]`` query x text mask (a
+        packed micro-batch: each clip attends its own caption), ANDed with ``context_mask``."""
         if context.shape[0] != x.shape[0]:
             raise ValueError(
                 f"context batch ({context.shape[0]}) must equal the video batch "
@@ -437,5 +449,14 @@ class DiTCrossAttention(MegatronModule):
                     f"{list(context.shape[:2])}"
                 )
             mask = context_mask.to(torch.bool)[:, None, None, :].expand(-1, 1, x.shape[1], -1)
+        if attention_mask is not None:
+            want = (1, x.shape[1], context.shape[1])
+            if attention_mask.dim() != 4 or tuple(attention_mask.shape[1:]) != want:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} must be [b|1, 1, s, L] "
+                    f"= [b|1, {want[0]}, {want[1]}, {want[2]}]"
+                )
+            am = attention_mask.to(torch.bool)
+            mask = am if mask is None else mask & am
         o = attend(q, k, v, mask)
         return linear_out(self.linear_proj, o.reshape(*x.shape[:-1], self.heads * self.head_dim))

@@ -23,8 +23,11 @@ from megatron.core.utils import make_viewless_tensor
 
 from megatron_video.attention.masks import AttentionMask
 from megatron_video.compat.cp_comm_type import layer_cp_comm_type, megatron_reads_layer_cp_comm_type
+from megatron_video.layouts.packed_video import PackedVideo
+from megatron_video.layouts.placement import Placement
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import AdaLNLoRAModulation, gated, modulate
+from megatron_video.models.packed import check_packed, packed_text_mask
 from megatron_video.parallel.comm import check_same_shape, group_rank
 from megatron_video.parallel.topology import resolve_video_groups
 
@@ -35,6 +38,7 @@ __all__ = [
     "VideoTransformerBlock",
     "mlp_submodule",
     "adaln_branch",
+    "token_adaln_branch",
 ]
 
 
@@ -47,12 +51,20 @@ class DiTParams:
     the self-attention mask on global token ids (AR DiT: teacher forcing); ``rotary_pos_emb``:
     precomputed RoPE in Megatron's ``[s, 1, 1, d]`` format (AR DiT; the others derive it from the
     geometry and their CP rank).
+
+    A packed micro-batch (batch 1, several clips; docs/architecture.md, "Packed micro-batches in
+    the models") sets ``packed`` (the ``PackedVideo``: each token's clip, grid position, side) and
+    ``placement`` (the global ids each CP rank holds; ``None`` only at CP = 1), passed on to the
+    core attention; ``conditioning`` is then ``[num_clips, D]`` per clip (VideoDiT) or ``[s, 1,
+    D]`` per token (AR DiT), and ``attention_mask`` the clips' mask (``models.packed``).
     """
 
     conditioning: torch.Tensor
     geometry: Optional[VideoGeometry] = None
     attention_mask: Optional[AttentionMask] = None
     rotary_pos_emb: Optional[torch.Tensor] = None
+    packed: Optional[PackedVideo] = None
+    placement: Optional[Placement] = None
 
 
 @dataclass
@@ -75,6 +87,12 @@ def adaln_branch(x, mods, i: int, norm, f):
     """``x + gate_i * f(modulate(norm(x), shift_i, scale_i))`` with per-sample ``[b, D]`` chunks."""
     shift, scale, gate = mods[3 * i : 3 * i + 3]
     return x + gated(f(modulate(norm(x), shift, scale)), gate)
+
+
+def token_adaln_branch(x, mods, i: int, norm, f):
+    """``adaln_branch`` with per-token chunks shaped like ``x`` (broadcastable)."""
+    shift, scale, gate = mods[3 * i : 3 * i + 3]
+    return x + gate * f(norm(x) * (1 + scale) + shift)
 
 
 class DiTLayerBase(TransformerLayer):
@@ -229,6 +247,21 @@ class DiTLayerBase(TransformerLayer):
                 f"VideoGeometry; {type(self).__name__} needs {what}"
             )
         return params.geometry
+
+    def _packed_tokens(self, params: DiTParams, hidden_states, kind: str):
+        """``(global ids, clip of each)`` of this CP rank's tokens of a packed micro-batch, after
+        the checks of ``models.packed.check_packed`` (before any collective)."""
+        s, b = hidden_states.shape[:2]
+        ids = check_packed(
+            params.packed, kind, type(self).__name__, params.placement, self._cp(), s, b
+        )
+        return ids, params.packed.clip_of(ids).to(hidden_states.device)
+
+    def _packed_text_mask(self, params: DiTParams, clip, context, context_mask):
+        """Cross-attention mask of a packed micro-batch (each clip its own caption), or None."""
+        if context is None:
+            return None
+        return packed_text_mask(clip, params.packed.num_clips, context_mask, context.shape[0])
 
     def _mlp(self, x):
         # Megatron's linear layers take 3-D activations (their weight-gradient GEMM flattens 3-D)

@@ -167,6 +167,12 @@ class STDiTLayer(DiTLayerBase):
     def _check_inputs(self, hidden_states, context, params: DiTParams) -> VideoGeometry:
         """The geometry of ``params``, checked against ``hidden_states`` (layout A), the CP size
         and the conditioning."""
+        if params.packed is not None:
+            raise ValueError(
+                f"params.packed ({params.packed!r}) is not supported by STDiTLayer: ST-DiT's "
+                f"layouts A / B need a regular frame grid on every CP rank (whole frames of one "
+                f"sample per rank); packed micro-batches run on VideoDiT's full attention"
+            )
         geometry = self._geometry(params, "the global (t, h, w)")
         P = self._cp()[0]
         t, n = geometry.frames, geometry.positions

@@ -18,7 +18,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_video.attention.masks import AttentionMask
 from megatron_video.data.synthetic import VOCAB
+from megatron_video.layouts.packed_video import PackedVideo
+from megatron_video.layouts.placement import Placement
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import TimestepEmbedder
 from megatron_video.models.dit_layer import DiTParams, VideoTransformerBlock
@@ -39,6 +42,12 @@ from megatron_video.models.embedders import (
     PatchEmbed,
     TextEmbedder,
     mark_pipeline_replicated,
+)
+from megatron_video.models.packed import (
+    check_packed,
+    pack_context,
+    packed_attention_mask,
+    per_clip_to_tokens,
 )
 from megatron_video.models.video_dit_layer import VideoDiTLayer  # noqa: F401  (re-exported)
 
@@ -116,6 +125,12 @@ class VideoDiT(MegatronModule):
     ``caption_ids / caption_mask [b, L]``, ``geometry`` the global token grid, ``drop [b]`` bool
     (classifier-free guidance: use the null caption). Returns ``[b, s_local, patch_dim]`` on the
     last stage and the hidden states ``[s_local, b, D]`` on the others.
+
+    A packed micro-batch (docs/architecture.md, "Packed micro-batches in the models"):
+    ``geometry`` a ``PackedVideo`` of full clips, ``tokens [1, s_local, patch_dim]`` the ids
+    ``placement.rank_ids(cp_rank)`` of the packed sequence (``placement`` may be None only at
+    CP = 1), ``timesteps [C]``, ``caption_ids / caption_mask [C, L]`` and ``drop [C]`` per clip;
+    ``mask`` overrides the clips' document mask (tests). ST-DiT refuses it.
     """
 
     def __init__(
@@ -171,7 +186,18 @@ class VideoDiT(MegatronModule):
         caption_mask: torch.Tensor,
         geometry: VideoGeometry,
         drop: Optional[torch.Tensor] = None,
+        placement: Optional[Placement] = None,
+        mask: Optional[AttentionMask] = None,
     ) -> torch.Tensor:
+        if isinstance(geometry, PackedVideo):
+            return self._forward_packed(
+                tokens, timesteps, caption_ids, caption_mask, geometry, drop, placement, mask
+            )
+        if placement is not None or mask is not None:
+            raise ValueError(
+                f"placement ({placement!r}) and mask ({mask!r}) must be None unless geometry is "
+                f"a PackedVideo (a packed micro-batch)"
+            )
         c = self.conditioning(timesteps)
         ctx, ctx_mask = self.text_embedder(caption_ids, caption_mask, drop)
         hidden = None
@@ -193,6 +219,75 @@ class VideoDiT(MegatronModule):
         if not self.post_process:
             return out
         return self.final_layer(out.transpose(0, 1), c)
+
+    def cp_coordinates(self):
+        """``(cp_size, cp_rank)`` of this model (Megatron's CP group; ``(1, 0)`` without CP)."""
+        cp = self.config.context_parallel_size
+        return (cp, parallel_state.get_context_parallel_rank() if cp > 1 else 0)
+
+    def _packed_inputs(self, packed, kind, tokens, width, placement, per_clip):
+        """Checks of a packed forward (before any collective): ``per_clip`` ``{name: tensor}``
+        each ``[num_clips, ...]``; returns this CP rank's global ids and the clip of each."""
+        if self.config.layer_type == "stdit":
+            raise ValueError(
+                "geometry (PackedVideo) is not supported by ST-DiT (layer_type 'stdit'): its "
+                "layouts A / B need a regular frame grid on every CP rank (whole frames of one "
+                "sample per rank); use layer_type 'full' for packed micro-batches"
+            )
+        n = packed.num_clips if isinstance(packed, PackedVideo) else None
+        for name, t in per_clip.items():
+            if t is not None and (t.dim() < 1 or t.shape[0] != n):
+                raise ValueError(
+                    f"{name} ({tuple(t.shape)}) must have one row per clip (num_clips = {n}) "
+                    f"for a packed micro-batch"
+                )
+        s = None if tokens is None else tokens.shape[1]
+        if self.pre_process:
+            if tokens is None or tokens.dim() != 3 or tokens.shape[-1] != width:
+                raise ValueError(
+                    f"tokens ({None if tokens is None else tuple(tokens.shape)}) must be "
+                    f"[1, s_local, {width}] for a packed micro-batch"
+                )
+        b = 1 if tokens is None else tokens.shape[0]
+        if s is None:
+            s = packed.seq_len // self.config.context_parallel_size
+        ids = check_packed(
+            packed, kind, type(self).__name__, placement, self.cp_coordinates(), s, b
+        )
+        return ids, packed.clip_of(ids)
+
+    def _forward_packed(
+        self, tokens, timesteps, caption_ids, caption_mask, packed, drop, place, mask
+    ):
+        """``forward`` on a packed micro-batch (see the class docstring)."""
+        _, clip = self._packed_inputs(
+            packed,
+            "full",
+            tokens,
+            self.config.patch_dim,
+            place,
+            dict(
+                timesteps=timesteps, caption_ids=caption_ids, caption_mask=caption_mask, drop=drop
+            ),
+        )
+        c = self.conditioning(timesteps)  # [C, D]
+        ctx, ctx_mask = pack_context(*self.text_embedder(caption_ids, caption_mask, drop))
+        hidden = None
+        if self.pre_process:
+            hidden = self.patch_embed(tokens).transpose(0, 1).contiguous()
+        params = DiTParams(
+            conditioning=c,
+            attention_mask=packed_attention_mask(packed) if mask is None else mask,
+            packed=packed,
+            placement=place,
+        )
+        out = self.decoder(hidden, params, context=ctx, context_mask=ctx_mask)
+        if isinstance(out, tuple):
+            out = out[0]
+        if not self.post_process:
+            return out
+        c_tok = per_clip_to_tokens(c, clip.to(c.device))[None]  # [1, s_local, D]
+        return self.final_layer(out.transpose(0, 1), c_tok)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
