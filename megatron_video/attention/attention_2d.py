@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..layouts.zigzag import SCHEMES, check_seq_len, concat_global_ids
+from ..layouts.zigzag import SCHEMES, as_placement, check_seq_len, concat_global_ids
 from ..parallel.comm import check_same_shape
 from ..parallel.topology import local_groups
 from . import engine, kernels
@@ -25,8 +25,9 @@ from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 __all__ = ["dist_attention", "ring_token_ids", "resolve_scheme"]
 
 
-def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=None) -> str:
-    """The sequence layout ``dist_attention`` assumes for its inputs: ``scheme`` when given.
+def resolve_scheme(mask: Optional[AttentionMask], scheme, groups=None):
+    """The sequence layout ``dist_attention`` assumes for its inputs: ``scheme`` when given (a
+    name of ``SCHEMES`` or a ``layouts.placement.Placement``).
 
     ``scheme=None`` is accepted only where the layout cannot change the result: one CP rank
     (``groups`` None or ``cp_size == 1``: every layout is the identity) or a mask that ignores
@@ -50,8 +51,10 @@ def resolve_scheme(mask: Optional[AttentionMask], scheme: Optional[str], groups=
             f"layouts.shard_sequence(x, groups, dim=1, scheme=...)); this mask's balanced layout is "
             f"{mask.default_scheme!r}"
         )
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} or None")
+    if as_placement(scheme) is None and scheme not in SCHEMES:
+        raise ValueError(
+            f"scheme ({scheme!r}) must be one of {SCHEMES}, a layouts.placement.Placement or None"
+        )
     return scheme
 
 
@@ -168,11 +171,23 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
         _probe_mask(mask)
 
 
-def _ring_layout(q, k, v, groups, scheme: str):
+def _scheme_code(scheme) -> int:
+    """A small integer naming the layout (a placement by its content), compared across ranks."""
+    placement = as_placement(scheme)
+    if placement is None:
+        return SCHEMES.index(scheme)
+    return len(SCHEMES) + hash(placement) % 4093
+
+
+def _ring_layout(q, k, v, groups, scheme):
     """``(U, R, ulysses group, ring group, ring rank, layout key, ring ids, order, inverse)`` of
     ``groups`` for this ``s_local`` and ``scheme`` (cached per layout); with CP the ranks must
     agree on the shapes and the scheme."""
-    if groups is None:
+    if groups is None and as_placement(scheme) is not None:  # one rank, tokens in its order
+        U, R, ug, rg, ring_rank = 1, 1, None, None, 0
+        layout_key = ((0,), (0,), (0,), 1, 1, "ulysses_inner", q.shape[1], scheme)
+        ring_ids, order, inverse = _layout_on(layout_key, str(q.device))
+    elif groups is None:
         U, R, N, ug, rg, ring_rank = 1, 1, 1, None, None, 0
         layout_key = ("local", q.shape[1])
         ring_ids, order, inverse = _local_ids(q.shape[1]), None, None
@@ -194,7 +209,7 @@ def _ring_layout(q, k, v, groups, scheme: str):
             # The scheme rides along as the length of an empty tensor: ranks that disagree on the
             # layout would otherwise silently compute garbage.
             check_same_shape(
-                {"q": q, "k": k, "v": v, "scheme": torch.empty(SCHEMES.index(scheme))},
+                {"q": q, "k": k, "v": v, "scheme": torch.empty(_scheme_code(scheme))},
                 groups.cp_group,
                 "dist_attention",
             )
@@ -208,7 +223,7 @@ def dist_attention(
     groups=None,
     mask: Optional[AttentionMask] = None,
     softmax_scale: Optional[float] = None,
-    scheme: Optional[str] = None,
+    scheme=None,
     backend: str = "auto",
     stats: Optional[RingStats] = None,
     tile: Optional[int] = None,
@@ -219,8 +234,10 @@ def dist_attention(
     ``layouts.shard_sequence(x, groups, dim=1, scheme=scheme)``; returns ``[b, s_local, h, d]`` in
     the same layout. ``groups`` is a ``VideoParallelGroups`` (None: one process, no communication).
     ``scheme=None``: see ``resolve_scheme`` (exact or ``ValueError``, never a guessed layout); with
-    one CP rank both layouts are the identity and any ``s_local`` is fine. ``tile`` is the engine's
-    tile side in tokens (``attention.engine``; None: ``engine.choose_tile``, 512 aligned to the
+    one CP rank both named layouts are the identity and any ``s_local`` is fine. ``scheme`` may be a
+    ``layouts.placement.Placement`` (per call: packed clips placed by ``plan_placement``); ring
+    sends that no later hop needs are then skipped on both sides (``attention.ring``). ``tile`` is
+    the engine's tile side in tokens (``attention.engine``; None: ``engine.choose_tile``, 512 aligned to the
     mask's frames / blocks); ``backend`` its kernel family (``"auto"``: math for
     float64, FlexAttention on CUDA, torch's fused CPU kernel otherwise). ``stats`` (a ``RingStats``)
     counts ring steps, skipped tiles, kernel calls and the largest mask / score buffer. Input
@@ -229,7 +246,7 @@ def dist_attention(
     that differ between the CP ranks raise ``ValueError`` on every rank instead of hanging.
     """
     scheme = resolve_scheme(mask, scheme, groups)
-    if groups is None or groups.cp_size == 1:
+    if (groups is None or groups.cp_size == 1) and as_placement(scheme) is None:
         scheme = "contiguous"  # one CP rank: both layouts are the identity (any s_local)
     _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5

@@ -15,7 +15,8 @@ control: pass ``groups=init_video_parallel(...)`` in the spec's params, or call
 ``init_video_parallel`` (its groups are used on the CP group they were made for; the one rule is
 ``parallel.topology.resolve_video_groups``, shared with the video-DiT layers). The token layout is
 ``scheme`` over the CP group; the default ``"zigzag"`` is Megatron-LM's ``get_batch_on_this_cp_rank``
-cut (2*CP chunks, CP rank c keeps chunks c and 2CP-1-c).
+cut (2*CP chunks, CP rank c keeps chunks c and 2CP-1-c). A packed micro-batch placed per call
+(``layouts.placement``) passes ``placement=`` to ``forward``, which wins over ``scheme``.
 
 Masks: an ``AttentionMask`` passed as ``attention_mask`` (per call; the video layers use it for
 teacher forcing and the ST-DiT baselines) wins; else ``attn_mask_type`` causal ->
@@ -44,7 +45,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..compat.cp_comm_type import core_cp_comm_type
-from ..layouts.zigzag import SCHEMES
+from ..layouts.zigzag import SCHEMES, as_placement
 from ..parallel.comm import check_same_shape
 from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, resolve_video_groups
 from . import masks as masks_mod
@@ -154,8 +155,14 @@ class DistAttention2D(MegatronModule):
         attn_mask_type=None,
         attention_bias=None,
         packed_seq_params=None,
+        placement=None,
         **kwargs,
     ):
+        if placement is not None and as_placement(placement) is None:
+            raise ValueError(
+                f"placement ({type(placement).__name__}) must be None or a "
+                f"megatron_video.layouts.placement.Placement"
+            )
         if attention_bias is not None:
             raise ValueError(
                 f"attention_bias ({type(attention_bias).__name__} "
@@ -187,7 +194,7 @@ class DistAttention2D(MegatronModule):
             groups,
             mask=mask,
             softmax_scale=self.softmax_scale,
-            scheme=self.scheme,
+            scheme=self.scheme if placement is None else placement,
             backend=self.backend,
         )
         if thd:

@@ -14,6 +14,7 @@ from ..parallel.comm import check_dim
 
 __all__ = [
     "SCHEMES",
+    "as_placement",
     "check_seq_len",
     "zigzag_global_ids",
     "contiguous_global_ids",
@@ -33,8 +34,24 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
 
 
-def check_seq_len(seq_len: int, cp_size: int, scheme: str) -> None:
-    """Raise ``ValueError`` unless ``seq_len`` can be laid out over ``cp_size`` ranks by ``scheme``."""
+def as_placement(scheme):
+    """``scheme`` if it is a ``layouts.placement.Placement`` (a planned layout), else None."""
+    from .placement import Placement  # placement builds on this module
+
+    return scheme if isinstance(scheme, Placement) else None
+
+
+def check_seq_len(seq_len: int, cp_size: int, scheme) -> None:
+    """Raise ``ValueError`` unless ``seq_len`` can be laid out over ``cp_size`` ranks by ``scheme``
+    (a name of ``SCHEMES`` or a ``Placement`` over exactly these ranks and tokens)."""
+    placement = as_placement(scheme)
+    if placement is not None:
+        if placement.cp_size != cp_size or placement.seq_len != seq_len:
+            raise ValueError(
+                f"scheme ({placement!r}) must place seq_len ({seq_len}) tokens over cp_size "
+                f"({cp_size}) ranks"
+            )
+        return
     if scheme not in SCHEMES:
         raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES}")
     _check_int("cp_size", cp_size, 1)
@@ -80,10 +97,14 @@ def shard_global_ids(
     ``parallel.topology``). ``"contiguous"``: rank ``c`` holds tokens ``[c*S/N, (c+1)*S/N)``.
     ``"zigzag"``: the sequence is cut into ``2N`` chunks; rank ``c`` holds chunk ``c`` followed by
     chunk ``2N-1-c`` (the layout Megatron's ``get_batch_on_this_cp_rank`` produces), so every rank
-    gets the same causal work. Nothing is recorded: the consumer of a layout
+    gets the same causal work. A ``layouts.placement.Placement`` gives its own rows (packed clips
+    placed by ``plan_placement``). Nothing is recorded: the consumer of a layout
     (``attention.dist_attention(..., scheme=...)``) is told the scheme explicitly.
     """
     check_seq_len(seq_len, cp_size, scheme)
+    placement = as_placement(scheme)
+    if placement is not None:
+        return placement.rank_ids(cp_rank)
     fn = zigzag_global_ids if scheme == "zigzag" else contiguous_global_ids
     return fn(cp_rank, cp_size, seq_len)
 
@@ -96,6 +117,10 @@ def shard_owner(
     g = torch.as_tensor(global_ids, dtype=torch.long)
     if g.numel() and (int(g.min()) < 0 or int(g.max()) >= seq_len):
         raise ValueError(f"global_ids must lie in [0, seq_len) = [0, {seq_len})")
+    placement = as_placement(scheme)
+    if placement is not None:
+        rank, local = placement.owner()
+        return rank[g], local[g]
     if scheme == "contiguous":
         n = seq_len // cp_size
         return g // n, g % n
