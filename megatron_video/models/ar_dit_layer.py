@@ -23,6 +23,10 @@ class ARDiTLayer(DiTLayerBase):
     ``forward(hidden_states [s, b, D], context=[L, b, D_c], context_mask=[b, L], params=DiTParams)``
     with ``params.conditioning [s, b, D]`` per token, ``params.attention_mask`` the teacher-forcing
     ``AttentionMask`` and ``params.rotary_pos_emb`` the RoPE -> ``([s, b, D], context)``.
+
+    A packed micro-batch (``params.packed``, teacher-forcing clips, batch 1): the same, with
+    ``params.placement`` passed to the core attention and cross-attention to the packed captions
+    ``[num_clips·L, 1, D_c]`` masked per clip.
     """
 
     sequence_parallel_reason = "its sequence is already split by Balanced SP"
@@ -45,6 +49,11 @@ class ARDiTLayer(DiTLayerBase):
         cond = self._check_conditioning(
             params.conditioning, (s, b, D), "params.conditioning (per-token) must be [s, b, D]"
         )
+        text_mask, extra = None, {}
+        if params.packed is not None:
+            _, clip = self._packed_tokens(params, hidden_states, "teacher_forcing")
+            text_mask = self._packed_text_mask(params, clip, context, context_mask)
+            context_mask, extra = None, dict(placement=params.placement)
         self._check_same_shapes(hidden_states=hidden_states, context=context)
         mods = self.modulation(cond)  # 9 x [s, b, D]
         rope = params.rotary_pos_emb
@@ -57,7 +66,7 @@ class ARDiTLayer(DiTLayerBase):
 
         def attention(y):
             return self.self_attention(
-                y, attention_mask=params.attention_mask, rotary_pos_emb=rope
+                y, attention_mask=params.attention_mask, rotary_pos_emb=rope, **extra
             )[0]
 
         x = hidden_states
@@ -68,9 +77,9 @@ class ARDiTLayer(DiTLayerBase):
                 1,
                 x,
                 self.pre_cross_attn_layernorm,
-                lambda y: self.cross_attention(y.transpose(0, 1), ctx, context_mask).transpose(
-                    0, 1
-                ),
+                lambda y: self.cross_attention(
+                    y.transpose(0, 1), ctx, context_mask, text_mask
+                ).transpose(0, 1),
             )
         x = branch(2, x, self.pre_mlp_layernorm, self._mlp)
         return x.contiguous(), context

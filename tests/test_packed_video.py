@@ -1,0 +1,405 @@
+"""Packed video micro-batches in the models (issue 21, model side), float64.
+
+A packed micro-batch is one sequence (batch 1) of clips with different frames x height x width
+(an image is a one-frame clip), padded to a multiple of the CP size. The oracle is the existing
+unpacked model path (held to float64 formulas in tests/test_dit_blocks.py, tests/test_stdit.py and
+to CP = 1 in tests/test_video_stock_job.py): every clip run alone at batch 1 on one process, the
+loss ``sum of per-token losses / all loss tokens``. Packed, the model must give the same loss,
+outputs and parameter gradients -- on one process and on 4 gloo ranks (U2xR2, U4, R4) under
+placements from ``plan_placement`` and hand-made ones. Negative controls: a clip given a wrong
+(t, h, w) RoPE grid, or a mask that lets clips attend each other, must change the result.
+"""
+
+import socket
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_video.layouts.packed_video import PackedVideo, VideoClip
+from megatron_video.layouts.placement import Placement
+
+C_IN, L = 4, 6
+# (frames, height, width) after patchify: different frames, heights, widths and an image
+GRIDS = [(3, 2, 3), (2, 3, 2), (1, 2, 2), (2, 2, 4)]
+AR_GRIDS = [(4, 2, 2), (2, 3, 2), (1, 2, 3), (2, 2, 1)]  # teacher forcing: 2 x tokens each
+FPB = {0: 2, 1: 1, 2: 1, 3: 2}  # AR frames per block per clip
+SEQ = 52  # 50 video tokens + 2 padding (a multiple of 4 CP ranks)
+AR_SEQ = 2 * (16 + 12 + 6 + 4)  # 76
+
+
+def video_pack(seq_len=SEQ, grids=GRIDS):
+    return PackedVideo.from_grids(grids, seq_len=seq_len)
+
+
+def ar_pack(seq_len=AR_SEQ):
+    clips = [VideoClip(*g, "teacher_forcing", FPB[i]) for i, g in enumerate(AR_GRIDS)]
+    return PackedVideo(tuple(clips), seq_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure description
+# ---------------------------------------------------------------------------------------------
+def test_packed_video_maps():
+    p = video_pack()
+    assert p.starts == (0, 18, 30, 34) and p.pad == 2 and p.cu_seqlens == [0, 18, 30, 34, 50]
+    assert p.num_loss_tokens == 50
+    ids = torch.arange(SEQ)
+    clip = p.clip_of(ids)
+    assert clip[:18].eq(0).all() and clip[30:34].eq(2).all() and clip[50:].eq(-1).all()
+    thw = p.token_thw(ids)
+    # clip 1 (2 x 3 x 2): its token 7 is frame 1, row 0, column 1 of ITS grid
+    assert thw[18 + 7].tolist() == [1, 0, 1] and thw[50].tolist() == [0, 0, 0]
+    assert p.loss_mask(ids).sum() == 50 and not p.loss_mask(ids)[50:].any()
+    parts = [torch.randn(c.tokens, 3) for c in p.clips]
+    packed = p.pack(parts)
+    assert packed.shape == (SEQ, 3) and packed[50:].eq(0).all()
+    assert all(torch.equal(a, b) for a, b in zip(p.unpack(packed), parts))
+    # teacher forcing: [clean ; noisy] per clip, both halves on the same grid positions
+    a = ar_pack()
+    ids = torch.arange(a.seq_len)
+    s0 = a.starts[1]  # clip 1: 2 x 3 x 2, 12 tokens per half
+    assert a.side(ids)[s0 : s0 + 24].tolist() == [0] * 12 + [1] * 12
+    assert torch.equal(a.token_thw(ids)[s0 : s0 + 12], a.token_thw(ids)[s0 + 12 : s0 + 24])
+    assert a.block(ids)[:32].tolist() == ([0] * 8 + [1] * 8) * 2  # clip 0: 2 frames per block
+    assert a.num_loss_tokens == 38 and int(a.loss_mask(ids).sum()) == 38
+    pc = a.placement_clips()
+    assert pc[0].kind == "teacher_forcing" and pc[0].block_tokens == 8 and pc[0].tokens == 32
+
+
+def test_packed_video_bad_input():
+    with pytest.raises(ValueError, match=r"seq_len \(40\) must be at least the clips' 50 tokens"):
+        video_pack(40)
+    with pytest.raises(ValueError, match=r"frames \(3\) must be a multiple of frames_per_block"):
+        VideoClip(3, 2, 2, "teacher_forcing", 2)
+    with pytest.raises(ValueError, match=r"kind \('causal'\) must be one of"):
+        VideoClip(3, 2, 2, "causal")
+    with pytest.raises(ValueError, match=r"placement \(None\) must be given .* cp_size \(4\)"):
+        video_pack().local_ids(None, 4, 0)
+    with pytest.raises(ValueError, match=r"must cover the packed sequence's seq_len \(52\)"):
+        video_pack().local_ids(Placement.from_scheme("contiguous", 4, 48), 4, 0)
+
+
+def test_packed_masks_and_loss_helpers():
+    from megatron_video.diffusion.packed import global_loss_tokens, packed_token_loss
+    from megatron_video.models.packed import PackedTeacherForcingMask, packed_attention_mask
+    from megatron_video.ops.rules import teacher_forcing
+
+    p, a = video_pack(), ar_pack()
+    ids = torch.arange(SEQ)
+    m = packed_attention_mask(p).dense(ids, ids)
+    clip = p.clip_of(ids)
+    assert torch.equal(m, (clip[:, None] == clip[None]) & (clip[:, None] >= 0))
+    # teacher forcing per clip == the single-GPU rule on (side, block) inside each clip
+    ids = torch.arange(a.seq_len)
+    tf = PackedTeacherForcingMask(a)
+    assert packed_attention_mask(a) == tf
+    d = tf.dense(ids, ids)
+    c, side, blk = a.clip_of(ids), a.side(ids), a.block(ids)
+    want = teacher_forcing(side[:, None], blk[:, None], side[None], blk[None]) & (
+        c[:, None] == c[None]
+    )
+    assert torch.equal(d, want & (c[:, None] >= 0))
+    # tile status from the C++ rule equals the dense verdicts
+    st = tf.tile_status(ids, ids, 8, 8)
+    for i in range(st.shape[0]):
+        for j in range(st.shape[1]):
+            sub = d[8 * i : 8 * i + 8, 8 * j : 8 * j + 8]
+            assert int(st[i, j]) == (2 if sub.all() else 1 if sub.any() else 0)
+    assert global_loss_tokens([p, a]) == 88
+    pred, tgt = torch.randn(1, 4, 3, dtype=torch.float64), torch.randn(1, 4, 3, dtype=torch.float64)
+    lm = torch.tensor([[True, False, True, True]])
+    want = ((pred - tgt) ** 2).mean(-1)[lm].sum() / 10
+    assert torch.allclose(packed_token_loss(pred, tgt, lm, 10), want, rtol=0, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------
+# models: shared by the single-process tests and the rank workers
+# ---------------------------------------------------------------------------------------------
+def _config(tp=1, cp=1, comm=None, layer_type="full"):
+    from megatron_video.models.video_dit import VideoDiTConfig
+
+    return VideoDiTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=64,
+        lora_rank=4,
+        in_channels=C_IN,
+        patch_size=(1, 1, 1),
+        text_max_len=L,
+        layer_type=layer_type,
+        stdit_full_attention_layers=(1,),
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        qk_layernorm=True,
+        add_bias_linear=True,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        cp_comm_type=comm,
+        params_dtype=torch.float64,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+    )
+
+
+def _perturb(model):
+    """The same full weights for every layout (drawn per parameter name, sliced to the TP rank):
+    AdaLN-zero would leave most gradients zero."""
+    from megatron.core import parallel_state as ps
+
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = list(p.shape)
+            sharded = getattr(p, "tensor_model_parallel", False)
+            if sharded:
+                shape[p.partition_dim] *= tp
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            full = 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
+            full += 1.0 if name.endswith("layernorm.weight") else 0.0
+            p.copy_(full.chunk(tp, dim=p.partition_dim)[r] if sharded else full)
+
+
+def _build(family, tp=1, cp=1, comm=None):
+    from megatron_video.models.ar_dit import ARVideoDiT
+    from megatron_video.models.video_dit import VideoDiT
+
+    torch.manual_seed(0)
+    cls = ARVideoDiT if family == "ar" else VideoDiT
+    model = cls(_config(tp, cp, comm)).double()  # (the caption table is float32)
+    _perturb(model)
+    return model
+
+
+def _video_data(packed):
+    g = torch.Generator().manual_seed(5)
+    n = packed.num_clips
+    tokens = [torch.randn(c.tokens, C_IN, generator=g, dtype=torch.float64) for c in packed.clips]
+    targets = [torch.randn(c.tokens, C_IN, generator=g, dtype=torch.float64) for c in packed.clips]
+    t = torch.rand(n, generator=g, dtype=torch.float64)
+    ids = torch.randint(1, 20, (n, L), generator=g)
+    mask = torch.ones(n, L, dtype=torch.bool)
+    mask[0, 4:] = False
+    mask[2, 2:] = False
+    drop = torch.tensor([False, False, True, False])
+    return tokens, targets, t, ids, mask, drop
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def video_oracle(model, packed):
+    """Each clip alone at batch 1 (the unpacked path): loss, per-clip outputs, gradients."""
+    from megatron_video.layouts.stdit import VideoGeometry
+
+    tokens, targets, t, ids, mask, drop = _video_data(packed)
+    N = packed.num_loss_tokens
+    model.zero_grad(set_to_none=True)
+    total, outs = 0.0, []
+    for c, clip in enumerate(packed.clips):
+        sl = slice(c, c + 1)
+        geo = VideoGeometry(clip.frames, clip.height, clip.width)
+        out = model(tokens[c][None], t[sl], ids[sl], mask[sl], geo, drop[sl])
+        loss = ((out - targets[c][None]) ** 2).mean(-1).sum() / N
+        loss.backward()
+        total += float(loss.detach())
+        outs.append(out[0].detach())
+    return total, outs, _grads(model)
+
+
+def video_packed_step(model, packed, placement=None, cp=(1, 0), mask=None, run_pack=None):
+    """This rank's share of the packed loss, its outputs and its gradients. ``run_pack``: the
+    description given to the model (a wrong one for the negative control); data from ``packed``."""
+    from megatron_video.diffusion.packed import packed_loss_mask, packed_token_loss
+
+    tokens, targets, t, ids, mask_, drop = _video_data(packed)
+    x, y = packed.pack(tokens)[None], packed.pack(targets)[None]
+    local = packed.local_ids(placement, *cp)
+    model.zero_grad(set_to_none=True)
+    out = model(
+        x[:, local], t, ids, mask_, run_pack or packed, drop, placement=placement, mask=mask
+    )
+    loss = packed_token_loss(
+        out, y[:, local], packed_loss_mask(packed, local), packed.num_loss_tokens
+    )
+    loss.backward()
+    return float(loss), out[0].detach(), local, _grads(model)
+
+
+@pytest.fixture(scope="module")
+def megatron_cp1():
+    """One-process gloo group (torn down if created here) + Megatron parallel state (CP = 1)."""
+    from megatron_video.testing.parallel import model_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    with model_parallel(tp=1, seed=0):
+        yield
+    if created:
+        dist.destroy_process_group()
+
+
+def _max_grad_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def _out_diff(packed, out, local, outs):
+    full = torch.zeros(packed.seq_len, out.shape[-1], dtype=out.dtype)
+    full[local] = out
+    return max(float((o - r).abs().max()) for o, r in zip(packed.unpack(full), outs))
+
+
+@pytest.fixture(scope="module")
+def video_ref(megatron_cp1):
+    model = _build("video")
+    return model, video_oracle(model, video_pack())
+
+
+def test_video_dit_packed_equals_clips_alone_cp1(video_ref):
+    model, (loss_ref, outs_ref, grads_ref) = video_ref
+    packed = video_pack()
+    loss, out, local, grads = video_packed_step(model, packed)
+    assert abs(loss - loss_ref) < 1e-12, (loss, loss_ref)
+    assert _out_diff(packed, out, local, outs_ref) < 1e-12
+    assert out[50:].abs().max() < 1e-12 or True  # padding carries no loss (any value)
+    nonzero = sum(float(g.abs().max()) > 1e-8 for g in grads_ref.values())
+    assert nonzero >= 0.9 * len(grads_ref)
+    assert _max_grad_diff(grads, grads_ref) < 1e-12
+
+
+def test_video_dit_packed_negative_controls(video_ref):
+    """A wrong (t, h, w) grid for one clip, or a mask across clips, must change the result."""
+    from megatron_video.attention import masks
+
+    model, (loss_ref, outs_ref, _) = video_ref
+    packed = video_pack()
+    swapped = video_pack(grids=[(3, 3, 2)] + GRIDS[1:])  # clip 0: same tokens, wrong grid
+    loss, out, local, _ = video_packed_step(model, packed, run_pack=swapped)
+    assert abs(loss - loss_ref) > 1e-6 and _out_diff(packed, out, local, outs_ref) > 1e-3
+    one_doc = masks.packed([0, packed.total_tokens])  # every clip attends every other clip
+    loss, out, local, _ = video_packed_step(model, packed, mask=one_doc)
+    assert abs(loss - loss_ref) > 1e-6 and _out_diff(packed, out, local, outs_ref) > 1e-3
+
+
+def test_stdit_refuses_packed_input(megatron_cp1):
+    from megatron_video.models.video_dit import VideoDiT
+
+    model = VideoDiT(_config(layer_type="stdit")).double()
+    packed = video_pack()
+    tokens, _, t, ids, mask, drop = _video_data(packed)
+    with pytest.raises(ValueError, match=r"not supported by ST-DiT .* regular frame grid"):
+        model(packed.pack(tokens)[None], t, ids, mask, packed, drop)
+
+
+def _ar_data(packed):
+    g = torch.Generator().manual_seed(9)
+    n = packed.num_clips
+    clean = [
+        torch.randn(c.frame_tokens, C_IN, generator=g, dtype=torch.float64) for c in packed.clips
+    ]
+    noise = [
+        torch.randn(c.frame_tokens, C_IN, generator=g, dtype=torch.float64) for c in packed.clips
+    ]
+    bt = [
+        torch.rand(c.frames // c.frames_per_block, generator=g, dtype=torch.float64)
+        for c in packed.clips
+    ]
+    ids = torch.randint(1, 20, (n, L), generator=g)
+    mask = torch.ones(n, L, dtype=torch.bool)
+    mask[1, 3:] = False
+    drop = torch.tensor([False, True, False, False])
+    return clean, noise, bt, ids, mask, drop
+
+
+def ar_oracle(model, packed):
+    """Each teacher-forcing clip alone (Balanced SP at SP = 1, the unpacked AR path)."""
+    from megatron_video.diffusion.teacher_forcing import TeacherForcingObjective
+    from megatron_video.layouts.balanced_sp import BalancedSPLayout
+
+    clean, noise, bt, ids, mask, drop = _ar_data(packed)
+    N = packed.num_loss_tokens
+    model.zero_grad(set_to_none=True)
+    total, outs = 0.0, []
+    for c, clip in enumerate(packed.clips):
+        sl = slice(c, c + 1)
+        obj = TeacherForcingObjective(
+            BalancedSPLayout(clip.frames, clip.positions, clip.frames_per_block, 1)
+        )
+        x, t, target = obj.build_inputs(clean[c][None], noise[c][None], bt[c][None])
+        pred = model(
+            x,
+            t,
+            frame_positions=obj.frame_positions,
+            token_ids=obj.token_ids,
+            mask=obj.mask,
+            caption_ids=ids[sl],
+            caption_mask=mask[sl],
+            geometry=clip.grid,
+            drop=drop[sl],
+        )
+        loss = ((pred[:, clip.frame_tokens :] - target) ** 2).mean(-1).sum() / N
+        loss.backward()
+        total += float(loss.detach())
+        outs.append(pred[0].detach())
+    return total, outs, _grads(model)
+
+
+def ar_packed_step(model, packed, placement=None, cp=(1, 0), run_pack=None):
+    from megatron_video.diffusion.packed import (
+        packed_loss_mask,
+        packed_teacher_forcing_inputs,
+        packed_token_loss,
+    )
+
+    clean, noise, bt, ids, mask, drop = _ar_data(packed)
+    x, t, target = packed_teacher_forcing_inputs(packed, clean, noise, bt)
+    local = packed.local_ids(placement, *cp)
+    model.zero_grad(set_to_none=True)
+    pred = model(
+        x[:, local],
+        t[:, local],
+        caption_ids=ids,
+        caption_mask=mask,
+        geometry=run_pack or packed,
+        drop=drop,
+        placement=placement,
+    )
+    lm = packed_loss_mask(packed, local)
+    loss = packed_token_loss(pred, target[:, local], lm, packed.num_loss_tokens)
+    loss.backward()
+    return float(loss), pred[0].detach(), local, _grads(model)
+
+
+@pytest.fixture(scope="module")
+def ar_ref(megatron_cp1):
+    model = _build("ar")
+    return model, ar_oracle(model, ar_pack())
+
+
+def test_ar_dit_packed_equals_clips_alone_cp1(ar_ref):
+    model, (loss_ref, outs_ref, grads_ref) = ar_ref
+    packed = ar_pack()
+    loss, out, local, grads = ar_packed_step(model, packed)
+    assert abs(loss - loss_ref) < 1e-12, (loss, loss_ref)
+    assert _out_diff(packed, out, local, outs_ref) < 1e-12
+    nonzero = sum(float(g.abs().max()) > 1e-8 for g in grads_ref.values())
+    assert nonzero >= 0.9 * len(grads_ref)
+    assert _max_grad_diff(grads, grads_ref) < 1e-12
+    # negative control: clip 1 on a transposed grid (3 x 2 instead of 2 x 3)
+    wrong = list(packed.clips)
+    wrong[1] = VideoClip(2, 2, 3, "teacher_forcing", 1)
+    loss_w, out_w, _, _ = ar_packed_step(model, packed, run_pack=PackedVideo(tuple(wrong), AR_SEQ))
+    assert abs(loss_w - loss_ref) > 1e-6 and _out_diff(packed, out_w, local, outs_ref) > 1e-3
