@@ -25,8 +25,8 @@ C_IN, L = 4, 6
 GRIDS = [(3, 2, 3), (2, 3, 2), (1, 2, 2), (2, 2, 4)]
 AR_GRIDS = [(4, 2, 2), (2, 3, 2), (1, 2, 3), (2, 2, 1)]  # teacher forcing: 2 x tokens each
 FPB = {0: 2, 1: 1, 2: 1, 3: 2}  # AR frames per block per clip
-SEQ = 52  # 50 video tokens + 2 padding (a multiple of 4 CP ranks)
-AR_SEQ = 2 * (16 + 12 + 6 + 4)  # 76
+SEQ = 56  # 50 video tokens + 6 padding (zigzag over 4 CP ranks needs a multiple of 8)
+AR_SEQ = 80  # 2 x (16 + 12 + 6 + 4) = 76 tokens + 4 padding (even per ring rank)
 
 
 def video_pack(seq_len=SEQ, grids=GRIDS):
@@ -43,7 +43,7 @@ def ar_pack(seq_len=AR_SEQ):
 # ---------------------------------------------------------------------------------------------
 def test_packed_video_maps():
     p = video_pack()
-    assert p.starts == (0, 18, 30, 34) and p.pad == 2 and p.cu_seqlens == [0, 18, 30, 34, 50]
+    assert p.starts == (0, 18, 30, 34) and p.pad == 6 and p.cu_seqlens == [0, 18, 30, 34, 50]
     assert p.num_loss_tokens == 50
     ids = torch.arange(SEQ)
     clip = p.clip_of(ids)
@@ -77,7 +77,7 @@ def test_packed_video_bad_input():
         VideoClip(3, 2, 2, "causal")
     with pytest.raises(ValueError, match=r"placement \(None\) must be given .* cp_size \(4\)"):
         video_pack().local_ids(None, 4, 0)
-    with pytest.raises(ValueError, match=r"must cover the packed sequence's seq_len \(52\)"):
+    with pytest.raises(ValueError, match=r"must cover the packed sequence's seq_len \(56\)"):
         video_pack().local_ids(Placement.from_scheme("contiguous", 4, 48), 4, 0)
 
 
@@ -231,7 +231,7 @@ def video_packed_step(model, packed, placement=None, cp=(1, 0), mask=None, run_p
         out, y[:, local], packed_loss_mask(packed, local), packed.num_loss_tokens
     )
     loss.backward()
-    return float(loss), out[0].detach(), local, _grads(model)
+    return float(loss.detach()), out[0].detach(), local, _grads(model)
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +380,7 @@ def ar_packed_step(model, packed, placement=None, cp=(1, 0), run_pack=None):
     lm = packed_loss_mask(packed, local)
     loss = packed_token_loss(pred, target[:, local], lm, packed.num_loss_tokens)
     loss.backward()
-    return float(loss), pred[0].detach(), local, _grads(model)
+    return float(loss.detach()), pred[0].detach(), local, _grads(model)
 
 
 @pytest.fixture(scope="module")
@@ -403,3 +403,121 @@ def test_ar_dit_packed_equals_clips_alone_cp1(ar_ref):
     wrong[1] = VideoClip(2, 2, 3, "teacher_forcing", 1)
     loss_w, out_w, _, _ = ar_packed_step(model, packed, run_pack=PackedVideo(tuple(wrong), AR_SEQ))
     assert abs(loss_w - loss_ref) > 1e-6 and _out_diff(packed, out_w, local, outs_ref) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# 4 gloo ranks: U2xR2, U4, R4, TP2xCP2 under planned, split, zigzag and hand-made placements
+# ---------------------------------------------------------------------------------------------
+# name -> (tp, cp, Megatron's hierarchical CP sizes, cp_comm_type, U, R)
+LAYOUTS = {
+    "u2xr2": (1, 4, [2, 2], "a2a+p2p", 2, 2),
+    "u4": (1, 4, None, "a2a", 4, 1),
+    "r4": (1, 4, None, "p2p", 1, 4),
+    "tp2xcp2": (2, 2, None, "p2p", 1, 2),
+}
+# layout -> placements: "planned" (plan_placement: short clips whole on a ring rank), "split"
+# (a pairs-only cost model: long clips split over the ring), "zigzag" (every clip cut by the
+# static 2·CP-chunk scheme), "random" (a hand-made permutation of the ids)
+PLACEMENTS = {
+    "u2xr2": ("planned", "split", "zigzag", "random"),
+    "u4": ("planned", "zigzag"),
+    "r4": ("planned", "random"),
+    "tp2xcp2": ("planned",),
+}
+
+
+def _placement(packed, kind, U, R):
+    from megatron_video.layouts.placement import CostModel
+
+    if kind == "planned":
+        return packed.plan(U, R).placement
+    if kind == "split":
+        return packed.plan(U, R, CostModel(token=0.0, ring_token=0.0)).placement
+    if kind == "zigzag":
+        return Placement.from_scheme("zigzag", U * R, packed.seq_len)
+    perm = torch.randperm(packed.seq_len, generator=torch.Generator().manual_seed(3))
+    return Placement(perm.view(U * R, -1), name="random")
+
+
+def _reduced_grads(grads, model):
+    """Gradients as Megatron's DDP / finalize_model_grads leave them: summed over CP (the loss is
+    a sum of per-rank shares), QK-norm weights also summed over TP; ``(grad, partition dim)``."""
+    from megatron.core import parallel_state as ps
+
+    cp_group, tp = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, p in model.named_parameters():
+        g = grads[name]
+        dist.all_reduce(g, group=cp_group)
+        if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+        out[name] = (g, p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+    return out
+
+
+def _rank_cases(family, layouts):
+    """The ``layouts`` (names of LAYOUTS) with their placements: ``{(layout, placement): result}``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.testing.parallel import model_parallel
+
+    packed = video_pack() if family == "video" else ar_pack()
+    step = video_packed_step if family == "video" else ar_packed_step
+    results = {}
+    for name in layouts:
+        tp, cp, hier, comm, U, R = LAYOUTS[name]
+        with model_parallel(tp=tp, cp=cp, hierarchical_cp=hier, seed=0):
+            model = _build(family, tp, cp, comm)
+            rank = ps.get_context_parallel_rank()
+            for kind in PLACEMENTS[name]:
+                placement = _placement(packed, kind, U, R)
+                loss, out, local, grads = step(model, packed, placement, (cp, rank))
+                total = torch.tensor(loss, dtype=torch.float64)
+                dist.all_reduce(total, group=ps.get_context_parallel_group())
+                results[(name, kind)] = dict(
+                    loss=float(total),
+                    out=out,
+                    local=local,
+                    grads=_reduced_grads(grads, model),
+                    tp=(tp, ps.get_tensor_model_parallel_rank()),
+                )
+    return results
+
+
+def _check_multi_rank(per_rank, packed, ref):
+    loss_ref, outs_ref, grads_ref = ref
+    worst = {}
+    for key in per_rank[0]:
+        full = torch.zeros(packed.seq_len, C_IN, dtype=torch.float64)
+        for res in per_rank:
+            full[res[key]["local"]] = res[key]["out"]
+        d_out = max(float((o - r).abs().max()) for o, r in zip(packed.unpack(full), outs_ref))
+        d_loss = max(abs(res[key]["loss"] - loss_ref) for res in per_rank)
+        d_grad = 0.0
+        for res in per_rank:
+            tp, tp_rank = res[key]["tp"]
+            assert res[key]["grads"].keys() == grads_ref.keys(), key
+            for n, (g, dim) in res[key]["grads"].items():
+                want = grads_ref[n] if dim is None else grads_ref[n].chunk(tp, dim=dim)[tp_rank]
+                d_grad = max(d_grad, float((g - want).abs().max()))
+        worst[key] = (d_loss, d_out, d_grad)
+        assert d_loss < 1e-12 and d_out < 1e-11 and d_grad < 1e-11, (key, worst[key])
+    return worst
+
+
+def _run_layouts(pool4, family):
+    """2 simulated nodes x 2 ranks (the all-to-all inside a node); U4 on one node of 4."""
+    two_nodes = pool4.run(_rank_cases, family, ["u2xr2", "r4", "tp2xcp2"], ranks_per_node=2)
+    one_node = pool4.run(_rank_cases, family, ["u4"], ranks_per_node=4)
+    return [{**a, **b} for a, b in zip(two_nodes, one_node)]
+
+
+@pytest.mark.parametrize("family", ["video", "ar"])
+def test_packed_on_4_ranks_equals_clips_alone(pool4, request, family):
+    """VideoDiT (T2V) and the AR DiT (teacher forcing) at U2xR2, U4, R4 and TP2xCP2 under
+    planned, split, zigzag and hand-made placements: loss, outputs and CP-summed gradients equal
+    every clip run alone on one process."""
+    _, ref = request.getfixturevalue(f"{family}_ref")
+    per_rank = _run_layouts(pool4, family)
+    worst = _check_multi_rank(per_rank, video_pack() if family == "video" else ar_pack(), ref)
+    print(family, {k: tuple(f"{x:.1e}" for x in v) for k, v in worst.items()})
