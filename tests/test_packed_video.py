@@ -357,7 +357,7 @@ def ar_oracle(model, packed):
     return total, outs, _grads(model)
 
 
-def ar_packed_step(model, packed, placement=None, cp=(1, 0), run_pack=None):
+def ar_packed_step(model, packed, placement=None, cp=(1, 0), mask=None, run_pack=None):
     from megatron_video.diffusion.packed import (
         packed_loss_mask,
         packed_teacher_forcing_inputs,
@@ -376,6 +376,7 @@ def ar_packed_step(model, packed, placement=None, cp=(1, 0), run_pack=None):
         geometry=run_pack or packed,
         drop=drop,
         placement=placement,
+        mask=mask,
     )
     lm = packed_loss_mask(packed, local)
     loss = packed_token_loss(pred, target[:, local], lm, packed.num_loss_tokens)
@@ -439,6 +440,23 @@ def _placement(packed, kind, U, R):
     return Placement(perm.view(U * R, -1), name="random")
 
 
+def _cross_clip_mask(packed):
+    """Negative control: the right rule inside clips, but clips attend each other (full: one
+    document over all clips; teacher forcing: the rule on (side, block) without the clip)."""
+    from megatron_video.attention import masks
+    from megatron_video.models.packed import PackedTeacherForcingMask
+    from megatron_video.ops.masks import TokenIds
+
+    if packed.kinds == ("full",):
+        return masks.packed([0, packed.total_tokens])
+
+    class AcrossClips(PackedTeacherForcingMask):
+        def identities(self, ids, role):
+            return TokenIds(side=self.packed.side(ids), block=self.packed.block(ids))
+
+    return AcrossClips(packed)
+
+
 def _reduced_grads(grads, model):
     """Gradients as Megatron's DDP / finalize_model_grads leave them: summed over CP (the loss is
     a sum of per-rank shares), QK-norm weights also summed over TP; ``(grad, partition dim)``."""
@@ -469,9 +487,11 @@ def _rank_cases(family, layouts):
         with model_parallel(tp=tp, cp=cp, hierarchical_cp=hier, seed=0):
             model = _build(family, tp, cp, comm)
             rank = ps.get_context_parallel_rank()
-            for kind in PLACEMENTS[name]:
-                placement = _placement(packed, kind, U, R)
-                loss, out, local, grads = step(model, packed, placement, (cp, rank))
+            kinds = PLACEMENTS[name] + (("negative",) if name == "u2xr2" else ())
+            for kind in kinds:
+                placement = _placement(packed, "planned" if kind == "negative" else kind, U, R)
+                mask = _cross_clip_mask(packed) if kind == "negative" else None
+                loss, out, local, grads = step(model, packed, placement, (cp, rank), mask)
                 total = torch.tensor(loss, dtype=torch.float64)
                 dist.all_reduce(total, group=ps.get_context_parallel_group())
                 results[(name, kind)] = dict(
@@ -501,6 +521,9 @@ def _check_multi_rank(per_rank, packed, ref):
                 want = grads_ref[n] if dim is None else grads_ref[n].chunk(tp, dim=dim)[tp_rank]
                 d_grad = max(d_grad, float((g - want).abs().max()))
         worst[key] = (d_loss, d_out, d_grad)
+        if key[1] == "negative":  # the cross-clip mask must not pass
+            assert d_loss > 1e-6 and d_out > 1e-3 and d_grad > 1e-6, (key, worst[key])
+            continue
         assert d_loss < 1e-12 and d_out < 1e-11 and d_grad < 1e-11, (key, worst[key])
     return worst
 
