@@ -108,7 +108,7 @@ def _visible_pairs(blocks) -> int:
 
     n = 0
     for bp in blocks:
-        for i, c in enumerate(bp.calls):
+        for i, c in enumerate(bp.calls if bp is not None else ()):
             nq, nk = c.q.stop - c.q.start, c.k.stop - c.k.start
             if c.kind == FULL:
                 n += nq * nk
@@ -217,7 +217,7 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
 
                 kernel = engine.engine_backend("auto", torch.empty(1))
                 tile = engine.choose_tile(mask, kernel, torch.device("cpu"))
-                blocks = ring_block_plans(
+                _, blocks = ring_block_plans(
                     None, _ring_ids(groups, S, scheme), groups.ring_rank, mask, tile, kernel
                 )
                 pairs = _visible_pairs(blocks) // U  # this rank's heads: H / U of them

@@ -176,7 +176,7 @@ def _scheme_code(scheme) -> int:
     placement = as_placement(scheme)
     if placement is None:
         return SCHEMES.index(scheme)
-    return len(SCHEMES) + hash(placement) % 4093
+    return len(SCHEMES) + int(placement.digest[:3], 16)
 
 
 def _ring_layout(q, k, v, groups, scheme):

@@ -131,6 +131,12 @@ class AttentionMask(metaclass=_Frozen):
             return False
         return is_lower_triangle(self.dense(q_ids, k_ids))
 
+    def keys_needed(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """Bool ``[len(k_ids)]``: keys that some query of ``q_ids`` may attend (a superset is
+        fine), or None for "all of them" (the default). Ring attention sends only these keys
+        to a ring rank holding ``q_ids``."""
+        return None
+
     def mask_mod(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Callable:
         """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``."""
 
@@ -286,6 +292,12 @@ class _Packed(RuleMask):
                 doc=doc, block=torch.div(rel, self.inner.block_tokens, rounding_mode="floor")
             )
         return _ops.TokenIds(doc=doc, pos=rel)
+
+    def keys_needed(self, q_ids, k_ids):
+        """Keys of the documents the queries are in (padding attends nothing)."""
+        dq, _ = self._doc(q_ids)
+        dk, _ = self._doc(k_ids)
+        return torch.isin(dk, dq[dq >= 0])
 
     def tile_status(self, q_ids, k_ids, q_tile, k_tile):
         if self.rule is None:

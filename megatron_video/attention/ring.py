@@ -13,13 +13,59 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..parallel.comm import RingExchange
+from ..parallel.comm import RingExchange, record_skipped
 from . import engine, kernels
 from .engine import EngineStats as RingStats
 from .engine import id_runs
 from .masks import AttentionMask
 
-__all__ = ["RingStats", "RingPlan", "id_runs", "ring_attention"]
+__all__ = ["RingStats", "RingPlan", "RingRoutes", "id_runs", "ring_attention", "ring_routes"]
+
+
+@dataclass(frozen=True)
+class RingRoutes:
+    """How far each ring rank's K/V travel (pure function of the ids and the mask).
+
+    The K/V of ring rank ``j`` visit ``j+1, j+2, ...`` (hop ``i`` is rank ``(j+i) % R``). ``keep[j]``:
+    the positions of ``j``'s keys that some other ring rank's queries may attend (None: all), the
+    only ones that leave ``j``; ``last[j]``: the last hop that needs them (0: they never leave);
+    ``first[j]``: the first such hop (``R``: none), where their dK/dV partial sums start to travel
+    home (hop ``R``) the same way. A send is skipped only if no later hop needs what it carries.
+    """
+
+    keep: tuple
+    last: tuple
+    first: tuple
+
+    def kv_leaves(self, j: int, hop: int, ring_size: int) -> bool:
+        """K/V of ``j`` go from hop ``hop`` to ``hop + 1``."""
+        return hop < ring_size - 1 and hop + 1 <= self.last[j]
+
+    def grads_leave(self, j: int, hop: int) -> bool:
+        """dK/dV partial sums of ``j`` go from hop ``hop`` to ``hop + 1`` (``R``: home)."""
+        return self.first[j] <= hop
+
+    def kept(self, j: int, ring_size: int) -> int:
+        return self.keep[j].numel() if self.keep[j] is not None else ring_size
+
+
+def ring_routes(ids: Sequence[torch.Tensor], mask: Optional[AttentionMask]) -> RingRoutes:
+    """``RingRoutes`` of ring ranks holding ``ids[j]`` (global ids) under ``mask``."""
+    R = len(ids)
+    keep, last, first = [], [], []
+    for j in range(R):
+        hops, used, every = [], torch.zeros(ids[j].numel(), dtype=torch.bool), False
+        for i in range(1, R):
+            need = None if mask is None else mask.keys_needed(ids[(j + i) % R], ids[j])
+            if need is None or bool(need.any()):
+                hops.append(i)
+                every = every or need is None
+                used = used if need is None else used | need
+        whole = not hops or every or bool(used.all())
+        keep.append(None if whole else torch.nonzero(used).flatten())
+        last.append(max(hops, default=0))
+        first.append(min(hops, default=R))
+    return RingRoutes(tuple(keep), tuple(last), tuple(first))
 
 
 @dataclass
@@ -27,9 +73,9 @@ class RingPlan:
     """Everything rank-specific that ring attention needs; ``ids[j]`` = global ids of ring rank j.
 
     ``backend`` is the engine's kernel family (``engine.engine_backend``), ``tile`` its tile size;
-    ``blocks[j]`` the engine plan of this rank's queries against ring rank ``j``'s keys (``None``:
-    built here, uncached, e.g. for a hand-made plan) and ``ids_key`` what determines ``ids``
-    (hashable; ``None``: the plans are not kept in the cache).
+    ``blocks[j]`` the engine plan of this rank's queries against the keys of ring rank ``j`` that
+    reach it (``routes``; None: none do), and ``ids_key`` what determines ``ids`` (hashable;
+    ``None``: the plans are not kept in the cache). Both are built here when not given.
     """
 
     group: object
@@ -42,16 +88,17 @@ class RingPlan:
     stats: Optional[RingStats] = None
     tag: str = "ring"
     tile: int = engine.DEFAULT_TILE
-    blocks: Optional[Sequence[engine.BlockPlan]] = None
+    blocks: Optional[Sequence[Optional[engine.BlockPlan]]] = None
     ids_key: Optional[tuple] = None
     device: str = "cpu"
     # K/V are this call's own copies (gathered by the all-to-all / reordered): the backward may
     # drop them once they are on the ring, instead of autograd keeping them to its end
     release_kv: bool = False
+    routes: Optional[RingRoutes] = None
 
     def __post_init__(self):
-        if self.blocks is None:
-            self.blocks = ring_block_plans(
+        if self.blocks is None or self.routes is None:
+            self.routes, self.blocks = ring_block_plans(
                 self.ids_key,
                 self.ids,
                 self.ring_rank,
@@ -62,9 +109,24 @@ class RingPlan:
                 self.stats,
             )
 
-    def block(self, j: int) -> engine.BlockPlan:
-        """The engine plan of this rank's queries against ring rank ``j``'s keys."""
+    def block(self, j: int) -> Optional[engine.BlockPlan]:
+        """The engine plan of this rank's queries against the keys of ring rank ``j`` it gets."""
         return self.blocks[j]
+
+
+def _reached_plans(ids, ring_rank, mask, tile, backend, stats):
+    routes = ring_routes(ids, mask)
+    R, r = len(ids), ring_rank
+    blocks = []
+    for j, k_ids in enumerate(ids):
+        hop = (r - j) % R
+        if hop > routes.last[j]:  # never reaches this rank: nothing its queries may attend
+            blocks.append(None)
+            continue
+        if hop and routes.keep[j] is not None:
+            k_ids = k_ids[routes.keep[j]]
+        blocks.append(engine.plan_for(ids[r], k_ids, mask, tile, backend, stats))
+    return routes, tuple(blocks)
 
 
 def ring_block_plans(
@@ -77,20 +139,47 @@ def ring_block_plans(
     device="cpu",
     stats=None,
 ) -> tuple:
-    """The engine plans of ring rank ``ring_rank``'s queries against every ring rank's keys, one
-    cache entry for the whole ring (``ids_key`` None: built, not kept)."""
+    """``(routes, plans)``: the ring's ``RingRoutes`` and the engine plans of ring rank
+    ``ring_rank``'s queries against the keys of every ring rank that reach it, one cache entry for
+    the whole ring (``ids_key`` None: built, not kept)."""
     debug = engine._debug()
     key = (
         None
         if ids_key is None
         else ("ring", ids_key, ring_rank, mask, tile, backend, str(device), debug)
     )
-    return engine.PLANS.get(
-        key,
-        lambda: tuple(
-            engine.plan_for(ids[ring_rank], k_ids, mask, tile, backend, stats) for k_ids in ids
-        ),
-    )
+    return engine.PLANS.get(key, lambda: _reached_plans(ids, ring_rank, mask, tile, backend, stats))
+
+
+def _kv_buffers(like: torch.Tensor, n: int, count: int = 2, dtype=None) -> list:
+    shape = (like.shape[0], n, *like.shape[2:])
+    return [torch.empty(shape, dtype=dtype or like.dtype, device=like.device) for _ in range(count)]
+
+
+def _kv_exchange(
+    plan: RingPlan, i: int, cur, like, full: int, extra_send=(), extra_recv=(), direction="fwd"
+):
+    """Post step ``i``'s ring exchange: the K/V held (origin ``r - i``) when a later hop needs
+    them (only the kept keys; at hop 0 cut from the full block), plus ``extra_*``; skipped sends
+    and receives are counted on each side. Returns the exchange (None when nothing moves) and
+    whether K/V arrive."""
+    R, r, routes = plan.ring_size, plan.ring_rank, plan.routes
+    j, j_in = (r - i) % R, (r - 1 - i) % R
+    kv_out = routes.kv_leaves(j, i, R)
+    kv_in = routes.kv_leaves(j_in, i, R)
+    send = list(extra_send)
+    if kv_out:
+        keep = routes.keep[j] if i == 0 else None
+        send = [x.index_select(1, keep) if keep is not None else x for x in cur] + send
+    recv = list(extra_recv)
+    if kv_in:
+        recv = _kv_buffers(like, _kept(routes, j_in, full)) + recv
+    if i < R - 1:
+        record_skipped(plan.group, 2 * (not kv_out), 2 * (not kv_in), f"{plan.tag}.kv", direction)
+    if not send and not recv:
+        return None, kv_in
+    tag = f"{plan.tag}.kv" if direction == "fwd" else f"{plan.tag}.bwd"
+    return RingExchange(send, plan.group, 1, tag=tag, direction=direction, recv=recv), kv_in
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
@@ -98,63 +187,42 @@ def _ring_forward(q, k, v, plan: RingPlan):
         None  # accumulators [b, h, s, d], [b, h, s]: the first block's output when it can be
     )
     R, r = plan.ring_size, plan.ring_rank
-    cur_k, cur_v = k.contiguous(), v.contiguous()  # P2P buffers must be dense
+    cur = [k.contiguous(), v.contiguous()]  # P2P buffers must be dense; [] once K/V stop here
     for i in range(R):
         j = (r - i) % R
-        ex = (
-            RingExchange([cur_k, cur_v], plan.group, 1, tag=f"{plan.tag}.kv", direction="fwd")
-            if i < R - 1
-            else None
-        )  # posted before this block's compute: overlap
-        bp = plan.block(j)
-        if plan.stats is not None:
-            plan.stats._plan("fwd", bp)
-        if i > 0 and out is None:
-            out, lse = engine.accumulators(q)
-        out, lse = engine.block_forward(
-            out,
-            lse,
-            q,
-            cur_k,
-            cur_v,
-            bp,
-            plan.softmax_scale,
-            plan.backend,
-            plan.stats,
-            fresh=i == 0,
-        )
-        if ex is not None:
-            cur_k, cur_v = ex.wait()
+        ex, kv_in = _kv_exchange(plan, i, cur, k, k.shape[1]) if i < R - 1 else (None, False)
+        bp = plan.block(j)  # posted before this block's compute: overlap
+        if bp is not None:
+            if plan.stats is not None:
+                plan.stats._plan("fwd", bp)
+            if i > 0 and out is None:
+                out, lse = engine.accumulators(q)
+            out, lse = engine.block_forward(
+                out,
+                lse,
+                q,
+                cur[0],
+                cur[1],
+                bp,
+                plan.softmax_scale,
+                plan.backend,
+                plan.stats,
+                fresh=i == 0,
+            )
+        recv = ex.wait() if ex is not None else []
+        cur = recv[:2] if kv_in else []
     if out is None:  # one ring rank, no visible pair
         out, lse = engine.accumulators(q)
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
-    """``kv = [k, v]``, emptied here: the only references left are the ring's own."""
-    R, r = plan.ring_size, plan.ring_rank
-    k_like = torch.empty(
-        (*kv[0].shape[:2], 0, kv[0].shape[3]), dtype=kv[0].dtype, device=kv[0].device
-    )  # shape / dtype / device of k, no storage
-    hk, h, k_dtype = kv[0].shape[2], q.shape[2], kv[0].dtype
-    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # exp(s - inf) = 0 for dead rows
-    dout = dout.transpose(1, 2).to(q.dtype)  # [b, h, s, d] view, like out
-    cur_k, cur_v = (x.contiguous() for x in kv)
-    kv.clear()
-    dq = None  # the first kernel gradient that covers all rows becomes it (no zero fill)
-    own = None  # (dk, dv) this rank's queries contributed to its own block (step 0)
-    travel = None  # partial (dk, dv) of the block computed at the previous step, to pass on
-    for i in range(R):
-        j = (r - i) % R
-        send = ([cur_k, cur_v] if i < R - 1 else []) + (list(travel) if travel is not None else [])
-        travel = None
-        ex = (
-            RingExchange(send, plan.group, 1, tag=f"{plan.tag}.bwd", direction="bwd")
-            if send
-            else None
-        )
-        del send
-        bp = plan.block(j)
+def _block_grads(plan: RingPlan, j: int, dq, dout, q, cur, out, lse):
+    """``(dq, dk, dv)`` after block ``j`` (dk / dv over the keys held, K/V heads, accumulation
+    dtype; zeros when no query attends them)."""
+    h, hk = q.shape[2], cur[0].shape[2]
+    bp = plan.block(j)
+    dk = dv = None
+    if bp is not None:
         if plan.stats is not None:
             plan.stats._plan("bwd", bp)
         dq, dk, dv = engine.block_backward(
@@ -163,8 +231,8 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
             None,
             dout,
             q,
-            cur_k,
-            cur_v,
+            cur[0],
+            cur[1],
             out,
             lse,
             bp,
@@ -173,30 +241,77 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
             plan.stats,
             fresh=True,
         )
-        dk = engine._grad_zeros(k_like, h) if dk is None else dk  # q's heads; reduced below
-        dv = engine._grad_zeros(k_like, h) if dv is None else dv
-        dk, dv = kernels._reduce_kv(dk, hk), kernels._reduce_kv(dv, hk)
+    dk = engine._grad_zeros(cur[0], h) if dk is None else dk  # q's heads; reduced below
+    dv = engine._grad_zeros(cur[1], h) if dv is None else dv
+    return dq, kernels._reduce_kv(dk, hk), kernels._reduce_kv(dv, hk)
+
+
+def _kept(routes: RingRoutes, j: int, full: int) -> int:
+    """Keys of ring rank ``j`` that leave it (``full``: all of its block)."""
+    return full if routes.keep[j] is None else routes.keep[j].numel()
+
+
+def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
+    """``kv = [k, v]``, emptied here: the only references left are the ring's own. K/V travel as
+    in the forward; the dK/dV partial sums of each block follow one hop behind from the first hop
+    that needs it, and go home after the last (``RingRoutes``)."""
+    R, r, routes = plan.ring_size, plan.ring_rank, plan.routes
+    k_dtype = kv[0].dtype
+    acc = kernels.accumulation_dtype(k_dtype)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # exp(s - inf) = 0 for dead rows
+    dout = dout.transpose(1, 2).to(q.dtype)  # [b, h, s, d] view, like out
+    cur = [x.contiguous() for x in kv]
+    kv.clear()
+    like, full = cur[0][:, :0], cur[0].shape[1]  # shape / dtype / device of k, no storage
+    dq = None  # the first kernel gradient that covers all rows becomes it (no zero fill)
+    own = None  # (dk, dv) this rank's queries contributed to its own block (step 0)
+    travel = []  # partial (dk, dv) of the block computed at the previous step, to pass on
+    for i in range(R):
+        j = (r - i) % R
+        tr_in = i >= 1 and routes.grads_leave(j, i - 1)  # partial sums of block j, from r - 1
+        tr_recv = _kv_buffers(like, _kept(routes, j, full), dtype=acc) if tr_in else []
+        if i >= 2:  # where an unrouted ring sends partial sums on (from step 2 on)
+            record_skipped(plan.group, 2 * (not travel), 2 * (not tr_in), f"{plan.tag}.bwd", "bwd")
+        ex, kv_in = _kv_exchange(plan, i, cur, like, full, travel, tr_recv, direction="bwd")
+        travel = []
+        dk = dv = None
+        if cur:
+            dq, dk, dv = _block_grads(plan, j, dq, dout, q, cur, out, lse)
         recv = ex.wait() if ex is not None else []
         ex = None
-        if i < R - 1:
-            cur_k, cur_v = recv[:2]
-            recv = recv[2:]
-        else:
-            cur_k = cur_v = None  # the last block's K/V are done with: free before the home hop
+        cur, recv = (recv[:2], recv[2:]) if kv_in else ([], recv)
         if i == 0:
             own = (dk, dv)
-        else:
-            # The partial sums received now belong to block j (rank r-1 computed it last step).
-            travel = (dk.add_(recv[0]), dv.add_(recv[1])) if recv else (dk, dv)
+        elif tr_in:  # received partial sums belong to block j (rank r-1 computed it last step)
+            travel = [recv[0].add_(dk), recv[1].add_(dv)] if dk is not None else recv
+        elif routes.grads_leave(j, i):
+            travel = [dk, dv]
         del dk, dv, recv
-    if travel is not None:  # last hop: the finished partial sums go home to their owner
-        ex = RingExchange(list(travel), plan.group, 1, tag=f"{plan.tag}.bwd", direction="bwd")
-        travel = None
+    home_in = R > 1 and routes.grads_leave(r, R - 1)
+    if R > 1:
+        record_skipped(plan.group, 2 * (not travel), 2 * (not home_in), f"{plan.tag}.bwd", "bwd")
+    if travel or home_in:  # last hop: the finished partial sums go home to their owner
+        n = _kept(routes, r, full)
+        ex = RingExchange(
+            travel,
+            plan.group,
+            1,
+            tag=f"{plan.tag}.bwd",
+            direction="bwd",
+            recv=_kv_buffers(like, n, dtype=acc) if home_in else [],
+        )
+        travel = []
         home = ex.wait()
         ex = None
-        own = (own[0].add_(home[0]), own[1].add_(home[1]))
+        if home_in and routes.keep[r] is None:
+            own = (own[0].add_(home[0]), own[1].add_(home[1]))
+        elif home_in:
+            own = (
+                own[0].index_add_(1, routes.keep[r], home[0]),
+                own[1].index_add_(1, routes.keep[r], home[1]),
+            )
         del home
-    dq = engine._grad_zeros(q, h) if dq is None else dq
+    dq = engine._grad_zeros(q, q.shape[2]) if dq is None else dq
     return dq.to(q.dtype), own[0].to(k_dtype), own[1].to(k_dtype)
 
 

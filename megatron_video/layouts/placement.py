@@ -158,6 +158,11 @@ class Placement:
     def seq_len(self) -> int:
         return self._ids.numel()
 
+    @property
+    def digest(self) -> str:
+        """Hex digest of the ids: the same on every process (Python's ``hash`` is not)."""
+        return self._key[2]
+
     def rank_ids(self, cp_rank: int) -> torch.Tensor:
         """CP rank ``cp_rank``'s global ids in its local order (a copy)."""
         _int("cp_rank", cp_rank, 0)

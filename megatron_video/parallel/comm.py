@@ -22,6 +22,7 @@ __all__ = [
     "all_to_all_single",
     "ring_shift",
     "RingExchange",
+    "record_skipped",
     "check_same_shape",
     "check_dim",
     "group_ranks",
@@ -129,6 +130,15 @@ def _ranks_per_node() -> int:
 def _same_node(global_ranks: Sequence[int]) -> bool:
     rpn = _ranks_per_node()
     return len({r // rpn for r in global_ranks}) <= 1
+
+
+def record_skipped(group, sends: int, recvs: int, tag: str, direction: str) -> None:
+    """Count ring sends a plan skipped (``op="skip_send"``, ``"skip_recv"``: one event per tensor
+    not sent / not received, 0 bytes), on the side that skips them."""
+    for _ in range(sends):
+        _record("skip_send", group, 0, tag, direction)
+    for _ in range(recvs):
+        _record("skip_recv", group, 0, tag, direction)
 
 
 def _record(
@@ -518,23 +528,32 @@ class RingExchange:
         shift: int = 1,
         tag: str = "",
         direction: str = "fwd",
+        recv: Optional[Sequence[torch.Tensor]] = None,
     ):
         ranks = group_ranks(group)
         n = len(ranks)
         me = group_rank(group)
         self.dst = ranks[(me + shift) % n]
         self.src = ranks[(me - shift) % n]
-        # contiguous receive buffers: gloo rejects strided ones, and senders send contiguous data
-        self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         self._reqs = []
         if self.dst == ranks[me]:  # shift % n == 0 (e.g. a ring of one): nothing leaves this rank
             self.recv = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-            tensors = []
+            self._sent = None
+            return
+        # contiguous receive buffers: gloo rejects strided ones, and senders send contiguous data.
+        # ``recv`` (given when what arrives differs from what leaves, both sides knowing the plan)
+        # are the buffers to fill, possibly fewer or more than the tensors sent.
+        self.recv = (
+            [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+            if recv is None
+            else list(recv)
+        )
+        tensors = [t.contiguous() for t in tensors]
         for i, t in enumerate(tensors):
-            t = t.contiguous()
             _record("send", group, t.nbytes, tag, direction, peers=[ranks[me], self.dst])
             self._reqs.append(dist.isend(t, self.dst, group=None, tag=i))
-            self._reqs.append(dist.irecv(self.recv[i], self.src, group=None, tag=i))
+        for i, t in enumerate(self.recv):
+            self._reqs.append(dist.irecv(t, self.src, group=None, tag=i))
         self._sent = tensors  # keep alive until wait()
 
     def wait(self) -> List[torch.Tensor]:
