@@ -107,6 +107,11 @@ def test_packed_masks_and_loss_helpers():
         for j in range(st.shape[1]):
             sub = d[8 * i : 8 * i + 8, 8 * j : 8 * j + 8]
             assert int(st[i, j]) == (2 if sub.all() else 1 if sub.any() else 0)
+    # ring routing: exactly the keys some query attends
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 5, 20, a.seq_len):
+        q = torch.randperm(a.seq_len, generator=g)[:n]
+        assert torch.equal(tf.keys_needed(q, ids), d[q].any(0)), n
     assert global_loss_tokens([p, a]) == 88
     pred, tgt = torch.randn(1, 4, 3, dtype=torch.float64), torch.randn(1, 4, 3, dtype=torch.float64)
     lm = torch.tensor([[True, False, True, True]])
@@ -364,7 +369,7 @@ def ar_packed_step(model, packed, placement=None, cp=(1, 0), mask=None, run_pack
         packed_token_loss,
     )
 
-    clean, noise, bt, ids, mask, drop = _ar_data(packed)
+    clean, noise, bt, ids, caption_mask, drop = _ar_data(packed)
     x, t, target = packed_teacher_forcing_inputs(packed, clean, noise, bt)
     local = packed.local_ids(placement, *cp)
     model.zero_grad(set_to_none=True)
@@ -372,7 +377,7 @@ def ar_packed_step(model, packed, placement=None, cp=(1, 0), mask=None, run_pack
         x[:, local],
         t[:, local],
         caption_ids=ids,
-        caption_mask=mask,
+        caption_mask=caption_mask,
         geometry=run_pack or packed,
         drop=drop,
         placement=placement,
@@ -544,3 +549,27 @@ def test_packed_on_4_ranks_equals_clips_alone(pool4, request, family):
     per_rank = _run_layouts(pool4, family)
     worst = _check_multi_rank(per_rank, video_pack() if family == "video" else ar_pack(), ref)
     print(family, {k: tuple(f"{x:.1e}" for x in v) for k, v in worst.items()})
+
+
+def test_packed_bad_input_raises_before_running(ar_ref):
+    model, _ = ar_ref
+    packed = ar_pack()
+    clean, noise, bt, ids, caption_mask, drop = _ar_data(packed)
+    from megatron_video.diffusion.packed import packed_teacher_forcing_inputs
+
+    x, t, _ = packed_teacher_forcing_inputs(packed, clean, noise, bt)
+    kw = dict(caption_ids=ids, caption_mask=caption_mask, geometry=packed, drop=drop)
+    with pytest.raises(ValueError, match=r"mask \(Tensor\) must be None .* AttentionMask"):
+        model(x, t, mask=caption_mask, **kw)
+    with pytest.raises(ValueError, match=r"caption_ids \(\(3, 6\)\) must have one row per clip"):
+        model(x, t, **dict(kw, caption_ids=ids[:3]))
+    with pytest.raises(
+        ValueError, match=r"packed.kinds \(\('full',\)\) must be \('teacher_forcing',\)"
+    ):
+        model(x[:, :56], t[:, :56], **dict(kw, geometry=video_pack()))
+    with pytest.raises(ValueError, match=r"batch size \(2\) must be 1"):
+        model(x.expand(2, -1, -1), t.expand(2, -1), **kw)
+    with pytest.raises(ValueError, match=r"sequence length \(40\) must equal the packed seq_len"):
+        model(x[:, :40], t[:, :40], **kw)
+    with pytest.raises(ValueError, match=r"frame_positions and token_ids must be None"):
+        model(x, t, frame_positions=torch.zeros(80, dtype=torch.long), **kw)

@@ -152,6 +152,7 @@ class ARVideoDiT(VideoDiT):
             self.config.patch_dim,
             placement,
             dict(caption_ids=caption_ids, caption_mask=caption_mask, drop=drop),
+            mask,
         )
         s, D = ids.numel(), self.config.hidden_size
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1, s):

@@ -49,6 +49,24 @@ class PackedTeacherForcingMask(RuleMask):
         doc = torch.where(doc >= 0, doc, torch.full_like(doc, -1 if role == "q" else -2))
         return TokenIds(side=p.side(ids), block=p.block(ids), doc=doc)
 
+    def keys_needed(self, q_ids, k_ids):
+        """Exactly the keys some query of ``q_ids`` attends (ring routing): a clean key of block
+        ``b`` of clip ``c`` if a clean query of ``c`` has block ``>= b`` or a noisy one ``> b``; a
+        noisy key if a noisy query of its clip has its block."""
+        p = self.packed
+        qc, qs, qb = p.clip_of(q_ids), p.side(q_ids), p.block(q_ids)
+        kc, ks, kb = p.clip_of(k_ids), p.side(k_ids), p.block(k_ids)
+        n = p.num_clips + 1  # row n: padding (attends nothing, never attended)
+        qc, kc = torch.where(qc >= 0, qc, n - 1), torch.where(kc >= 0, kc, n - 1)
+        real = qc < n - 1
+        reach = torch.full((n,), -1, dtype=torch.long)  # per clip: clean keys up to this block
+        reach.scatter_reduce_(0, qc[real], (qb - qs)[real], "amax")  # noisy q: blocks < its own
+        width = int(max(int(qb.max()) if qb.numel() else 0, int(kb.max()) if kb.numel() else 0)) + 1
+        noisy_q = torch.unique((qc * width + qb)[real & (qs == 1)])
+        clean_ok = (kb <= reach[kc]) & (ks == 0)
+        noisy_ok = torch.isin(kc * width + kb, noisy_q) & (ks == 1)
+        return (clean_ok | noisy_ok) & (kc < n - 1)
+
     def _value(self):
         return (self.packed,)
 

@@ -225,7 +225,7 @@ class VideoDiT(MegatronModule):
         cp = self.config.context_parallel_size
         return (cp, parallel_state.get_context_parallel_rank() if cp > 1 else 0)
 
-    def _packed_inputs(self, packed, kind, tokens, width, placement, per_clip):
+    def _packed_inputs(self, packed, kind, tokens, width, placement, per_clip, mask=None):
         """Checks of a packed forward (before any collective): ``per_clip`` ``{name: tensor}``
         each ``[num_clips, ...]``; returns this CP rank's global ids and the clip of each."""
         if self.config.layer_type == "stdit":
@@ -233,6 +233,11 @@ class VideoDiT(MegatronModule):
                 "geometry (PackedVideo) is not supported by ST-DiT (layer_type 'stdit'): its "
                 "layouts A / B need a regular frame grid on every CP rank (whole frames of one "
                 "sample per rank); use layer_type 'full' for packed micro-batches"
+            )
+        if mask is not None and not isinstance(mask, AttentionMask):
+            raise ValueError(
+                f"mask ({type(mask).__name__}) must be None (the clips' mask) or a "
+                f"megatron_video AttentionMask on the packed sequence's global ids"
             )
         n = packed.num_clips if isinstance(packed, PackedVideo) else None
         for name, t in per_clip.items():
@@ -269,6 +274,7 @@ class VideoDiT(MegatronModule):
             dict(
                 timesteps=timesteps, caption_ids=caption_ids, caption_mask=caption_mask, drop=drop
             ),
+            mask,
         )
         c = self.conditioning(timesteps)  # [C, D]
         ctx, ctx_mask = pack_context(*self.text_embedder(caption_ids, caption_mask, drop))
