@@ -177,8 +177,16 @@ def _build(family, tp=1, cp=1, comm=None):
     from megatron_video.models.video_dit import VideoDiT
 
     torch.manual_seed(0)
-    cls = ARVideoDiT if family == "ar" else VideoDiT
-    model = cls(_config(tp, cp, comm)).double()  # (the caption table is float32)
+    if family.startswith("wan"):
+        from megatron_video.models.wan import WanModel, get_wan_layer_spec
+        from megatron_video.models.wan.interop import wan_config
+        from megatron_video.testing.wan import TINY_WAN
+
+        config = wan_config(dict(TINY_WAN), params_dtype=torch.float64, cp_comm_type=comm)
+        model = WanModel(config, layer_spec=get_wan_layer_spec(config)).double()
+    else:
+        cls = ARVideoDiT if family == "ar" else VideoDiT
+        model = cls(_config(tp, cp, comm)).double()  # (the caption table is float32)
     _perturb(model)
     return model
 
@@ -484,15 +492,18 @@ def _rank_cases(family, layouts):
 
     from megatron_video.testing.parallel import model_parallel
 
-    packed = video_pack() if family == "video" else ar_pack()
-    step = video_packed_step if family == "video" else ar_packed_step
+    pack, step = FAMILY_STEPS[family]
+    packed = pack()
+    placements = WAN_PLACEMENTS if family.startswith("wan") else PLACEMENTS
     results = {}
     for name in layouts:
+        if name not in placements:
+            continue
         tp, cp, hier, comm, U, R = LAYOUTS[name]
         with model_parallel(tp=tp, cp=cp, hierarchical_cp=hier, seed=0):
             model = _build(family, tp, cp, comm)
             rank = ps.get_context_parallel_rank()
-            kinds = PLACEMENTS[name] + (("negative",) if name == "u2xr2" else ())
+            kinds = placements[name] + (("negative",) if name == "u2xr2" else ())
             for kind in kinds:
                 placement = _placement(packed, "planned" if kind == "negative" else kind, U, R)
                 mask = _cross_clip_mask(packed) if kind == "negative" else None
@@ -513,7 +524,8 @@ def _check_multi_rank(per_rank, packed, ref):
     loss_ref, outs_ref, grads_ref = ref
     worst = {}
     for key in per_rank[0]:
-        full = torch.zeros(packed.seq_len, C_IN, dtype=torch.float64)
+        width = per_rank[0][key]["out"].shape[-1]
+        full = torch.zeros(packed.seq_len, width, dtype=torch.float64)
         for res in per_rank:
             full[res[key]["local"]] = res[key]["out"]
         d_out = max(float((o - r).abs().max()) for o, r in zip(packed.unpack(full), outs_ref))
@@ -540,14 +552,17 @@ def _run_layouts(pool4, family):
     return [{**a, **b} for a, b in zip(two_nodes, one_node)]
 
 
-@pytest.mark.parametrize("family", ["video", "ar"])
+@pytest.mark.parametrize("family", ["video", "ar", "wan", "wan_ar"])
 def test_packed_on_4_ranks_equals_clips_alone(pool4, request, family):
-    """VideoDiT (T2V) and the AR DiT (teacher forcing) at U2xR2, U4, R4 and TP2xCP2 under
-    planned, split, zigzag and hand-made placements: loss, outputs and CP-summed gradients equal
-    every clip run alone on one process."""
-    _, ref = request.getfixturevalue(f"{family}_ref")
+    """VideoDiT (T2V), the AR DiT (teacher forcing) and Wan / wan_ar at U2xR2, U4, R4 (and
+    TP2xCP2 for the DiTs) under planned, split, zigzag and hand-made placements: loss, outputs
+    and CP-summed gradients equal every clip run alone on one process."""
+    if family.startswith("wan"):
+        ref = request.getfixturevalue("wan_refs")[family][1]
+    else:
+        ref = request.getfixturevalue(f"{family}_ref")[1]
     per_rank = _run_layouts(pool4, family)
-    worst = _check_multi_rank(per_rank, video_pack() if family == "video" else ar_pack(), ref)
+    worst = _check_multi_rank(per_rank, FAMILY_STEPS[family][0](), ref)
     print(family, {k: tuple(f"{x:.1e}" for x in v) for k, v in worst.items()})
 
 
@@ -573,3 +588,124 @@ def test_packed_bad_input_raises_before_running(ar_ref):
         model(x[:, :40], t[:, :40], **kw)
     with pytest.raises(ValueError, match=r"frame_positions and token_ids must be None"):
         model(x, t, frame_positions=torch.zeros(80, dtype=torch.long), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wan (T2V on full clips, wan_ar on teacher-forcing clips)
+# ---------------------------------------------------------------------------------------------
+WAN_IN, WAN_TEXT = 16, 32  # patch tokens of the tiny Wan (4 channels x 1x2x2), text width
+
+
+def _wan_data(packed):
+    g = torch.Generator().manual_seed(13)
+    n = packed.num_clips
+    a = [
+        torch.randn(c.frame_tokens, WAN_IN, generator=g, dtype=torch.float64) for c in packed.clips
+    ]
+    b = [
+        torch.randn(c.frame_tokens, WAN_IN, generator=g, dtype=torch.float64) for c in packed.clips
+    ]
+    t = torch.rand(n, generator=g, dtype=torch.float64)
+    bt = [
+        torch.rand(c.frames // c.frames_per_block, generator=g, dtype=torch.float64)
+        for c in packed.clips
+    ]
+    text = torch.randn(n, L, WAN_TEXT, generator=g, dtype=torch.float64)
+    text[0, 4:] = 0.0  # Wan's zero-padded text
+    return a, b, t, bt, text
+
+
+def wan_oracle(model, packed):
+    """Each clip alone through the unpacked WanModel (T2V; wan_ar: Balanced SP at SP = 1)."""
+    from megatron_video.diffusion.teacher_forcing import TeacherForcingObjective
+    from megatron_video.layouts.balanced_sp import BalancedSPLayout
+
+    a, b, t, bt, text = _wan_data(packed)
+    N = packed.num_loss_tokens
+    model.zero_grad(set_to_none=True)
+    total, outs = 0.0, []
+    for c, clip in enumerate(packed.clips):
+        if clip.kind == "full":
+            out = model(a[c][None], 1000 * t[c : c + 1], text[c : c + 1], clip.grid)
+            loss = ((out - b[c][None]) ** 2).mean(-1).sum() / N
+        else:
+            S = clip.positions
+            obj = TeacherForcingObjective(
+                BalancedSPLayout(clip.frames, S, clip.frames_per_block, 1)
+            )
+            x, tt, target = obj.build_inputs(a[c][None], b[c][None], bt[c][None])
+            pos = obj.frame_positions * S + obj.token_ids % S
+            out = model(
+                x, 1000 * tt, text[c : c + 1], clip.grid, attention_mask=obj.mask, positions=pos
+            )
+            loss = ((out[:, clip.frame_tokens :] - target) ** 2).mean(-1).sum() / N
+        loss.backward()
+        total += float(loss.detach())
+        outs.append(out[0].detach())
+    return total, outs, _grads(model)
+
+
+def wan_packed_step(model, packed, placement=None, cp=(1, 0), mask=None, run_pack=None):
+    from megatron_video.diffusion.packed import (
+        packed_loss_mask,
+        packed_teacher_forcing_inputs,
+        packed_token_loss,
+    )
+
+    a, b, t, bt, text = _wan_data(packed)
+    local = packed.local_ids(placement, *cp)
+    if packed.kinds == ("full",):
+        x, y, ts = packed.pack(a)[None], packed.pack(b)[None], 1000 * t
+    else:
+        x, tt, y = packed_teacher_forcing_inputs(packed, a, b, bt)
+        ts = 1000 * tt[:, local]
+    model.zero_grad(set_to_none=True)
+    out = model(x[:, local], ts, text, run_pack or packed, attention_mask=mask, placement=placement)
+    loss = packed_token_loss(
+        out, y[:, local], packed_loss_mask(packed, local), packed.num_loss_tokens
+    )
+    loss.backward()
+    return float(loss.detach()), out[0].detach(), local, _grads(model)
+
+
+WAN_FAMILIES = {"wan": video_pack, "wan_ar": ar_pack}
+
+
+@pytest.fixture(scope="module")
+def wan_refs(megatron_cp1):
+    out = {}
+    for family, pack in WAN_FAMILIES.items():
+        model = _build(family)
+        out[family] = (model, wan_oracle(model, pack()))
+    return out
+
+
+@pytest.mark.parametrize("family", list(WAN_FAMILIES))
+def test_wan_packed_equals_clips_alone_cp1(wan_refs, family):
+    model, (loss_ref, outs_ref, grads_ref) = wan_refs[family]
+    packed = WAN_FAMILIES[family]()
+    loss, out, local, grads = wan_packed_step(model, packed)
+    d_out = _out_diff(packed, out, local, outs_ref)
+    d_grad = _max_grad_diff(grads, grads_ref)
+    print(family, f"loss {abs(loss - loss_ref):.1e} out {d_out:.1e} grad {d_grad:.1e}")
+    assert abs(loss - loss_ref) < 1e-12 and d_out < 1e-12 and d_grad < 1e-12
+    nonzero = sum(float(g.abs().max()) > 1e-8 for g in grads_ref.values())
+    assert nonzero >= 0.9 * len(grads_ref)
+    # negative controls: one clip on a transposed grid; a mask across clips
+    clips = list(packed.clips)
+    c0 = clips[1]
+    clips[1] = VideoClip(c0.frames, c0.width, c0.height, c0.kind, c0.frames_per_block)
+    wrong = PackedVideo(tuple(clips), packed.seq_len)
+    for kw in (dict(run_pack=wrong), dict(mask=_cross_clip_mask(packed))):
+        loss_w, out_w, _, _ = wan_packed_step(model, packed, **kw)
+        assert abs(loss_w - loss_ref) > 1e-6 and _out_diff(packed, out_w, local, outs_ref) > 1e-3
+
+
+FAMILY_STEPS = {
+    "video": (video_pack, video_packed_step),
+    "ar": (ar_pack, ar_packed_step),
+    "wan": (video_pack, wan_packed_step),
+    "wan_ar": (ar_pack, wan_packed_step),
+}
+# Wan (larger): fewer placements; TP is Wan's own business (tests/test_wan.py)
+WAN_PLACEMENTS = {"u2xr2": ("planned", "random"), "u4": ("zigzag",), "r4": ("split",)}

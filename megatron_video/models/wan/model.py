@@ -27,10 +27,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_video.attention.masks import AttentionMask
 from megatron_video.layouts.geometry import VideoGeometry
+from megatron_video.layouts.packed_video import PackedVideo
+from megatron_video.layouts.placement import Placement
 from megatron_video.models.dit_blocks import attend, linear_out, parallel_linear, tp_world_size
 from megatron_video.models.dit_layer import DiTLayerBase, DiTParams, VideoTransformerBlock
 from megatron_video.models.embedders import mark_pipeline_replicated
+from megatron_video.models.packed import check_packed, packed_attention_mask, per_clip_to_tokens
 from megatron_video.models.wan.rope import WanRope, apply_wan_rope
 from megatron_video.parallel import comm
 
@@ -324,7 +328,10 @@ class WanSelfAttention(MegatronModule):
         )
         self.inner = inner
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None):
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None, placement=None
+    ):
+        """``placement`` (a packed micro-batch's) goes to the core attention when given."""
         b, s, _ = x.shape
         h, d = self.heads, self.head_dim
         mixed = _linear(self.linear_qkv, x).view(b, s, h, 3, d)
@@ -338,6 +345,7 @@ class WanSelfAttention(MegatronModule):
             v.transpose(0, 1).contiguous(),
             mask,
             attn_mask_type=self.attn_mask_type,
+            **({} if placement is None else {"placement": placement}),
         )  # [s, b, h*d]
         return _linear(self.linear_proj, o.transpose(0, 1))
 
@@ -392,11 +400,18 @@ class WanCrossAttention(MegatronModule):
         kv = _linear(linear, ctx).view(b, L, h, 2, d)
         return norm(kv[..., 0, :].reshape(b, L, h * d)).view(b, L, h, d), kv[..., 1, :]
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask=None) -> torch.Tensor:
+        """``mask`` (optional): bool ``[b|1, 1, s, L]`` query x context mask (a packed
+        micro-batch: each clip attends its own text); not with the I2V image branch."""
         b, s, _ = x.shape
         h, d = self.heads, self.head_dim
         if context.shape[0] != b:
             raise ValueError(f"context batch ({context.shape[0]}) must equal the video batch ({b})")
+        if mask is not None and self.image_branch:
+            raise ValueError(
+                "mask (a packed micro-batch's per-clip text mask) is not supported with the I2V "
+                "image branch (added_kv_proj_dim)"
+            )
         q = self.q_layernorm(_linear(self.linear_q, x)).view(b, s, h, d)
         if self.image_branch:
             n = context.shape[1] - IMAGE_CONTEXT_TEXT_TOKENS
@@ -409,7 +424,7 @@ class WanCrossAttention(MegatronModule):
                 )
             img, context = context[:, :n], context[:, n:]
         k, v = self._kv(self.linear_kv, self.k_layernorm, context)
-        o = attend(q, k, v)
+        o = attend(q, k, v, mask)
         if self.image_branch:
             k_img, v_img = self._kv(self.linear_kv_img, self.k_img_layernorm, img)
             o = o + attend(q, k_img, v_img)
@@ -455,16 +470,22 @@ class WanLayer(DiTLayerBase):
 
     def _forward(self, hidden_states, context, context_mask, params: DiTParams):
         self._check(hidden_states, context, params)
+        text_mask, extra = None, {}
+        if params.packed is not None:  # per-clip text, placement to the core attention
+            kind = params.packed.kinds[0]
+            _, clip = self._packed_tokens(params, hidden_states, kind)
+            text_mask = self._packed_text_mask(params, clip, context, None)
+            extra = dict(placement=params.placement)
         self._check_same_shapes(hidden_states=hidden_states, context=context)
         shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(params.conditioning)
         cos, sin = params.rotary_pos_emb.unbind(0)
         x = hidden_states.transpose(0, 1)  # [b, s, D]
         dt, cd = x.dtype, island_dtype(x.dtype)
         y = (self.input_layernorm(x.to(cd)) * (1 + scale) + shift).to(dt)
-        a = self.self_attention(y, cos, sin, params.attention_mask)
+        a = self.self_attention(y, cos, sin, params.attention_mask, **extra)
         x = (x.to(cd) + a * gate).to(dt)
         y = self.pre_cross_attn_layernorm(x.to(cd)).to(dt)
-        x = x + self.cross_attention(y, context.transpose(0, 1))
+        x = x + self.cross_attention(y, context.transpose(0, 1), text_mask)
         y = (self.pre_mlp_layernorm(x.to(cd)) * (1 + c_scale) + c_shift).to(dt)
         x = (x.to(cd) + self._mlp(y).to(cd) * c_gate).to(dt)
         return x.transpose(0, 1).contiguous(), context
@@ -619,6 +640,13 @@ class WanModel(MegatronModule):
     ``attention_mask`` the 2D attention's mask (teacher forcing). Returns
     ``[b, s_local, pt*ph*pw*C_out]`` on the last stage (hidden states ``[s_local, b, D]`` on the
     others).
+
+    A packed micro-batch (docs/architecture.md, "Packed micro-batches in the models"):
+    ``geometry`` a ``PackedVideo`` (full clips: T2V; teacher-forcing clips: ``wan_ar``),
+    ``tokens [1, s_local, ...]`` at the ids ``placement.rank_ids(cp_rank)`` (``placement`` None
+    only at CP = 1), ``timestep [C]`` per clip or ``[1, s_local]`` per token, ``text [C, L,
+    text_dim]`` per clip; ``positions`` and ``image`` must be None; ``attention_mask`` None (the
+    clips' mask) or an override.
     """
 
     def __init__(
@@ -690,7 +718,16 @@ class WanModel(MegatronModule):
         image: Optional[torch.Tensor] = None,
         attention_mask=None,
         positions: Optional[torch.Tensor] = None,
+        placement: Optional[Placement] = None,
     ) -> torch.Tensor:
+        if isinstance(geometry, PackedVideo):
+            return self._forward_packed(
+                tokens, timestep, text, geometry, image, attention_mask, positions, placement
+            )
+        if placement is not None:
+            raise ValueError(
+                f"placement ({placement!r}) must be None unless geometry is a PackedVideo"
+            )
         s = tokens.shape[1] if self.pre_process else self.decoder.input_tensor.shape[0]
         self._check(s, timestep, text, geometry, positions)
         _, rank = self.cp()
@@ -713,6 +750,68 @@ class WanModel(MegatronModule):
             rotary_pos_emb=torch.stack([cos, sin]).to(text.device),
         )
         out = self.decoder(hidden, params, context=context.transpose(0, 1).contiguous())
+        if isinstance(out, tuple):
+            out = out[0]
+        if not self.post_process:
+            return out
+        return self.head(out.transpose(0, 1), temb)
+
+    def _check_packed(self, tokens, timestep, text, packed, image, mask, positions, placement):
+        """This CP rank's global ids and their clips, after the packed input checks."""
+        if image is not None or positions is not None:
+            raise ValueError(
+                "image and positions must be None for a packed micro-batch (geometry "
+                "PackedVideo): I2V is not packed; positions come from each token's clip"
+            )
+        if mask is not None and not isinstance(mask, AttentionMask):
+            raise ValueError(
+                f"attention_mask ({type(mask).__name__}) must be None (the clips' mask) or a "
+                f"megatron_video AttentionMask for a packed micro-batch"
+            )
+        n = packed.num_clips
+        if text.dim() != 3 or text.shape[0] != n or text.shape[-1] != self.config.text_dim:
+            raise ValueError(
+                f"text ({tuple(text.shape)}) must be [num_clips = {n}, L, text_dim = "
+                f"{self.config.text_dim}] for a packed micro-batch"
+            )
+        if self.pre_process and (tokens.dim() != 3 or tokens.shape[-1] != self.config.patch_dim):
+            raise ValueError(
+                f"tokens ({tuple(tokens.shape)}) must be [1, s_local, patch_dim = "
+                f"{self.config.patch_dim}]"
+            )
+        s = tokens.shape[1] if self.pre_process else self.decoder.input_tensor.shape[0]
+        b = tokens.shape[0] if self.pre_process else self.decoder.input_tensor.shape[1]
+        kind = packed.kinds[0] if isinstance(packed, PackedVideo) else None
+        ids = check_packed(packed, kind, "WanModel", placement, self.cp(), s, b)
+        if tuple(timestep.shape) not in ((n,), (1, s)):
+            raise ValueError(
+                f"timestep ({tuple(timestep.shape)}) must be [num_clips = {n}] per clip or "
+                f"[1, s_local = {s}] per token for a packed micro-batch"
+            )
+        return ids, packed.clip_of(ids)
+
+    def _forward_packed(self, tokens, timestep, text, packed, image, mask, positions, placement):
+        """``forward`` on a packed micro-batch (class docstring)."""
+        ids, clip = self._check_packed(
+            tokens, timestep, text, packed, image, mask, positions, placement
+        )
+        cos, sin = self.rope(ids, packed)
+        temb, proj, context = self.condition_embedder(timestep, text)
+        if timestep.dim() == 1:  # per clip -> per token (padding: zeros)
+            clip = clip.to(temb.device)
+            temb, proj = per_clip_to_tokens(temb, clip)[None], per_clip_to_tokens(proj, clip)[None]
+        hidden = None
+        if self.pre_process:
+            hidden = self.patch_embedding(tokens).transpose(0, 1).contiguous()
+        params = DiTParams(
+            conditioning=proj,
+            attention_mask=packed_attention_mask(packed) if mask is None else mask,
+            rotary_pos_emb=torch.stack([cos, sin]).to(text.device),
+            packed=packed,
+            placement=placement,
+        )
+        C, L, D = context.shape
+        out = self.decoder(hidden, params, context=context.reshape(C * L, 1, D).contiguous())
         if isinstance(out, tuple):
             out = out[0]
         if not self.post_process:

@@ -14,6 +14,7 @@ from typing import Tuple
 import torch
 
 from megatron_video.layouts.geometry import VideoGeometry
+from megatron_video.layouts.packed_video import PackedVideo
 from megatron_video.layouts.stdit import token_thw
 
 __all__ = ["wan_rope_split", "WanRope", "apply_wan_rope"]
@@ -50,13 +51,19 @@ class WanRope(torch.nn.Module):
         self.register_buffer("freqs_sin", torch.cat(sin, dim=1), persistent=False)
 
     def forward(self, ids: torch.Tensor, geometry: VideoGeometry):
-        grid = (geometry.frames, geometry.height, geometry.width)
-        if max(grid) > self.max_seq_len:
-            raise ValueError(
-                f"token grid {grid} must not exceed rope_max_seq_len "
-                f"({self.max_seq_len}) on any axis (Wan's RoPE table length)"
-            )
-        thw = token_thw(ids.to(self.freqs_cos.device), geometry)
+        """``geometry`` a ``VideoGeometry`` or a ``PackedVideo`` (each token on its own clip's
+        grid, both teacher-forcing halves alike)."""
+        packed = isinstance(geometry, PackedVideo)
+        grids = [c.grid for c in geometry.clips] if packed else [geometry]
+        for g in grids:
+            grid = (g.frames, g.height, g.width)
+            if max(grid) > self.max_seq_len:
+                raise ValueError(
+                    f"token grid {grid} must not exceed rope_max_seq_len "
+                    f"({self.max_seq_len}) on any axis (Wan's RoPE table length)"
+                )
+        ids = ids.to(self.freqs_cos.device)
+        thw = geometry.token_thw(ids) if packed else token_thw(ids, geometry)
         out = []
         for table in (self.freqs_cos, self.freqs_sin):
             parts = table.split(self.split, dim=1)
