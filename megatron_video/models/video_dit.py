@@ -221,9 +221,9 @@ class VideoDiT(MegatronModule):
         return self.final_layer(out.transpose(0, 1), c)
 
     def cp_coordinates(self):
-        """``(cp_size, cp_rank)`` of this model (Megatron's CP group; ``(1, 0)`` without CP)."""
-        cp = self.config.context_parallel_size
-        return (cp, parallel_state.get_context_parallel_rank() if cp > 1 else 0)
+        """``(cp_size, cp_rank)`` of the layers (resolved by their one rule; ``(1, 0)`` without
+        CP)."""
+        return self.decoder.layers[0]._cp()
 
     def _packed_inputs(self, packed, kind, tokens, width, placement, per_clip, mask=None):
         """Checks of a packed forward (before any collective): ``per_clip`` ``{name: tensor}``
