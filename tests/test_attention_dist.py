@@ -241,6 +241,37 @@ def _tiles(ids, tile):
     return [run[a : a + tile] for run in _runs(ids) for a in range(0, len(run), tile)]
 
 
+def _reaching(held, r, kind, S):
+    """The keys of each ring rank that reach ring rank ``r`` (None: none). Packed documents: a
+    ring rank's keys leave it only when another ring rank holds a query of their document, and
+    travel up to the furthest such rank; every other mask sends everything everywhere."""
+    R = len(held)
+    if kind != "packed":
+        return list(held)
+    doc = _doc_of(S)
+    docs = [set(doc[held[j]].tolist()) - {-1} for j in range(R)]
+    out = []
+    for j in range(R):
+        hop = (r - j) % R
+        users = [i for i in range(1, R) if docs[(j + i) % R] & docs[j]]
+        if hop == 0:
+            out.append(held[j])
+        elif users and hop <= max(users):
+            wanted = set().union(*(docs[(j + i) % R] for i in users))
+            out.append(held[j][torch.tensor([int(doc[t]) in wanted for t in held[j]])])
+        else:
+            out.append(None)
+    return out
+
+
+def _doc_of(S):
+    """Document of every id under ``CU`` (-1: padding past the last offset)."""
+    doc = torch.full((S,), -1)
+    for d, (a, b) in enumerate(zip(CU[:-1], CU[1:])):
+        doc[a:b] = d
+    return doc
+
+
 def _skip_cases(S, U, R, placement):
     out = []
     with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
@@ -264,9 +295,14 @@ def _skip_cases(S, U, R, placement):
             ]
             allow = allowed(kind, S, seed=3)
             q_ids = held[groups.ring_rank]
+            reaching = _reaching(held, groups.ring_rank, kind, S)
             for tile in (3, 512):  # 3 divides no run length; 512 = whole runs
                 exp = dict(steps=0, steps_skipped=0, tiles=0, tiles_skipped=0, tiles_full=0)
-                for kv_ids in held:
+                for kv_ids in reaching:
+                    if kv_ids is None:  # routed away: a skipped step without tiles
+                        exp["steps"] += 1
+                        exp["steps_skipped"] += 1
+                        continue
                     cells = [
                         allow[qt][:, kt]
                         for qt in _tiles(q_ids, tile)

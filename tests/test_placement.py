@@ -125,7 +125,15 @@ def test_plan_places_every_token_and_balances(U, R):
     assert plan.pad < U * R
     assert plan.balance() <= 1.05, plan.summary()
     assert plan_placement(clips, U, R) == plan  # deterministic
-    assert "predicted cost max/mean" in plan.summary()
+    assert "attention pairs max/mean" in plan.summary()
+    # the plan's pairs per ring rank, recounted: every token sees its whole clip (full attention)
+    ring_of_cp = {cp: r for r, grp in enumerate(ring_members(U, R)) for cp in grp}
+    rank, _ = plan.placement.owner()
+    pairs = [0] * R
+    for c, clip in enumerate(clips):
+        for t in range(plan.starts[c], plan.starts[c] + clip.tokens):
+            pairs[ring_of_cp[int(rank[t])]] += clip.tokens
+    assert tuple(pairs) == plan.pairs
 
 
 def test_teacher_forcing_clips_keep_clean_and_noisy_together():

@@ -83,9 +83,14 @@ class EngineStats:
     def _scores(self, n: int) -> None:
         self.max_score_elements = max(self.max_score_elements, int(n))
 
-    def _plan(self, direction: str, plan: "BlockPlan") -> None:
+    def _plan(self, direction: str, plan: Optional["BlockPlan"]) -> None:
+        """Count one ring step's block (None: a step whose K/V never reach this rank, routed
+        away because none of its queries may attend them: skipped, no tiles)."""
         p = "" if direction == "fwd" else "bwd_"
         setattr(self, p + "steps", getattr(self, p + "steps") + 1)
+        if plan is None:
+            setattr(self, p + "steps_skipped", getattr(self, p + "steps_skipped") + 1)
+            return
         setattr(self, p + "steps_skipped", getattr(self, p + "steps_skipped") + int(not plan.calls))
         setattr(self, p + "tiles", getattr(self, p + "tiles") + plan.num_tiles)
         setattr(self, p + "tiles_skipped", getattr(self, p + "tiles_skipped") + plan.counts[EMPTY])

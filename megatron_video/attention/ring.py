@@ -192,9 +192,9 @@ def _ring_forward(q, k, v, plan: RingPlan):
         j = (r - i) % R
         ex, kv_in = _kv_exchange(plan, i, cur, k, k.shape[1]) if i < R - 1 else (None, False)
         bp = plan.block(j)  # posted before this block's compute: overlap
+        if plan.stats is not None:
+            plan.stats._plan("fwd", bp)
         if bp is not None:
-            if plan.stats is not None:
-                plan.stats._plan("fwd", bp)
             if i > 0 and out is None:
                 out, lse = engine.accumulators(q)
             out, lse = engine.block_forward(
@@ -277,6 +277,8 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
         dk = dv = None
         if cur:
             dq, dk, dv = _block_grads(plan, j, dq, dout, q, cur, out, lse)
+        elif plan.stats is not None:
+            plan.stats._plan("bwd", None)
         recv = ex.wait() if ex is not None else []
         ex = None
         cur, recv = (recv[:2], recv[2:]) if kv_in else ([], recv)

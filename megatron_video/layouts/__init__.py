@@ -20,6 +20,13 @@ from .mmsp import (  # noqa: F401
     sequence_layout,
     visual_targets,
 )
+from .placement import (  # noqa: F401
+    Clip,
+    CostModel,
+    Placement,
+    PlacementPlan,
+    plan_placement,
+)
 from .stdit import (  # noqa: F401
     check_stdit_divisibility,
     frames_per_rank,

@@ -13,14 +13,15 @@ docs/architecture.md, "Capabilities" 7.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..parallel.topology import local_groups
-from .zigzag import SCHEMES, shard_global_ids
+from .zigzag import Placement
+from .zigzag import _check_int as _int
 
 __all__ = [
     "CLIP_KINDS",
@@ -37,12 +38,6 @@ __all__ = [
 # Attention inside a clip: full (T2V), causal, block-causal (blocks of ``block_tokens``) and
 # teacher forcing (``[clean ; noisy]`` halves, blocks of ``block_tokens`` tokens per half).
 CLIP_KINDS = ("full", "causal", "block_causal", "teacher_forcing")
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -84,6 +79,7 @@ def query_work(clip: Clip) -> torch.Tensor:
     return (blk + 1) * b
 
 
+@functools.lru_cache(maxsize=4096)
 def clip_pairs(clip: Clip) -> int:
     """Attention (query, key) pairs computed for ``clip`` after masking."""
     return int(query_work(clip).sum())
@@ -94,7 +90,8 @@ class CostModel:
     """Relative cost of one ring rank's share of a layer: ``pair`` per attention pair, ``token``
     per token of linear work (projections, MLP), ``ring_token`` per K/V token sent over the ring.
     The defaults weigh a token of linear work like ``4·D`` pairs at ``D = 1536`` and a ring token
-    like 64 pairs; ``fit`` them to a machine with measured times (``benchmarks/mixed_lengths.py``)."""
+    like 64 pairs (ring sends overlap the attention they feed, so balance comes first); fit
+    them to a machine with measured times (``benchmarks/mixed_lengths.py``)."""
 
     pair: float = 1.0
     token: float = 6144.0
@@ -111,104 +108,6 @@ class CostModel:
         return self.pair * clip_pairs(clip) + self.token * clip.tokens
 
 
-def _ids_digest(ids: torch.Tensor) -> str:
-    return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).hexdigest()
-
-
-class Placement:
-    """Global token ids held by each CP rank: ``ids [N, S/N]`` (row ``c`` in CP rank ``c``'s local
-    order), the rows together a permutation of ``range(S)``. Immutable and hashable by content (it
-    keys the attention plan cache); ``rank_ids`` hands out copies."""
-
-    __slots__ = ("_ids", "_key", "name")
-
-    def __init__(self, ids, name: Optional[str] = None):
-        t = torch.as_tensor(ids)
-        if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool or t.shape[0] < 1:
-            raise ValueError(
-                f"ids ({tuple(t.shape)} {t.dtype}) must be an integer tensor [cp_size, s_local]"
-            )
-        t = t.to(device="cpu", dtype=torch.long).contiguous().clone()
-        s = t.numel()
-        if not torch.equal(torch.sort(t.flatten()).values, torch.arange(s)):
-            raise ValueError(
-                f"ids must hold every global id of range({s}) exactly once (a permutation over "
-                f"{t.shape[0]} CP ranks of {t.shape[1]} tokens each)"
-            )
-        self._ids, self.name = t, name
-        self._key = (t.shape[0], t.shape[1], _ids_digest(t))
-
-    @classmethod
-    def from_scheme(cls, scheme: str, cp_size: int, seq_len: int) -> "Placement":
-        """The placement of a static scheme (``"zigzag"`` / ``"contiguous"``)."""
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES}")
-        ids = torch.stack([shard_global_ids(c, cp_size, seq_len, scheme) for c in range(cp_size)])
-        return cls(ids, name=scheme)
-
-    @property
-    def cp_size(self) -> int:
-        return self._ids.shape[0]
-
-    @property
-    def local_len(self) -> int:
-        return self._ids.shape[1]
-
-    @property
-    def seq_len(self) -> int:
-        return self._ids.numel()
-
-    @property
-    def digest(self) -> str:
-        """Hex digest of the ids: the same on every process (Python's ``hash`` is not)."""
-        return self._key[2]
-
-    def rank_ids(self, cp_rank: int) -> torch.Tensor:
-        """CP rank ``cp_rank``'s global ids in its local order (a copy)."""
-        _int("cp_rank", cp_rank, 0)
-        if cp_rank >= self.cp_size:
-            raise ValueError(f"cp_rank ({cp_rank}) must be < cp_size ({self.cp_size})")
-        return self._ids[cp_rank].clone()
-
-    def owner(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Inverse map: ``(cp_rank, local_index)`` of every global id (``[S]`` each)."""
-        rank = torch.empty(self.seq_len, dtype=torch.long)
-        local = torch.empty(self.seq_len, dtype=torch.long)
-        flat = self._ids.flatten()
-        rank[flat] = torch.arange(self.cp_size).repeat_interleave(self.local_len)
-        local[flat] = torch.arange(self.local_len).repeat(self.cp_size)
-        return rank, local
-
-    def shard(self, x: torch.Tensor, cp_rank: int, dim: int = 1) -> torch.Tensor:
-        """CP rank ``cp_rank``'s shard of the full sequence ``x`` along ``dim``."""
-        if x.shape[dim] != self.seq_len:
-            raise ValueError(
-                f"x.shape[{dim}] ({x.shape[dim]}) must equal the placement's seq_len "
-                f"({self.seq_len})"
-            )
-        return x.index_select(dim, self.rank_ids(cp_rank).to(x.device))
-
-    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        """Inverse of ``shard``: the full sequence from every CP rank's shard (in CP order)."""
-        if len(shards) != self.cp_size:
-            raise ValueError(
-                f"shards ({len(shards)}) must hold one tensor per CP rank ({self.cp_size})"
-            )
-        cat = torch.cat(list(shards), dim=dim)
-        inverse = torch.argsort(self._ids.flatten()).to(cat.device)
-        return cat.index_select(dim, inverse)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Placement) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def __repr__(self) -> str:
-        what = self.name or f"#{self._key[2][:8]}"
-        return f"Placement({what}, cp_size={self.cp_size}, seq_len={self.seq_len})"
-
-
 def ring_members(
     ulysses_size: int, ring_size: int, placement: str = "ulysses_inner"
 ) -> List[List[int]]:
@@ -223,9 +122,10 @@ class PlacementPlan:
 
     ``starts[c]``: clip ``c``'s first global id (clips in the given order, then ``pad`` padding
     tokens); ``ring_of[c]``: the ring rank holding clip ``c`` whole, or ``None`` when it is split
-    over several ring ranks; ``shares[c][r]``: its tokens on ring rank ``r``; ``cost[r]``: the
-    predicted cost of ring rank ``r`` (``CostModel`` units; every CP rank of that ring rank
-    carries it, the all-to-all splitting heads).
+    over several ring ranks; ``shares[c][r]``: its tokens on ring rank ``r``. Per ring rank ``r``
+    (every CP rank of it carries the same, the all-to-all splitting heads): ``pairs[r]`` the
+    attention pairs its queries compute, ``ring_tokens[r]`` the K/V tokens it sends (tokens other
+    ring ranks need, times the hops to the furthest), ``cost[r]`` the ``CostModel`` total.
     """
 
     placement: Placement
@@ -234,10 +134,11 @@ class PlacementPlan:
     pad: int
     ring_of: Tuple[Optional[int], ...]
     shares: Tuple[Tuple[int, ...], ...]
+    pairs: Tuple[int, ...]
+    ring_tokens: Tuple[int, ...]
     cost: Tuple[float, ...]
     ulysses_size: int
     ring_size: int
-    cost_model: CostModel = field(default_factory=CostModel)
 
     @property
     def seq_len(self) -> int:
@@ -250,26 +151,29 @@ class PlacementPlan:
         return cu + [self.seq_len] if self.pad else cu
 
     def balance(self) -> float:
-        """``max / mean`` of the predicted per-ring-rank cost (1.0 = balanced)."""
-        mean = sum(self.cost) / len(self.cost)
-        return max(self.cost) / mean if mean else 1.0
+        """``max / mean`` of the attention pairs per ring rank (1.0 = balanced)."""
+        return _max_over_mean(self.pairs)
 
     def summary(self) -> str:
-        """One line for the run log: clips whole / split, padding and predicted balance."""
+        """One line for the run log: clips whole / split, padding, balance and ring traffic."""
         whole = sum(r is not None for r in self.ring_of)
         return (
             f"placement U{self.ulysses_size}xR{self.ring_size}: {len(self.clips)} clips "
             f"({whole} whole on one ring rank, {len(self.clips) - whole} split over the ring), "
-            f"{self.seq_len} tokens ({self.pad} padding), predicted cost max/mean "
-            f"{self.balance():.3f}"
+            f"{self.seq_len} tokens ({self.pad} padding), attention pairs max/mean "
+            f"{self.balance():.3f}, ring K/V tokens {sum(self.ring_tokens)}"
         )
 
 
+def _max_over_mean(values) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else 1.0
+
+
 def _per_token(clip: Clip, cost: CostModel, ring_size: int) -> float:
-    """Cost of one token of ``clip`` when split over the ring (its pairs, linear work, ring)."""
-    return (
-        cost.pair * clip_pairs(clip) / clip.tokens + cost.token + cost.ring_token * (ring_size - 1)
-    )
+    """Variable cost of one token of ``clip`` split over the ring: its pairs and its ring hops
+    (linear work is the same on every ring rank, which all hold ``S/R`` tokens)."""
+    return cost.pair * clip_pairs(clip) / clip.tokens + cost.ring_token * (ring_size - 1)
 
 
 def _split_order(clip: Clip) -> torch.Tensor:
@@ -318,7 +222,7 @@ def _deal_split(clips, split, whole_load, room, cost: CostModel, R: int, pad_ind
     load, room = list(whole_load), list(room)
 
     def w_of(c):
-        return cost.token if c == pad_index else _per_token(clips[c], cost, R)
+        return 0.0 if c == pad_index else _per_token(clips[c], cost, R)
 
     order = sorted(
         split, key=lambda c: (c == pad_index, clips[c].kind != "teacher_forcing", -w_of(c), c)
@@ -348,12 +252,24 @@ def _lpt_whole(clips, order, split, cap, cost: CostModel, R: int, fill_w: float)
         if not fits:
             split.add(c)
             continue
-        project = lambda r: load[r] + cost.clip(clip) + (cap - used[r] - clip.tokens) * fill_w  # noqa: E731
-        r = min(fits, key=lambda i: (project(i), i))
+        w = cost.pair * clip_pairs(clip)
+        r = min(fits, key=lambda i: (load[i] + w + (cap - used[i] - clip.tokens) * fill_w, i))
         ring_of[c] = r
-        load[r] += cost.clip(clip)
+        load[r] += w
         used[r] += clip.tokens
     return ring_of, load, used
+
+
+def _to_split(order, ring_of, final, R: int, cost: CostModel, clips):
+    """The whole clip of the most loaded ring rank to split next: the smallest whose cost covers
+    that rank's excess over the mean (else its dearest), None when it holds none."""
+    heavy = max(range(R), key=lambda r: (final[r], -r))
+    excess = final[heavy] - sum(final) / R
+    movable = [c for c in order if ring_of.get(c) == heavy]
+    if not movable:
+        return None
+    covering = [c for c in movable if cost.pair * clip_pairs(clips[c]) >= excess]
+    return covering[-1] if covering else movable[0]
 
 
 def plan_placement(
@@ -368,10 +284,11 @@ def plan_placement(
     """The placement of ``clips`` (packed in this order, then padding up to ``seq_len``, default the
     next multiple of ``U·R``) over ``U x R`` CP ranks that minimises the slowest ring rank's cost.
 
-    Whole clips go to ring ranks by longest-processing-time first; clips that do not fit, or whose
-    moving out of the most loaded ring rank lowers the maximum, are split (mirror-dealt, so causal
-    work follows the share) and levelled onto the least loaded ranks. Deterministic: a pure
-    function of its arguments, ties broken by index.
+    Whole clips go to ring ranks by longest-processing-time first; clips that do not fit, and
+    then, while the slowest ring rank is more than ``tolerance`` over the mean, a clip of the
+    slowest rank, are split (mirror-dealt, so causal work follows the share) and levelled onto the
+    least loaded ranks; the best plan seen wins. Deterministic: a pure function of its arguments,
+    ties broken by index.
     """
     cost = cost or CostModel()
     U, R = _int("ulysses_size", ulysses_size, 1), _int("ring_size", ring_size, 1)
@@ -387,69 +304,137 @@ def plan_placement(
             f"{total} tokens"
         )
     pad, cap = S - total, S // R
-    work = clips + ((Clip(pad),) if pad else ())  # padding: its own document, linear work only
+    work = clips + ((Clip(pad),) if pad else ())  # padding: its own document, attends nothing
     pad_index = len(clips) if pad else None
-    order = sorted(range(len(clips)), key=lambda c: (-cost.clip(clips[c]), c))
+    order = sorted(range(len(clips)), key=lambda c: (-clip_pairs(clips[c]), c))
     split = {pad_index} if pad else set()
     best = None
     for _ in range(len(clips) + 1):
         per_tok = [_per_token(work[c], cost, R) for c in split if c != pad_index]
-        fill_w = sum(per_tok) / len(per_tok) if per_tok else cost.token
+        fill_w = sum(per_tok) / len(per_tok) if per_tok else 0.0
         ring_of, load, used = _lpt_whole(work, order, split, cap, cost, R, fill_w)
         shares, final = _deal_split(work, split, load, [cap - u for u in used], cost, R, pad_index)
-        peak = max(final)
-        if best is None or peak < best[0] - 1e-9:
-            best = (peak, dict(ring_of), shares, final)
-        mean = sum(final) / R
-        if R == 1 or peak <= (1 + tolerance) * mean:
+        if best is None or max(final) < best[0] - 1e-9:
+            best = (max(final), dict(ring_of), shares)
+        if R == 1 or max(final) <= (1 + tolerance) * sum(final) / R:
             break
-        heavy = max(range(R), key=lambda r: (final[r], -r))
-        movable = [c for c in order if ring_of.get(c) == heavy]
-        if not movable:
+        nxt = _to_split(order, ring_of, final, R, cost, clips)
+        if nxt is None:
             break
-        split.add(movable[0])
-    _, ring_of, shares, final = best
-    return _build_plan(work, clips, ring_of, shares, final, U, R, placement, cost, pad)
+        split.add(nxt)
+    _, ring_of, shares = _improve(best, work, order, cap, cost, R, pad_index)
+    return _build_plan(work, clips, ring_of, shares, U, R, placement, cost, pad)
 
 
-def _build_plan(work, clips, ring_of, shares, final, U, R, placement, cost, pad) -> PlacementPlan:
+def _evaluate(work, ring_of, cap, cost: CostModel, R: int, pad_index):
+    """``(peak, ring_of, shares)`` of fixed whole clips, the others split and levelled."""
+    load, used = [0.0] * R, [0] * R
+    for c, r in ring_of.items():
+        load[r] += cost.pair * clip_pairs(work[c])
+        used[r] += work[c].tokens
+    if any(u > cap for u in used):
+        return None
+    split = {c for c in range(len(work)) if c not in ring_of}
+    shares, final = _deal_split(work, split, load, [cap - u for u in used], cost, R, pad_index)
+    return max(final), ring_of, shares
+
+
+def _improve(best, work, order, cap, cost: CostModel, R: int, pad_index, rounds: int = 32):
+    """Local search on the whole clips: move one off the slowest ring rank, or swap it with one
+    of another rank, while the slowest rank gets faster (first improvement, in index order)."""
+    for _ in range(rounds if R > 1 else 0):
+        peak, ring_of, shares = best
+        load = [0.0] * R
+        for c, r in ring_of.items():
+            load[r] += cost.pair * clip_pairs(work[c])
+        heavy = max(range(R), key=lambda r: (load[r], -r))
+        found = None
+        for a in (c for c in order if ring_of.get(c) == heavy):
+            for r in range(R):
+                if r == heavy:
+                    continue
+                moves = [{**ring_of, a: r}] + [
+                    {**ring_of, a: r, b: heavy} for b in order if ring_of.get(b) == r
+                ]
+                for cand in moves:
+                    got = _evaluate(work, cand, cap, cost, R, pad_index)
+                    if got is not None and got[0] < peak * (1 - 1e-6):
+                        found = got
+                        break
+                if found:
+                    break
+            if found:
+                break
+        if found is None:
+            return best
+        best = found
+    return best
+
+
+def _dealt(work, n_clips: int, ring_of, shares, R: int):
+    """First ids of the documents, the global ids of every ring rank (sorted) and the attention
+    pairs of each ring rank's queries."""
     starts, s = [], 0
     for c in work:
         starts.append(s)
         s += c.tokens
     per_ring: List[List[torch.Tensor]] = [[] for _ in range(R)]
+    pairs = [0] * R
     for c, clip in enumerate(work):
         ids = torch.arange(starts[c], starts[c] + clip.tokens)
+        qw = query_work(clip) * (c < n_clips)  # the padding attends nothing
         if c in ring_of:
             per_ring[ring_of[c]].append(ids)
+            pairs[ring_of[c]] += int(qw.sum())
             continue
-        dealt = ids[_split_order(clip)]
+        order = _split_order(clip)
         at = 0
         for r, n in enumerate(shares[c]):
-            per_ring[r].append(dealt[at : at + n])
+            per_ring[r].append(ids[order[at : at + n]])
+            pairs[r] += int(qw[order[at : at + n]].sum())
             at += n
+    return starts, [torch.sort(torch.cat(p)).values for p in per_ring], pairs
+
+
+def _ring_tokens(clips, ring_of, shares, R: int) -> List[int]:
+    """K/V tokens each ring rank sends: those of its split clips, as far as the furthest ring
+    rank holding a part of one."""
+    out = [0] * R
+    for j in range(R):
+        mine = [c for c in range(len(clips)) if ring_of.get(c) is None and shares[c][j]]
+        hops = [i for i in range(1, R) if any(shares[c][(j + i) % R] for c in mine)]
+        out[j] = sum(shares[c][j] for c in mine) * max(hops, default=0)
+    return out
+
+
+def _build_plan(work, clips, ring_of, shares, U, R, placement, cost, pad) -> PlacementPlan:
+    n_clips = len(clips)
+    full_shares = tuple(
+        tuple(clips[c].tokens if r == ring_of[c] else 0 for r in range(R))
+        if c in ring_of
+        else tuple(shares[c])
+        for c in range(n_clips)
+    )
+    starts, ring_ids, pairs = _dealt(work, n_clips, ring_of, shares, R)
     members = ring_members(U, R, placement)
     rows = [None] * (U * R)
     for r in range(R):
-        ring_ids = torch.sort(torch.cat(per_ring[r])).values
         for u, cp in enumerate(members[r]):
-            rows[cp] = ring_ids.view(U, -1)[u]
-    n_clips = len(clips)
-    full_shares = []
-    for c in range(n_clips):
-        if c in ring_of:
-            full_shares.append(tuple(clips[c].tokens if r == ring_of[c] else 0 for r in range(R)))
-        else:
-            full_shares.append(tuple(shares[c]))
+            rows[cp] = ring_ids[r].view(U, -1)[u]
+    ring = _ring_tokens(clips, ring_of, full_shares, R)
+    cap = ring_ids[0].numel()
     return PlacementPlan(
         placement=Placement(torch.stack(rows), name=f"planned U{U}xR{R}"),
         clips=clips,
         starts=tuple(starts[:n_clips]),
         pad=pad,
         ring_of=tuple(ring_of.get(c) for c in range(n_clips)),
-        shares=tuple(full_shares),
-        cost=tuple(float(x) for x in final),
+        shares=full_shares,
+        pairs=tuple(pairs),
+        ring_tokens=tuple(ring),
+        cost=tuple(
+            cost.pair * p + cost.token * cap + cost.ring_token * t for p, t in zip(pairs, ring)
+        ),
         ulysses_size=U,
         ring_size=R,
-        cost_model=cost,
     )
