@@ -727,3 +727,15 @@ FAMILY_STEPS = {
 }
 # Wan (larger): fewer placements; TP is Wan's own business (tests/test_wan.py)
 WAN_PLACEMENTS = {"u2xr2": ("planned", "random"), "u4": ("zigzag",), "r4": ("split",)}
+
+
+def test_the_placements_are_whole_split_and_mixed():
+    """The multi-rank cases cover what their names say (guards against a planner change)."""
+    from megatron_video.layouts.placement import CostModel
+
+    for packed in (video_pack(), ar_pack()):
+        assert None not in packed.plan(2, 2).ring_of  # every clip whole on a ring rank
+        split = packed.plan(2, 2, CostModel(token=0.0, ring_token=0.0)).ring_of
+        assert None in split and set(split) - {None}  # some clips split, some whole
+        mixed = packed.plan(1, 4).ring_of
+        assert None in mixed and set(mixed) - {None}
