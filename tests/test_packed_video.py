@@ -739,3 +739,30 @@ def test_the_placements_are_whole_split_and_mixed():
         assert None in split and set(split) - {None}  # some clips split, some whole
         mixed = packed.plan(1, 4).ring_of
         assert None in mixed and set(mixed) - {None}
+
+
+def _mismatch_case():
+    """Rank 0 describes the micro-batch differently (same token count): every rank must raise
+    before the attention runs, none may hang."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.testing.parallel import model_parallel
+
+    with model_parallel(cp=4, hierarchical_cp=[2, 2], seed=0):
+        model = _build("video", 1, 4, "a2a+p2p")
+        rank = ps.get_context_parallel_rank()
+        packed = video_pack()
+        swapped = video_pack(grids=[(3, 3, 2)] + GRIDS[1:])
+        placement = packed.plan(2, 2).placement
+        try:
+            video_packed_step(
+                model, packed, placement, (4, rank), run_pack=swapped if rank == 0 else None
+            )
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+
+def test_ranks_disagreeing_on_the_packed_batch_raise(pool4):
+    for msg in pool4.run(_mismatch_case):
+        assert msg is not None and "differ between ranks" in msg, msg

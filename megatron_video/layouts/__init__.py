@@ -20,6 +20,7 @@ from .mmsp import (  # noqa: F401
     sequence_layout,
     visual_targets,
 )
+from .packed_video import PACKED_KINDS, PackedVideo, VideoClip  # noqa: F401
 from .placement import (  # noqa: F401
     Clip,
     CostModel,

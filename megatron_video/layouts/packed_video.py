@@ -21,6 +21,7 @@ micro-batches in the models".
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -171,6 +172,11 @@ class PackedVideo:
         """Loss-bearing tokens of the micro-batch (full: every clip token; TF: the noisy halves)."""
         return sum(c.loss_tokens for c in self.clips)
 
+    @property
+    def digest(self) -> str:
+        """Content digest (hex; the same in every process, unlike ``hash`` of strings)."""
+        return hashlib.blake2b(repr(self).encode(), digest_size=8).hexdigest()
+
     # -- placement ------------------------------------------------------------------------------
     def placement_clips(self) -> Tuple[Clip, ...]:
         return tuple(c.placement_clip() for c in self.clips)
@@ -294,7 +300,8 @@ class PackedVideo:
 
     def __repr__(self) -> str:
         grids = ", ".join(
-            f"{c.frames}x{c.height}x{c.width}{'' if c.kind == 'full' else '/tf'}"
+            f"{c.frames}x{c.height}x{c.width}"
+            + ("" if c.kind == "full" else f"/tf{c.frames_per_block}")
             for c in self.clips
         )
         return f"PackedVideo([{grids}], seq_len={self.seq_len})"

@@ -54,7 +54,7 @@ class ARDiTLayer(DiTLayerBase):
             _, clip = self._packed_tokens(params, hidden_states, "teacher_forcing")
             text_mask = self._packed_text_mask(params, clip, context, context_mask)
             context_mask, extra = None, dict(placement=params.placement)
-        self._check_same_shapes(hidden_states=hidden_states, context=context)
+        self._check_same_shapes(params.packed, hidden_states=hidden_states, context=context)
         mods = self.modulation(cond)  # 9 x [s, b, D]
         rope = params.rotary_pos_emb
         if rope is not None:

@@ -218,10 +218,13 @@ class DiTLayerBase(TransformerLayer):
             )
         return conditioning
 
-    def _check_same_shapes(self, **tensors) -> None:
-        """With CP, every CP rank must pass the same shapes (``None`` tensors are skipped)."""
+    def _check_same_shapes(self, packed: Optional[PackedVideo] = None, **tensors) -> None:
+        """With CP, every CP rank must pass the same shapes (``None`` tensors are skipped) and
+        the same packed micro-batch (its digest rides along as a tensor length)."""
         if self._cp()[0] > 1:
             shapes = {k: v for k, v in tensors.items() if v is not None}
+            if packed is not None:
+                shapes["packed"] = torch.empty(int(packed.digest[:3], 16))
             check_same_shape(shapes, self.groups.cp_group, where=type(self).__name__)
 
     def _check_params(self, params, what: str, slots: Optional[dict] = None) -> DiTParams:

@@ -117,7 +117,7 @@ class VideoDiTLayer(DiTLayerBase):
         )
         text_mask = self._packed_text_mask(params, clip, context, context_mask)
         self._check_same_shapes(
-            hidden_states=hidden_states, conditioning=conditioning, context=context
+            params.packed, hidden_states=hidden_states, conditioning=conditioning, context=context
         )
         mods = [per_clip_to_tokens(m, clip)[:, None] for m in self.modulation(conditioning)]
         rope = params.rotary_pos_emb

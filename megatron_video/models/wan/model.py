@@ -476,7 +476,7 @@ class WanLayer(DiTLayerBase):
             _, clip = self._packed_tokens(params, hidden_states, kind)
             text_mask = self._packed_text_mask(params, clip, context, None)
             extra = dict(placement=params.placement)
-        self._check_same_shapes(hidden_states=hidden_states, context=context)
+        self._check_same_shapes(params.packed, hidden_states=hidden_states, context=context)
         shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(params.conditioning)
         cos, sin = params.rotary_pos_emb.unbind(0)
         x = hidden_states.transpose(0, 1)  # [b, s, D]
