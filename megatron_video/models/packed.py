@@ -59,7 +59,7 @@ class PackedTeacherForcingMask(RuleMask):
         n = p.num_clips + 1  # row n: padding (attends nothing, never attended)
         qc, kc = torch.where(qc >= 0, qc, n - 1), torch.where(kc >= 0, kc, n - 1)
         real = qc < n - 1
-        reach = torch.full((n,), -1, dtype=torch.long)  # per clip: clean keys up to this block
+        reach = torch.full((n,), -1, dtype=torch.long, device=qc.device)  # clean keys up to here
         reach.scatter_reduce_(0, qc[real], (qb - qs)[real], "amax")  # noisy q: blocks < its own
         width = int(max(int(qb.max()) if qb.numel() else 0, int(kb.max()) if kb.numel() else 0)) + 1
         noisy_q = torch.unique((qc * width + qb)[real & (qs == 1)])
