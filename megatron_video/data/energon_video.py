@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..layouts.vae_halo import HaloWindow
+from .buckets import resize_crop
 
 __all__ = [
     "VIDEO_EXTENSIONS",
@@ -252,13 +253,11 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
     x = clip.to(torch.float32)
     t, _, h, w = x.shape
     if (h, w) != (height, width):
-        s = max(height / h, width / w)
-        nh, nw = max(height, round(h * s)), max(width, round(w * s))
+        nh, nw, top, left = resize_crop(h, w, height, width)
         if (nh, nw) != (h, w):
             x = torch.nn.functional.interpolate(
                 x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True
             )
-        top, left = (nh - height) // 2, (nw - width) // 2
         x = x[:, :, top : top + height, left : left + width]
     return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
 
