@@ -2,8 +2,10 @@
 bucket of a clip against the first-principles kept share of its frame, the frame-count rule
 against enumeration, resampling, images, and every bad input naming the clip / field and rule."""
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -172,7 +174,51 @@ def test_config_validation_names_the_field(kwargs, match):
 
 
 def test_grid_refuses_a_budget_below_one_clip_of_the_biggest_bucket():
-    with pytest.raises(ValueError, match=r"max_clip_tokens \(1000\) must hold the shortest"):
+    with pytest.raises(ValueError, match=r"tokens_per_microbatch \(1000\) must hold the shortest"):
         BucketGrid(BucketConfig(tokens_per_microbatch=1000))
     with pytest.raises(ValueError, match=r"area \(3\) is too small"):
         BucketGrid(BucketConfig(area=3))
+
+
+# -- where users reach it: data.buckets and `megatron-video buckets` ------------------------------
+def test_config_data_buckets_builds_the_grid_at_the_model_patch():
+    from megatron_video.training.config import bucket_grid, load_config, validate
+
+    c = load_config(None, ["data.buckets.area=900", "model.patch_size=[1,2,2]"])
+    c.data.validate()
+    grid = bucket_grid(c)
+    assert grid.patch == (1, 2, 2) and all(h * w <= 900 for h, w in grid.shapes)
+    with pytest.raises(ValueError, match=r"data\.buckets \(\{'area': 900\}\) is read by"):
+        validate(c, 1)  # training does not take mixed shapes yet
+    bad = {
+        "data.buckets.patch_size=[1,1,1]": r"data\.buckets\.patch_size \(\[1, 1, 1\]\) is not a",
+        "data.buckets.max_frames=8": r"data\.buckets\.max_frames \(8\) must be 1 \+ 4k",
+        "data.buckets=3": r"data\.buckets \(3\) must be a mapping",
+    }
+    for override, match in bad.items():
+        with pytest.raises(ValueError, match=match):
+            load_config(None, [override]).data.validate()
+    with pytest.raises(ValueError, match=r"data\.buckets: tokens_per_microbatch \(10\) must hold"):
+        bucket_grid(load_config(None, ["data.buckets.tokens_per_microbatch=10"]))
+
+
+def test_buckets_command_maps_a_prepared_dataset(tmp_path, capsys):
+    from megatron_video.training.cli import main
+
+    videos = [
+        {"key": "000000000", "num_frames": 81, "fps": 16.0, "width": 832, "height": 480},
+        {"key": "000000001", "num_frames": 1, "fps": 0.0, "width": 512, "height": 512},
+        {"key": "000000002", "num_frames": 0, "fps": 16.0, "width": 480, "height": 832},
+    ]
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "megatron_video.json").write_text(json.dumps({"videos": videos}))
+    out = tmp_path / "plans.json"
+    demo = Path(__file__).resolve().parents[1] / "examples" / "configs" / "demo.yaml"
+    args = ["buckets", "--config", str(demo), "--out", str(out)]
+    rc = main(args + [f"data.path={tmp_path}", "model.patch_size=[1,2,2]"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "bucket 0 464x832 px (latent 58x104): 1 clips (0 images)" in text
+    assert "left out 000000002: clip '000000002': frames (0) must be an integer >= 1" in text
+    blob = json.loads(out.read_text())
+    assert [c["key"] for c in blob["clips"]] == ["000000000", "000000001"]
+    assert blob["clips"][0]["latent"] == [21, 58, 104] and blob["buckets"][2]["images"] == 1

@@ -201,8 +201,9 @@ class BucketGrid:
         self.latent_frames = self._latent_frames()
         biggest = max(self.tokens(f, b) for b in range(len(shapes)) for f in self.latent_frames[:1])
         if biggest > c.clip_cap:
+            name = "max_clip_tokens" if c.max_clip_tokens else "tokens_per_microbatch"
             raise ValueError(
-                f"max_clip_tokens ({c.clip_cap}) must hold the shortest allowed clip "
+                f"{name} ({c.clip_cap}) must hold the shortest allowed clip "
                 f"({self.latent_frames[0]} latent frames) of the biggest bucket ({biggest} tokens)"
             )
 
@@ -325,17 +326,44 @@ class BucketGrid:
             )
         return best[-1]
 
-    def plan_many(self, records: Sequence[dict]) -> List[ClipPlan]:
+    def plan_many(
+        self, records: Sequence[dict], errors: Optional[List[Tuple[str, str]]] = None
+    ) -> List[ClipPlan]:
         """``plan`` of each metadata record (``num_frames``, ``height``, ``width``, ``fps``, ``key``
-        as ``prepare`` writes them; the key defaults to the record's index)."""
+        as ``prepare`` writes them; the key defaults to the record's index). With ``errors`` (a
+        list), a bad clip is appended as ``(key, message)`` and left out instead of raising."""
         out = []
         for i, r in enumerate(records):
             key = r.get("key", i)
-            missing = [k for k in ("num_frames", "height", "width") if k not in r]
-            if missing:
-                raise ValueError(f"clip {key!r}: record lacks {missing}")
-            out.append(self.plan(key, r["num_frames"], r["height"], r["width"], r.get("fps")))
+            try:
+                missing = [k for k in ("num_frames", "height", "width") if k not in r]
+                if missing:
+                    raise ValueError(f"clip {key!r}: record lacks {missing}")
+                out.append(self.plan(key, r["num_frames"], r["height"], r["width"], r.get("fps")))
+            except ValueError as e:
+                if errors is None:
+                    raise
+                errors.append((str(key), str(e)))
         return out
+
+    def histogram(self, plans: Sequence[ClipPlan]) -> List[dict]:
+        """Per bucket: latent and pixel shape, clips, images, mean / max tokens, mean kept share."""
+        rows = []
+        for b, (h, w) in enumerate(self.shapes):
+            ps = [p for p in plans if p.bucket == b]
+            rows.append(
+                dict(
+                    bucket=b,
+                    latent_hw=[h, w],
+                    pixels_hw=[h * self.config.spatial_stride, w * self.config.spatial_stride],
+                    clips=len(ps),
+                    images=sum(p.is_image for p in ps),
+                    mean_tokens=sum(p.tokens for p in ps) / len(ps) if ps else 0.0,
+                    max_tokens=max((p.tokens for p in ps), default=0),
+                    mean_kept=sum(p.kept_fraction for p in ps) / len(ps) if ps else 0.0,
+                )
+            )
+        return rows
 
 
 def _crop_loss(r: float, shape: Tuple[int, int]) -> float:

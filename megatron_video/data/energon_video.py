@@ -23,6 +23,7 @@ __all__ = [
     "VIDEO_EXTENSIONS",
     "probe_video",
     "prepare_dataset",
+    "dataset_records",
     "write_procedural_videos",
     "VideoWindowTaskEncoder",
     "video_window_loader",
@@ -149,7 +150,7 @@ def prepare_dataset(
                 writer = wds.TarWriter(str(dst / shards[-1]))
             meta = dict(meta, caption=caption, source=str(path.relative_to(src)), ext=ext)
             writer.write({"__key__": f"{n:09d}", ext: data, "json": json.dumps(meta).encode()})
-            metas.append(meta)
+            metas.append(dict(meta, key=f"{n:09d}"))
             n += 1
     finally:
         if writer is not None:
@@ -165,6 +166,19 @@ def prepare_dataset(
     summary = {"samples": n, "shards": shards, "skipped": skipped, "videos": metas}
     (dst / ".nv-meta" / "megatron_video.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def dataset_records(path: Union[str, Path]) -> List[Dict]:
+    """Per-clip metadata of a prepared dataset (``key``, ``num_frames``, ``fps``, ``width``,
+    ``height``, ...) from ``.nv-meta/megatron_video.json``, e.g. for ``BucketGrid.plan_many``."""
+    summary = Path(path) / ".nv-meta" / "megatron_video.json"
+    if not summary.is_file():
+        raise ValueError(
+            f"data.path ({str(path)!r}) must be a dataset from `megatron-video prepare` "
+            f"(no {summary.relative_to(path)})"
+        )
+    videos = json.loads(summary.read_text()).get("videos", [])
+    return [dict(v, key=v.get("key", f"{i:09d}")) for i, v in enumerate(videos)]
 
 
 def write_procedural_videos(
