@@ -3,11 +3,14 @@ brute-force optima and Graham's LPT bound, the token budget, the cost-vs-token-c
 a realistic mix; the sample ledger (megatron_video/data/ledger.py): every clip exactly once per
 epoch across an interruption, at the same and at another DP size."""
 
+import dataclasses
+import io
 import itertools
 import json
 import random
 
 import pytest
+import torch
 
 from megatron_video.data.balance import balance_clips, clip_costs
 from megatron_video.data.buckets import BucketConfig, BucketGrid
@@ -224,3 +227,54 @@ def test_ledger_refuses_repeats_wrong_steps_and_foreign_state():
         StepSampler(
             ["x", "x"], [1, 1], [1, 1], dp_size=1, num_microbatches=1, tokens_per_microbatch=9
         )
+
+
+def test_energon_clips_by_key_resume_at_another_dp_size(tmp_path):
+    """A prepared energon dataset of mixed shapes read by key from a StepSampler's bins: every
+    clip once across an interruption at DP 2 resumed at DP 1 (energon's own loader state refuses
+    a DP change); frames equal the full decode where no resize is needed."""
+    pytest.importorskip("megatron.energon")
+    from megatron.energon.av import AVDecoder
+
+    from megatron_video.data.energon_video import (
+        KeyedClips,
+        dataset_records,
+        prepare_dataset,
+        write_procedural_videos,
+    )
+
+    src = tmp_path / "src"
+    write_procedural_videos(src / "land", 3, num_frames=17, height=32, width=48)
+    write_procedural_videos(src / "port", 3, num_frames=9, height=48, width=32, seed=1)
+    write_procedural_videos(src / "img", 2, num_frames=1, height=40, width=40, seed=2)
+    prepare_dataset(src, tmp_path / "dst")
+    cfg = BucketConfig(area=24, aspect_ratios=["3:2", "2:3"], patch_size=[1, 1, 1], max_frames=17)
+    plans = {p.key: p for p in BucketGrid(cfg).plan_many(dataset_records(tmp_path / "dst"))}
+    keys = sorted(plans)
+    tokens = [plans[k].tokens for k in keys]
+    costs = clip_costs([plans[k].placement_clip() for k in keys])
+    kw = dict(num_microbatches=1, tokens_per_microbatch=150, seed=5)
+    first = StepSampler(keys, tokens, costs, dp_size=2, **kw)
+    first.next_step()
+    saved = first.ledger.to_json()
+    first.next_step()  # lost with the interruption
+    resumed = StepSampler(
+        keys, tokens, costs, dp_size=1, ledger=SampleLedger.from_json(saved), **kw
+    )
+    _run_epoch(resumed)
+    used = [k for _, ids in resumed.ledger.steps for k in ids]
+    assert sorted(used) == keys
+    clips = KeyedClips(tmp_path / "dst")
+    for k in keys:
+        p, video = plans[k], clips.read(plans[k])
+        F, h, w = p.latent
+        assert video.shape == (3, p.num_frames, 8 * h, 8 * w)
+        if p.resized == (8 * h, 8 * w):  # no resize: the planned frames of the full decode
+            data, _ = clips.store[f"{k}.mp4"]
+            n = clips.records[k]["num_frames"]
+            full = AVDecoder(io.BytesIO(data)).get_video_clips([(0, n - 1)], "frames")[0][0]
+            want = full[p.source_frames()].float() / 127.5 - 1
+            torch.testing.assert_close(video, want.permute(1, 0, 2, 3), atol=0, rtol=0)
+    assert {plans[k].latent for k in keys} == {(5, 4, 6), (3, 6, 4), (1, 4, 6)}
+    with pytest.raises(ValueError, match=r"clip 'nope' is not in the dataset"):
+        clips.read(dataclasses.replace(plans[keys[0]], key="nope"))

@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from ..layouts.vae_halo import HaloWindow
-from .buckets import resize_crop
+from .buckets import ClipPlan, resize_crop
 
 __all__ = [
     "VIDEO_EXTENSIONS",
     "probe_video",
     "prepare_dataset",
     "dataset_records",
+    "KeyedClips",
     "write_procedural_videos",
     "VideoWindowTaskEncoder",
     "video_window_loader",
@@ -430,6 +431,47 @@ def video_window_loader(
     )
     loader = get_savable_loader(ds, watchdog_timeout_seconds=None)
     return loader, te
+
+
+# ----------------------------------------------------------------------------------------------
+# Clips by key (mixed shapes): the sample ledger is the data state
+# ----------------------------------------------------------------------------------------------
+class KeyedClips:
+    """Random access to a prepared dataset's clips by key (energon's ``WebdatasetFileStore`` over
+    its sqlite index), for the clips a ``data.ledger.StepSampler`` bins name. It keeps no order
+    or state: the ``SampleLedger`` is the data state, so a resume may change the DP size."""
+
+    def __init__(self, path: Union[str, Path]):
+        from megatron.energon.cache.file_store import WebdatasetFileStore
+        from megatron.energon.epathlib import EPath
+
+        self.records = {r["key"]: r for r in dataset_records(path)}
+        self.store = WebdatasetFileStore(EPath(Path(path)))
+
+    def read(self, plan: ClipPlan) -> torch.Tensor:
+        """Clip ``plan.key`` at its bucket: ``[3, plan.num_frames, H, W]`` in ``[-1, 1]`` (the
+        plan's source frames, resized and centre-cropped as planned)."""
+        from megatron.energon.av import AVDecoder
+
+        rec = self.records.get(plan.key)
+        if rec is None:
+            raise ValueError(f"clip {plan.key!r} is not in the dataset")
+        data, _ = self.store[f"{plan.key}.{rec.get('ext', 'mp4')}"]
+        src = plan.source_frames()
+        clips, _ = AVDecoder(io.BytesIO(data)).get_video_clips(
+            [(src[0], src[-1])], video_unit="frames"
+        )
+        got = clips[0]
+        if got.shape[0] != src[-1] - src[0] + 1 or tuple(got.shape[2:]) != (
+            rec["height"],
+            rec["width"],
+        ):
+            raise ValueError(
+                f"clip {plan.key!r}: decoded {tuple(got.shape)} for frames {src[0]}..{src[-1]} of "
+                f"a {rec['height']}x{rec['width']} video (truncated file?)"
+            )
+        frames = got[torch.tensor(src) - src[0]]
+        return _resize_crop(frames, plan.crop[2], plan.crop[3])
 
 
 # ----------------------------------------------------------------------------------------------
