@@ -223,6 +223,12 @@ def test_ledger_refuses_repeats_wrong_steps_and_foreign_state():
         _sampler(plans, 1, SampleLedger(seed=1))
     with pytest.raises(ValueError, match=r"the ledger names clip ids \['zz'\] not in clip_ids"):
         _sampler(plans, 1, SampleLedger(seed=11, steps=[(0, ["zz"])]))
+    with pytest.raises(ValueError, match=r"sample ledger is malformed \(KeyError"):
+        SampleLedger.from_json(json.dumps({"format": "megatron_video.sample_ledger/1"}))
+    with pytest.raises(ValueError, match=r"clip 'y': tokens \(10\) must be in \[1, tokens_per_m"):
+        StepSampler(
+            ["x", "y"], [1, 10], [1, 1], dp_size=1, num_microbatches=1, tokens_per_microbatch=9
+        )
     with pytest.raises(ValueError, match=r"clip_ids must be unique; repeated: \['x'\]"):
         StepSampler(
             ["x", "x"], [1, 1], [1, 1], dp_size=1, num_microbatches=1, tokens_per_microbatch=9

@@ -222,3 +222,51 @@ def test_buckets_command_maps_a_prepared_dataset(tmp_path, capsys):
     blob = json.loads(out.read_text())
     assert [c["key"] for c in blob["clips"]] == ["000000000", "000000001"]
     assert blob["clips"][0]["latent"] == [21, 58, 104] and blob["buckets"][2]["images"] == 1
+
+
+def test_precompute_encodes_each_clip_at_its_bucket(tmp_path):
+    """`precompute` with data.buckets: each clip's latents equal the VAE's full encoding of its
+    planned frames (SP-folded windows, ragged where F is not a multiple); meta names the bucket."""
+    import torch
+
+    from megatron_video.data.energon_video import (
+        KeyedClips,
+        dataset_records,
+        prepare_dataset,
+        write_procedural_videos,
+    )
+    from megatron_video.data.shards import ShardReader
+    from megatron_video.models.vae import CausalVideoVAE
+    from megatron_video.training.config import bucket_grid, load_config
+    from megatron_video.training.precompute import precompute_latents
+
+    src = tmp_path / "src"
+    write_procedural_videos(src / "land", 2, num_frames=17, height=32, width=48)
+    write_procedural_videos(src / "port", 1, num_frames=13, height=48, width=32, seed=1)
+    write_procedural_videos(src / "img", 1, num_frames=1, height=40, width=40, seed=2)
+    prepare_dataset(src, tmp_path / "ds")
+    torch.manual_seed(0)
+    vae = CausalVideoVAE(3, 4, 8).eval()
+    key = {"latent_channels": 4, "base_channels": 8}
+    torch.save({"state_dict": vae.state_dict(), "latent_scale": 0.5, "key": key}, tmp_path / "v.pt")
+    cfg = load_config(
+        None,
+        [f"data.path={tmp_path / 'ds'}", f"vae.weights={tmp_path / 'v.pt'}"]
+        + ["vae.base_channels=8", "vae.latent_channels=4", "data.buckets.area=24"]
+        + ["data.buckets.aspect_ratios=['3:2','2:3']", "data.buckets.max_frames=17"],
+    )
+    r = precompute_latents(cfg, tmp_path / "lat", sp_size=3)
+    assert r["samples"] == 4 and r["skipped"] == 0
+    plans = {p.key: p for p in bucket_grid(cfg).plan_many(dataset_records(tmp_path / "ds"))}
+    clips = KeyedClips(tmp_path / "ds")
+    got = {s["key"]: s for s in ShardReader(str(tmp_path / "lat"))}
+    assert sorted(got) == sorted(plans)
+    for k, s in got.items():
+        with torch.no_grad():
+            ref = vae.encode(clips.read(plans[k])[None])[0]
+        assert s["latent"].shape == (4, *plans[k].latent) == ref.shape
+        assert torch.allclose(s["latent"], ref, atol=1e-5, rtol=0)
+        assert s["meta"]["bucket"] == plans[k].bucket and s["meta"]["tokens"] == plans[k].tokens
+    assert sorted(tuple(p.latent) for p in plans.values()) == [
+        (1, 4, 6), (4, 6, 4), (5, 4, 6), (5, 4, 6)
+    ]  # fmt: skip

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple
 
-from ..layouts.placement import Clip, CostModel
+from ..layouts.placement import Clip, CostModel, _int
 
 __all__ = ["Assignment", "balance_clips", "clip_costs"]
 
@@ -35,19 +35,11 @@ class Assignment:
         mean = sum(self.rank_cost) / len(self.rank_cost)
         return max(self.rank_cost) / mean if mean else 1.0
 
-    def rank_clips(self, dp_rank: int) -> List[Tuple[int, ...]]:
-        """The clips of each micro-batch of ``dp_rank``."""
-        return list(self.bins[dp_rank])
-
 
 def _check(costs, tokens, dp_size, num_microbatches, budget) -> None:
-    for name, v in (
-        ("dp_size", dp_size),
-        ("num_microbatches", num_microbatches),
-        ("tokens_per_microbatch", budget),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} ({v!r}) must be an integer >= 1")
+    _int("dp_size", dp_size, 1)
+    _int("num_microbatches", num_microbatches, 1)
+    _int("tokens_per_microbatch", budget, 1)
     if len(costs) != len(tokens) or not tokens:
         raise ValueError(
             f"costs ({len(costs)}) and tokens ({len(tokens)}) must be non-empty and of equal length"

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Sequence, Tuple, Union
 
-from ..layouts.placement import Clip
+from ..layouts.placement import Clip, _int
 from ..layouts.vae_halo import num_raw_frames
 
 __all__ = [
@@ -23,12 +23,6 @@ __all__ = [
 ]
 
 Ratio = Union[str, int, float]
-
-
-def _int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return value
 
 
 def aspect_ratio(value: Ratio, name: str = "aspect_ratio") -> float:
@@ -97,13 +91,13 @@ class BucketConfig:
     def validate(self, prefix: str = "") -> None:
         p = prefix
         for name in ("area", "max_frames", "tokens_per_microbatch", "spatial_stride"):
-            _int(p + name, getattr(self, name))
-        _int(p + "temporal_stride", self.temporal_stride)
+            _int(p + name, getattr(self, name), 1)
+        _int(p + "temporal_stride", self.temporal_stride, 1)
         ps = self.patch_size
         if not isinstance(ps, (list, tuple)) or len(ps) != 3:
             raise ValueError(f"{p}patch_size ({ps!r}) must be 3 integers (pt, ph, pw)")
         for i, v in enumerate(ps):
-            _int(f"{p}patch_size[{i}]", v)
+            _int(f"{p}patch_size[{i}]", v, 1)
         if not isinstance(self.aspect_ratios, (list, tuple)) or not self.aspect_ratios:
             raise ValueError(f"{p}aspect_ratios ({self.aspect_ratios!r}) must be a non-empty list")
         for i, r in enumerate(self.aspect_ratios):
@@ -122,7 +116,7 @@ class BucketConfig:
         ):
             raise ValueError(f"{p}fps ({self.fps!r}) must be a number > 0 or null")
         if self.max_clip_tokens is not None:
-            _int(p + "max_clip_tokens", self.max_clip_tokens)
+            _int(p + "max_clip_tokens", self.max_clip_tokens, 1)
             if self.max_clip_tokens > self.tokens_per_microbatch:
                 raise ValueError(
                     f"{p}max_clip_tokens ({self.max_clip_tokens}) must be <= "
@@ -265,8 +259,7 @@ class BucketGrid:
         "Mixed lengths and shapes"; bad input raises ``ValueError`` naming ``key``."""
         who = f"clip {key!r}"
         for name, v in (("frames", frames), ("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{who}: {name} ({v!r}) must be an integer >= 1")
+            _int(f"{who}: {name}", v, 1)
         bucket = self.bucket_of(height, width) if shape is None else self._explicit(who, shape)
         avail, step = self._resampled(who, frames, fps)
         F = self._frames(who, 1 + (avail - 1) // self.config.temporal_stride, bucket)

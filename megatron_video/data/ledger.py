@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..layouts.placement import _int
 from .balance import Assignment, balance_clips
 
 __all__ = ["SampleLedger", "StepBatch", "StepSampler"]
@@ -79,8 +80,11 @@ class SampleLedger:
             raise ValueError(f"sample ledger is not JSON: {e}") from None
         if not isinstance(blob, dict) or blob.get("format") != FORMAT:
             raise ValueError(f"sample ledger must be a {FORMAT} JSON document")
-        steps = [(int(s), list(ids)) for s, ids in blob["steps"]]
-        return cls(int(blob["seed"]), int(blob["epoch"]), steps, int(blob["steps_before"]))
+        try:
+            steps = [(int(s), list(ids)) for s, ids in blob["steps"]]
+            return cls(int(blob["seed"]), int(blob["epoch"]), steps, int(blob["steps_before"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"sample ledger is malformed ({type(e).__name__}: {e})") from None
 
 
 @dataclass(frozen=True)
@@ -126,14 +130,21 @@ class StepSampler:
         self.tokens = [int(tokens[i]) for i in order]
         self.costs = [float(costs[i]) for i in order]
         self.index: Dict[ClipId, int] = {c: i for i, c in enumerate(self.ids)}
-        self.dp_size, self.num_microbatches = dp_size, num_microbatches
-        self.budget, self.max_clips = tokens_per_microbatch, max_clips
-        if max_clips is not None and (not isinstance(max_clips, Integral) or max_clips < 1):
-            raise ValueError(f"max_clips ({max_clips!r}) must be an integer >= 1 or None")
+        self.dp_size = _int("dp_size", dp_size, 1)
+        self.num_microbatches = _int("num_microbatches", num_microbatches, 1)
+        self.budget = _int("tokens_per_microbatch", tokens_per_microbatch, 1)
+        self.max_clips = max_clips if max_clips is None else _int("max_clips", max_clips, 1)
+        _int("seed", seed, 0)
+        over = [c for c, t in zip(self.ids, self.tokens) if not 1 <= t <= self.budget]
+        if over:
+            raise ValueError(
+                f"clip {over[0]!r}: tokens ({self.tokens[self.index[over[0]]]}) must be in "
+                f"[1, tokens_per_microbatch={self.budget}]"
+            )
         self.ledger = ledger if ledger is not None else SampleLedger(seed=seed)
         if self.ledger.seed != seed:
             raise ValueError(f"seed ({seed}) must equal the ledger's seed ({self.ledger.seed})")
-        unknown = [c for c in self.ledger._seen if c not in self.index]
+        unknown = [c for c in self.ledger.consumed() if c not in self.index]
         if unknown:
             raise ValueError(f"the ledger names clip ids {sorted(unknown)[:5]} not in clip_ids")
         self._start_queue()

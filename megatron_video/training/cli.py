@@ -371,6 +371,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
                 f"data.shards={args.out}"
             )
+            for key, why in r.get("left_out", []):
+                print(f"[megatron-video]   left out {key}: {why}")
             return 0
         if args.command == "prepare":
             return _prepare(args)

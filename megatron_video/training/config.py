@@ -185,7 +185,8 @@ class DataSection:
     caption_len: int = 16
     seed: int = 0
     # mixed lengths and shapes: data.buckets.<field> of data.buckets.BucketConfig (patch and
-    # strides come from model.patch_size and the VAE); read by `megatron-video buckets` for now
+    # strides come from model.patch_size and the VAE); read by `megatron-video buckets` and
+    # `precompute` for now
     buckets: Optional[dict] = None
 
     def validate(self) -> None:
@@ -516,7 +517,8 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     _patch_fits_latents(config)
     if config.data.buckets is not None:
         raise ValueError(
-            f"data.buckets ({config.data.buckets!r}) is read by `megatron-video buckets` only: "
+            f"data.buckets ({config.data.buckets!r}) is read by `megatron-video buckets` and "
+            f"`precompute` only: "
             f"training still takes data.num_frames x height x width clips until the packed "
             f"micro-batch model lands; leave data.buckets null to train"
         )
