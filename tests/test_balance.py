@@ -4,6 +4,7 @@ a realistic mix; the sample ledger (megatron_video/data/ledger.py): every clip e
 epoch across an interruption, at the same and at another DP size."""
 
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -104,6 +105,7 @@ def test_bad_input(args, match):
         balance_clips(*args)
 
 
+@functools.lru_cache(maxsize=None)
 def _realistic_clips(n, seed):
     """Durations 2-16 s at 16 fps, three aspect buckets (16:9, 1:1, 9:16), 20 % images."""
     rng = random.Random(seed)
@@ -119,7 +121,12 @@ def _realistic_clips(n, seed):
         frames = 1 if rng.random() < 0.2 else round(rng.uniform(2, 16) * 16)
         plans.append(grid.plan(i, frames, h, w, fps=16.0))
     assert {p.bucket for p in plans} == {0, 1, 2}
-    return plans, grid
+    return tuple(plans), grid
+
+
+@functools.lru_cache(maxsize=None)
+def _costs(n, seed):
+    return clip_costs([p.placement_clip() for p in _realistic_clips(n, seed)[0]])
 
 
 @pytest.mark.parametrize("D,M", [(8, 4), (16, 2)])  # 64 clips: 8 or 4 per DP rank
@@ -128,7 +135,7 @@ def test_cost_balance_beats_token_count_balance_on_a_realistic_mix(D, M):
     for seed in range(5):
         plans, grid = _realistic_clips(64, seed)
         tokens = [p.tokens for p in plans]
-        costs = clip_costs([p.placement_clip() for p in plans])
+        costs = _costs(64, seed)
         by_cost = balance_clips(costs, tokens, D, M, 2**17)
         by_tokens = balance_clips([float(t) for t in tokens], tokens, D, M, 2**17)
         _check_assignment(by_cost, tokens, costs, D, M, 2**17)
@@ -148,9 +155,11 @@ def test_clip_costs_are_the_cost_model():
 
 
 # -- sample ledger ---------------------------------------------------------------------------------
-def _sampler(plans, dp, ledger=None, seed=11, **kw):
+def _sampler(data, dp, ledger=None, seed=11, **kw):
+    """A sampler over ``_realistic_clips(*data)``."""
+    plans = _realistic_clips(*data)[0]
     tokens = [p.tokens for p in plans]
-    costs = clip_costs([p.placement_clip() for p in plans])
+    costs = _costs(*data)
     ids = [f"clip{p.key}" for p in plans]
     return StepSampler(
         ids, tokens, costs, dp_size=dp, num_microbatches=2, tokens_per_microbatch=2**17,
@@ -168,14 +177,13 @@ def _run_epoch(sampler, ledger_json=None, stop_at=None):
 
 @pytest.mark.parametrize("dp_after", [4, 2, 8, 1])
 def test_every_clip_exactly_once_across_an_interruption(dp_after):
-    plans, _ = _realistic_clips(300, 0)
-    first = _sampler(plans, 4)
+    first = _sampler((300, 0), 4)
     saved = None
     for k in range(7):  # checkpoint after step 4; steps 5, 6 are lost with the interruption
         first.next_step()
         if k == 4:
             saved = first.ledger.to_json()
-    resumed = _sampler(plans, dp_after, SampleLedger.from_json(saved))
+    resumed = _sampler((300, 0), dp_after, SampleLedger.from_json(saved))
     assert resumed.ledger.next_step == 5
     later = _run_epoch(resumed)
     steps = SampleLedger.from_json(saved).steps + [(b.step, list(b.clip_ids)) for b in later]
@@ -189,17 +197,15 @@ def test_every_clip_exactly_once_across_an_interruption(dp_after):
 
 
 def test_same_dp_resume_repeats_the_uninterrupted_batches():
-    plans, _ = _realistic_clips(120, 1)
-    whole = _run_epoch(_sampler(plans, 2))
-    part = _sampler(plans, 2)
+    whole = _run_epoch(_sampler((120, 1), 2))
+    part = _sampler((120, 1), 2)
     _run_epoch(part, stop_at=3)
-    rest = _run_epoch(_sampler(plans, 2, SampleLedger.from_json(part.ledger.to_json())))
+    rest = _run_epoch(_sampler((120, 1), 2, SampleLedger.from_json(part.ledger.to_json())))
     assert [b.bins for b in whole[3:]] == [b.bins for b in rest]
 
 
 def test_epochs_roll_over_with_a_new_permutation():
-    plans, _ = _realistic_clips(40, 2)
-    s = _sampler(plans, 2, max_clips=8)
+    s = _sampler((40, 2), 2, max_clips=8)
     e0 = _run_epoch(s)
     assert all(len(b.clip_ids) <= 8 for b in e0)
     b = s.next_step()
@@ -218,11 +224,10 @@ def test_ledger_refuses_repeats_wrong_steps_and_foreign_state():
         led.record(5, ["c"])
     with pytest.raises(ValueError, match="must be a megatron_video.sample_ledger/1 JSON"):
         SampleLedger.from_json(json.dumps({"format": "pickle"}))
-    plans, _ = _realistic_clips(10, 3)
     with pytest.raises(ValueError, match=r"seed \(11\) must equal the ledger's seed \(1\)"):
-        _sampler(plans, 1, SampleLedger(seed=1))
+        _sampler((10, 3), 1, SampleLedger(seed=1))
     with pytest.raises(ValueError, match=r"the ledger names clip ids \['zz'\] not in clip_ids"):
-        _sampler(plans, 1, SampleLedger(seed=11, steps=[(0, ["zz"])]))
+        _sampler((10, 3), 1, SampleLedger(seed=11, steps=[(0, ["zz"])]))
     with pytest.raises(ValueError, match=r"sample ledger is malformed \(KeyError"):
         SampleLedger.from_json(json.dumps({"format": "megatron_video.sample_ledger/1"}))
     with pytest.raises(ValueError, match=r"clip 'y': tokens \(10\) must be in \[1, tokens_per_m"):
