@@ -162,6 +162,7 @@ def test_too_long_too_short_and_missing_fps():
         (dict(max_frames=30), r"max_frames \(30\) must be 1 \+ 4k raw frames"),
         (dict(frame_counts=[17, 133]), r"frame_counts\[1\] \(133\) must be <= .*max_frames"),
         (dict(fps=-1), r"fps \(-1\) must be a number > 0 or null"),
+        (dict(frame_counts=17), r"frame_counts \(17\) must be a non-empty list or null"),
         (dict(max_clip_tokens=10**6), r"max_clip_tokens \(1000000\) must be <= .*tokens_per_mi"),
         (dict(patch_size=[1, 2]), r"patch_size \(\[1, 2\]\) must be 3 integers"),
         (dict(truncate="yes"), r"truncate \('yes'\) must be true or false"),

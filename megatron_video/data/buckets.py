@@ -103,14 +103,15 @@ class BucketConfig:
         for i, r in enumerate(self.aspect_ratios):
             aspect_ratio(r, f"{p}aspect_ratios[{i}]")
         self._check_raw(p + "max_frames", self.max_frames)
-        for i, n in enumerate(self.frame_counts or []):
+        fc = self.frame_counts
+        if fc is not None and (not isinstance(fc, (list, tuple)) or not fc):
+            raise ValueError(f"{p}frame_counts ({fc!r}) must be a non-empty list or null")
+        for i, n in enumerate(fc or []):
             self._check_raw(f"{p}frame_counts[{i}]", n)
             if n > self.max_frames:
                 raise ValueError(
                     f"{p}frame_counts[{i}] ({n}) must be <= {p}max_frames ({self.max_frames})"
                 )
-        if self.frame_counts is not None and not self.frame_counts:
-            raise ValueError(f"{p}frame_counts ([]) must list frame counts or be null")
         if self.fps is not None and not (
             isinstance(self.fps, (int, float)) and not isinstance(self.fps, bool) and self.fps > 0
         ):

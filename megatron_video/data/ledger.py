@@ -106,7 +106,8 @@ class StepSampler:
     those the ledger's epoch already consumed. A step takes the next clips in that order while
     their tokens fit ``dp_size * num_microbatches * tokens_per_microbatch`` (and at most
     ``max_clips``), then ``balance_clips`` them by cost; a clip that does not fit goes first into
-    the next step. The last step of an epoch takes what is left. Every step is recorded in
+    the next step. The last step of an epoch takes what is left (micro-batches may stay empty
+    when it has fewer clips than ``dp_size * num_microbatches``). Every step is recorded in
     ``ledger``: a resume with the saved ledger, at any DP size, consumes each clip exactly once
     per epoch.
     """
@@ -189,7 +190,8 @@ class StepSampler:
     def _take(self) -> List[ClipId]:
         cap = self.dp_size * self.num_microbatches * self.budget
         take, total = [], 0
-        for c in self.queue[self.cursor :]:
+        for j in range(self.cursor, len(self.queue)):
+            c = self.queue[j]
             t = self.tokens[self.index[c]]
             if (take and total + t > cap) or len(take) == (self.max_clips or -1):
                 break
