@@ -53,6 +53,40 @@ def test_lpt_within_grahams_bound_of_the_brute_force_optimum(D):
         assert max(a.rank_cost) <= (4 / 3 - 1 / (3 * D)) * opt + 1e-9
 
 
+def _improving_exchanges(a, costs, tokens, budget):
+    """Every single-clip move or swap off the busiest rank that lowers the pair's max (test-side
+    enumeration)."""
+    load = list(a.rank_cost)
+    top = max(range(len(load)), key=lambda r: load[r])
+    found = []
+    for m, b in enumerate(a.bins[top]):
+        for i in b:
+            for d, rank in enumerate(a.bins):
+                for m2, b2 in enumerate(rank):
+                    if d == top:
+                        continue
+                    for j in [None, *b2]:
+                        dc = costs[i] - (costs[j] if j is not None else 0)
+                        dt = tokens[i] - (tokens[j] if j is not None else 0)
+                        fits = a.bin_tokens[d][m2] + dt <= budget >= a.bin_tokens[top][m] - dt
+                        if fits and max(load[top] - dc, load[d] + dc) < load[top] - 1e-9:
+                            found.append((i, j, d, m2))
+    return found
+
+
+def test_no_single_move_or_swap_lowers_the_busiest_rank():
+    rng = random.Random(11)
+    for _ in range(60):
+        D, M, budget = rng.randint(2, 4), rng.randint(1, 2), 40
+        tokens = [rng.randint(1, 20) for _ in range(rng.randint(3, 12))]
+        while sum(tokens) > D * M * budget / 2:
+            tokens.pop()
+        costs = [float(t * t + rng.randint(0, 50)) for t in tokens]
+        a = balance_clips(costs, tokens, D, M, budget)
+        _check_assignment(a, tokens, costs, D, M, budget)
+        assert _improving_exchanges(a, costs, tokens, budget) == []
+
+
 def test_budget_respected_and_half_full_batches_always_fit():
     rng = random.Random(7)
     for _ in range(200):

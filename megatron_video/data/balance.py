@@ -78,6 +78,46 @@ def _greedy(order, costs, tokens, D, M, budget):
     return bins, load, used
 
 
+def _best_exchange(bins, load, used, costs, tokens, budget, top):
+    """The move of one clip off rank ``top`` to another rank, or swap of one of its clips with a
+    cheaper one, that gives the lowest max of the two ranks' loads (ties by index), within the
+    budget: ``(new max, i, j or -1, m, d, m2)`` or ``None``."""
+    best = None
+    for m, b in enumerate(bins[top]):
+        for i in b:
+            for d in range(len(load)):
+                if d == top:
+                    continue
+                for m2, b2 in enumerate(bins[d]):
+                    swaps = [(j, costs[i] - costs[j], tokens[i] - tokens[j]) for j in b2]
+                    for j, dc, dt in [(-1, costs[i], tokens[i])] + swaps:
+                        if dc <= 0 or used[d][m2] + dt > budget or used[top][m] - dt > budget:
+                            continue
+                        cand = (max(load[top] - dc, load[d] + dc), i, j, m, d, m2)
+                        best = cand if best is None or cand < best else best
+    return best
+
+
+def _refine(bins, load, used, costs, tokens, budget, rounds: int) -> None:
+    """Local search after the greedy pass: while a move or swap off the most loaded rank lowers
+    that pair's max, apply the best one (each step lowers the sum of squared loads, so it ends)."""
+    for _ in range(rounds):
+        top = max(range(len(load)), key=lambda r: (load[r], -r))
+        got = _best_exchange(bins, load, used, costs, tokens, budget, top)
+        if got is None or got[0] >= load[top] * (1 - 1e-12):
+            return
+        _, i, j, m, d, m2 = got
+        dc = costs[i] - (costs[j] if j >= 0 else 0.0)
+        dt = tokens[i] - (tokens[j] if j >= 0 else 0)
+        bins[top][m].remove(i)
+        bins[d][m2].append(i)
+        if j >= 0:
+            bins[d][m2].remove(j)
+            bins[top][m].append(j)
+        load[top], load[d] = load[top] - dc, load[d] + dc
+        used[top][m], used[d][m2] = used[top][m] - dt, used[d][m2] + dt
+
+
 def balance_clips(
     costs: Sequence[float],
     tokens: Sequence[int],
@@ -88,8 +128,9 @@ def balance_clips(
     """Assign clips (``costs[i]``, ``tokens[i]``) to ``dp_size`` ranks x ``num_microbatches``
     micro-batches, each micro-batch at most ``tokens_per_microbatch`` tokens, minimising the
     largest per-rank cost: longest-processing-time first (dearest clip first, ties by index) into
-    the least loaded rank with room. If a clip fits nowhere, the same rule in decreasing token
-    order (first-fit-decreasing packing) is tried; if that fails too, ``ValueError``. Always
+    the least loaded rank with room, then moves / swaps of single clips off the most loaded rank
+    while they lower it (``_refine``). If a clip fits nowhere, the greedy pass runs in decreasing
+    token order (first-fit-decreasing packing); if that fails too, ``ValueError``. Always
     succeeds when the clips' tokens are at most ``dp_size * num_microbatches *
     tokens_per_microbatch / 2`` and each clip at most half the budget. Pure and deterministic."""
     costs, tokens = list(costs), list(tokens)
@@ -107,6 +148,7 @@ def balance_clips(
             f"({tokens_per_microbatch}); greedy packing failed: give fewer clips per step"
         )
     bins, load, used = got
+    _refine(bins, load, used, costs, tokens, tokens_per_microbatch, rounds=4 * len(costs))
     return Assignment(
         bins=tuple(tuple(tuple(sorted(b)) for b in rank) for rank in bins),
         rank_cost=tuple(load),
