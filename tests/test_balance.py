@@ -17,6 +17,7 @@ from megatron_video.data.balance import balance_clips, clip_costs
 from megatron_video.data.buckets import BucketConfig, BucketGrid
 from megatron_video.data.ledger import SampleLedger, StepSampler
 from megatron_video.layouts.placement import Clip, CostModel
+from megatron_video.layouts.vae_halo import windows_for_bounds
 
 
 def _check_assignment(a, tokens, costs, D, M, budget):
@@ -321,5 +322,10 @@ def test_energon_clips_by_key_resume_at_another_dp_size(tmp_path):
             want = full[p.source_frames()].float() / 127.5 - 1
             torch.testing.assert_close(video, want.permute(1, 0, 2, 3), atol=0, rtol=0)
     assert {plans[k].latent for k in keys} == {(5, 4, 6), (3, 6, 4), (1, 4, 6)}
+    land = next(plans[k] for k in keys if plans[k].latent[0] == 5)
+    for w in windows_for_bounds([(0, 2), (2, 5)], 1):  # a CP rank decodes only its window
+        torch.testing.assert_close(clips.read(land, w), w.slice_raw(clips.read(land)[None])[0])
+    with pytest.raises(ValueError, match=r"window \(0, 21\) must lie in its 17 planned frames"):
+        clips.read(land, windows_for_bounds([(0, 6)], 0)[0])
     with pytest.raises(ValueError, match=r"clip 'nope' is not in the dataset"):
         clips.read(dataclasses.replace(plans[keys[0]], key="nope"))

@@ -448,16 +448,24 @@ class KeyedClips:
         self.records = {r["key"]: r for r in dataset_records(path)}
         self.store = WebdatasetFileStore(EPath(Path(path)))
 
-    def read(self, plan: ClipPlan) -> torch.Tensor:
+    def read(self, plan: ClipPlan, window: Optional[HaloWindow] = None) -> torch.Tensor:
         """Clip ``plan.key`` at its bucket: ``[3, plan.num_frames, H, W]`` in ``[-1, 1]`` (the
-        plan's source frames, resized and centre-cropped as planned)."""
+        plan's source frames, resized and centre-cropped as planned); with a ``window`` (of this
+        clip's latents, ``layouts.vae_halo``) only its raw frames are decoded and returned."""
         from megatron.energon.av import AVDecoder
 
         rec = self.records.get(plan.key)
         if rec is None:
             raise ValueError(f"clip {plan.key!r} is not in the dataset")
-        data, _ = self.store[f"{plan.key}.{rec.get('ext', 'mp4')}"]
         src = plan.source_frames()
+        if window is not None:
+            if window.raw_end > len(src):
+                raise ValueError(
+                    f"clip {plan.key!r}: window {window.window} must lie in its "
+                    f"{len(src)} planned frames"
+                )
+            src = src[window.raw_start : window.raw_end]
+        data, _ = self.store[f"{plan.key}.{rec.get('ext', 'mp4')}"]
         clips, _ = AVDecoder(io.BytesIO(data)).get_video_clips(
             [(src[0], src[-1])], video_unit="frames"
         )
