@@ -275,10 +275,26 @@ def test_ledger_refuses_repeats_wrong_steps_and_foreign_state():
         )
 
 
+def _write_images(folder, sizes):
+    """Random RGB pngs with captions; ``{source path under SRC: pixels [H, W, 3]}``."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    out = {}
+    for n, (h, w) in enumerate(sizes):
+        px = np.random.default_rng(n).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(px).save(folder / f"pic{n}.png")
+        (folder / f"pic{n}.txt").write_text(f"picture {n}")
+        out[f"{folder.name}/pic{n}.png"] = px
+    return out
+
+
 def test_energon_clips_by_key_resume_at_another_dp_size(tmp_path):
-    """A prepared energon dataset of mixed shapes read by key from a StepSampler's bins: every
-    clip once across an interruption at DP 2 resumed at DP 1 (energon's own loader state refuses
-    a DP change); frames equal the full decode where no resize is needed."""
+    """A prepared energon dataset of mixed shapes (videos, images) read by key from a
+    StepSampler's bins: every clip once across an interruption at DP 2 resumed at DP 1 (energon's
+    own loader state refuses a DP change); frames equal the full decode where no resize is
+    needed."""
     pytest.importorskip("megatron.energon")
     from megatron.energon.av import AVDecoder
 
@@ -293,7 +309,13 @@ def test_energon_clips_by_key_resume_at_another_dp_size(tmp_path):
     write_procedural_videos(src / "land", 3, num_frames=17, height=32, width=48)
     write_procedural_videos(src / "port", 3, num_frames=9, height=48, width=32, seed=1)
     write_procedural_videos(src / "img", 2, num_frames=1, height=40, width=40, seed=2)
-    prepare_dataset(src, tmp_path / "dst")
+    pics = _write_images(src / "pics", [(32, 48), (40, 40), (24, 36)])
+    (src / "pics" / "bad.png").write_bytes(b"not a png")
+    (src / "pics" / "bad.txt").write_text("broken")
+    summary = prepare_dataset(src, tmp_path / "dst")
+    assert [(f.split("/")[-1], why.split(":")[0]) for f, why in summary["skipped"]] == [
+        ("bad.png", f"image {str(src / 'pics' / 'bad.png')!r} is unreadable")
+    ]
     cfg = BucketConfig(area=24, aspect_ratios=["3:2", "2:3"], patch_size=[1, 1, 1], max_frames=17)
     plans = {p.key: p for p in BucketGrid(cfg).plan_many(dataset_records(tmp_path / "dst"))}
     keys = sorted(plans)
@@ -315,8 +337,8 @@ def test_energon_clips_by_key_resume_at_another_dp_size(tmp_path):
         p, video = plans[k], clips.read(plans[k])
         F, h, w = p.latent
         assert video.shape == (3, p.num_frames, 8 * h, 8 * w)
-        if p.resized == (8 * h, 8 * w):  # no resize: the planned frames of the full decode
-            data, _ = clips.store[f"{k}.mp4"]
+        if p.resized == (8 * h, 8 * w) and clips.records[k]["ext"] == "mp4":  # no resize: the
+            data, _ = clips.store[f"{k}.mp4"]  # planned frames of the full decode
             n = clips.records[k]["num_frames"]
             full = AVDecoder(io.BytesIO(data)).get_video_clips([(0, n - 1)], "frames")[0][0]
             want = full[p.source_frames()].float() / 127.5 - 1
@@ -327,5 +349,11 @@ def test_energon_clips_by_key_resume_at_another_dp_size(tmp_path):
         torch.testing.assert_close(clips.read(land, w), w.slice_raw(clips.read(land)[None])[0])
     with pytest.raises(ValueError, match=r"window \(0, 21\) must lie in its 17 planned frames"):
         clips.read(land, windows_for_bounds([(0, 6)], 0)[0])
+    for k in keys:  # images (one-frame clips, read with PIL): an unresized one equals its pixels
+        rec = clips.records[k]
+        if rec["ext"] == "png" and (rec["height"], rec["width"]) == (32, 48):
+            want = torch.from_numpy(pics[rec["source"]]).float() / 127.5 - 1
+            torch.testing.assert_close(clips.read(plans[k]), want.permute(2, 0, 1)[:, None])
+    assert sum(clips.records[k]["ext"] == "png" for k in keys) == 3
     with pytest.raises(ValueError, match=r"clip 'nope' is not in the dataset"):
         clips.read(dataclasses.replace(plans[keys[0]], key="nope"))

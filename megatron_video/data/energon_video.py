@@ -21,6 +21,8 @@ from .buckets import ClipPlan, resize_crop
 
 __all__ = [
     "VIDEO_EXTENSIONS",
+    "IMAGE_EXTENSIONS",
+    "probe_image",
     "probe_video",
     "prepare_dataset",
     "dataset_records",
@@ -33,6 +35,8 @@ __all__ = [
 ]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # one-frame clips (mixed shapes)
+MEDIA_EXTENSIONS = VIDEO_EXTENSIONS + IMAGE_EXTENSIONS
 log = logging.getLogger("megatron_video.data")
 
 
@@ -64,6 +68,19 @@ def probe_video(data: Union[bytes, str, Path], name: str = "") -> Dict:
     return {"num_frames": int(n), "fps": fps, "width": int(w), "height": int(h)}
 
 
+def probe_image(data: bytes, name: str = "") -> Dict:
+    """``{"num_frames": 1, "fps": 0.0, "width", "height"}`` of an encoded image (a one-frame clip)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            im.verify()
+    except Exception as e:  # PIL raises its own error types for broken files
+        raise ValueError(f"image {name!r} is unreadable: {type(e).__name__}: {e}") from None
+    return {"num_frames": 1, "fps": 0.0, "width": int(w), "height": int(h)}
+
+
 def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
     if manifest is not None:
         out = []
@@ -83,7 +100,7 @@ def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
             out.append((src / rec["video"], rec["caption"]))
         return out
     out = []
-    for f in sorted(p for p in src.rglob("*") if p.suffix[1:].lower() in VIDEO_EXTENSIONS):
+    for f in sorted(p for p in src.rglob("*") if p.suffix[1:].lower() in MEDIA_EXTENSIONS):
         txt, js = f.with_suffix(".txt"), f.with_suffix(".json")
         if txt.is_file():
             cap = txt.read_text().strip()
@@ -128,18 +145,19 @@ def prepare_dataset(
         raise ValueError(f"samples_per_shard ({samples_per_shard}) must be >= 1")
     items = _captions(src, Path(manifest) if manifest else None)
     if not items:
-        raise ValueError(f"SRC ({str(src)!r}) holds no {'/'.join(VIDEO_EXTENSIONS)} videos")
+        raise ValueError(f"SRC ({str(src)!r}) holds no {'/'.join(MEDIA_EXTENSIONS)} files")
     dst.mkdir(parents=True, exist_ok=True)
     shards, skipped, metas, writer, n = [], [], [], None, 0
     try:
         for path, caption in items:
             ext = path.suffix[1:].lower()
-            if ext not in VIDEO_EXTENSIONS:
-                skipped.append((str(path), f"extension must be one of {VIDEO_EXTENSIONS}"))
+            if ext not in MEDIA_EXTENSIONS:
+                skipped.append((str(path), f"extension must be one of {MEDIA_EXTENSIONS}"))
                 continue
             try:
                 data = path.read_bytes()
-                meta = probe_video(data, str(path))
+                probe = probe_image if ext in IMAGE_EXTENSIONS else probe_video
+                meta = probe(data, str(path))
             except (OSError, ValueError) as e:
                 skipped.append((str(path), str(e)))
                 log.warning("prepare: skipped %s: %s", path, e)
@@ -280,9 +298,11 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
 def _decode_windows(sample: dict, meta: dict, windows: Sequence[HaloWindow], num_frames: int):
     """The raw frames of each of ``windows`` (as the decoder hands them) from a crude sample's
     video; raises on a short or truncated video."""
-    ext = next(e for e in VIDEO_EXTENSIONS if e in sample)
     if int(meta.get("num_frames", num_frames)) < num_frames:
         raise ValueError(f"{meta.get('num_frames')} frames, training clips need {num_frames}")
+    ext = next((e for e in VIDEO_EXTENSIONS if e in sample), None)
+    if ext is None:
+        raise ValueError(f"no {'/'.join(VIDEO_EXTENSIONS)} video in the sample")
     dec = sample[ext]
     # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
     clips, _ = dec.get_video_clips(
@@ -452,8 +472,6 @@ class KeyedClips:
         """Clip ``plan.key`` at its bucket: ``[3, plan.num_frames, H, W]`` in ``[-1, 1]`` (the
         plan's source frames, resized and centre-cropped as planned); with a ``window`` (of this
         clip's latents, ``layouts.vae_halo``) only its raw frames are decoded and returned."""
-        from megatron.energon.av import AVDecoder
-
         rec = self.records.get(plan.key)
         if rec is None:
             raise ValueError(f"clip {plan.key!r} is not in the dataset")
@@ -465,21 +483,36 @@ class KeyedClips:
                     f"{len(src)} planned frames"
                 )
             src = src[window.raw_start : window.raw_end]
-        data, _ = self.store[f"{plan.key}.{rec.get('ext', 'mp4')}"]
-        clips, _ = AVDecoder(io.BytesIO(data)).get_video_clips(
-            [(src[0], src[-1])], video_unit="frames"
-        )
-        got = clips[0]
+        ext = rec.get("ext", "mp4")
+        data, _ = self.store[f"{plan.key}.{ext}"]
+        got = _decode_image(data) if ext in IMAGE_EXTENSIONS else _decode_range(data, src)
         if got.shape[0] != src[-1] - src[0] + 1 or tuple(got.shape[2:]) != (
             rec["height"],
             rec["width"],
         ):
             raise ValueError(
                 f"clip {plan.key!r}: decoded {tuple(got.shape)} for frames {src[0]}..{src[-1]} of "
-                f"a {rec['height']}x{rec['width']} video (truncated file?)"
+                f"a {rec['height']}x{rec['width']} {ext} (truncated file?)"
             )
         frames = got[torch.tensor(src) - src[0]]
         return _resize_crop(frames, plan.crop[2], plan.crop[3])
+
+
+def _decode_range(data: bytes, src: Sequence[int]) -> torch.Tensor:
+    """Frames ``src[0] .. src[-1]`` of an encoded video, ``[T, 3, H, W]`` uint8."""
+    from megatron.energon.av import AVDecoder
+
+    clips, _ = AVDecoder(io.BytesIO(data)).get_video_clips([(src[0], src[-1])], video_unit="frames")
+    return clips[0]
+
+
+def _decode_image(data: bytes) -> torch.Tensor:
+    """An encoded image as one frame, ``[1, 3, H, W]`` uint8."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = np.asarray(im.convert("RGB"))
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
 
 
 # ----------------------------------------------------------------------------------------------
