@@ -184,9 +184,10 @@ def _encode_all(loader, encoder, windows, config, text_encoder, writer, total, e
 
 def _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shard, progress):
     """Every clip of ``data.path`` at its ``data.buckets`` bucket (``config.bucket_grid``): read by
-    key (``data.energon_video.KeyedClips``), its ``F`` latent frames split into ``min(sp_size, F)``
-    near-equal halo windows, encoded; ``meta`` adds the bucket, latent shape, tokens and frame
-    window. Clips the grid refuses or that fail to decode are skipped and named (``left_out``)."""
+    key (``data.energon_video.KeyedClips``) as ``min(sp_size, F)`` near-equal halo windows of its
+    ``F`` latent frames, each decoded and encoded with its halo; ``meta`` adds the bucket, latent
+    shape, tokens and frame window. Clips the grid refuses or that fail to decode are skipped and
+    named (``left_out``)."""
     from megatron_video.data.energon_video import KeyedClips, dataset_records
     from megatron_video.data.video_windows import encode_rank_latents
     from megatron_video.layouts.vae_halo import encoder_halo, windows_for_bounds
@@ -204,16 +205,14 @@ def _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shar
     halo = encoder_halo(encoder)
     with LatentShardWriter(out_dir, samples_per_shard) as writer:
         for plan in plans:
-            try:
-                video = clips.read(plan)
+            F, p = plan.latent[0], min(sp_size, plan.latent[0])
+            windows = windows_for_bounds([(r * F // p, (r + 1) * F // p) for r in range(p)], halo)
+            try:  # each window decoded on its own, as the SP ranks would
+                raws = [clips.read(plan, w)[None] for w in windows]
             except ValueError as e:
                 left_out.append((plan.key, str(e)))
                 continue
-            F, p = plan.latent[0], min(sp_size, plan.latent[0])
-            bounds = [(r * F // p, (r + 1) * F // p) for r in range(p)]
-            windows = windows_for_bounds(bounds, halo)
             with torch.no_grad():
-                raws = [w.slice_raw(video[None]) for w in windows]
                 lat = encode_rank_latents(encoder, raws, windows)[0, :z]
             caption = records[plan.key].get("caption", "")
             tensors = {"latent": lat.float()}
