@@ -299,11 +299,14 @@ def _buckets(args) -> int:
     plans = grid.plan_many(dataset_records(config.data.path), errors)
     rows = grid.histogram(plans)
     for r in rows:
+        stats = (
+            f" ({r['images']} images), tokens mean {r['mean_tokens']:.0f} max "
+            f"{r['max_tokens']}, frame area kept {100 * r['mean_kept']:.1f} %"
+        )
         print(
             f"[megatron-video] bucket {r['bucket']} {r['pixels_hw'][0]}x{r['pixels_hw'][1]} px "
-            f"(latent {r['latent_hw'][0]}x{r['latent_hw'][1]}): {r['clips']} clips "
-            f"({r['images']} images), tokens mean {r['mean_tokens']:.0f} max {r['max_tokens']}, "
-            f"frame area kept {100 * r['mean_kept']:.1f} %"
+            f"(latent {r['latent_hw'][0]}x{r['latent_hw'][1]}): {r['clips']} clips"
+            + (stats if r["clips"] else "")
         )
     for key, why in errors:
         print(f"[megatron-video]   left out {key}: {why}")
