@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple
 
-from ..layouts.placement import Clip, CostModel, _int
+from ..layouts.placement import Clip, CostModel
+from ..layouts.zigzag import check_int
 
 __all__ = ["Assignment", "balance_clips", "clip_costs"]
 
@@ -37,9 +38,9 @@ class Assignment:
 
 
 def _check(costs, tokens, dp_size, num_microbatches, budget) -> None:
-    _int("dp_size", dp_size, 1)
-    _int("num_microbatches", num_microbatches, 1)
-    _int("tokens_per_microbatch", budget, 1)
+    check_int("dp_size", dp_size, 1)
+    check_int("num_microbatches", num_microbatches, 1)
+    check_int("tokens_per_microbatch", budget, 1)
     if len(costs) != len(tokens) or not tokens:
         raise ValueError(
             f"costs ({len(costs)}) and tokens ({len(tokens)}) must be non-empty and of equal length"

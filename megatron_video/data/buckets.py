@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Sequence, Tuple, Union
 
-from ..layouts.placement import Clip, _int
+from ..layouts.placement import Clip
 from ..layouts.vae_halo import num_raw_frames
+from ..layouts.zigzag import check_int
 
 __all__ = [
     "BucketConfig",
@@ -91,13 +92,13 @@ class BucketConfig:
     def validate(self, prefix: str = "") -> None:
         p = prefix
         for name in ("area", "max_frames", "tokens_per_microbatch", "spatial_stride"):
-            _int(p + name, getattr(self, name), 1)
-        _int(p + "temporal_stride", self.temporal_stride, 1)
+            check_int(p + name, getattr(self, name), 1)
+        check_int(p + "temporal_stride", self.temporal_stride, 1)
         ps = self.patch_size
         if not isinstance(ps, (list, tuple)) or len(ps) != 3:
             raise ValueError(f"{p}patch_size ({ps!r}) must be 3 integers (pt, ph, pw)")
         for i, v in enumerate(ps):
-            _int(f"{p}patch_size[{i}]", v, 1)
+            check_int(f"{p}patch_size[{i}]", v, 1)
         if not isinstance(self.aspect_ratios, (list, tuple)) or not self.aspect_ratios:
             raise ValueError(f"{p}aspect_ratios ({self.aspect_ratios!r}) must be a non-empty list")
         for i, r in enumerate(self.aspect_ratios):
@@ -117,7 +118,7 @@ class BucketConfig:
         ):
             raise ValueError(f"{p}fps ({self.fps!r}) must be a number > 0 or null")
         if self.max_clip_tokens is not None:
-            _int(p + "max_clip_tokens", self.max_clip_tokens, 1)
+            check_int(p + "max_clip_tokens", self.max_clip_tokens, 1)
             if self.max_clip_tokens > self.tokens_per_microbatch:
                 raise ValueError(
                     f"{p}max_clip_tokens ({self.max_clip_tokens}) must be <= "
@@ -260,7 +261,7 @@ class BucketGrid:
         "Mixed lengths and shapes"; bad input raises ``ValueError`` naming ``key``."""
         who = f"clip {key!r}"
         for name, v in (("frames", frames), ("height", height), ("width", width)):
-            _int(f"{who}: {name}", v, 1)
+            check_int(f"{who}: {name}", v, 1)
         bucket = self.bucket_of(height, width) if shape is None else self._explicit(who, shape)
         avail, step = self._resampled(who, frames, fps)
         F = self._frames(who, 1 + (avail - 1) // self.config.temporal_stride, bucket)

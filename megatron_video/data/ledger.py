@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..layouts.placement import _int
+from ..layouts.zigzag import check_int
 from .balance import Assignment, balance_clips
 
 __all__ = ["SampleLedger", "StepBatch", "StepSampler"]
@@ -131,11 +131,11 @@ class StepSampler:
         self.tokens = [int(tokens[i]) for i in order]
         self.costs = [float(costs[i]) for i in order]
         self.index: Dict[ClipId, int] = {c: i for i, c in enumerate(self.ids)}
-        self.dp_size = _int("dp_size", dp_size, 1)
-        self.num_microbatches = _int("num_microbatches", num_microbatches, 1)
-        self.budget = _int("tokens_per_microbatch", tokens_per_microbatch, 1)
-        self.max_clips = max_clips if max_clips is None else _int("max_clips", max_clips, 1)
-        _int("seed", seed, 0)
+        self.dp_size = check_int("dp_size", dp_size, 1)
+        self.num_microbatches = check_int("num_microbatches", num_microbatches, 1)
+        self.budget = check_int("tokens_per_microbatch", tokens_per_microbatch, 1)
+        self.max_clips = max_clips if max_clips is None else check_int("max_clips", max_clips, 1)
+        check_int("seed", seed, 0)
         over = [c for c, t in zip(self.ids, self.tokens) if not 1 <= t <= self.budget]
         if over:
             raise ValueError(
