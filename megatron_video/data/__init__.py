@@ -60,3 +60,20 @@ __all__ += [
     "read_window",
     "scatter_windows",
 ]
+from .balance import Assignment, balance_clips, clip_costs  # noqa: E402
+from .buckets import BucketConfig, BucketGrid, ClipPlan, aspect_ratio, resize_crop  # noqa: E402
+from .ledger import SampleLedger, StepBatch, StepSampler  # noqa: E402
+
+__all__ += [
+    "Assignment",
+    "balance_clips",
+    "clip_costs",
+    "BucketConfig",
+    "BucketGrid",
+    "ClipPlan",
+    "aspect_ratio",
+    "resize_crop",
+    "SampleLedger",
+    "StepBatch",
+    "StepSampler",
+]

@@ -17,11 +17,16 @@ import numpy as np
 import torch
 
 from ..layouts.vae_halo import HaloWindow
+from .buckets import ClipPlan, resize_crop
 
 __all__ = [
     "VIDEO_EXTENSIONS",
+    "IMAGE_EXTENSIONS",
+    "probe_image",
     "probe_video",
     "prepare_dataset",
+    "dataset_records",
+    "KeyedClips",
     "write_procedural_videos",
     "VideoWindowTaskEncoder",
     "video_window_loader",
@@ -30,6 +35,8 @@ __all__ = [
 ]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # one-frame clips (mixed shapes)
+MEDIA_EXTENSIONS = VIDEO_EXTENSIONS + IMAGE_EXTENSIONS
 log = logging.getLogger("megatron_video.data")
 
 
@@ -61,6 +68,19 @@ def probe_video(data: Union[bytes, str, Path], name: str = "") -> Dict:
     return {"num_frames": int(n), "fps": fps, "width": int(w), "height": int(h)}
 
 
+def probe_image(data: bytes, name: str = "") -> Dict:
+    """``{"num_frames": 1, "fps": 0.0, "width", "height"}`` of an encoded image (a one-frame clip)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            im.verify()
+    except Exception as e:  # PIL raises its own error types for broken files
+        raise ValueError(f"image {name!r} is unreadable: {type(e).__name__}: {e}") from None
+    return {"num_frames": 1, "fps": 0.0, "width": int(w), "height": int(h)}
+
+
 def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
     if manifest is not None:
         out = []
@@ -80,7 +100,7 @@ def _captions(src: Path, manifest: Optional[Path]) -> List[Tuple[Path, str]]:
             out.append((src / rec["video"], rec["caption"]))
         return out
     out = []
-    for f in sorted(p for p in src.rglob("*") if p.suffix[1:].lower() in VIDEO_EXTENSIONS):
+    for f in sorted(p for p in src.rglob("*") if p.suffix[1:].lower() in MEDIA_EXTENSIONS):
         txt, js = f.with_suffix(".txt"), f.with_suffix(".json")
         if txt.is_file():
             cap = txt.read_text().strip()
@@ -125,18 +145,19 @@ def prepare_dataset(
         raise ValueError(f"samples_per_shard ({samples_per_shard}) must be >= 1")
     items = _captions(src, Path(manifest) if manifest else None)
     if not items:
-        raise ValueError(f"SRC ({str(src)!r}) holds no {'/'.join(VIDEO_EXTENSIONS)} videos")
+        raise ValueError(f"SRC ({str(src)!r}) holds no {'/'.join(MEDIA_EXTENSIONS)} files")
     dst.mkdir(parents=True, exist_ok=True)
     shards, skipped, metas, writer, n = [], [], [], None, 0
     try:
         for path, caption in items:
             ext = path.suffix[1:].lower()
-            if ext not in VIDEO_EXTENSIONS:
-                skipped.append((str(path), f"extension must be one of {VIDEO_EXTENSIONS}"))
+            if ext not in MEDIA_EXTENSIONS:
+                skipped.append((str(path), f"extension must be one of {MEDIA_EXTENSIONS}"))
                 continue
             try:
                 data = path.read_bytes()
-                meta = probe_video(data, str(path))
+                probe = probe_image if ext in IMAGE_EXTENSIONS else probe_video
+                meta = probe(data, str(path))
             except (OSError, ValueError) as e:
                 skipped.append((str(path), str(e)))
                 log.warning("prepare: skipped %s: %s", path, e)
@@ -148,7 +169,7 @@ def prepare_dataset(
                 writer = wds.TarWriter(str(dst / shards[-1]))
             meta = dict(meta, caption=caption, source=str(path.relative_to(src)), ext=ext)
             writer.write({"__key__": f"{n:09d}", ext: data, "json": json.dumps(meta).encode()})
-            metas.append(meta)
+            metas.append(dict(meta, key=f"{n:09d}"))
             n += 1
     finally:
         if writer is not None:
@@ -164,6 +185,19 @@ def prepare_dataset(
     summary = {"samples": n, "shards": shards, "skipped": skipped, "videos": metas}
     (dst / ".nv-meta" / "megatron_video.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def dataset_records(path: Union[str, Path]) -> List[Dict]:
+    """Per-clip metadata of a prepared dataset (``key``, ``num_frames``, ``fps``, ``width``,
+    ``height``, ...) from ``.nv-meta/megatron_video.json``, e.g. for ``BucketGrid.plan_many``."""
+    summary = Path(path) / ".nv-meta" / "megatron_video.json"
+    if not summary.is_file():
+        raise ValueError(
+            f"data.path ({str(path)!r}) must be a dataset from `megatron-video prepare` "
+            f"(no {summary.relative_to(path)})"
+        )
+    videos = json.loads(summary.read_text()).get("videos", [])
+    return [dict(v, key=v.get("key", f"{i:09d}")) for i, v in enumerate(videos)]
 
 
 def write_procedural_videos(
@@ -252,13 +286,11 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
     x = clip.to(torch.float32)
     t, _, h, w = x.shape
     if (h, w) != (height, width):
-        s = max(height / h, width / w)
-        nh, nw = max(height, round(h * s)), max(width, round(w * s))
+        nh, nw, top, left = resize_crop(h, w, height, width)
         if (nh, nw) != (h, w):
             x = torch.nn.functional.interpolate(
                 x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True
             )
-        top, left = (nh - height) // 2, (nw - width) // 2
         x = x[:, :, top : top + height, left : left + width]
     return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
 
@@ -266,9 +298,11 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
 def _decode_windows(sample: dict, meta: dict, windows: Sequence[HaloWindow], num_frames: int):
     """The raw frames of each of ``windows`` (as the decoder hands them) from a crude sample's
     video; raises on a short or truncated video."""
-    ext = next(e for e in VIDEO_EXTENSIONS if e in sample)
     if int(meta.get("num_frames", num_frames)) < num_frames:
         raise ValueError(f"{meta.get('num_frames')} frames, training clips need {num_frames}")
+    ext = next((e for e in VIDEO_EXTENSIONS if e in sample), None)
+    if ext is None:
+        raise ValueError(f"no {'/'.join(VIDEO_EXTENSIONS)} video in the sample")
     dec = sample[ext]
     # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
     clips, _ = dec.get_video_clips(
@@ -417,6 +451,68 @@ def video_window_loader(
     )
     loader = get_savable_loader(ds, watchdog_timeout_seconds=None)
     return loader, te
+
+
+# ----------------------------------------------------------------------------------------------
+# Clips by key (mixed shapes): the sample ledger is the data state
+# ----------------------------------------------------------------------------------------------
+class KeyedClips:
+    """Random access to a prepared dataset's clips by key (energon's ``WebdatasetFileStore`` over
+    its sqlite index), for the clips a ``data.ledger.StepSampler`` bins name. It keeps no order
+    or state: the ``SampleLedger`` is the data state, so a resume may change the DP size."""
+
+    def __init__(self, path: Union[str, Path]):
+        from megatron.energon.cache.file_store import WebdatasetFileStore
+        from megatron.energon.epathlib import EPath
+
+        self.records = {r["key"]: r for r in dataset_records(path)}
+        self.store = WebdatasetFileStore(EPath(Path(path)))
+
+    def read(self, plan: ClipPlan, window: Optional[HaloWindow] = None) -> torch.Tensor:
+        """Clip ``plan.key`` at its bucket: ``[3, plan.num_frames, H, W]`` in ``[-1, 1]`` (the
+        plan's source frames, resized and centre-cropped as planned); with a ``window`` (of this
+        clip's latents, ``layouts.vae_halo``) only its raw frames are decoded and returned."""
+        rec = self.records.get(plan.key)
+        if rec is None:
+            raise ValueError(f"clip {plan.key!r} is not in the dataset")
+        src = plan.source_frames()
+        if window is not None:
+            if window.raw_end > len(src):
+                raise ValueError(
+                    f"clip {plan.key!r}: window {window.window} must lie in its "
+                    f"{len(src)} planned frames"
+                )
+            src = src[window.raw_start : window.raw_end]
+        ext = rec.get("ext", "mp4")
+        data, _ = self.store[f"{plan.key}.{ext}"]
+        got = _decode_image(data) if ext in IMAGE_EXTENSIONS else _decode_range(data, src)
+        if got.shape[0] != src[-1] - src[0] + 1 or tuple(got.shape[2:]) != (
+            rec["height"],
+            rec["width"],
+        ):
+            raise ValueError(
+                f"clip {plan.key!r}: decoded {tuple(got.shape)} for frames {src[0]}..{src[-1]} of "
+                f"a {rec['height']}x{rec['width']} {ext} (truncated file?)"
+            )
+        frames = got[torch.tensor(src) - src[0]]
+        return _resize_crop(frames, plan.crop[2], plan.crop[3])
+
+
+def _decode_range(data: bytes, src: Sequence[int]) -> torch.Tensor:
+    """Frames ``src[0] .. src[-1]`` of an encoded video, ``[T, 3, H, W]`` uint8."""
+    from megatron.energon.av import AVDecoder
+
+    clips, _ = AVDecoder(io.BytesIO(data)).get_video_clips([(src[0], src[-1])], video_unit="frames")
+    return clips[0]
+
+
+def _decode_image(data: bytes) -> torch.Tensor:
+    """An encoded image as one frame, ``[1, 3, H, W]`` uint8."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = np.asarray(im.convert("RGB"))
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
 
 
 # ----------------------------------------------------------------------------------------------

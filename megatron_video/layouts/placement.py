@@ -20,8 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..parallel.topology import local_groups
-from .zigzag import Placement
-from .zigzag import _check_int as _int
+from .zigzag import Placement, check_int
 
 __all__ = [
     "CLIP_KINDS",
@@ -49,11 +48,11 @@ class Clip:
     block_tokens: int = 0  # block_causal / teacher_forcing: tokens per block (per half for TF)
 
     def __post_init__(self):
-        _int("tokens", self.tokens, 1)
+        check_int("tokens", self.tokens, 1)
         if self.kind not in CLIP_KINDS:
             raise ValueError(f"kind ({self.kind!r}) must be one of {CLIP_KINDS}")
         if self.kind in ("block_causal", "teacher_forcing"):
-            _int("block_tokens", self.block_tokens, 1)
+            check_int("block_tokens", self.block_tokens, 1)
             half = self.tokens // 2 if self.kind == "teacher_forcing" else self.tokens
             if (self.kind == "teacher_forcing" and self.tokens % 2) or half % self.block_tokens:
                 raise ValueError(
@@ -291,13 +290,13 @@ def plan_placement(
     ties broken by index.
     """
     cost = cost or CostModel()
-    U, R = _int("ulysses_size", ulysses_size, 1), _int("ring_size", ring_size, 1)
+    U, R = check_int("ulysses_size", ulysses_size, 1), check_int("ring_size", ring_size, 1)
     N = U * R
     clips = tuple(clips)
     if not clips or not all(isinstance(c, Clip) for c in clips):
         raise ValueError(f"clips ({clips!r}) must be a non-empty sequence of placement.Clip")
     total = sum(c.tokens for c in clips)
-    S = -(-total // N) * N if seq_len is None else _int("seq_len", seq_len, 1)
+    S = -(-total // N) * N if seq_len is None else check_int("seq_len", seq_len, 1)
     if S < total or S % N:
         raise ValueError(
             f"seq_len ({S}) must be a multiple of cp_size ({N}) and at least the clips' "

@@ -18,6 +18,7 @@ __all__ = [
     "SCHEMES",
     "Placement",
     "as_placement",
+    "check_int",
     "check_seq_len",
     "zigzag_global_ids",
     "contiguous_global_ids",
@@ -32,7 +33,8 @@ __all__ = [
 SCHEMES = ("zigzag", "contiguous")
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``, else ``ValueError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
     return value
@@ -56,8 +58,8 @@ def check_seq_len(seq_len: int, cp_size: int, scheme) -> None:
         return
     if scheme not in SCHEMES:
         raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES}")
-    _check_int("cp_size", cp_size, 1)
-    _check_int("seq_len", seq_len, 0)
+    check_int("cp_size", cp_size, 1)
+    check_int("seq_len", seq_len, 0)
     parts = 2 * cp_size if scheme == "zigzag" else cp_size
     if seq_len % parts:
         rule = f"2 * cp_size ({2 * cp_size})" if scheme == "zigzag" else f"cp_size ({cp_size})"
@@ -65,8 +67,8 @@ def check_seq_len(seq_len: int, cp_size: int, scheme) -> None:
 
 
 def _check_rank(cp_rank: int, cp_size: int) -> None:
-    _check_int("cp_size", cp_size, 1)
-    _check_int("cp_rank", cp_rank, 0)
+    check_int("cp_size", cp_size, 1)
+    check_int("cp_rank", cp_rank, 0)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank ({cp_rank}) must be < cp_size ({cp_size})")
 

@@ -1,8 +1,8 @@
 """``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
 
 Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``,
-``convert`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with status 2 naming
-the field, before any process or process group is started.
+``buckets``, ``convert`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with
+status 2 naming the field, before any process or process group is started.
 """
 
 from __future__ import annotations
@@ -128,6 +128,14 @@ def _add_precompute(sub) -> None:
     )
 
 
+def _add_buckets(sub) -> None:
+    b = sub.add_parser(
+        "buckets", help="map a prepared dataset's clips to the data.buckets grid; print a summary"
+    )
+    _common(b, True)
+    b.add_argument("--out", default=None, help="write the per-clip plans (JSON) to this file")
+
+
 def _add_validate(sub) -> None:
     c = sub.add_parser(
         "validate", help="check a config without running it; print the resolved config"
@@ -164,6 +172,7 @@ SUBCOMMANDS = (
     _add_train_vae,
     _add_prepare,
     _add_precompute,
+    _add_buckets,
     _add_validate,
     _add_convert,
 )
@@ -273,6 +282,40 @@ def _prepare(args) -> int:
     return 0
 
 
+def _buckets(args) -> int:
+    """Every clip of ``data.path`` mapped by ``bucket_grid(config)`` (docs/data.md)."""
+    import dataclasses
+    import json
+
+    from megatron_video.data.energon_video import dataset_records
+
+    from .config import bucket_grid
+
+    config = load_config(args.config, args.overrides)
+    config.data.validate()
+    if not config.data.path:
+        raise ValueError("data.path (None) must name a dataset from `megatron-video prepare`")
+    grid, errors = bucket_grid(config), []
+    plans = grid.plan_many(dataset_records(config.data.path), errors)
+    rows = grid.histogram(plans)
+    for r in rows:
+        stats = (
+            f" ({r['images']} images), tokens mean {r['mean_tokens']:.0f} max "
+            f"{r['max_tokens']}, frame area kept {100 * r['mean_kept']:.1f} %"
+        )
+        print(
+            f"[megatron-video] bucket {r['bucket']} {r['pixels_hw'][0]}x{r['pixels_hw'][1]} px "
+            f"(latent {r['latent_hw'][0]}x{r['latent_hw'][1]}): {r['clips']} clips"
+            + (stats if r["clips"] else "")
+        )
+    for key, why in errors:
+        print(f"[megatron-video]   left out {key}: {why}")
+    if args.out:
+        blob = dict(buckets=rows, clips=[dataclasses.asdict(p) for p in plans], skipped=errors)
+        Path(args.out).write_text(json.dumps(blob, indent=1))
+    return 0
+
+
 def _convert(args) -> int:
     from megatron_video.models.wan.convert import checkpoint_to_diffusers, diffusers_to_checkpoint
 
@@ -331,9 +374,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"({r['skipped']} unreadable clips skipped); train with data.source=shards "
                 f"data.shards={args.out}"
             )
+            for key, why in r.get("left_out", []):
+                print(f"[megatron-video]   left out {key}: {why}")
             return 0
         if args.command == "prepare":
             return _prepare(args)
+        if args.command == "buckets":
+            return _buckets(args)
         if args.command == "convert":
             return _convert(args)
         if args.command == "validate":

@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import yaml
 
+from ..data.buckets import BucketConfig, BucketGrid
 from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
 from .family_spec import get_family
 
@@ -32,11 +33,13 @@ __all__ = [
     "latent_shape",
     "token_grid_of",
     "data_parallel_size",
+    "bucket_grid",
 ]
 
 OBJECTIVES = ("edm", "flow", "lm")  # lm: next-token cross-entropy (model.family video_llava)
 NONFINITE_POLICIES = ("skip", "stop")
 TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8  # the project's causal VAE (models.vae)
+BUCKET_DERIVED = ("patch_size", "spatial_stride", "temporal_stride")  # bucket_grid sets them
 
 
 def _pos_int(name: str, value, minimum: int = 1) -> None:
@@ -181,9 +184,23 @@ class DataSection:
     width: int = 32
     caption_len: int = 16
     seed: int = 0
+    # mixed lengths and shapes: data.buckets.<field> of data.buckets.BucketConfig (patch and
+    # strides come from model.patch_size and the VAE); read by `megatron-video buckets` and
+    # `precompute` for now
+    buckets: Optional[dict] = None
 
     def validate(self) -> None:
         d = self
+        if d.buckets is not None:
+            derived = (
+                sorted(set(d.buckets) & set(BUCKET_DERIVED)) if isinstance(d.buckets, dict) else []
+            )
+            if derived:
+                raise ValueError(
+                    f"data.buckets.{derived[0]} ({d.buckets[derived[0]]!r}) is not a field here: "
+                    f"the grid takes model.patch_size and the VAE's strides"
+                )
+            BucketConfig.from_dict(d.buckets, prefix="data.buckets.")
         if d.source not in ("synthetic", "shards", "energon"):
             raise ValueError(
                 f"data.source ({d.source!r}) must be 'synthetic', 'shards' or 'energon'"
@@ -463,6 +480,22 @@ def token_grid_of(config: Config) -> Tuple[int, int, int]:
     return F // pt, h // ph, w // pw
 
 
+def bucket_grid(config: Config) -> BucketGrid:
+    """The bucket grid of ``data.buckets`` (defaults where null) at ``model.patch_size`` and the
+    VAE's strides; ``ValueError`` names ``data.buckets``."""
+    fields = dict(config.data.buckets or {})
+    fields.update(
+        patch_size=list(config.model.patch_size),
+        spatial_stride=SPATIAL_STRIDE,
+        temporal_stride=TEMPORAL_STRIDE,
+    )
+    cfg = BucketConfig.from_dict(fields, prefix="data.buckets.")
+    try:
+        return BucketGrid(cfg)
+    except ValueError as e:
+        raise ValueError(f"data.buckets: {e}") from None
+
+
 def data_parallel_size(config: Config, world_size: int) -> int:
     p = config.parallel
     return world_size // (
@@ -482,6 +515,13 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     _model_fits_parallel(config)
     config.data.validate()
     _patch_fits_latents(config)
+    if config.data.buckets is not None:
+        raise ValueError(
+            f"data.buckets ({config.data.buckets!r}) is read by `megatron-video buckets` and "
+            f"`precompute` only: "
+            f"training still takes data.num_frames x height x width clips until the packed "
+            f"micro-batch model lands; leave data.buckets null to train"
+        )
     _family_fields(config, family)
     family.check(config, world_size)  # the family's own rules (training/families/)
     config.vae.validate()

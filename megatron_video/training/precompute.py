@@ -136,12 +136,17 @@ def precompute_latents(
     (``data.video_windows.encode_rank_latents``: SP-folded encoding, exact; the halo of a Wan VAE
     is probed, ``layouts.vae_halo.probe_halo``) and concatenated; the latent means ``[z, F, h, w]``
     (unscaled; Wan's normalised) and, with a text encoder (``data.text.HFTextEncoder``, T5 or
-    UMT5), the caption embeddings ``text_emb`` / ``text_mask``."""
+    UMT5), the caption embeddings ``text_emb`` / ``text_mask``. With ``data.buckets`` every clip
+    is encoded at its own bucket (``_precompute_buckets``)."""
     from megatron_video.layouts.vae_halo import encoder_halo, halo_windows
 
     d = config.data
     if not d.path:
         raise ValueError("data.path (None) must name the energon dataset to precompute")
+    if d.buckets is not None:
+        return _precompute_buckets(
+            config, out_dir, sp_size, text_encoder, samples_per_shard, progress
+        )
     F, _, _ = latent_shape(config)
     if sp_size < 1 or F % sp_size:
         raise ValueError(f"sp_size ({sp_size}) must be >= 1 and divide the latent frames ({F})")
@@ -175,3 +180,57 @@ def _encode_all(loader, encoder, windows, config, text_encoder, writer, total, e
         writer.write(s.__key__, tensors, s.caption, dict(s.meta, **extra))
         if total is not None and len(seen) >= total:
             break
+
+
+def _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shard, progress):
+    """Every clip of ``data.path`` at its ``data.buckets`` bucket (``config.bucket_grid``): read by
+    key (``data.energon_video.KeyedClips``) as ``min(sp_size, F)`` near-equal halo windows of its
+    ``F`` latent frames, each decoded and encoded with its halo; ``meta`` adds the bucket, latent
+    shape, tokens and frame window. Clips the grid refuses or that fail to decode are skipped and
+    named (``left_out``)."""
+    from megatron_video.data.energon_video import KeyedClips, dataset_records
+    from megatron_video.data.video_windows import encode_rank_latents
+    from megatron_video.layouts.vae_halo import encoder_halo, windows_for_bounds
+
+    from .config import bucket_grid
+
+    if sp_size < 1:
+        raise ValueError(f"sp_size ({sp_size}) must be >= 1")
+    d, z = config.data, config.vae.latent_channels
+    left_out: list = []
+    records = {r["key"]: r for r in dataset_records(d.path)}
+    plans = bucket_grid(config).plan_many(list(records.values()), left_out)
+    clips = KeyedClips(d.path)
+    encoder, kind = _encoder(config, progress)
+    halo = encoder_halo(encoder)
+    with LatentShardWriter(out_dir, samples_per_shard) as writer:
+        for plan in plans:
+            F, p = plan.latent[0], min(sp_size, plan.latent[0])
+            windows = windows_for_bounds([(r * F // p, (r + 1) * F // p) for r in range(p)], halo)
+            try:  # each window decoded on its own, as the SP ranks would
+                raws = [clips.read(plan, w)[None] for w in windows]
+            except ValueError as e:
+                left_out.append((plan.key, str(e)))
+                continue
+            with torch.no_grad():
+                lat = encode_rank_latents(encoder, raws, windows)[0, :z]
+            caption = records[plan.key].get("caption", "")
+            tensors = {"latent": lat.float()}
+            if text_encoder is not None:
+                emb, mask = text_encoder([caption])
+                tensors.update(text_emb=emb[0], text_mask=mask[0])
+            meta = dict(records[plan.key], **_plan_meta(plan), sp_size=sp_size, encoder=kind)
+            writer.write(plan.key, tensors, caption, dict(meta, halo_latents=halo))
+    return {"samples": writer.count, "shards": writer.shards, "skipped": len(left_out),
+            "left_out": left_out}  # fmt: skip
+
+
+def _plan_meta(plan) -> dict:
+    return dict(
+        bucket=plan.bucket,
+        latent_shape=list(plan.latent),
+        tokens=plan.tokens,
+        frames_used=plan.num_frames,
+        frame_offset=plan.frame_offset,
+        frame_step=plan.frame_step,
+    )
