@@ -29,17 +29,12 @@ import torch
 
 from .geometry import VideoGeometry
 from .placement import Clip, CostModel, Placement, PlacementPlan, plan_placement
+from .zigzag import check_int as _int
 
 __all__ = ["PACKED_KINDS", "VideoClip", "PackedVideo"]
 
 # Attention inside a clip: full (T2V) or teacher forcing (AR, ``[clean ; noisy]``).
 PACKED_KINDS = ("full", "teacher_forcing")
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return value
 
 
 @dataclass(frozen=True)
