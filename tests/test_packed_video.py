@@ -766,3 +766,34 @@ def _mismatch_case():
 def test_ranks_disagreeing_on_the_packed_batch_raise(pool4):
     for msg in pool4.run(_mismatch_case):
         assert msg is not None and "differ between ranks" in msg, msg
+
+
+@pytest.mark.parametrize("family", ["video", "ar", "wan"])
+def test_later_pipeline_stage_takes_packed_input(megatron_cp1, family):
+    """A stage without pre-processing (PP): hidden states from ``set_input_tensor``, the local
+    length from the packed micro-batch; the same output as the whole model."""
+    full, later = _build(family), _build(family)  # the same weights (drawn per name)
+    later.pre_process = later.decoder.pre_process = False
+    packed = ar_pack() if family == "ar" else video_pack()
+    if family == "video":
+        tokens, _, t, ids, mask, drop = _video_data(packed)
+        x = packed.pack(tokens)[None]
+        args, kw = (t, ids, mask, packed, drop), {}
+        embed = full.patch_embed
+    elif family == "ar":
+        from megatron_video.diffusion.packed import packed_teacher_forcing_inputs
+
+        clean, noise, bt, ids, mask, drop = _ar_data(packed)
+        x, tt, _ = packed_teacher_forcing_inputs(packed, clean, noise, bt)
+        args, kw = (tt,), dict(caption_ids=ids, caption_mask=mask, geometry=packed, drop=drop)
+        embed = full.patch_embed
+    else:
+        a, _, t, _, text = _wan_data(packed)
+        x = packed.pack(a)[None]
+        args, kw = (1000 * t, text, packed), {}
+        embed = full.patch_embedding
+    want = full(x, *args, **kw)
+    with torch.no_grad():
+        later.set_input_tensor(embed(x).transpose(0, 1).contiguous())
+        got = later(None, *args, **kw)
+    assert float((got - want).abs().max()) < 1e-12
