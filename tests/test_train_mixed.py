@@ -142,7 +142,13 @@ def test_packed_step_cp4_equals_cp1(pool4, root, family, objective):
         nonzero = sum(float(g.abs().max()) > 1e-8 for g in ref["grads"].values())
         assert nonzero >= 0.8 * len(ref["grads"])
         assert d_loss < 1e-12 and d_grad < 1e-11, (d_loss, d_grad)
-    print(family, objective, f"loss {ref['loss']:.6f}", f"|dloss| {d_loss:.1e}", f"|dgrad| {d_grad:.1e}")
+    print(
+        family,
+        objective,
+        f"loss {ref['loss']:.6f}",
+        f"|dloss| {d_loss:.1e}",
+        f"|dgrad| {d_grad:.1e}",
+    )
     print(per_rank[0]["plans"])
 
 
