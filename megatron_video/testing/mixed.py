@@ -95,13 +95,11 @@ def tiny_mixed_config(family: str, tmp, shards, budget: Optional[int] = None, **
 
     from .configs import TINY_TRAIN
 
-    wan = family.startswith("wan")
+    wan = _is_wan(family)
     grid = dict(WAN_MIXED_GRID if wan else MIXED_GRID)
     if budget is not None:
         grid["tokens_per_microbatch"] = budget
     model = dict(family=family, num_layers=2, num_attention_heads=4, frames_per_block=1)
-    if family == "wan":
-        model.pop("frames_per_block")
     if wan:
         model.update(hidden_size=64, ffn_hidden_size=96, patch_size=[1, 2, 2])
         text = dict(text_embed_dim=TEXT[1], caption_len=TEXT[0], num_frames=13, height=32, width=32)
@@ -126,7 +124,7 @@ TEXT = (8, 32)  # (caption_len, text_embed_dim) of the Wan clips
 
 def write_tiny_mixed_shards(family: str, out_dir, num_samples: int = 12, seed: int = 0) -> str:
     """``write_mixed_latent_shards`` with the family's shapes (and text embeddings for Wan)."""
-    wan = family.startswith("wan")
+    wan = _is_wan(family)
     return write_mixed_latent_shards(
         out_dir,
         num_samples,
@@ -134,3 +132,10 @@ def write_tiny_mixed_shards(family: str, out_dir, num_samples: int = 12, seed: i
         text=TEXT if wan else None,
         seed=seed,
     )
+
+
+def _is_wan(family: str) -> bool:
+    """Whether ``model.family`` is a Wan family (its transformer, text embeddings, patch 1x2x2)."""
+    from megatron_video.training.families import WanFamily, get_family
+
+    return isinstance(get_family(family), WanFamily)
