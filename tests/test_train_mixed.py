@@ -337,6 +337,12 @@ def test_bad_input_names_the_field(root):
     cfg = _config("video_dit", root, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size \(2\) must be 1"):
         validate(cfg, 2)
+    cfg = _config("video_dit", root)
+    cfg.train.micro_batch_size = 2
+    with pytest.raises(
+        ValueError, match=r"train.micro_batch_size \(2\) must be 1 with data.buckets"
+    ):
+        validate(cfg, 1)
     cfg = _config("ar_dit", root)
     cfg.model.frames_per_block = 2
     with pytest.raises(ValueError, match=r"multiple of model.frames_per_block \(2\)"):

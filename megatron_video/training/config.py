@@ -558,6 +558,12 @@ def _check_buckets(config: Config, family) -> None:
             "train.sample (True) is not supported with data.buckets (the end-of-run sample has "
             "one fixed shape); set train.sample: false"
         )
+    if t.micro_batch_size != 1:
+        raise ValueError(
+            f"train.micro_batch_size ({t.micro_batch_size}) must be 1 with data.buckets (a packed "
+            f"micro-batch is one sequence of data.buckets.tokens_per_microbatch tokens; set "
+            f"train.global_batch_size for more micro-batches per step)"
+        )
     if config.model.per_token_timesteps:
         raise ValueError(
             "model.per_token_timesteps (True) is not supported with data.buckets (packed clips "
