@@ -96,6 +96,11 @@ class Trainer:
        multiplies the objective's per-rank loss share by the CP size and DDP averages over
        DP x CP, i.e. the loss is summed over CP and averaged over DP.
 
+    With ``data.buckets`` (mixed shapes) the micro-batches are packed sequences of clips
+    (``packed_data.PackedBatchMaker``: sample ledger, one placement plan per micro-batch, printed
+    once on rank 0) and the objective is the family's ``make_packed_objective``; the ledger is
+    the checkpoint's data state (``dataloader/ledger.json``).
+
     ``run()`` adds resume (under any parallel layout, ``checkpoint.py``), the tqdm bar (loss,
     tokens/s, step time), TensorBoard, periodic and final checkpoints, CP sampling, and
     ``metrics.json`` / ``loss.png`` / ``sample.gif`` in ``config.output``, written by the logging
