@@ -66,6 +66,10 @@ def _latent_shards(cfg, folder: Path) -> str:
     tests/test_wan_train.py): 8 random ones of the config's sizes here."""
     from megatron_video.testing.wan import write_random_latent_shards
 
+    if cfg.data.buckets is not None:  # mixed_tiny.yaml: clips of mixed shapes and images
+        from megatron_video.testing.mixed import write_tiny_mixed_shards
+
+        return write_tiny_mixed_shards(cfg.model.family, folder, num_samples=12)
     return write_random_latent_shards(cfg, folder, num_samples=8)
 
 

@@ -185,8 +185,8 @@ class DataSection:
     caption_len: int = 16
     seed: int = 0
     # mixed lengths and shapes: data.buckets.<field> of data.buckets.BucketConfig (patch and
-    # strides come from model.patch_size and the VAE); read by `megatron-video buckets` and
-    # `precompute` for now
+    # strides come from model.patch_size and the VAE); read by `megatron-video buckets`,
+    # `precompute` and, with data.source shards, training (packed micro-batches)
     buckets: Optional[dict] = None
 
     def validate(self) -> None:
@@ -516,12 +516,7 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     config.data.validate()
     _patch_fits_latents(config)
     if config.data.buckets is not None:
-        raise ValueError(
-            f"data.buckets ({config.data.buckets!r}) is read by `megatron-video buckets` and "
-            f"`precompute` only: "
-            f"training still takes data.num_frames x height x width clips until the packed "
-            f"micro-batch model lands; leave data.buckets null to train"
-        )
+        _check_buckets(config, family)
     _family_fields(config, family)
     family.check(config, world_size)  # the family's own rules (training/families/)
     config.vae.validate()
@@ -539,6 +534,42 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
             f"parallel.pipeline_model_parallel_size ({PP}) > 1; set "
             f"train.sample=false"
         )
+
+
+def _check_buckets(config: Config, family) -> None:
+    """Training on mixed shapes (``data.buckets``: packed micro-batches, training/packed_data.py)."""
+    d, p, t = config.data, config.parallel, config.train
+    if family.packed_kind is None:
+        family.make_packed_objective(config)  # raises, naming the family's rule
+    if d.source != "shards":
+        raise ValueError(
+            f"data.source ({d.source!r}) must be 'shards' with data.buckets: training on mixed "
+            f"shapes reads latents precomputed at each clip's bucket (`megatron-video "
+            f"precompute` with data.buckets)"
+        )
+    if p.pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
+            f"with data.buckets (packed micro-batches vary in length; the pipeline's send shapes "
+            f"are fixed)"
+        )
+    if t.sample:
+        raise ValueError(
+            "train.sample (True) is not supported with data.buckets (the end-of-run sample has "
+            "one fixed shape); set train.sample: false"
+        )
+    if t.micro_batch_size != 1:
+        raise ValueError(
+            f"train.micro_batch_size ({t.micro_batch_size}) must be 1 with data.buckets (a packed "
+            f"micro-batch is one sequence of data.buckets.tokens_per_microbatch tokens; set "
+            f"train.global_batch_size for more micro-batches per step)"
+        )
+    if config.model.per_token_timesteps:
+        raise ValueError(
+            "model.per_token_timesteps (True) is not supported with data.buckets (packed clips "
+            "take one timestep per clip); leave it false"
+        )
+    bucket_grid(config)  # the grid at the model's patch: ValueError naming data.buckets
 
 
 def _model_fits_parallel(config: Config) -> None:

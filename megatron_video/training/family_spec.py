@@ -38,6 +38,10 @@ class FamilySpec(abc.ABC):
         [Any, int], None
     ]  # (Config, world_size): family rules (ValueError), called by config.validate
     model_fields: Tuple[str, ...] = ()  # the config's family-only model fields it reads
+    # data.buckets (packed micro-batches of mixed-shape clips, training/packed_data.py): the
+    # attention kind inside a clip ("full" / "teacher_forcing"); None: refused, with the rule
+    packed_kind: Optional[str] = None
+    packed_refusal: str = "it has no packed micro-batch path"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -110,6 +114,12 @@ class FamilySpec(abc.ABC):
     @abc.abstractmethod
     def make_objective(self, config, groups, sample: SampleLayout):
         """The objective the trainer calls (``model_call``, ``loss``; ``training.objectives``)."""
+
+    def make_packed_objective(self, config):
+        """The objective of packed micro-batches (``data.buckets``); ``ValueError`` by default."""
+        raise ValueError(
+            f"data.buckets is not supported by model.family {self.name!r}: {self.packed_refusal}"
+        )
 
     def checkpoint_files(self, config, params_dtype) -> Dict[str, str]:
         """Extra JSON files (name -> text) each checkpoint of the trainer carries (e.g. what an

@@ -312,6 +312,11 @@ class MegatronLMEntry:
                 f"--seq-length ({seq}) must be the model's tokens per sample "
                 f"({sequence_length(cfg)})"
             )
+        if cfg.data.buckets is not None:
+            raise ValueError(
+                "data.buckets (mixed shapes, packed micro-batches) is trained by `megatron-video "
+                "train` only; the Megatron-LM entry takes fixed-shape samples (leave it null)"
+            )
         get_family(m.family).check_megatron_lm_args(cfg, args)
         if world_size is not None:
             validate(cfg, world_size, torch.cuda.is_available())

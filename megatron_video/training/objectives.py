@@ -32,6 +32,7 @@ __all__ = [
     "WanFlowObjective",
     "WanTeacherForcing",
     "WAN_NUM_TIMESTEPS",
+    "PackedObjective",
 ]
 
 
@@ -197,3 +198,66 @@ class WanTeacherForcing(TeacherForcing):
 
     def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
         return super().loss(wan_to_patchify_order(output, self.patch, self.channels), mb)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed micro-batches of mixed-shape clips (data.buckets; training/packed_data.py)
+# ----------------------------------------------------------------------------------------------
+class PackedObjective:
+    """The packed micro-batch of one CP rank (``packed_data.PackedMicroBatch``) through the
+    family's packed model call; the loss share ``sum over this rank's loss tokens / loss tokens
+    of the global step``, times ``mb.scale`` (undoes Megatron's micro-batch / DDP averaging; 0 for
+    a dummy micro-batch). ``objective``: ``flow`` / ``edm`` (full clips) or ``teacher_forcing``;
+    ``wan``: Wan's interface (timestep ``1000 t``, text from ``wan_text``, output channel order)."""
+
+    def __init__(self, objective: str, sigma_data: float = 1.0, wan=None):
+        self.objective, self.sigma_data = objective, sigma_data
+        self.wan = wan  # (patch, latent channels) for the Wan families, else None
+
+    def _noisy_edm(self, mb):
+        from megatron_video.models.packed import per_clip_to_tokens
+
+        clip = mb.packed.clip_of(mb.local.cpu()).to(mb.x.device)
+        scal = [s.to(mb.x.dtype) for s in edm_scalings(mb.sigma.double(), self.sigma_data)]
+        c_skip, c_out, c_in, _ = (per_clip_to_tokens(s, clip)[None, :, None] for s in scal)
+        sigma = per_clip_to_tokens(mb.sigma.to(mb.x.dtype), clip)[None, :, None]
+        w = per_clip_to_tokens(edm_loss_weight(mb.sigma.to(_acc(mb.x)), self.sigma_data), clip)
+        return mb.x + sigma * mb.noise, c_skip, c_out, c_in, w[None]
+
+    def model_call(self, mb, first_stage: bool) -> Tuple[tuple, dict]:
+        if self.objective == "teacher_forcing":
+            x, t = mb.x, mb.t
+        elif self.objective == "edm":
+            x_noisy, _, _, c_in, _ = self._noisy_edm(mb)
+            x, t = c_in * x_noisy, edm_scalings(mb.sigma.double(), self.sigma_data)[3].float()
+        else:
+            clip = mb.packed.clip_of(mb.local.cpu()).to(mb.x.device)
+            from megatron_video.models.packed import per_clip_to_tokens
+
+            t_tok = per_clip_to_tokens(mb.t.to(mb.x.dtype), clip)[None]
+            x, t = fm_interpolate(mb.x, mb.noise, t_tok), mb.t
+        x = x if first_stage else None
+        if self.wan is not None:
+            return (x, WAN_NUM_TIMESTEPS * t, wan_text(mb), mb.packed), dict(placement=mb.placement)
+        if self.objective == "teacher_forcing":
+            kw = dict(caption_ids=mb.caption_ids, caption_mask=mb.caption_mask)
+            return (x, t), dict(kw, geometry=mb.packed, drop=mb.drop, placement=mb.placement)
+        return (x, t, mb.caption_ids, mb.caption_mask, mb.packed), dict(
+            drop=mb.drop, placement=mb.placement
+        )
+
+    def loss(self, output: Tensor, mb) -> Tensor:
+        from megatron_video.diffusion.packed import packed_token_loss
+
+        if self.wan is not None:
+            output = wan_to_patchify_order(output, *self.wan)
+        weight = None
+        if self.objective == "teacher_forcing":
+            pred, target = output, mb.target
+        elif self.objective == "edm":
+            x_noisy, c_skip, c_out, _, weight = self._noisy_edm(mb)
+            pred, target = c_skip * x_noisy + c_out * output.to(x_noisy.dtype), mb.x
+        else:
+            pred, target = output, fm_target(mb.x, mb.noise)
+        share = packed_token_loss(pred, target, mb.loss_mask, mb.num_loss_tokens, weight)
+        return share * mb.scale

@@ -96,6 +96,11 @@ class Trainer:
        multiplies the objective's per-rank loss share by the CP size and DDP averages over
        DP x CP, i.e. the loss is summed over CP and averaged over DP.
 
+    With ``data.buckets`` (mixed shapes) the micro-batches are packed sequences of clips
+    (``packed_data.PackedBatchMaker``: sample ledger, one placement plan per micro-batch, printed
+    once on rank 0) and the objective is the family's ``make_packed_objective``; the ledger is
+    the checkpoint's data state (``dataloader/ledger.json``).
+
     ``run()`` adds resume (under any parallel layout, ``checkpoint.py``), the tqdm bar (loss,
     tokens/s, step time), TensorBoard, periodic and final checkpoints, CP sampling, and
     ``metrics.json`` / ``loss.png`` / ``sample.gif`` in ``config.output``, written by the logging
@@ -138,6 +143,12 @@ class Trainer:
         else:
             self.vae_path, self.vae, self.latent_scale = None, None, 1.0
 
+        self.packed = config.data.buckets is not None
+        if self.packed:  # mixed shapes: packed micro-batches (training/packed_data.py)
+            self._init_packed(config)
+            self._build()
+            self._beat(-1)
+            return
         # layout, geometry, data, objective
         sample = self.family.sample_layout(config, self.cp_size)
         self.layout, self.geometry, self.seq_length = (
@@ -161,6 +172,28 @@ class Trainer:
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
         self._beat(-1)  # start-up done (the watchdog's clock restarts at every beat)
+
+    def _init_packed(self, config: Config) -> None:
+        """``data.buckets``: the packed batch maker (sample ledger, planner) and objective."""
+        from .packed_data import PackedBatchMaker
+
+        p = config.parallel
+        self.layout = self.geometry = None
+        self.batches = PackedBatchMaker(
+            config,
+            kind=self.family.packed_kind,
+            latent_scale=self.latent_scale,
+            cp_rank=self.cp_rank,
+            ulysses_size=p.ulysses_size,
+            ring_size=p.ring_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            log=(lambda text: print(text, flush=True)) if self.is_logger else None,
+        )
+        self.seq_length = self.batches.budget  # the schedule's nominal length (PP = 1)
+        self.objective = self.family.make_packed_objective(config)
+        self.num_microbatches = self.batches.num_microbatches
+        self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
 
     @staticmethod
     def _check_runtime(cpu: bool) -> None:
@@ -388,8 +421,15 @@ class Trainer:
         meta["vae.latent_channels"] = self.config.vae.latent_channels
         return meta
 
-    def save(self, step: int) -> Path:
+    def _data_state(self, step: int):
+        """``(file name, JSON)`` of this rank's data state, or None: the energon loader's per
+        rank; the sample ledger (``data.buckets``, the same on every rank) once, by rank 0."""
+        if self.packed:
+            return ("ledger", self.batches.data_state(step)) if self.rank == 0 else None
         state = self.batches.data_state()
+        return None if state is None else (f"rank{dist.get_rank()}", state)
+
+    def save(self, step: int) -> Path:
         return ckpt.save_checkpoint(
             self.checkpoint_dir,
             step,
@@ -397,7 +437,7 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             meta=self.model_meta,
-            data_state=None if state is None else (f"rank{dist.get_rank()}", state),
+            data_state=self._data_state(step),
             extra_files=self.family.checkpoint_files(self.config, self.tcfg.params_dtype),
         )
 
@@ -407,12 +447,11 @@ class Trainer:
         step = ckpt.load_checkpoint(
             directory, self.model, self.optimizer, self.scheduler, step=step, meta=self.model_meta
         )
-        if self.config.data.source == "energon":  # the loader resumes where the saved run stood
+        if self.packed or self.config.data.source == "energon":  # the loader resumes there
             reason = None
+            name = "ledger" if self.packed else f"rank{dist.get_rank()}"
             try:
-                self.batches.restore_data_state(
-                    ckpt.read_data_state(directory, step, f"rank{dist.get_rank()}")
-                )
+                self.batches.restore_data_state(ckpt.read_data_state(directory, step, name))
             except ValueError as e:
                 reason = str(e)
             ckpt.agree_or_raise(
@@ -570,6 +609,8 @@ class Trainer:
             t0 = time.time()
             rec = self.train_step(step)
             dt = time.time() - t0
+            if self.packed:  # this step's real tokens (the clips vary)
+                tokens_per_step = self.batches.last_step_tokens
             rec.update(step=step, step_time=dt, tokens_per_s=tokens_per_step / dt)
             skipped_run = skipped_run + 1 if rec["nonfinite"] else 0
             skipped += int(rec["nonfinite"])

@@ -19,7 +19,7 @@ from ..config import Config, latent_shape, token_grid_of
 from ..data import BatchMaker
 from ..family_spec import FamilySpec, SampleLayout, register_family
 from ..model_factory import transformer_config, video_transformer_config
-from ..objectives import EDMObjective, FlowObjective, TeacherForcing
+from ..objectives import EDMObjective, FlowObjective, PackedObjective, TeacherForcing
 
 __all__ = ["DiffusionFamily", "VIDEO_DIT", "STDIT", "AR_DIT"]
 
@@ -91,6 +91,13 @@ class DiffusionFamily(FamilySpec):
         if config.objective == "edm":
             return EDMObjective(config.diffusion.sigma_data, sample.geometry)
         return FlowObjective(sample.geometry)
+
+    def make_packed_objective(self, config: Config):
+        """``objectives.PackedObjective``: teacher forcing (AR) or the configured T2V objective."""
+        if self.packed_kind is None:
+            return super().make_packed_objective(config)
+        kind = "teacher_forcing" if self.autoregressive else config.objective
+        return PackedObjective(kind, config.diffusion.sigma_data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,6 +181,7 @@ VIDEO_DIT = register_family(
         autoregressive=False,
         model=VideoDiT,
         check=_whole_frames_per_cp_rank,
+        packed_kind="full",
     )
 )
 STDIT = register_family(
@@ -185,6 +193,11 @@ STDIT = register_family(
         autoregressive=False,
         model=VideoDiT,
         check=_check_stdit,
+        packed_refusal=(
+            "ST-DiT's spatial / temporal attention needs a regular frame grid on every CP rank, "
+            "which packed mixed-shape clips do not have (rule: packed clips are refused, not "
+            "padded); use model.family 'video_dit' or leave data.buckets null"
+        ),
     )
 )
 AR_DIT = register_family(
@@ -196,5 +209,6 @@ AR_DIT = register_family(
         autoregressive=True,
         model=ARVideoDiT,
         check=_check_ar_dit,
+        packed_kind="teacher_forcing",
     )
 )

@@ -26,7 +26,7 @@ from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
 from ..config import Config, token_grid_of
 from ..family_spec import register_family
-from ..objectives import WanFlowObjective, WanTeacherForcing
+from ..objectives import PackedObjective, WanFlowObjective, WanTeacherForcing
 from .diffusion import DiffusionFamily, _check_ar_dit, _whole_frames_per_cp_rank
 
 __all__ = [
@@ -330,6 +330,13 @@ class WanFamily(DiffusionFamily):
         cp = 1 if groups is None else groups.cp_size
         return WanFlowObjective(sample.geometry, patch, z, config.model.per_token_timesteps, cp)
 
+    def make_packed_objective(self, config: Config):
+        """``objectives.PackedObjective`` with Wan's interface (flow; teacher forcing for AR)."""
+        kind = "teacher_forcing" if self.autoregressive else "flow"
+        return PackedObjective(
+            kind, wan=(tuple(config.model.patch_size), config.vae.latent_channels)
+        )
+
 
 WAN = register_family(
     WanFamily(
@@ -340,6 +347,7 @@ WAN = register_family(
         autoregressive=False,
         model=WanModel,
         check=_check_wan,
+        packed_kind="full",
     )
 )
 WAN_AR = register_family(
@@ -351,5 +359,6 @@ WAN_AR = register_family(
         autoregressive=True,
         model=WanModel,
         check=_check_wan_ar,
+        packed_kind="teacher_forcing",
     )
 )

@@ -1,0 +1,316 @@
+"""Packed micro-batches of mixed-shape clips (``data.buckets``): the training data path of
+capability 7 (docs/data.md, "Mixed lengths and shapes"; docs/architecture.md, "Packed
+micro-batches in the models").
+
+Each optimizer step, ``data.ledger.StepSampler`` (the same pure function on every rank) draws the
+step's clips from a seeded per-epoch permutation minus the ledger's consumed clips and balances
+them by cost over DP ranks x micro-batches, each within ``data.buckets.tokens_per_microbatch``.
+A DP rank's micro-batch becomes one ``PackedVideo`` (padded to a multiple of ``2·CP``), placed
+over the CP group's ``U x R`` by ``plan_placement``; every CP rank keeps its tokens with the
+placement's ids. Noise, timesteps / sigmas and the CFG drop are drawn per clip from generators
+seeded by ``(train.seed, step, clip index)`` over the clip's whole token grid, so any layout sees
+the values of one process.
+
+Empty micro-batches (an epoch's last step can have fewer clips than DP ranks x micro-batches):
+every rank still runs all its micro-batches (the schedule and the collectives stay the same on
+every rank); an empty one runs a dummy one-token zero clip with loss weight 0 (no gradient, no
+loss tokens, not in the ledger).
+
+Loss: ``sum of per-token losses / loss tokens of the GLOBAL step`` (``diffusion.packed``). The
+count is known on every rank (the step's assignment is), and each share is scaled by
+``num_microbatches x dp_size`` to undo Megatron's per-micro-batch and DDP averaging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from megatron_video.data.ledger import SampleLedger, StepSampler
+from megatron_video.data.synthetic import CaptionTokenizer
+from megatron_video.diffusion.edm import EDMConfig, sample_sigma
+from megatron_video.diffusion.flow_matching import sample_timesteps
+from megatron_video.diffusion.packed import packed_teacher_forcing_inputs
+from megatron_video.layouts.packed_video import PackedVideo, VideoClip
+from megatron_video.layouts.placement import CostModel, Placement, PlacementPlan
+from megatron_video.models.embedders import patchify
+
+from .config import Config, bucket_grid
+from .data import sample_generator
+
+__all__ = ["PackedMicroBatch", "PackedBatchMaker", "load_clip_store"]
+
+
+@dataclass
+class PackedMicroBatch:
+    """This CP rank's share of one packed micro-batch (batch 1; ``s`` local tokens)."""
+
+    clip_ids: List[str]
+    packed: PackedVideo
+    placement: Placement
+    plan: PlacementPlan
+    local: torch.Tensor  # [s] global ids this rank holds
+    x: torch.Tensor  # [1, s, C] clean (full kinds) / [clean ; noisy] (teacher forcing)
+    noise: torch.Tensor  # [1, s, C] (full kinds; zeros for teacher forcing)
+    target: torch.Tensor  # [1, s, C] teacher forcing: the velocity on the noisy half
+    t: torch.Tensor  # [C] per clip (full kinds) or [1, s] per token (teacher forcing)
+    sigma: torch.Tensor  # [C] (EDM)
+    caption_ids: torch.Tensor  # [C, L] ids or [C, L, text_embed_dim] embeddings
+    caption_mask: torch.Tensor  # [C, L]
+    drop: torch.Tensor  # [C] bool
+    loss_mask: torch.Tensor  # [1, s]
+    num_loss_tokens: int  # of the whole step (all DP ranks and micro-batches)
+    scale: float  # num_microbatches x dp_size (0 for a dummy micro-batch)
+
+
+def load_clip_store(config: Config) -> Dict[str, dict]:
+    """Every clip of ``data.shards`` (``precompute`` with ``data.buckets``: latents at each clip's
+    own bucket): ``key -> {latent [z, F, h, w], caption, text_emb?, text_mask?}``, read by every
+    rank in the same order (the sampler is a pure function of the clip ids)."""
+    from megatron_video.data.shards import ShardReader
+
+    d, z = config.data, config.vae.latent_channels
+    store: Dict[str, dict] = {}
+    for s in ShardReader(d.shards, split="samples"):
+        key = s["key"]
+        lat = s.get("latent")
+        if lat is None or lat.dim() != 4 or lat.shape[0] != z or min(lat.shape) < 1:
+            raise ValueError(
+                f"shard sample {key!r}: data.buckets trains on precomputed latents [z="
+                f"{z}, F, h, w] (`megatron-video precompute` with data.buckets); got "
+                f"{None if lat is None else tuple(lat.shape)}"
+            )
+        if key in store:
+            raise ValueError(f"shard sample {key!r}: keys must be unique across data.shards")
+        item = dict(latent=lat.float(), caption=s.get("caption", ""))
+        if d.text_embed_dim is not None:
+            emb, tm = s.get("text_emb"), s.get("text_mask")
+            if emb is None or tm is None or tuple(emb.shape) != (d.caption_len, d.text_embed_dim):
+                raise ValueError(
+                    f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
+                    f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask"
+                )
+            item.update(text_emb=emb.float(), text_mask=tm.bool())
+        store[key] = item
+    if not store:
+        raise ValueError(f"data.shards ({d.shards!r}) holds no samples")
+    return store
+
+
+class PackedBatchMaker:
+    """This rank's packed micro-batches (``step_batches(step)``) and the sample ledger (its data
+    state). ``kind``: ``"full"`` (T2V) or ``"teacher_forcing"`` (the AR families). ``log``: where
+    the planner's decision is printed once (rank 0), or None."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        kind: str,
+        latent_scale: float,
+        cp_rank: int,
+        ulysses_size: int,
+        ring_size: int,
+        dp_rank: int,
+        dp_size: int,
+        log: Optional[Callable[[str], None]] = None,
+        store: Optional[Dict[str, dict]] = None,
+    ):
+        self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
+        p = config.parallel
+        self.U, self.R, self.cp_rank = ulysses_size, ring_size, cp_rank
+        self.cp_size = ulysses_size * ring_size
+        self.dp_rank, self.dp_size, self.log = dp_rank, dp_size, log
+        self.placement_order = p.placement
+        self.patch = tuple(config.model.patch_size)
+        self.fpb = config.model.frames_per_block if kind == "teacher_forcing" else 1
+        t = config.train
+        gbs = t.global_batch_size or t.micro_batch_size * dp_size
+        self.num_microbatches = gbs // (t.micro_batch_size * dp_size)
+        self.grid = bucket_grid(config)
+        self.budget = self.grid.config.tokens_per_microbatch
+        self.store = store if store is not None else load_clip_store(config)
+        self.ids = sorted(self.store)
+        self.index = {k: i for i, k in enumerate(self.ids)}
+        self.clips = {k: self._video_clip(k) for k in self.ids}
+        self._check_budget()
+        cost = CostModel()
+        self.costs = [cost.clip(self.clips[k].placement_clip()) for k in self.ids]
+        self.tokenizer = CaptionTokenizer(config.data.caption_len)
+        self.edm = EDMConfig(
+            sigma_data=config.diffusion.sigma_data,
+            p_mean=config.diffusion.p_mean,
+            p_std=config.diffusion.p_std,
+        )
+        self.sampler = self._sampler(None)
+        self._before: Optional[str] = None  # the ledger before the last drawn step
+        self.last_step_tokens = 0
+        self._logged = False
+
+    # -- clips ----------------------------------------------------------------------------------
+    def _video_clip(self, key: str) -> VideoClip:
+        _, F, h, w = self.store[key]["latent"].shape
+        pt, ph, pw = self.patch
+        if F % pt or h % ph or w % pw:
+            raise ValueError(
+                f"clip {key!r}: latent {F}x{h}x{w} must be divisible by model.patch_size "
+                f"{list(self.patch)} (rule: the bucket grid is a multiple of the patch)"
+            )
+        T = F // pt
+        if self.kind == "teacher_forcing" and T % self.fpb:
+            raise ValueError(
+                f"clip {key!r}: {T} latent frames must be a multiple of model.frames_per_block "
+                f"({self.fpb}) for model.family {self.config.model.family!r} (rule: whole AR "
+                f"blocks; images need frames_per_block 1)"
+            )
+        return VideoClip(T, h // ph, w // pw, self.kind, self.fpb)
+
+    def _check_budget(self) -> None:
+        for k in self.ids:
+            n = self.clips[k].tokens
+            if n > self.budget:
+                raise ValueError(
+                    f"data.buckets.tokens_per_microbatch ({self.budget}) must hold every clip: "
+                    f"clip {k!r} has {n} tokens"
+                    + (" (clean + noisy copy)" if self.kind == "teacher_forcing" else "")
+                    + " (rule: a clip is never split across micro-batches)"
+                )
+
+    def _sampler(self, ledger: Optional[SampleLedger]) -> StepSampler:
+        return StepSampler(
+            self.ids,
+            [self.clips[k].tokens for k in self.ids],
+            self.costs,
+            dp_size=self.dp_size,
+            num_microbatches=self.num_microbatches,
+            tokens_per_microbatch=self.budget,
+            seed=self.config.data.seed,
+            ledger=ledger,
+        )
+
+    # -- data state (the ledger, JSON) ----------------------------------------------------------
+    def data_state(self, step: Optional[int] = None) -> str:
+        """The ledger as of the start of ``step`` (default: after the last drawn step)."""
+        ledger = self.sampler.ledger
+        if step is None or step == ledger.next_step:
+            return ledger.to_json()
+        if step == ledger.next_step - 1 and self._before is not None:
+            return self._before
+        raise ValueError(
+            f"step ({step}) must be the ledger's next step ({ledger.next_step}) or the one before"
+        )
+
+    def restore_data_state(self, text: Optional[str]) -> None:
+        if text is None:
+            raise ValueError(
+                "checkpoint holds no sample ledger (saved without data.buckets?); the mixed-data "
+                "order cannot be resumed"
+            )
+        self.sampler = self._sampler(SampleLedger.from_json(text))
+
+    # -- micro-batches --------------------------------------------------------------------------
+    def step_batches(self, step: int) -> Iterator[PackedMicroBatch]:
+        nxt = self.sampler.ledger.next_step
+        if step != nxt:
+            raise ValueError(f"step ({step}) must be the sample ledger's next step ({nxt})")
+        self._before = self.sampler.ledger.to_json()
+        batch = self.sampler.next_step()
+        n_loss = sum(self.clips[k].loss_tokens for k in batch.clip_ids)
+        self.last_step_tokens = sum(self.clips[k].tokens for k in batch.clip_ids)
+        mbs = [self.micro_batch(step, list(b), n_loss) for b in batch.bins[self.dp_rank]]
+        if self.log is not None and not self._logged:
+            self._logged = True
+            self.log(self.describe(batch, mbs))
+        return iter(mbs)
+
+    def describe(self, batch, mbs: Sequence[PackedMicroBatch]) -> str:
+        """The bucket / budget summary and the first step's placement plans (printed once)."""
+        images = sum(c.frames == 1 for c in self.clips.values())
+        shapes = sorted({(c.frames, c.height, c.width) for c in self.clips.values()})
+        lines = [
+            f"[megatron-video] mixed data (data.buckets): {len(self.ids)} clips ({images} images), "
+            f"{len(shapes)} token grids; budget {self.budget} tokens per micro-batch, "
+            f"{self.num_microbatches} micro-batch(es) x DP {self.dp_size}, CP U{self.U}xR{self.R}",
+            f"[megatron-video] step {batch.step}: {len(batch.clip_ids)} clips, DP cost max/mean "
+            f"{batch.assignment.imbalance():.3f}; micro-batches of DP rank {self.dp_rank}:",
+        ]
+        for m, mb in enumerate(mbs):
+            what = "empty (dummy clip, weight 0)" if not mb.clip_ids else f"{mb.packed!r}"
+            lines.append(f"[megatron-video]   micro-batch {m}: {what}; {mb.plan.summary()}")
+        return "\n".join(lines)
+
+    def _clip_tensors(self, step: int, key: Optional[str], clip: VideoClip):
+        """``(clean [n, C], noise [n, C], t, sigma [1], drop)`` of one clip (frame-major tokens);
+        ``key`` None: the dummy zero clip."""
+        cfg = self.config
+        C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
+        n, nb = clip.frame_tokens, clip.frames // clip.frames_per_block
+        if key is None:
+            z = torch.zeros(n, C)
+            t = torch.full((nb,) if self.kind == "teacher_forcing" else (1,), 0.5)
+            return z, z.clone(), t, torch.ones(1), False
+        lat = self.store[key]["latent"] * self.latent_scale
+        clean = patchify(lat[None], self.patch)[0]
+        g = sample_generator(cfg.train.seed, step, self.index[key])
+        noise = torch.randn(n, C, generator=g)
+        sigma = sample_sigma((1,), self.edm, generator=g)
+        flow = dict(shift=cfg.diffusion.flow_shift, distribution=cfg.diffusion.flow_distribution)
+        tf = self.kind == "teacher_forcing"
+        t = sample_timesteps((1, nb) if tf else (1,), generator=g, **flow)
+        t = t[0] if tf else t  # [blocks] per AR block, [1] per clip
+        drop = bool(torch.rand(1, generator=g) < cfg.diffusion.cfg_dropout)
+        return clean, noise, t, sigma, drop
+
+    def _captions(self, keys: Sequence[Optional[str]]):
+        d = self.config.data
+        if d.text_embed_dim is not None:
+            embs, masks = [], []
+            for k in keys:
+                if k is None:
+                    embs.append(torch.zeros(d.caption_len, d.text_embed_dim))
+                    masks.append(torch.zeros(d.caption_len, dtype=torch.bool))
+                else:
+                    embs.append(self.store[k]["text_emb"])
+                    masks.append(self.store[k]["text_mask"])
+            return torch.stack(embs), torch.stack(masks)
+        caps = ["" if k is None else self.store[k]["caption"] for k in keys]
+        return self.tokenizer.encode_batch(caps)
+
+    def micro_batch(self, step: int, keys: List[str], num_loss_tokens: int) -> PackedMicroBatch:
+        """This CP rank's share of the micro-batch of clips ``keys`` (empty: the dummy rule)."""
+        real = bool(keys)
+        slots: List[Optional[str]] = list(keys) if real else [None]
+        clips = [self.clips[k] for k in keys] if real else [VideoClip(1, 1, 1, self.kind, 1)]
+        packed = PackedVideo(tuple(clips)).padded_to(2 * self.cp_size)
+        plan = packed.plan(self.U, self.R, placement=self.placement_order)
+        local = packed.local_ids(plan.placement, self.cp_size, self.cp_rank)
+        per = [self._clip_tensors(step, k, c) for k, c in zip(slots, clips)]
+        cleans, noises, ts = [p[0] for p in per], [p[1] for p in per], [p[2] for p in per]
+        if self.kind == "teacher_forcing":
+            x, t, target = packed_teacher_forcing_inputs(packed, cleans, noises, ts)
+            x, t, target = x[:, local], t[:, local], target[:, local]
+            noise = torch.zeros_like(x)
+        else:
+            x, noise = packed.pack(cleans)[None][:, local], packed.pack(noises)[None][:, local]
+            t, target = torch.cat(ts), torch.zeros_like(x)
+        ids, mask = self._captions(slots)
+        return PackedMicroBatch(
+            clip_ids=list(keys),
+            packed=packed,
+            placement=plan.placement,
+            plan=plan,
+            local=local,
+            x=x,
+            noise=noise,
+            target=target,
+            t=t,
+            sigma=torch.cat([p[3] for p in per]),
+            caption_ids=ids,
+            caption_mask=mask,
+            drop=torch.tensor([p[4] for p in per], dtype=torch.bool),
+            loss_mask=packed.loss_mask(local)[None],
+            num_loss_tokens=max(1, num_loss_tokens),
+            scale=float(self.num_microbatches * self.dp_size) if real else 0.0,
+        )

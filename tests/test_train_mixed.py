@@ -1,0 +1,358 @@
+"""Training on a mixed dataset (``data.buckets``: packed micro-batches, training/packed_data.py).
+
+* Exactness (float64): one step of packed micro-batches of mixed-shape clips (images included)
+  through the family's packed objective at CP 4 (U2xR2, the planner's placement) equals CP 1:
+  loss and every parameter gradient (summed over CP) -- ``video_dit`` (flow and EDM), ``ar_dit``,
+  ``wan``, ``wan_ar``. Through the ``Trainer`` (fp32): DP 4 x CP 1 and DP 1 x CP 4 (4 micro-batches)
+  give the same loss and reduced gradients (the Σ/Σ normalisation over the global step).
+* A short run on 4 ranks (DP 2 x CP 2) trains from a mixed shard set with images: finite losses.
+* Resume: the ledger in the checkpoint; every clip exactly once per epoch across an interruption,
+  at the same DP size and at another one (DP 2 -> DP 1 and DP 1 -> DP 4), also through the trainer.
+* Bad input: a clip over the token budget, ``stdit`` / ``data.source`` / PP with ``data.buckets``:
+  ``ValueError`` naming the field; the CLI exits 2.
+"""
+
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_video.testing.mixed import tiny_mixed_config, write_tiny_mixed_shards
+
+pytest.importorskip("diffusers")
+
+ROOT = Path(__file__).resolve().parents[1]
+AR = ("ar_dit", "wan_ar")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    write_tiny_mixed_shards("video_dit", root / "dit")
+    write_tiny_mixed_shards("wan", root / "wan")
+    return root
+
+
+def _config(family, root, budget=None, **parallel):
+    shards = root / ("wan" if family.startswith("wan") else "dit")
+    budget = budget or (80 if family in AR else 48)
+    return tiny_mixed_config(family, root, shards, budget=budget, **parallel)
+
+
+def _maker(cfg, store=None, dp_rank=0, dp_size=1, U=1, R=1, cp_rank=0, log=None):
+    from megatron_video.training.families import get_family
+    from megatron_video.training.packed_data import PackedBatchMaker
+
+    return PackedBatchMaker(
+        cfg,
+        kind=get_family(cfg.model.family).packed_kind,
+        latent_scale=1.0,
+        cp_rank=cp_rank,
+        ulysses_size=U,
+        ring_size=R,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        log=log,
+        store=store,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# exactness: the family's packed pieces, float64, CP 4 (U2xR2) == CP 1
+# ---------------------------------------------------------------------------------------------
+def _perturb(model):
+    """The same full weights on every layout (AdaLN-zero would leave most gradients zero)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            full = 0.2 * torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(full + (1.0 if name.endswith("layernorm.weight") else 0.0))
+
+
+def _model64(cfg):
+    from megatron_video.training.families import get_family
+
+    fam = get_family(cfg.model.family)
+    if cfg.model.family.startswith("wan"):
+        from megatron_video.training.families.wan import wan_transformer_config
+
+        model = fam.build_model(wan_transformer_config(cfg, params_dtype=torch.float64), config=cfg)
+    else:
+        tcfg = fam.transformer_config(cfg)
+        tcfg.params_dtype = torch.float64
+        model = fam.build_model(tcfg, config=cfg)
+    model = model.double()
+    _perturb(model)
+    return model
+
+
+def _float64(mb):
+    for k, v in vars(mb).items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            setattr(mb, k, v.double())
+    return mb
+
+
+def _piece_step(family, root, U, R, objective):
+    """Rank side: step 0 (2 micro-batches of mixed clips) of the packed pieces; the CP-summed
+    loss and gradients."""
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.families import get_family
+
+    parallel = dict(context_parallel_size=U * R, ulysses_size=U, ring_size=R)
+    cfg = _config(family, root, ranks_per_node=2, **parallel)
+    cfg.diffusion.objective = objective
+    cfg.train.global_batch_size = 2  # 2 micro-batches of the one DP rank (4 at CP 1 : DP 4)
+    with video_parallel(U, R, ranks_per_node=2, seed=0) as groups:
+        model = _model64(cfg)
+        maker = _maker(cfg, U=U, R=R, cp_rank=groups.cp_rank)
+        obj = get_family(family).make_packed_objective(cfg)
+        total, mbs = torch.zeros((), dtype=torch.float64), list(maker.step_batches(0))
+        for mb in mbs:
+            args, kwargs = obj.model_call(_float64(mb), True)
+            share = obj.loss(model(*args, **kwargs), mb)
+            share.backward()
+            total += share.detach()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if groups.cp_size > 1:
+            comm.all_reduce(total, groups.cp_group, tag="test.loss")
+            for g in grads.values():
+                comm.all_reduce(g, groups.cp_group, tag="test.grad")
+        plans = [mb.plan.summary() for mb in mbs]
+        return dict(loss=float(total), grads=grads, clips=[mb.clip_ids for mb in mbs], plans=plans)
+
+
+CASES = [("video_dit", "flow"), ("video_dit", "edm"), ("ar_dit", "flow"), ("wan", "flow")]
+CASES += [("wan_ar", "flow")]
+
+
+@pytest.mark.parametrize("family,objective", CASES, ids=[f"{f}-{o}" for f, o in CASES])
+def test_packed_step_cp4_equals_cp1(pool4, root, family, objective):
+    ref = pool4.run(_piece_step, family, root, 1, 1, objective)[0]
+    per_rank = pool4.run(_piece_step, family, root, 2, 2, objective)
+    assert sum(len(c) for c in ref["clips"]) >= 3  # several clips of different shapes
+    for res in per_rank:
+        assert res["clips"] == ref["clips"]
+        d_loss = abs(res["loss"] - ref["loss"])
+        d_grad = max(float((res["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
+        nonzero = sum(float(g.abs().max()) > 1e-8 for g in ref["grads"].values())
+        assert nonzero >= 0.8 * len(ref["grads"])
+        assert d_loss < 1e-12 and d_grad < 1e-11, (d_loss, d_grad)
+    print(
+        family,
+        objective,
+        f"loss {ref['loss']:.6f}",
+        f"|dloss| {d_loss:.1e}",
+        f"|dgrad| {d_grad:.1e}",
+    )
+    print(per_rank[0]["plans"])
+
+
+def _trainer_step(family, root, parallel, gbs):
+    """Rank side: the trainer's forward-backward of step 0; loss and reduced gradients."""
+    import warnings
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = _config(family, root, **parallel)
+    cfg.train.global_batch_size = gbs
+    trainer = Trainer(cfg, progress=False, cpu=True)
+    try:
+        loss = trainer.forward_backward(0)
+        grads = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
+        return dict(loss=loss, grads=grads)
+    finally:
+        trainer.close()
+
+
+def test_trainer_dp4_equals_cp4(pool4, root):
+    """The same global step (cap 4 micro-batches of the budget) as DP 4 x 1 micro-batch and as
+    DP 1 x CP 4 x 4 micro-batches: the loss is Σ token losses / Σ loss tokens of the step."""
+    dp4 = pool4.run(_trainer_step, "wan", root, {}, 4)
+    cp4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
+    cp = pool4.run(_trainer_step, "wan", root, cp4, 4, ranks_per_node=2)
+    ref = dp4[0]
+    for res in dp4 + cp:
+        d_grad = max(float((res["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
+        assert abs(res["loss"] - ref["loss"]) < 1e-5 * abs(ref["loss"]) and d_grad < 1e-5
+    print("trainer DP4 vs CP4 loss", ref["loss"], cp[0]["loss"], "max |dgrad|", d_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# a short run, resume through the trainer
+# ---------------------------------------------------------------------------------------------
+def _run(family, root, out, steps, parallel):
+    import json
+    import warnings
+
+    from megatron_video.training import checkpoint as ckpt
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = _config(family, root, **parallel)
+    cfg.output, cfg.train.steps = str(out), steps
+    cfg.train.save, cfg.train.resume = True, True
+    trainer = Trainer(cfg, progress=False, cpu=True)
+    try:
+        metrics = trainer.run()
+        step = ckpt.latest_step(trainer.checkpoint_dir)
+        ledger = ckpt.read_data_state(trainer.checkpoint_dir, step, "ledger")
+        losses = [h["loss"] for h in json.loads((out / "metrics.json").read_text())["history"]]
+        return dict(metrics=metrics, ledger=ledger, losses=losses)
+    finally:
+        trainer.close()
+
+
+def _epoch_steps(cfg, store, dp_size):
+    """Steps of epoch 0 as the sampler draws them at ``dp_size`` (pure)."""
+    m = _maker(cfg, store=store, dp_size=dp_size)
+    steps = 0
+    while m.sampler.ledger.epoch == 0:
+        m.step_batches(steps)
+        steps += 1
+    return steps - 1, len(m.ids)
+
+
+def test_short_run_then_resume_at_another_dp_size(pool4, root, tmp_path):
+    """DP 2 x CP 2 trains 2 steps (finite losses, saved with the ledger); resumed at DP 1 x CP 4 it
+    runs to the end of the epoch: every clip exactly once."""
+    from megatron_video.data.ledger import SampleLedger
+    from megatron_video.training.packed_data import load_clip_store
+
+    dp2 = dict(context_parallel_size=2, ring_size=2, ranks_per_node=2)
+    cp4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
+    first = pool4.run(_run, "wan", root, tmp_path, 2, dp2, ranks_per_node=2)[0]
+    assert len(first["losses"]) == 2 and all(torch.isfinite(torch.tensor(first["losses"])))
+    ledger = SampleLedger.from_json(first["ledger"])
+    assert ledger.next_step == 2
+    cfg = _config("wan", root)
+    store = load_clip_store(cfg)
+    cfg.train.global_batch_size = 1
+    m = _maker(cfg, store=store, dp_size=1)
+    m.restore_data_state(first["ledger"])
+    steps = 2
+    while m.sampler.ledger.epoch == 0:
+        m.step_batches(steps)
+        steps += 1
+    end = steps - 1  # steps 2 .. end - 1 finish epoch 0 at DP 1
+    second = pool4.run(_run, "wan", root, tmp_path, end, cp4, ranks_per_node=2)[0]
+    final = SampleLedger.from_json(second["ledger"])
+    assert final.epoch == 0 and final.steps[:2] == ledger.steps
+    ids = [c for _, clips in final.steps for c in clips]
+    assert sorted(ids) == sorted(store) and len(ids) == len(set(ids))  # each clip exactly once
+    assert len(second["losses"]) == end and all(torch.isfinite(torch.tensor(second["losses"])))
+
+
+@pytest.mark.parametrize("before,after", [(2, 2), (2, 1), (1, 4)])
+def test_ledger_resume_every_clip_once(root, before, after):
+    """Pure: the ledger saved after 2 steps at DP ``before`` resumes at DP ``after``: the epoch
+    consumes every clip exactly once; empty micro-batches at its end run the dummy clip."""
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config("video_dit", root)
+    store = load_clip_store(cfg)
+    a = _maker(cfg, store=store, dp_size=before)
+    seen = []
+    for step in range(2):
+        for d in range(before):
+            b = _maker(cfg, store=store, dp_rank=d, dp_size=before)
+            b.restore_data_state(a.data_state())
+            seen += [c for mb in b.step_batches(step) for c in mb.clip_ids]
+        a.step_batches(step)
+    text = a.data_state()
+    step, dummies = 2, 0
+    while True:
+        ranks = [_maker(cfg, store=store, dp_rank=d, dp_size=after) for d in range(after)]
+        for r in ranks:
+            r.restore_data_state(text)
+        if ranks[0].sampler.cursor == len(ranks[0].sampler.queue):
+            break  # epoch 0 is consumed
+        for r in ranks:
+            mbs = list(r.step_batches(step))
+            dummies += sum(mb.scale == 0 for mb in mbs)
+            seen += [c for mb in mbs for c in mb.clip_ids]
+        text, step = ranks[0].data_state(), step + 1
+    assert sorted(seen) == sorted(store) and len(seen) == len(set(seen))
+    print(f"DP {before} -> {after}: {len(seen)} clips once each, {dummies} dummy micro-batches")
+
+
+def test_empty_micro_batches_run_the_dummy_clip(root):
+    """12 clips over DP 4 x 4 micro-batches: the empty ones hold the one-token zero clip with
+    loss weight 0 on every rank (the schedule is the same everywhere, nothing hangs)."""
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config("video_dit", root)
+    cfg.train.global_batch_size = 16
+    store = load_clip_store(cfg)
+    mbs = [mb for d in range(4) for mb in _maker(cfg, store, d, 4).step_batches(0)]
+    empty = [mb for mb in mbs if not mb.clip_ids]
+    assert len(mbs) == 16 and len(empty) == 4 and sum(len(mb.clip_ids) for mb in mbs) == 12
+    for mb in empty:
+        assert mb.scale == 0.0 and repr(mb.packed) == "PackedVideo([1x1x1], seq_len=2)"
+    assert all(mb.scale == 16.0 for mb in mbs if mb.clip_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner's report, bad input
+# ---------------------------------------------------------------------------------------------
+def test_planner_decision_printed_once(root):
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config("video_dit", root)
+    cfg.train.global_batch_size = 2
+    lines = []
+    m = _maker(cfg, store=load_clip_store(cfg), U=2, R=2, log=lines.append)
+    m.step_batches(0)
+    m.step_batches(1)
+    assert len(lines) == 1
+    text = lines[0]
+    assert "budget 48 tokens per micro-batch" in text and "12 clips (4 images)" in text
+    assert text.count("placement U2xR2") == 2 and "micro-batch 1:" in text
+
+
+def test_bad_input_names_the_field(root):
+    from megatron_video.training.config import validate
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config("video_dit", root, budget=20)
+    with pytest.raises(
+        ValueError,
+        match=r"data.buckets.tokens_per_microbatch \(20\) must hold every clip: clip 'm0000' "
+        r"has 36 tokens",
+    ):
+        _maker(cfg, store=load_clip_store(cfg))
+    cfg = _config("stdit", root)
+    cfg.model.stdit_full_attention_layers = [1]
+    with pytest.raises(ValueError, match=r"data.buckets is not supported by model.family 'stdit'"):
+        validate(cfg, 1)
+    cfg = _config("video_dit", root)
+    cfg.data.source = "synthetic"
+    with pytest.raises(ValueError, match=r"data.source \('synthetic'\) must be 'shards'"):
+        validate(cfg, 1)
+    cfg = _config("video_dit", root, pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size \(2\) must be 1"):
+        validate(cfg, 2)
+    cfg = _config("video_dit", root)
+    cfg.train.micro_batch_size = 2
+    with pytest.raises(
+        ValueError, match=r"train.micro_batch_size \(2\) must be 1 with data.buckets"
+    ):
+        validate(cfg, 1)
+    cfg = _config("ar_dit", root)
+    cfg.model.frames_per_block = 2
+    with pytest.raises(ValueError, match=r"multiple of model.frames_per_block \(2\)"):
+        _maker(cfg, store=load_clip_store(cfg))
+
+
+def test_cli_stdit_with_buckets_exits_2(root, tmp_path):
+    cmd = [sys.executable, "-m", "megatron_video.training.cli", "validate", "--nproc", "4"]
+    cmd += ["--config", str(ROOT / "examples/configs/mixed_tiny.yaml"), "model.family=stdit"]
+    cmd += ["model.stdit_full_attention_layers=[1]", f"data.shards={root / 'wan'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.buckets is not supported by model.family 'stdit'" in proc.stderr
