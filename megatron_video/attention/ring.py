@@ -262,7 +262,9 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
     dout = dout.transpose(1, 2).to(q.dtype)  # [b, h, s, d] view, like out
     cur = [x.contiguous() for x in kv]
     kv.clear()
-    like, full = cur[0][:, :0], cur[0].shape[1]  # shape / dtype / device of k, no storage
+    full = cur[0].shape[1]
+    # shape / dtype / device of k without its storage (a view would keep K alive to the end)
+    like = cur[0].new_empty((cur[0].shape[0], 0, *cur[0].shape[2:]))
     dq = None  # the first kernel gradient that covers all rows becomes it (no zero fill)
     own = None  # (dk, dv) this rank's queries contributed to its own block (step 0)
     travel = []  # partial (dk, dv) of the block computed at the previous step, to pass on
