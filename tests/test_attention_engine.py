@@ -360,3 +360,23 @@ def test_local_attention_cross_lengths_through_the_engine():
             )
             assert max_err(got, ref) < tol, (type(mask).__name__, dtype, max_err(got, ref))
             assert st.max_mask_elements <= 64 and st.max_score_elements <= 64
+
+
+def test_full_tiles_partition_into_fewest_rectangles():
+    """The FULL tiles of a block are cut into rectangles (one kernel call each) that cover every
+    FULL tile exactly once and nothing else, never more than the row grouping gives; rows with
+    different runs share a column run (first-principles count)."""
+    grid = [[1, 0, 1], [1, 0, 0], [1, 0, 1]]
+    assert len(engine._row_groups(grid)) == 5
+    assert sorted(engine._fewest_rectangles(grid)) == [(0, 1, 2, 3), (0, 3, 0, 1), (2, 3, 2, 3)]
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        nq, nk = (int(x) for x in torch.randint(1, 9, (2,), generator=g))
+        full = (torch.rand(nq, nk, generator=g) < 0.3 + 0.6 * (trial % 3) / 2).tolist()
+        rects = engine._fewest_rectangles(full)
+        cover = torch.zeros(nq, nk, dtype=torch.int64)
+        for i0, i1, j0, j1 in rects:
+            assert 0 <= i0 < i1 <= nq and 0 <= j0 < j1 <= nk
+            cover[i0:i1, j0:j1] += 1
+        assert torch.equal(cover, torch.tensor(full, dtype=torch.int64)), (full, rects)
+        assert len(rects) <= len(engine._row_groups(full))

@@ -323,33 +323,82 @@ def plan_block(
     work = status.clone()  # tiles still to be covered by a call
     if merge:
         _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind)
-    group_sig, group_q = None, None  # FULL runs shared by consecutive rows: (k runs, (q0, q1))
-
-    def close():
-        if group_sig:
-            plan.calls.extend(Call(slice(*group_q), slice(a, e), FULL) for a, e in group_sig)
-
-    for i, (qa, qe) in enumerate(q_tiles):
-        row = work[i].tolist()
-        sig, j = [], 0  # FULL runs along the row (consecutive k tiles are adjacent positions)
-        while j < len(row):
-            if row[j] == FULL:
-                j0 = j
-                while merge and j + 1 < len(row) and row[j + 1] == FULL:
-                    j += 1
-                sig.append((k_tiles[j0][0], k_tiles[j][1]))
-            j += 1
-        if merge and sig and sig == group_sig and group_q[1] == qa:
-            group_q = (group_q[0], qe)
-        else:
-            close()
-            group_sig, group_q = sig, (qa, qe)
+    full = (work == FULL).tolist()
+    rects = _fewest_rectangles(full) if merge else _single_tiles(full)
+    plan.calls.extend(
+        Call(
+            slice(q_tiles[i0][0], q_tiles[i1 - 1][1]),
+            slice(k_tiles[j0][0], k_tiles[j1 - 1][1]),
+            FULL,
+        )
+        for i0, i1, j0, j1 in rects
+    )
+    for i, row in enumerate(work.tolist()):
         for j, st in enumerate(row):
             if st == PARTIAL:
-                plan.calls.append(Call(slice(qa, qe), slice(*k_tiles[j]), partial_kind(i, j)))
-    close()
+                plan.calls.append(Call(slice(*q_tiles[i]), slice(*k_tiles[j]), partial_kind(i, j)))
     _keep_partials(plan, stats)
     return plan
+
+
+Rect = Tuple[int, int, int, int]  # tile rows [i0, i1) x tile columns [j0, j1)
+
+
+def _single_tiles(full: List[List[bool]]) -> List[Rect]:
+    return [(i, i + 1, j, j + 1) for i, row in enumerate(full) for j, f in enumerate(row) if f]
+
+
+def _row_groups(full: List[List[bool]]) -> List[Rect]:
+    """Each row's maximal FULL runs; consecutive rows with the same runs share them."""
+    out, group, start = [], None, 0
+    for i, row in enumerate(full + [[]]):
+        runs, j = [], 0
+        while j < len(row):
+            if row[j]:
+                j0 = j
+                while j + 1 < len(row) and row[j + 1]:
+                    j += 1
+                runs.append((j0, j + 1))
+            j += 1
+        if runs != group or i == len(full):
+            out.extend((start, i, a, e) for a, e in group or ())
+            group, start = runs, i
+    return out
+
+
+def _greedy_rectangles(full: List[List[bool]]) -> List[Rect]:
+    """From each uncovered FULL tile (row-major), the larger of two rectangles of uncovered FULL
+    tiles: its widest run extended down as far as it fits, or its tallest run extended right."""
+    free = [list(row) for row in full]
+    nq, nk = len(free), len(free[0]) if free else 0
+    out = []
+    for i in range(nq):
+        for j in range(nk):
+            if not free[i][j]:
+                continue
+            w = next((x for x in range(j + 1, nk) if not free[i][x]), nk) - j
+            h = next((y for y in range(i + 1, nq) if not all(free[y][j : j + w])), nq) - i
+            h2 = next((y for y in range(i + 1, nq) if not free[y][j]), nq) - i
+            w2 = (
+                next(
+                    (x for x in range(j + 1, nk) if not all(free[y][x] for y in range(i, i + h2))),
+                    nk,
+                )
+                - j
+            )
+            if h2 * w2 > h * w:
+                h, w = h2, w2
+            for y in range(i, i + h):
+                free[y][j : j + w] = [False] * w
+            out.append((i, i + h, j, j + w))
+    return out
+
+
+def _fewest_rectangles(full: List[List[bool]]) -> List[Rect]:
+    """A partition of the FULL tiles into rectangles (one kernel call each): the shorter of the
+    row grouping and the greedy cover (``_greedy_rectangles``), exact either way."""
+    rows, greedy = _row_groups(full), _greedy_rectangles(full)
+    return greedy if len(greedy) < len(rows) else rows
 
 
 def _keep_partials(plan: BlockPlan, stats: Optional[EngineStats]) -> None:
