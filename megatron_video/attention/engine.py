@@ -190,6 +190,18 @@ class BlockPlan:
     masks: dict = field(default_factory=dict, repr=False)
     dead: dict = field(default_factory=dict, repr=False)
     _on_device: dict = field(default_factory=dict, repr=False)
+    _bwd_order: Optional[tuple] = field(default=None, repr=False)
+
+    def backward_order(self) -> tuple:
+        """Indices of ``calls`` in the order the backward runs them: widest key range first, then
+        widest query range, so that a call covering every key (query) row gives the fresh dK / dV
+        (dQ) accumulators themselves instead of zeros plus a temporary of the same size."""
+        if self._bwd_order is None:
+            span = [(c.k.stop - c.k.start, c.q.stop - c.q.start) for c in self.calls]
+            self._bwd_order = tuple(
+                sorted(range(len(span)), key=lambda i: (-span[i][0], -span[i][1]))
+            )
+        return self._bwd_order
 
     @property
     def num_tiles(self) -> int:
@@ -396,9 +408,11 @@ def _greedy_rectangles(full: List[List[bool]]) -> List[Rect]:
 
 def _fewest_rectangles(full: List[List[bool]]) -> List[Rect]:
     """A partition of the FULL tiles into rectangles (one kernel call each): the shorter of the
-    row grouping and the greedy cover (``_greedy_rectangles``), exact either way."""
+    row grouping and the greedy cover (``_greedy_rectangles``), exact either way. On a tie the
+    greedy cover, which takes a staircase by columns: each backward call then holds gradient
+    temporaries of one key tile and the query rows (rows would hold two key-wide ones)."""
     rows, greedy = _row_groups(full), _greedy_rectangles(full)
-    return greedy if len(greedy) < len(rows) else rows
+    return greedy if len(greedy) <= len(rows) else rows
 
 
 def _keep_partials(plan: BlockPlan, stats: Optional[EngineStats]) -> None:
@@ -734,13 +748,14 @@ def block_backward(
     qt = q.transpose(1, 2)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     bwd = _bwd_math if backend == "math" else _bwd_sdpa
-    for index, c in enumerate(plan.calls):
+    for index in plan.backward_order():
+        c = plan.calls[index]
         m = (
             plan.tile_mask(c, q.device, stats, index)
             if (c.kind == PARTIAL or backend == "math")
             else None
         )
-        g = bwd(
+        g = bwd(  # each part dropped once accumulated: not held while the next is allocated
             dout[:, :, c.q],
             qt[:, :, c.q],
             kt[:, :, c.k],
@@ -751,10 +766,10 @@ def block_backward(
             m,
             scale,
         )
-        dq_acc = _accumulate(dq_acc, c.q, g[0], q, h)
-        dk_acc = _accumulate(dk_acc, c.k, g[1], k, h)
-        dv_acc = _accumulate(dv_acc, c.k, g[2], v, h)
-        del g
+        g = list(g)
+        dq_acc = _accumulate(dq_acc, c.q, g.pop(0), q, h)
+        dk_acc = _accumulate(dk_acc, c.k, g.pop(0), k, h)
+        dv_acc = _accumulate(dv_acc, c.k, g.pop(0), v, h)
     return dq_acc, dk_acc, dv_acc
 
 
