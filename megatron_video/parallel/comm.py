@@ -208,6 +208,8 @@ _DTYPES = [
 
 
 _SIG_WIDTH = 64
+# newer torch calls it all_gather_single (and deprecates all_gather_into_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @functools.lru_cache(maxsize=256)
@@ -235,7 +237,7 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
     n = group_size(group)
     gathered = torch.empty(n * _SIG_WIDTH, dtype=torch.int64)
     _record("shape_check", group, local.nbytes * (n - 1), where, "fwd")
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    _all_gather_single(gathered, local, group=group)
     gathered = gathered.view(n, _SIG_WIDTH)
     if torch.equal(gathered, gathered[:1].expand(n, -1)):
         return
