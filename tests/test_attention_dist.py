@@ -241,6 +241,23 @@ def _tiles(ids, tile):
     return [run[a : a + tile] for run in _runs(ids) for a in range(0, len(run), tile)]
 
 
+def _reaching(held, r, allow, routed):
+    """The keys of each ring rank that reach ring rank ``r``. A routed mask (packed documents:
+    ``AttentionMask.keys_needed``) sends only the keys some other ring rank's queries attend, as
+    far as the last ring rank that attends one; the others send every key all the way round."""
+    R = len(held)
+    for j, kv_ids in enumerate(held):
+        if j == r or not routed:
+            yield kv_ids
+            continue
+        need = {i: allow[held[(j + i) % R]][:, kv_ids].any(0) for i in range(1, R)}
+        hops = [i for i in range(1, R) if need[i].any()]
+        if (r - j) % R > max(hops, default=0):
+            continue  # never reaches r: no step
+        used = torch.stack([need[i] for i in hops]).any(0)
+        yield kv_ids if used.all() else kv_ids[used]
+
+
 def _skip_cases(S, U, R, placement):
     out = []
     with video_parallel(U, R, placement, ranks_per_node=WORLD) as groups:
@@ -266,7 +283,7 @@ def _skip_cases(S, U, R, placement):
             q_ids = held[groups.ring_rank]
             for tile in (3, 512):  # 3 divides no run length; 512 = whole runs
                 exp = dict(steps=0, steps_skipped=0, tiles=0, tiles_skipped=0, tiles_full=0)
-                for kv_ids in held:
+                for kv_ids in _reaching(held, groups.ring_rank, allow, kind == "packed"):
                     cells = [
                         allow[qt][:, kt]
                         for qt in _tiles(q_ids, tile)
