@@ -111,7 +111,7 @@ def _visible_pairs(blocks) -> int:
         for i, c in enumerate(bp.calls if bp is not None else ()):
             nq, nk = c.q.stop - c.q.start, c.k.stop - c.k.start
             if c.kind == FULL:
-                n += nq * nk
+                n += nq * nk * c.batch  # a batched call: c.batch equal blocks
             elif c.kind == CAUSAL:
                 n += nq * (nq + 1) // 2
             else:

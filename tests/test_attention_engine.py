@@ -360,3 +360,49 @@ def test_local_attention_cross_lengths_through_the_engine():
             )
             assert max_err(got, ref) < tol, (type(mask).__name__, dtype, max_err(got, ref))
             assert st.max_mask_elements <= 64 and st.max_score_elements <= 64
+
+
+def test_full_tiles_partition_into_fewest_rectangles():
+    """The FULL tiles of a block are cut into rectangles (one kernel call each) that cover every
+    FULL tile exactly once and nothing else, never more than the row grouping gives; rows with
+    different runs share a column run (first-principles count)."""
+    grid = [[1, 0, 1], [1, 0, 0], [1, 0, 1]]
+    assert len(engine._row_groups(grid)) == 5
+    assert sorted(engine._fewest_rectangles(grid)) == [(0, 1, 2, 3), (0, 3, 0, 1), (2, 3, 2, 3)]
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        nq, nk = (int(x) for x in torch.randint(1, 9, (2,), generator=g))
+        full = (torch.rand(nq, nk, generator=g) < 0.3 + 0.6 * (trial % 3) / 2).tolist()
+        rects = engine._fewest_rectangles(full)
+        cover = torch.zeros(nq, nk, dtype=torch.int64)
+        for i0, i1, j0, j1 in rects:
+            assert 0 <= i0 < i1 <= nq and 0 <= j0 < j1 <= nk
+            cover[i0:i1, j0:j1] += 1
+        assert torch.equal(cover, torch.tensor(full, dtype=torch.int64)), (full, rects)
+        assert len(rects) <= len(engine._row_groups(full))
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_equal_diagonal_blocks_are_batched_calls_and_exact(b):
+    """Packed documents of 8 tokens, tiles of 8: the 8 diagonal tiles are FULL calls of one shape
+    stepping by (8, 8); they run as batched calls of at most a quarter of the rows (2 x 4 here);
+    forward and backward equal the oracle, with batch 1 and (split back into single calls) 2."""
+    S, t = 64, 8
+    mask = masks.packed(list(range(0, S + 1, t)))
+    ids = torch.arange(S)
+    plan = engine.plan_for(ids, ids, mask, t, "sdpa")
+    assert [(c.batch, c.q_step, c.k_step) for c in plan.calls] == [(2, t, t)] * 4, plan.calls
+    assert sorted(blk.q.start for c in plan.calls for blk in c.blocks()) == list(range(0, S, t))
+    allow = (ids[:, None] // t) == (ids[None, :] // t)
+    q, k, v, dout = inputs(b, S, S, 2, 3 - b, 8, seed=5)  # b = 2 with GQA (one kv head)
+    ref = grads(lambda q, k, v: oracle(q, k, v, allow, 0.5), q, k, v, dout)
+    st = RingStats()
+    got = grads(
+        lambda q, k, v: dist_attention(
+            q, k, v, None, mask=mask, tile=t, softmax_scale=0.5, stats=st
+        ),
+        *(x.float() for x in (q, k, v)),
+        dout.float(),
+    )
+    assert max_err([x.double() for x in got], ref) < 2e-5
+    assert st.kernel_calls == 4 and st.bwd_kernel_calls == 4, st

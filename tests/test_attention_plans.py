@@ -182,7 +182,8 @@ def _u2r2_plans_and_syncs(kinds):
     from megatron_video.compat import destroy_model_parallel, initialize_model_parallel
     from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
     from megatron_video.layouts import BalancedSPLayout, shard_sequence
-    from megatron_video.parallel import destroy_video_parallel, init_video_parallel
+    from megatron_video.layouts.placement import Placement, ring_members
+    from megatron_video.parallel import CommTracer, destroy_video_parallel, init_video_parallel
 
     initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
     groups = init_video_parallel(2, 2, ranks_per_node=2, placement="ulysses_inner")
@@ -199,24 +200,35 @@ def _u2r2_plans_and_syncs(kinds):
                     ring_size=2,
                 )
                 mask, scheme = TeacherForcingMask(lay), "contiguous"
+            elif kind == "placed_packed":  # routed ring: only the split clip's keys travel
+                flat = [*range(0, 40), *range(70, 94), *range(40, 70), *range(94, 128)]
+                rows = [None] * 4
+                for r, members in enumerate(ring_members(2, 2)):
+                    for u, cp in enumerate(members):
+                        rows[cp] = torch.tensor(flat[(2 * r + u) * 32 : (2 * r + u + 1) * 32])
+                mask = masks.packed([0, 40, 70, 128], masks.causal())
+                scheme = Placement(torch.stack(rows))
             else:
                 mask, scheme = masks.causal(), "zigzag"
             PLANS.clear()
             g = torch.Generator().manual_seed(0)
             full = [torch.randn(1, S, 4, 8, generator=g) for _ in range(3 * 4)]
+
+            def shard(x):
+                if isinstance(scheme, Placement):
+                    return scheme.shard(x, groups.cp_rank)
+                return shard_sequence(x, groups, dim=1, scheme=scheme)
+
             layers = [
-                tuple(
-                    shard_sequence(x, groups, dim=1, scheme=scheme).requires_grad_()
-                    for x in full[3 * i : 3 * i + 3]
-                )
-                for i in range(4)
+                tuple(shard(x).requires_grad_() for x in full[3 * i : 3 * i + 3]) for i in range(4)
             ]
             _fwd_bwd(layers[0], groups=groups, mask=mask, scheme=scheme, tile=16)
             builds = PLANS.builds
-            with count_host_reads() as counts:
+            with count_host_reads() as counts, CommTracer() as t:
                 for qkv in layers[1:]:
                     _fwd_bwd(qkv, groups=groups, mask=mask, scheme=scheme, tile=16)
-            out[kind] = (builds, PLANS.builds, dict(counts), dist.get_rank())
+            counts = dict(counts, kv_bytes=t.bytes("send", direction="fwd"))
+            out[kind] = (builds, PLANS.builds, counts, dist.get_rank())
     finally:
         destroy_video_parallel()
         destroy_model_parallel()
@@ -224,10 +236,12 @@ def _u2r2_plans_and_syncs(kinds):
 
 
 def test_u2r2_one_build_then_none_and_no_host_sync(pool4):
-    for res in pool4.run(_u2r2_plans_and_syncs, ("causal", "teacher_forcing")):
+    for res in pool4.run(_u2r2_plans_and_syncs, ("causal", "teacher_forcing", "placed_packed")):
         for kind, (first, later, counts, rank) in res.items():
             assert first == 1 and later == 1, (rank, kind, first, later)
+            sent, every = counts.pop("kv_bytes"), 3 * 2 * 64 * 2 * 8 * 4  # 3 layers' K, V
             assert sum(counts.values()) == 0, (rank, kind, counts)
+            assert (sent < every) == (kind == "placed_packed"), (rank, kind, sent)
 
 
 # ------------------------------------------------------------------------------------------

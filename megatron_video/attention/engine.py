@@ -166,11 +166,35 @@ def run_tiles(ids: torch.Tensor, tile: int) -> Tuple[List[Tuple[int, int]], List
 
 @dataclass(frozen=True)
 class Call:
-    """One kernel call: queries ``q`` x keys ``k`` (position slices), ``kind`` FULL / CAUSAL / PARTIAL."""
+    """One kernel call: queries ``q`` x keys ``k`` (position slices), ``kind`` FULL / CAUSAL / PARTIAL.
+
+    ``batch > 1``: ``batch`` equal blocks in one call (a batched kernel over strided views), block
+    ``i`` being ``q + i * q_step`` x ``k + i * k_step`` (disjoint rows and keys: e.g. the diagonal
+    tiles of a block-diagonal part of the mask)."""
 
     q: slice
     k: slice
     kind: int
+    batch: int = 1
+    q_step: int = 0
+    k_step: int = 0
+
+    @property
+    def q_rows(self) -> Tuple[int, int]:
+        """First and last + 1 query row any block of the call touches."""
+        return self.q.start, self.q.stop + (self.batch - 1) * self.q_step
+
+    def blocks(self) -> List["Call"]:
+        """The call as ``batch`` single calls."""
+        qs, ks = self.q_step, self.k_step
+        return [
+            Call(
+                slice(self.q.start + i * qs, self.q.stop + i * qs),
+                slice(self.k.start + i * ks, self.k.stop + i * ks),
+                self.kind,
+            )
+            for i in range(self.batch)
+        ]
 
 
 @dataclass
@@ -195,6 +219,18 @@ class BlockPlan:
     masks: dict = field(default_factory=dict, repr=False)
     dead: dict = field(default_factory=dict, repr=False)
     _on_device: dict = field(default_factory=dict, repr=False)
+    _bwd_order: Optional[tuple] = field(default=None, repr=False)
+
+    def backward_order(self) -> tuple:
+        """Indices of ``calls`` in the order the backward runs them: widest key range first, then
+        widest query range, so that a call covering every key (query) row gives the fresh dK / dV
+        (dQ) accumulators themselves instead of zeros plus a temporary of the same size."""
+        if self._bwd_order is None:
+            span = [(c.k.stop - c.k.start, c.q.stop - c.q.start) for c in self.calls]
+            self._bwd_order = tuple(
+                sorted(range(len(span)), key=lambda i: (-span[i][0], -span[i][1]))
+            )
+        return self._bwd_order
 
     @property
     def num_tiles(self) -> int:
@@ -328,33 +364,123 @@ def plan_block(
     work = status.clone()  # tiles still to be covered by a call
     if merge:
         _causal_diagonals(plan, q_ids, k_ids, q_tiles, k_tiles, work, partial_kind)
-    group_sig, group_q = None, None  # FULL runs shared by consecutive rows: (k runs, (q0, q1))
-
-    def close():
-        if group_sig:
-            plan.calls.extend(Call(slice(*group_q), slice(a, e), FULL) for a, e in group_sig)
-
-    for i, (qa, qe) in enumerate(q_tiles):
-        row = work[i].tolist()
-        sig, j = [], 0  # FULL runs along the row (consecutive k tiles are adjacent positions)
-        while j < len(row):
-            if row[j] == FULL:
-                j0 = j
-                while merge and j + 1 < len(row) and row[j + 1] == FULL:
-                    j += 1
-                sig.append((k_tiles[j0][0], k_tiles[j][1]))
-            j += 1
-        if merge and sig and sig == group_sig and group_q[1] == qa:
-            group_q = (group_q[0], qe)
-        else:
-            close()
-            group_sig, group_q = sig, (qa, qe)
+    full = (work == FULL).tolist()
+    rects = _fewest_rectangles(full) if merge else _single_tiles(full)
+    plan.calls.extend(
+        Call(
+            slice(q_tiles[i0][0], q_tiles[i1 - 1][1]),
+            slice(k_tiles[j0][0], k_tiles[j1 - 1][1]),
+            FULL,
+        )
+        for i0, i1, j0, j1 in rects
+    )
+    if merge:
+        plan.calls = _batch_equal_calls(plan.calls, q_ids.numel() // 4, k_ids.numel() // 4)
+    for i, row in enumerate(work.tolist()):
         for j, st in enumerate(row):
             if st == PARTIAL:
-                plan.calls.append(Call(slice(qa, qe), slice(*k_tiles[j]), partial_kind(i, j)))
-    close()
+                plan.calls.append(Call(slice(*q_tiles[i]), slice(*k_tiles[j]), partial_kind(i, j)))
     _keep_partials(plan, stats)
     return plan
+
+
+Rect = Tuple[int, int, int, int]  # tile rows [i0, i1) x tile columns [j0, j1)
+
+
+def _single_tiles(full: List[List[bool]]) -> List[Rect]:
+    return [(i, i + 1, j, j + 1) for i, row in enumerate(full) for j, f in enumerate(row) if f]
+
+
+def _row_groups(full: List[List[bool]]) -> List[Rect]:
+    """Each row's maximal FULL runs; consecutive rows with the same runs share them."""
+    out, group, start = [], None, 0
+    for i, row in enumerate(full + [[]]):
+        runs, j = [], 0
+        while j < len(row):
+            if row[j]:
+                j0 = j
+                while j + 1 < len(row) and row[j + 1]:
+                    j += 1
+                runs.append((j0, j + 1))
+            j += 1
+        if runs != group or i == len(full):
+            out.extend((start, i, a, e) for a, e in group or ())
+            group, start = runs, i
+    return out
+
+
+def _greedy_rectangles(full: List[List[bool]]) -> List[Rect]:
+    """From each uncovered FULL tile (row-major), the larger of two rectangles of uncovered FULL
+    tiles: its widest run extended down as far as it fits, or its tallest run extended right."""
+    free = [list(row) for row in full]
+    nq, nk = len(free), len(free[0]) if free else 0
+    out = []
+    for i in range(nq):
+        for j in range(nk):
+            if not free[i][j]:
+                continue
+            w = next((x for x in range(j + 1, nk) if not free[i][x]), nk) - j
+            h = next((y for y in range(i + 1, nq) if not all(free[y][j : j + w])), nq) - i
+            h2 = next((y for y in range(i + 1, nq) if not free[y][j]), nq) - i
+            w2 = (
+                next(
+                    (x for x in range(j + 1, nk) if not all(free[y][x] for y in range(i, i + h2))),
+                    nk,
+                )
+                - j
+            )
+            if h2 * w2 > h * w:
+                h, w = h2, w2
+            for y in range(i, i + h):
+                free[y][j : j + w] = [False] * w
+            out.append((i, i + h, j, j + w))
+    return out
+
+
+def _fewest_rectangles(full: List[List[bool]]) -> List[Rect]:
+    """A partition of the FULL tiles into rectangles (one kernel call each): the shorter of the
+    row grouping and the greedy cover (``_greedy_rectangles``), exact either way. On a tie the
+    greedy cover, which takes a staircase by columns: each backward call then holds gradient
+    temporaries of one key tile and the query rows (rows would hold two key-wide ones)."""
+    rows, greedy = _row_groups(full), _greedy_rectangles(full)
+    return greedy if len(greedy) <= len(rows) else rows
+
+
+def _batch_equal_calls(calls: List[Call], max_q: int, max_k: int) -> List[Call]:
+    """FULL calls of one shape whose blocks step by a constant (query, key) offset, at least
+    their own size (disjoint rows and keys), become one batched call (``Call.batch``) of at most
+    ``max_q`` query rows and ``max_k`` keys in all: its gradient temporaries stay a fraction of
+    the accumulators (a whole block diagonal in one call would double them)."""
+    by_shape: dict = {}
+    for c in calls:
+        if c.kind == FULL:
+            by_shape.setdefault((c.q.stop - c.q.start, c.k.stop - c.k.start), []).append(c)
+    out = [c for c in calls if c.kind != FULL]
+    for (lq, lk), group in by_shape.items():
+        left = {(c.q.start, c.k.start): c for c in group}
+        for c in sorted(group, key=lambda c: (c.q.start, c.k.start)):
+            if (c.q.start, c.k.start) not in left:
+                continue
+            del left[c.q.start, c.k.start]
+            step = next(
+                (
+                    (a - c.q.start, b - c.k.start)
+                    for a, b in sorted(left)
+                    if a - c.q.start >= lq and b - c.k.start >= lk
+                ),
+                None,
+            )
+            n = 1
+            while (
+                step is not None
+                and (n + 1) * lq <= max_q
+                and (n + 1) * lk <= max_k
+                and (c.q.start + n * step[0], c.k.start + n * step[1]) in left
+            ):
+                del left[c.q.start + n * step[0], c.k.start + n * step[1]]
+                n += 1
+            out.append(c if n == 1 else Call(c.q, c.k, FULL, n, *step))
+    return out
 
 
 def _keep_partials(plan: BlockPlan, stats: Optional[EngineStats]) -> None:
@@ -558,6 +684,47 @@ def _flex_plan(q_ids, k_ids, mask, tile, stats) -> BlockPlan:
     return plan
 
 
+def _rows(x: torch.Tensor, rows: slice, dim: int, batch: int = 1, step: int = 0) -> torch.Tensor:
+    """``x`` narrowed to ``rows`` along ``dim``; with ``batch > 1`` the blocks ``rows + i * step``
+    stacked along dim 0 (a strided view; ``x.shape[0]`` must be 1)."""
+    if batch == 1:
+        return x.narrow(dim, rows.start, rows.stop - rows.start)
+    size, stride = list(x.shape), list(x.stride())
+    size[dim] = rows.stop - rows.start
+    size[0], stride[0] = batch, step * stride[dim]
+    return x.as_strided(size, stride, x.storage_offset() + rows.start * stride[dim])
+
+
+def _runnable(plan: BlockPlan, order, b: int):
+    """``(index, call)`` in ``order``; batched calls split into single ones unless batch is 1."""
+    for index in order:
+        c = plan.calls[index]
+        for one in [c] if c.batch == 1 or b == 1 else c.blocks():
+            yield index, one
+
+
+def _fwd_call(qt, kt, vt, plan, index, c, scale, fwd, stats, acc_dtype):
+    """``(o, lse)`` of one call (``[batch, h, n, d]``, ``[batch, h, n]``), rows without keys
+    zero / -inf."""
+    if fwd is _fwd_math and stats is not None:
+        stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
+    m = (
+        plan.tile_mask(c, qt.device, stats, index)
+        if (c.kind == PARTIAL or fwd is _fwd_math)
+        else None
+    )
+    n, qs, ks = c.batch, c.q_step, c.k_step
+    o, lse = fwd(
+        _rows(qt, c.q, 2, n, qs), _rows(kt, c.k, 2, n, ks), _rows(vt, c.k, 2, n, ks), c, m, scale
+    )
+    lse = lse.to(acc_dtype)
+    dead = plan.dead_rows(index, qt.device) if c.kind == PARTIAL else None
+    if dead is not None:  # fused kernels report lse = 0 (or NaN) for rows without keys
+        lse = lse.masked_fill(dead, float("-inf"))
+        o = o.masked_fill(dead[:, None], 0.0)
+    return o, lse
+
+
 def block_forward(
     out_acc: Optional[torch.Tensor],
     lse_acc: Optional[torch.Tensor],
@@ -600,33 +767,24 @@ def block_forward(
     acc_dtype = kernels.accumulation_dtype(q.dtype)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     fwd = _fwd_math if backend == "math" else _fwd_sdpa
-    touched = []  # q slices written in this block
-    for index, c in enumerate(plan.calls):
-        if backend == "math" and stats is not None:
-            stats._scores((c.q.stop - c.q.start) * (c.k.stop - c.k.start))
-        m = (
-            plan.tile_mask(c, q.device, stats, index)
-            if (c.kind == PARTIAL or backend == "math")
-            else None
-        )
-        o, lse = fwd(qt[:, :, c.q], kt[:, :, c.k], vt[:, :, c.k], c, m, scale)
-        lse = lse.to(acc_dtype)
-        dead = plan.dead_rows(index, q.device) if c.kind == PARTIAL else None
-        if dead is not None:  # fused kernels report lse = 0 (or NaN) for rows without keys
-            lse = lse.masked_fill(dead, float("-inf"))
-            o = o.masked_fill(dead[:, None], 0.0)
+    touched = []  # q rows written in this block
+    for index, c in _runnable(plan, range(len(plan.calls)), q.shape[0]):
+        o, lse = _fwd_call(qt, kt, vt, plan, index, c, scale, fwd, stats, acc_dtype)
+        rows = c.q_rows
         if out_acc is None:
-            if c.q.start == 0 and c.q.stop == q.shape[1] and o.dtype == acc_dtype:
+            if c.batch == 1 and rows == (0, q.shape[1]) and o.dtype == acc_dtype:
                 out_acc, lse_acc = o, lse  # the kernel's fresh buffers become the accumulators
-                touched.append((c.q.start, c.q.stop))
+                touched.append(rows)
                 continue
             out_acc, lse_acc = accumulators(q)
-        if fresh and not any(a < c.q.stop and c.q.start < e for a, e in touched):
-            out_acc[:, :, c.q] = o
-            lse_acc[:, :, c.q] = lse
+        out_c = _rows(out_acc, c.q, 2, c.batch, c.q_step)
+        lse_c = _rows(lse_acc, c.q, 2, c.batch, c.q_step)
+        if fresh and not any(a < rows[1] and rows[0] < e for a, e in touched):
+            out_c.copy_(o)
+            lse_c.copy_(lse)
         else:
-            _merge(out_acc[:, :, c.q], lse_acc[:, :, c.q], o, lse)
-        touched.append((c.q.start, c.q.stop))
+            _merge(out_c, lse_c, o, lse)
+        touched.append(rows)
     return out_acc, lse_acc
 
 
@@ -636,20 +794,28 @@ def _grad_zeros(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _accumulate(
-    acc: Optional[torch.Tensor], rows: slice, g: torch.Tensor, like: torch.Tensor, heads: int
+    acc: Optional[torch.Tensor],
+    rows: slice,
+    g: torch.Tensor,
+    like: torch.Tensor,
+    heads: int,
+    batch: int = 1,
+    step: int = 0,
 ) -> torch.Tensor:
-    """``acc[:, rows] += g`` (``g [b, h, n, d]``); a missing ``acc`` becomes ``g`` itself when ``g``
-    covers every row in the accumulation dtype (no zero fill, no copy), else zeros first."""
+    """``acc[:, rows] += g`` (``g [b, h, n, d]``; batched: block ``i`` at ``rows + i * step``); a
+    missing ``acc`` becomes ``g`` itself when ``g`` covers every row in the accumulation dtype (no
+    zero fill, no copy), else zeros first."""
     g = g.transpose(1, 2)
     if acc is None:
         if (
-            rows.start == 0
+            batch == 1
+            and rows.start == 0
             and rows.stop == like.shape[1]
             and g.dtype == kernels.accumulation_dtype(like.dtype)
         ):
             return g
         acc = _grad_zeros(like, heads)
-    acc[:, rows] += g
+    _rows(acc, rows, 1, batch, step).add_(g)
     return acc
 
 
@@ -690,27 +856,28 @@ def block_backward(
     qt = q.transpose(1, 2)
     kt, vt = _heads_first(k, h, False), _heads_first(v, h, False)
     bwd = _bwd_math if backend == "math" else _bwd_sdpa
-    for index, c in enumerate(plan.calls):
+    for index, c in _runnable(plan, plan.backward_order(), q.shape[0]):
         m = (
             plan.tile_mask(c, q.device, stats, index)
             if (c.kind == PARTIAL or backend == "math")
             else None
         )
-        g = bwd(
-            dout[:, :, c.q],
-            qt[:, :, c.q],
-            kt[:, :, c.k],
-            vt[:, :, c.k],
-            out[:, :, c.q],
-            lse[:, :, c.q],
+        n, qs, ks = c.batch, c.q_step, c.k_step
+        g = bwd(  # each part dropped once accumulated: not held while the next is allocated
+            _rows(dout, c.q, 2, n, qs),
+            _rows(qt, c.q, 2, n, qs),
+            _rows(kt, c.k, 2, n, ks),
+            _rows(vt, c.k, 2, n, ks),
+            _rows(out, c.q, 2, n, qs),
+            _rows(lse, c.q, 2, n, qs),
             c,
             m,
             scale,
         )
-        dq_acc = _accumulate(dq_acc, c.q, g[0], q, h)
-        dk_acc = _accumulate(dk_acc, c.k, g[1], k, h)
-        dv_acc = _accumulate(dv_acc, c.k, g[2], v, h)
-        del g
+        g = list(g)
+        dq_acc = _accumulate(dq_acc, c.q, g.pop(0), q, h, n, qs)
+        dk_acc = _accumulate(dk_acc, c.k, g.pop(0), k, h, n, ks)
+        dv_acc = _accumulate(dv_acc, c.k, g.pop(0), v, h, n, ks)
     return dq_acc, dk_acc, dv_acc
 
 

@@ -114,7 +114,16 @@ class RingPlan:
         return self.blocks[j]
 
 
-def _reached_plans(ids, ring_rank, mask, tile, backend, stats):
+def _on_device(routes: RingRoutes, device: str) -> RingRoutes:
+    """``routes`` with its kept positions on ``device`` (copied once per plan: indexing device
+    tensors with host indices would copy them on every ring step)."""
+    if device == "cpu" or all(x is None for x in routes.keep):
+        return routes
+    keep = tuple(None if x is None else x.to(device) for x in routes.keep)
+    return RingRoutes(keep, routes.last, routes.first)
+
+
+def _reached_plans(ids, ring_rank, mask, tile, backend, stats, device="cpu"):
     routes = ring_routes(ids, mask)
     R, r = len(ids), ring_rank
     blocks = []
@@ -126,7 +135,7 @@ def _reached_plans(ids, ring_rank, mask, tile, backend, stats):
         if hop and routes.keep[j] is not None:
             k_ids = k_ids[routes.keep[j]]
         blocks.append(engine.plan_for(ids[r], k_ids, mask, tile, backend, stats))
-    return routes, tuple(blocks)
+    return _on_device(routes, str(device)), tuple(blocks)
 
 
 def ring_block_plans(
@@ -148,7 +157,9 @@ def ring_block_plans(
         if ids_key is None
         else ("ring", ids_key, ring_rank, mask, tile, backend, str(device), debug)
     )
-    return engine.PLANS.get(key, lambda: _reached_plans(ids, ring_rank, mask, tile, backend, stats))
+    return engine.PLANS.get(
+        key, lambda: _reached_plans(ids, ring_rank, mask, tile, backend, stats, device)
+    )
 
 
 def _kv_buffers(like: torch.Tensor, n: int, count: int = 2, dtype=None) -> list:
@@ -262,7 +273,9 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
     dout = dout.transpose(1, 2).to(q.dtype)  # [b, h, s, d] view, like out
     cur = [x.contiguous() for x in kv]
     kv.clear()
-    like, full = cur[0][:, :0], cur[0].shape[1]  # shape / dtype / device of k, no storage
+    full = cur[0].shape[1]
+    # shape / dtype / device of k without its storage (a view would keep K alive to the end)
+    like = cur[0].new_empty((cur[0].shape[0], 0, *cur[0].shape[2:]))
     dq = None  # the first kernel gradient that covers all rows becomes it (no zero fill)
     own = None  # (dk, dv) this rank's queries contributed to its own block (step 0)
     travel = []  # partial (dk, dv) of the block computed at the previous step, to pass on

@@ -6,6 +6,7 @@ byte convention is on ``CommTracer``). Design: docs/architecture.md, "Capabiliti
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -206,6 +207,19 @@ _DTYPES = [
 ]
 
 
+_SIG_WIDTH = 64
+# newer torch calls it all_gather_single (and deprecates all_gather_into_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(sig: tuple) -> torch.Tensor:
+    """The padded int64 signature tensor of ``sig`` (built once per signature, never modified)."""
+    local = torch.full((_SIG_WIDTH,), -1, dtype=torch.int64)
+    local[: len(sig)] = torch.tensor(sig, dtype=torch.int64)
+    return local
+
+
 def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -> None:
     """Raise ``ValueError`` on every rank if the named tensors' shapes/dtypes differ across ``group``.
 
@@ -217,23 +231,23 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
     for _name, t in tensors.items():
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
         sig.extend([t.dim(), code] + list(t.shape))
-    width = 64
-    if len(sig) > width:
-        raise ValueError(f"check_same_shape: too many dims to compare ({len(sig)} > {width})")
-    local = torch.full((width,), -1, dtype=torch.int64)
-    local[: len(sig)] = torch.tensor(sig, dtype=torch.int64)
-    gathered = [torch.empty_like(local) for _ in range(group_size(group))]
-    _record("shape_check", group, local.nbytes * (group_size(group) - 1), where, "fwd")
-    dist.all_gather(gathered, local, group=group)
-    ref = gathered[0]
-    for r, g in enumerate(gathered):
-        if not torch.equal(g, ref):
-            shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-            raise ValueError(
-                f"{where or 'collective'}: tensor shapes/dtypes differ between ranks of the group "
-                f"(this rank {group_rank(group)}: {shapes}, {[t.dtype for t in tensors.values()]}; "
-                f"group rank {r} differs from group rank 0); every rank must pass the same shapes"
-            )
+    if len(sig) > _SIG_WIDTH:
+        raise ValueError(f"check_same_shape: too many dims to compare ({len(sig)} > {_SIG_WIDTH})")
+    local = _signature(tuple(sig))
+    n = group_size(group)
+    gathered = torch.empty(n * _SIG_WIDTH, dtype=torch.int64)
+    _record("shape_check", group, local.nbytes * (n - 1), where, "fwd")
+    _all_gather_single(gathered, local, group=group)
+    gathered = gathered.view(n, _SIG_WIDTH)
+    if torch.equal(gathered, gathered[:1].expand(n, -1)):
+        return
+    r = next(r for r in range(n) if not torch.equal(gathered[r], gathered[0]))
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    raise ValueError(
+        f"{where or 'collective'}: tensor shapes/dtypes differ between ranks of the group "
+        f"(this rank {group_rank(group)}: {shapes}, {[t.dtype for t in tensors.values()]}; "
+        f"group rank {r} differs from group rank 0); every rank must pass the same shapes"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""``LiveTensors``: the peak bytes of tensor storages alive at once inside a ``with`` block, and
+what held them at that moment (deterministic: counted per storage, no allocator or RSS noise).
+Used by ``tests/test_attention_memory.py`` and ``benchmarks/attention_memory.py --breakdown``."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Dict, List, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LiveTensors"]
+
+
+def _where() -> str:
+    """The innermost ``megatron_video`` frames of the current stack (``file:line:function``)."""
+    frames = [f for f in traceback.extract_stack(limit=40) if "megatron_video" in f.filename]
+    frames = [f for f in frames if not f.filename.endswith("live_memory.py")]
+    return " < ".join(
+        f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in frames[::-1][:3]
+    )
+
+
+class LiveTensors(TorchDispatchMode):
+    """Tracks every storage an aten op returns inside the block (storages that existed before,
+    e.g. the inputs, are not counted): ``peak`` bytes alive at once, ``held`` = ``[(bytes, label)]``
+    at the peak (label: the op and the innermost ``megatron_video`` frames that allocated it)."""
+
+    def __init__(self, exclude: Tuple[torch.Tensor, ...] = ()):
+        super().__init__()
+        self.live: Dict[int, tuple] = {}
+        self.current = 0
+        self.peak = 0
+        self.held: List[Tuple[int, str]] = []
+        for t in exclude:  # pre-existing storages: seen, never counted
+            st = t.untyped_storage()
+            self.live[st.data_ptr()] = (StorageWeakRef(st), 0, "")
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key and key not in self.live:
+                self.live[key] = (StorageWeakRef(st), st.nbytes(), f"{func.__name__} @ {_where()}")
+                self.current += st.nbytes()
+        if self.current > self.peak:
+            self.peak = self.current
+            self.held = sorted(
+                ((n, label) for ref, n, label in self.live.values() if n and not ref.expired()),
+                reverse=True,
+            )
+        return out
