@@ -226,19 +226,20 @@ def test_bf16_and_fp32_fused_kernel(pool8, degree):
 # ------------------------------------------------------------------------------------------
 # Skipped ring work equals the count of fully masked tiles (first principles)
 # ------------------------------------------------------------------------------------------
-def _runs(ids):
+def _runs(ids, starts=()):
     ids = ids.tolist()
     runs, start = [], 0
     for p in range(1, len(ids) + 1):
-        if p == len(ids) or ids[p] != ids[p - 1] + 1:
+        if p == len(ids) or ids[p] != ids[p - 1] + 1 or ids[p] in starts:
             runs.append(ids[start:p])
             start = p
     return runs
 
 
-def _tiles(ids, tile):
-    """Runs of consecutive ids, each cut into tiles of ``tile`` ids (the last may be shorter)."""
-    return [run[a : a + tile] for run in _runs(ids) for a in range(0, len(run), tile)]
+def _tiles(ids, tile, starts=()):
+    """Runs of consecutive ids (a new one at each id of ``starts``: packed documents never share
+    a tile), each cut into tiles of ``tile`` ids (the last may be shorter)."""
+    return [run[a : a + tile] for run in _runs(ids, starts) for a in range(0, len(run), tile)]
 
 
 def _reaching(held, r, kind, S):
@@ -303,10 +304,11 @@ def _skip_cases(S, U, R, placement):
                         exp["steps"] += 1
                         exp["steps_skipped"] += 1
                         continue
+                    starts = set(CU[1:]) if kind == "packed" else ()
                     cells = [
                         allow[qt][:, kt]
-                        for qt in _tiles(q_ids, tile)
-                        for kt in _tiles(kv_ids, tile)
+                        for qt in _tiles(q_ids, tile, starts)
+                        for kt in _tiles(kv_ids, tile, starts)
                     ]
                     exp["steps"] += 1
                     exp["steps_skipped"] += int(not any(bool(c.any()) for c in cells))

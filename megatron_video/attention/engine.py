@@ -152,14 +152,21 @@ def _spans(ids: torch.Tensor, breaks_after: torch.Tensor) -> List[Tuple[int, int
     return list(zip(edges[:-1], edges[1:]))
 
 
-def id_runs(ids: torch.Tensor) -> List[Tuple[int, int]]:
-    """``(start, end)`` of maximal runs of consecutive ids (``ids[p+1] == ids[p] + 1``), pure."""
-    return _spans(ids, ids[1:] != ids[:-1] + 1)
+def id_runs(ids: torch.Tensor, starts: Optional[torch.Tensor] = None) -> List[Tuple[int, int]]:
+    """``(start, end)`` of maximal runs of consecutive ids (``ids[p+1] == ids[p] + 1``), also cut
+    before every id in ``starts`` (e.g. ``AttentionMask.tile_starts``); pure."""
+    cut = ids[1:] != ids[:-1] + 1
+    if starts is not None and ids.numel() > 1:
+        cut = cut | torch.isin(ids[1:], starts)
+    return _spans(ids, cut)
 
 
-def run_tiles(ids: torch.Tensor, tile: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
-    """``(runs, tiles)``: each run of consecutive ids cut into tiles of ``tile`` positions."""
-    runs = id_runs(ids)
+def run_tiles(
+    ids: torch.Tensor, tile: int, starts: Optional[torch.Tensor] = None
+) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """``(runs, tiles)``: each run of consecutive ids (cut before ``starts``) cut into tiles of
+    ``tile`` positions."""
+    runs = id_runs(ids, starts)
     tiles = [(a, min(a + tile, e)) for s, e in runs for a in range(s, e, tile)]
     return runs, tiles
 
@@ -294,8 +301,9 @@ def _check_tile_verdict(
 
 
 def _status_grid(q_ids, k_ids, mask, tile, stats, debug):
-    q_runs, q_tiles = run_tiles(q_ids, tile)
-    k_runs, k_tiles = run_tiles(k_ids, tile)
+    starts = mask.tile_starts() if mask is not None else None
+    q_runs, q_tiles = run_tiles(q_ids, tile, starts)
+    k_runs, k_tiles = run_tiles(k_ids, tile, starts)
     nq, nk = len(q_tiles), len(k_tiles)
     if mask is None or mask.position_independent:
         return q_tiles, k_tiles, torch.full((nq, nk), FULL, dtype=torch.uint8)

@@ -131,6 +131,11 @@ class AttentionMask(metaclass=_Frozen):
             return False
         return is_lower_triangle(self.dense(q_ids, k_ids))
 
+    def tile_starts(self) -> Optional[torch.Tensor]:
+        """Sorted ids at which the engine starts a new tile (a run of consecutive ids is cut
+        there), so that tiles do not straddle a boundary of the mask's structure; None: none."""
+        return None
+
     def keys_needed(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """Bool ``[len(k_ids)]``: keys that some query of ``q_ids`` may attend (a superset is
         fine), or None for "all of them" (the default). Ring attention sends only these keys
@@ -292,6 +297,11 @@ class _Packed(RuleMask):
                 doc=doc, block=torch.div(rel, self.inner.block_tokens, rounding_mode="floor")
             )
         return _ops.TokenIds(doc=doc, pos=rel)
+
+    def tile_starts(self):
+        """Every document's first id (and the padding's): no tile holds two documents, so a
+        full document's tiles are FULL, not masked."""
+        return self._cu_t[1:]
 
     def keys_needed(self, q_ids, k_ids):
         """Keys of the documents the queries are in (padding attends nothing)."""
