@@ -1,11 +1,12 @@
 """Per-rank peak memory of 2D attention (fwd+bwd) vs sequence length, beside single-process torch flash.
 
 4 gloo ranks as 2 simulated nodes x 2 (U2 x R2), causal / block-causal / teacher-forcing masks,
-``b=1, H=4, D=32`` fp32 by default. Memory is the growth of the resident set's high-water mark
-during one forward + backward (``/proc/self/status`` VmHWM after resetting it through
-``/proc/self/clear_refs``), per rank, max over ranks; printed in MiB and as a multiple of one q shard
-(``b * S/N * H * D * 4`` bytes). The baseline is torch's fused CPU flash attention on ONE process
-over the whole sequence (``is_causal=True``, its own q = the whole sequence), measured the same way.
+``b=1, H=4, D=32`` fp32 by default (``--dtype bfloat16``: inputs and shard in bf16). Memory is the
+growth of the resident set's high-water mark during one forward + backward (``/proc/self/status``
+VmHWM after resetting it through ``/proc/self/clear_refs``), per rank, max over ranks; printed in
+MiB and as a multiple of one q shard (``b * S/N * H * D`` elements of the dtype). The baseline is
+torch's fused CPU flash attention on ONE process over the whole sequence (``is_causal=True``, its
+own q = the whole sequence), measured the same way.
 
 Targets (docs/benchmarks.md): <= 15x one q shard at S >= 32k, and flat: the largest S within 1.5x
 of the smallest. ``--breakdown`` repeats each step under ``testing.live_memory.LiveTensors`` and
@@ -61,7 +62,7 @@ def _live_peak(step, inputs):
     return live.peak, live.held[:12]
 
 
-def _rank_bench(seqs, heads, dim, tile, masks_, breakdown=False):
+def _rank_bench(seqs, heads, dim, tile, masks_, breakdown=False, dtype="float32"):
     import torch.distributed as dist
 
     from megatron_video.attention import RingStats, dist_attention
@@ -73,7 +74,9 @@ def _rank_bench(seqs, heads, dim, tile, masks_, breakdown=False):
                 mask, scheme = attention_mask(name, S)
                 g = torch.Generator().manual_seed(dist.get_rank())
                 q, k, v = (
-                    torch.randn(1, S // N, heads, dim, generator=g).requires_grad_()
+                    torch.randn(1, S // N, heads, dim, generator=g)
+                    .to(getattr(torch, dtype))
+                    .requires_grad_()
                     for _ in range(3)
                 )
                 st = RingStats()
@@ -97,7 +100,7 @@ def _rank_bench(seqs, heads, dim, tile, masks_, breakdown=False):
                         live=live[0] / q.nbytes,
                         held=[(n / q.nbytes, where) for n, where in live[1]],
                         sec=dt,
-                        q_mib=q.numel() * 4 / 2**20,
+                        q_mib=q.nbytes / 2**20,
                         max_mask=st.max_mask_elements,
                         skipped=(st.tiles_skipped, st.tiles),
                     )
@@ -105,18 +108,21 @@ def _rank_bench(seqs, heads, dim, tile, masks_, breakdown=False):
     return rows
 
 
-def _flash_baseline(seqs, heads, dim):
+def _flash_baseline(seqs, heads, dim, dtype="float32"):
     rows = []
     for S in seqs:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, heads, S, dim, generator=g).requires_grad_() for _ in range(3))
+        q, k, v = (
+            torch.randn(1, heads, S, dim, generator=g).to(getattr(torch, dtype)).requires_grad_()
+            for _ in range(3)
+        )
 
         def step():
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(torch.ones_like(out))
 
         mib, dt = _measure(step)
-        rows.append(dict(S=S, mib=mib, sec=dt, q_mib=q.numel() * 4 / 2**20))
+        rows.append(dict(S=S, mib=mib, sec=dt, q_mib=q.nbytes / 2**20))
     return rows
 
 
@@ -135,7 +141,7 @@ def _cells(S, masks_, per_rank, breakdown):
 def _report(a, seqs, masks_, per_rank, flash):
     w = 34 if a.breakdown else 26
     print(
-        f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} fp32, tile "
+        f"2D attention U2 x R2 (4 gloo ranks), b=1 H={a.heads} D={a.dim} {a.dtype}, tile "
         f"{a.tile or 'auto'}, fwd+bwd; peak RSS growth per rank (max over ranks) and its multiple "
         f"of one q shard" + ("; (live tensor storages, exact)" if a.breakdown else "")
     )
@@ -177,6 +183,7 @@ def main():
         "--tile", type=int, default=0, help="engine tile; 0 = automatic (engine.choose_tile)"
     )
     ap.add_argument("--masks", default=",".join(MASKS))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--breakdown", action="store_true", help="exact live-tensor peak, holders")
     a = ap.parse_args()
     a.tile = a.tile or None
@@ -187,9 +194,9 @@ def main():
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     # warm-up at the smallest size so one-time allocations (thread pools, kernels) are not counted
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
-        pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.tile, masks_)
-        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.tile, masks_, a.breakdown)
-        flash = pool.run(_flash_baseline, seqs[:1] + seqs, a.heads, a.dim)[0][
+        pool.run(_rank_bench, seqs[:1], a.heads, a.dim, a.tile, masks_, False, a.dtype)
+        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.tile, masks_, a.breakdown, a.dtype)
+        flash = pool.run(_flash_baseline, seqs[:1] + seqs, a.heads, a.dim, a.dtype)[0][
             1:
         ]  # rank 0's, after warm-up
     _report(a, seqs, masks_, per_rank, flash)

@@ -14,6 +14,8 @@ Target (docs/benchmarks.md): ours <= 1.0x yunchang everywhere. Needs the benchma
 The two libraries alternate call by call (ours, yunchang, yunchang, ours, ...), so a drift of the
 machine's speed hits both alike; the spread column shows how far one library's own repeats vary.
 Rows for every ``--seqs`` size (default 2048, 4096 and 16384: small sizes show fixed per-call cost).
+``--skip-shape-check`` (diagnostic) runs ours without its per-call check that the CP ranks pass the
+same shapes, to measure that fixed cost.
 Run: ``python benchmarks/peer_usp.py [--seqs 2048,4096,16384 --heads 8 --dim 64 --iters 6]``.
 """
 
@@ -76,7 +78,7 @@ def _time_pair(s_local, heads, dim, iters, g, groups, mask, usp, causal):
     return wall, cpu
 
 
-def _rank_bench(seqs, heads, dim, iters, check_seq):
+def _rank_bench(seqs, heads, dim, iters, check_seq, skip_shape_check=False):
     import yunchang
     from yunchang import LongContextAttention
     from yunchang.comm.extract_local import zigzag_extract_local
@@ -88,6 +90,10 @@ def _rank_bench(seqs, heads, dim, iters, check_seq):
     from megatron_video.parallel import destroy_video_parallel, init_video_parallel
 
     _patch_yunchang_kernel()
+    if skip_shape_check:  # diagnostic only: what our per-call CP shape agreement check costs
+        from megatron_video.attention import attention_2d
+
+        attention_2d.check_same_shape = lambda *a, **k: None
     rows = []
     for name, U, R in LAYOUTS:
         kw = dict(tensor_model_parallel_size=1, context_parallel_size=U * R)
@@ -152,6 +158,11 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--check-seq", type=int, default=512)
+    ap.add_argument(
+        "--skip-shape-check",
+        action="store_true",
+        help="diagnostic: run ours without its per-call CP shape check (unsafe on mismatches)",
+    )
     a = ap.parse_args()
     try:
         import yunchang  # noqa: F401
@@ -162,7 +173,9 @@ def main():
         ) from None
     seqs = [int(x) for x in a.seqs.split(",")]
     with WorkerPool(4, ranks_per_node=2, timeout=3600) as pool:
-        per_rank = pool.run(_rank_bench, seqs, a.heads, a.dim, a.iters, a.check_seq)
+        per_rank = pool.run(
+            _rank_bench, seqs, a.heads, a.dim, a.iters, a.check_seq, a.skip_shape_check
+        )
     print(
         f"forward, S={a.seqs} b=1 H={a.heads} D={a.dim} fp32, 4 gloo ranks (2 nodes x 2), "
         f"{a.iters} interleaved "

@@ -262,6 +262,32 @@ def _kept(routes: RingRoutes, j: int, full: int) -> int:
     return full if routes.keep[j] is None else routes.keep[j].numel()
 
 
+def _grads_home(plan: RingPlan, travel: list, home_in: bool, own: list, like, n: int, acc):
+    """The last hop of the backward: ``travel`` (dK, dV partial sums of the previous ring rank's
+    block) leave, and this rank's own arrive (``home_in``: ``n`` kept keys) and are added to
+    ``own``. dK first, then dV, so that one part of each is in flight at a time. Returns ``own``."""
+    keep = plan.routes.keep[plan.ring_rank]
+    for part in range(2):
+        ex = RingExchange(
+            travel[part : part + 1],
+            plan.group,
+            1,
+            tag=f"{plan.tag}.bwd",
+            direction="bwd",
+            recv=_kv_buffers(like, n, count=1, dtype=acc) if home_in else [],
+        )
+        if travel:
+            travel[part] = None  # the exchange holds it until sent
+        home = ex.wait()
+        ex = None
+        if home_in and keep is None:
+            own[part].add_(home[0])
+        elif home_in:
+            own[part].index_add_(1, keep, home[0])
+        del home
+    return own
+
+
 def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
     """``kv = [k, v]``, emptied here: the only references left are the ring's own. K/V travel as
     in the forward; the dK/dV partial sums of each block follow one hop behind from the first hop
@@ -305,29 +331,12 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
     home_in = R > 1 and routes.grads_leave(r, R - 1)
     if R > 1:
         record_skipped(plan.group, 2 * (not travel), 2 * (not home_in), f"{plan.tag}.bwd", "bwd")
-    if travel or home_in:  # last hop: the finished partial sums go home to their owner
-        n = _kept(routes, r, full)
-        ex = RingExchange(
-            travel,
-            plan.group,
-            1,
-            tag=f"{plan.tag}.bwd",
-            direction="bwd",
-            recv=_kv_buffers(like, n, dtype=acc) if home_in else [],
-        )
-        travel = []
-        home = ex.wait()
-        ex = None
-        if home_in and routes.keep[r] is None:
-            own = (own[0].add_(home[0]), own[1].add_(home[1]))
-        elif home_in:
-            own = (
-                own[0].index_add_(1, routes.keep[r], home[0]),
-                own[1].index_add_(1, routes.keep[r], home[1]),
-            )
-        del home
     dq = engine._grad_zeros(q, q.shape[2]) if dq is None else dq
-    return dq.to(q.dtype), own[0].to(k_dtype), own[1].to(k_dtype)
+    dq = dq.to(q.dtype)  # before the last hop: no accumulation-dtype dQ beside the partial sums
+    if travel or home_in:  # last hop: the finished partial sums go home to their owner
+        own = _grads_home(plan, travel, home_in, list(own), like, _kept(routes, r, full), acc)
+        travel = []
+    return dq, own[0].to(k_dtype), own[1].to(k_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
