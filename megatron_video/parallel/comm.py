@@ -73,7 +73,9 @@ class CommTracer(contextlib.ContextDecorator):
     * all-to-all-v: the bytes of the rows sent to the other ranks (exact, from the split sizes); the
       split-size exchange before it is recorded as ``op="a2a_counts"``;
     * shape / value checks (``check_same_shape``, ``check_same_values``) are recorded with
-      ``op="shape_check"`` so they never mix with data traffic.
+      ``op="shape_check"`` so they never mix with data traffic;
+    * ring sends a routed ring skips (``record_skipped``): ``op="skip_send"`` / ``"skip_recv"``,
+      one 0-byte event per tensor, on the side that skips it.
     """
 
     def __init__(self):
