@@ -45,9 +45,6 @@ class RingRoutes:
         """dK/dV partial sums of ``j`` go from hop ``hop`` to ``hop + 1`` (``R``: home)."""
         return self.first[j] <= hop
 
-    def kept(self, j: int, ring_size: int) -> int:
-        return self.keep[j].numel() if self.keep[j] is not None else ring_size
-
 
 def ring_routes(ids: Sequence[torch.Tensor], mask: Optional[AttentionMask]) -> RingRoutes:
     """``RingRoutes`` of ring ranks holding ``ids[j]`` (global ids) under ``mask``."""
@@ -201,8 +198,9 @@ def _ring_forward(q, k, v, plan: RingPlan):
     cur = [k.contiguous(), v.contiguous()]  # P2P buffers must be dense; [] once K/V stop here
     for i in range(R):
         j = (r - i) % R
+        # posted before this block's compute: overlap
         ex, kv_in = _kv_exchange(plan, i, cur, k, k.shape[1]) if i < R - 1 else (None, False)
-        bp = plan.block(j)  # posted before this block's compute: overlap
+        bp = plan.block(j)
         if plan.stats is not None:
             plan.stats._plan("fwd", bp)
         if bp is not None:
