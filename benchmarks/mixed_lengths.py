@@ -26,6 +26,8 @@ import time
 import torch
 from _attention_setup import N, R, U, u2r2_groups
 
+from megatron_video.layouts import max_over_mean
+
 BUCKETS = [(6, 10), (10, 6), (8, 8)]  # latent (h, w) tokens per frame at one area (~60)
 FRAME_BUCKETS = [1, 9, 17, 33, 49, 65]  # latent frames of the fixed-shape buckets (b)
 
@@ -162,15 +164,10 @@ def _ring_pairs(docs, S, layout):
     return out
 
 
-def _ratio(values):
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean else 1.0
-
-
 def _summary(method, mbs, per_rank, clips, weights):
     """One row of the table: aggregates over the micro-batches of ``method``."""
     pairs = [_ring_pairs(docs, S, lay) for docs, S, lay, _ in mbs]
-    work = max(_ratio(p) for p in pairs)
+    work = max(max_over_mean(p) for p in pairs)
     total = sum(S for _, S, _, _ in mbs)
     useful = sum(sum(docs) for docs, _, _, _ in mbs)
     real = sum(f * h * w for f, h, w in clips)
@@ -183,7 +180,7 @@ def _summary(method, mbs, per_rank, clips, weights):
         pad=pad,
         cropped=cropped / real,
         ring=ring,
-        cpu_ratio=max(_ratio(c) for c in cpu),
+        cpu_ratio=max(max_over_mean(c) for c in cpu),
         cpu_sum=sum(sum(c) for c in cpu),
     )
     row["fit"] = (list(mbs), cpu, pairs)

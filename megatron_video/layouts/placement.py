@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..parallel.topology import local_groups
+from .balanced_sp import max_over_mean
 from .zigzag import Placement, check_int
 
 __all__ = [
@@ -151,7 +152,7 @@ class PlacementPlan:
 
     def balance(self) -> float:
         """``max / mean`` of the attention pairs per ring rank (1.0 = balanced)."""
-        return _max_over_mean(self.pairs)
+        return max_over_mean(self.pairs)
 
     def summary(self) -> str:
         """One line for the run log: clips whole / split, padding, balance and ring traffic."""
@@ -162,11 +163,6 @@ class PlacementPlan:
             f"{self.seq_len} tokens ({self.pad} padding), attention pairs max/mean "
             f"{self.balance():.3f}, ring K/V tokens {sum(self.ring_tokens)}"
         )
-
-
-def _max_over_mean(values) -> float:
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean else 1.0
 
 
 def _per_token(clip: Clip, cost: CostModel, ring_size: int) -> float:
