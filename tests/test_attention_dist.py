@@ -489,6 +489,44 @@ def _error_cases():
     return msgs
 
 
+def _scope_cases():
+    """``shape_check_scope``: one check per distinct call inside it; a mismatch on a call new to
+    every rank still raises everywhere."""
+    from megatron_video.parallel import CommTracer, shape_check_scope
+
+    out = {}
+    odd = dist.get_rank() % 4 == 1
+    with video_parallel(2, 2, "ulysses_inner", ranks_per_node=WORLD) as groups:
+
+        def call(n):
+            x = torch.randn(1, n, 4, 4)
+            return dist_attention(x, x, x, groups, mask=masks.causal(), scheme="zigzag")
+
+        with CommTracer() as t:
+            with shape_check_scope():
+                for n in (6, 6, 6, 8, 6, 8):
+                    call(n)
+            call(6)  # outside: checked again
+        out["checks"] = t.count("shape_check")
+        for first in (True, False):  # the mismatch on the scope's first call, or after one
+            try:
+                with shape_check_scope():
+                    if not first:
+                        call(6)
+                    call(10 if odd else 8)
+                out[first] = "no error"
+            except ValueError as e:
+                out[first] = str(e)
+    return out
+
+
+def test_shape_check_scope_checks_each_call_once(pool8):
+    for rank, out in enumerate(pool8.run(_scope_cases)):
+        assert out["checks"] == 3, (rank, out)
+        for first in (True, False):
+            assert "differ between ranks" in out[first], (rank, first, out[first])
+
+
 def test_errors_before_collectives_and_shape_mismatch(pool8):
     for rank, msgs in enumerate(pool8.run(_error_cases)):
         for frag, msg, n_events in msgs:

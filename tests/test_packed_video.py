@@ -122,12 +122,12 @@ def test_packed_masks_and_loss_helpers():
 # ---------------------------------------------------------------------------------------------
 # models: shared by the single-process tests and the rank workers
 # ---------------------------------------------------------------------------------------------
-def _config(tp=1, cp=1, comm=None, layer_type="full", **extra):
+def _config(tp=1, cp=1, comm=None, layer_type="full", num_layers=2, **extra):
     from megatron_video.models.video_dit import VideoDiTConfig
 
     return VideoDiTConfig(
         **extra,
-        num_layers=2,
+        num_layers=num_layers,
         hidden_size=32,
         num_attention_heads=4,
         num_query_groups=2,
@@ -766,6 +766,35 @@ def _mismatch_case():
 def test_ranks_disagreeing_on_the_packed_batch_raise(pool4):
     for msg in pool4.run(_mismatch_case):
         assert msg is not None and "differ between ranks" in msg, msg
+
+
+def _shape_checks_per_forward():
+    """Cross-rank shape checks of one packed forward + backward at U2xR2, for 1 and 3 layers."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.parallel import CommTracer
+    from megatron_video.testing.parallel import model_parallel
+
+    counts = {}
+    packed = video_pack()
+    placement = packed.plan(2, 2).placement
+    for layers in (1, 3):
+        with model_parallel(cp=4, hierarchical_cp=[2, 2], seed=0):
+            model = _build("video", 1, 4, "a2a+p2p", num_layers=layers)
+            rank = ps.get_context_parallel_rank()
+            with CommTracer() as t:
+                video_packed_step(model, packed, placement, (4, rank))
+            counts[layers] = (t.count("shape_check"), t.count("all_to_all"))
+    return counts
+
+
+def test_shape_checks_once_per_microbatch_not_per_layer(pool4):
+    """The layers run in one ``shape_check_scope``: the DiT layer's and its attention's checks
+    cost one all-gather each per micro-batch, whatever the depth (the attention all-to-alls, a
+    control, grow with it)."""
+    for rank, counts in enumerate(pool4.run(_shape_checks_per_forward)):
+        assert counts[1][0] == counts[3][0] == 2, (rank, counts)
+        assert counts[3][1] == 3 * counts[1][1] > 0, (rank, counts)
 
 
 @pytest.mark.parametrize("family", ["video", "ar", "wan"])

@@ -8,7 +8,8 @@
 * A short run on 4 ranks (DP 2 x CP 2) trains from a mixed shard set with images: finite losses.
 * Resume: the ledger in the checkpoint; every clip exactly once per epoch across an interruption,
   at the same DP size and at another one (DP 2 -> DP 1 and DP 1 -> DP 4), also through the trainer.
-* Bad input: a clip over the token budget, ``stdit`` / ``data.source`` / PP with ``data.buckets``:
+* Pipeline: PP 2 x CP 2 equals PP 1 (Megatron's schedule with ``variable_seq_lengths``).
+* Bad input: a clip over the token budget, ``stdit`` / ``data.source`` with ``data.buckets``:
   ``ValueError`` naming the field; the CLI exits 2.
 """
 
@@ -152,9 +153,14 @@ def test_packed_step_cp4_equals_cp1(pool4, root, family, objective):
     print(per_rank[0]["plans"])
 
 
-def _trainer_step(family, root, parallel, gbs):
-    """Rank side: the trainer's forward-backward of step 0; loss and reduced gradients."""
+def _trainer_step(family, root, parallel, gbs, perturb=False):
+    """Rank side: the trainer's forward-backward of step 0; loss and reduced gradients, named
+    globally (a pipeline stage's local layer ``i`` is global layer ``stage * per_stage + i``);
+    ``perturb``: the same random weights by global name on every layout first."""
+    import re
     import warnings
+
+    from megatron.core import parallel_state as ps
 
     from megatron_video.training.trainer import Trainer
 
@@ -163,8 +169,21 @@ def _trainer_step(family, root, parallel, gbs):
     cfg.train.global_batch_size = gbs
     trainer = Trainer(cfg, progress=False, cpu=True)
     try:
+        stage = ps.get_pipeline_model_parallel_rank()
+        per = cfg.model.num_layers // ps.get_pipeline_model_parallel_world_size()
+
+        def name_of(n):
+            return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{stage * per + int(m[1])}.", n)
+
+        if perturb:
+            with torch.no_grad():
+                for n, p in trainer.model.named_parameters():
+                    g = torch.Generator().manual_seed(zlib.crc32(name_of(n).encode()))
+                    p.copy_(0.2 * torch.randn(p.shape, generator=g) + ("norm.weight" in n))
         loss = trainer.forward_backward(0)
-        grads = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
+        grads = {
+            name_of(n): p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()
+        }
         return dict(loss=loss, grads=grads)
     finally:
         trainer.close()
@@ -181,6 +200,30 @@ def test_trainer_dp4_equals_cp4(pool4, root):
         d_grad = max(float((res["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
         assert abs(res["loss"] - ref["loss"]) < 1e-5 * abs(ref["loss"]) and d_grad < 1e-5
     print("trainer DP4 vs CP4 loss", ref["loss"], cp[0]["loss"], "max |dgrad|", d_grad)
+
+
+def test_trainer_pp2_equals_pp1(pool4, root):
+    """Packed micro-batches through Megatron's pipeline schedule (PP 2 x CP 2, U1xR2; the stages
+    exchange each micro-batch's shape, ``variable_seq_lengths``) give the loss and gradients of
+    PP 1 (CP 2 x DP 2) for the same global step."""
+    cp2 = dict(context_parallel_size=2, ulysses_size=1, ring_size=2, ranks_per_node=2)
+    ref = pool4.run(_trainer_step, "wan", root, cp2, 2, True, ranks_per_node=2)
+    pp = pool4.run(_trainer_step, "wan", root, dict(cp2, pipeline_model_parallel_size=2), 2, True)
+    want = ref[0]["grads"]
+    seen, worst = set(), 0.0
+    for res in pp:
+        if res["loss"] is not None:
+            assert abs(res["loss"] - ref[0]["loss"]) < 1e-5 * abs(ref[0]["loss"])
+        for n, g in res["grads"].items():
+            rel = float((g - want[n]).abs().max()) / (float(want[n].abs().max()) + 1e-12)
+            assert rel < 1e-5, (n, rel)
+            seen.add(n)
+            worst = max(worst, rel)
+    assert seen == set(want)  # every parameter on some stage
+    assert sum(r["loss"] is not None for r in pp) == 2  # the last stage's two CP ranks
+    print(
+        "trainer PP2 vs PP1 loss", ref[0]["loss"], [r["loss"] for r in pp], "max rel dgrad", worst
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,9 +377,6 @@ def test_bad_input_names_the_field(root):
     cfg.data.source = "synthetic"
     with pytest.raises(ValueError, match=r"data.source \('synthetic'\) must be 'shards'"):
         validate(cfg, 1)
-    cfg = _config("video_dit", root, pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size \(2\) must be 1"):
-        validate(cfg, 2)
     cfg = _config("video_dit", root)
     cfg.train.micro_batch_size = 2
     with pytest.raises(

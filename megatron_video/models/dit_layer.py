@@ -28,7 +28,7 @@ from megatron_video.layouts.placement import Placement
 from megatron_video.layouts.stdit import VideoGeometry
 from megatron_video.models.dit_blocks import AdaLNLoRAModulation, gated, modulate
 from megatron_video.models.packed import check_packed, packed_text_mask
-from megatron_video.parallel.comm import check_same_shape, group_rank
+from megatron_video.parallel.comm import check_same_shape, group_rank, shape_check_scope
 from megatron_video.parallel.topology import resolve_video_groups
 
 __all__ = [
@@ -280,7 +280,9 @@ class VideoTransformerBlock(TransformerBlock):
     It runs the layers itself: with full activation recompute (``recompute_method`` uniform or
     block, as Megatron) the conditioning -- a tensor that needs its gradient -- is a checkpoint
     argument and the rest of the ``DiTParams`` is closed over per call, so pipelined
-    micro-batches cannot mix them up (stock ``forward`` hands checkpoints only tensors)."""
+    micro-batches cannot mix them up (stock ``forward`` hands checkpoints only tensors). The layers
+    run in one ``parallel.comm.shape_check_scope``: the cross-rank shape checks of the layers and
+    their attention cost one all-gather per distinct call per micro-batch, not per layer."""
 
     def forward(
         self,
@@ -334,7 +336,8 @@ class VideoTransformerBlock(TransformerBlock):
 
             quantization = get_fp8_context(cfg)
         args = (context, context_mask, params.conditioning)
-        with quantization:
+        # one cross-rank shape check per distinct call of this micro-batch, not per layer
+        with quantization, shape_check_scope():
             for start, end, checkpointed in chunks:
                 if not checkpointed:
                     hidden_states = run(start, end)(hidden_states, *args)

@@ -9,6 +9,7 @@ from .comm import (
     all_to_all,
     check_same_shape,
     ring_shift,
+    shape_check_scope,
 )
 from .topology import (
     PLACEMENTS,
@@ -27,6 +28,7 @@ __all__ = [
     "all_to_all",
     "check_same_shape",
     "ring_shift",
+    "shape_check_scope",
     "PLACEMENTS",
     "VideoParallelGroups",
     "destroy_video_parallel",

@@ -6,6 +6,7 @@ byte convention is on ``CommTracer``). Design: docs/architecture.md, "Capabiliti
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 import os
@@ -25,6 +26,7 @@ __all__ = [
     "RingExchange",
     "record_skipped",
     "check_same_shape",
+    "shape_check_scope",
     "check_dim",
     "group_ranks",
     "group_size",
@@ -222,10 +224,32 @@ def _signature(sig: tuple) -> torch.Tensor:
     return local
 
 
+_AGREED: contextvars.ContextVar[Optional[set]] = contextvars.ContextVar(
+    "megatron_video_agreed_shapes", default=None
+)
+
+
+@contextlib.contextmanager
+def shape_check_scope():
+    """Inside it, ``check_same_shape`` compares each distinct (group, caller, shapes) once: a later
+    identical call returns without a collective. Enter it once per micro-batch around code every
+    rank runs alike (``VideoTransformerBlock`` does, around its layers), so per-layer checks cost
+    one all-gather per distinct call per micro-batch. A mismatch still raises on every rank: the
+    first call of a signature checks on every rank, and later calls are the same on every rank
+    because every rank runs the same layers. A scope starts empty (nested ones too); do not hold
+    one across micro-batches, whose shapes may differ between ranks."""
+    token = _AGREED.set(set())
+    try:
+        yield
+    finally:
+        _AGREED.reset(token)
+
+
 def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -> None:
     """Raise ``ValueError`` on every rank if the named tensors' shapes/dtypes differ across ``group``.
 
-    One small all-gather of the shape signature; recorded by the tracer as ``shape_check``.
+    One small all-gather of the shape signature; recorded by the tracer as ``shape_check``
+    (inside ``shape_check_scope``: once per distinct call).
     """
     if group is None or group_size(group) == 1:
         return
@@ -235,6 +259,9 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
         sig.extend([t.dim(), code] + list(t.shape))
     if len(sig) > _SIG_WIDTH:
         raise ValueError(f"check_same_shape: too many dims to compare ({len(sig)} > {_SIG_WIDTH})")
+    agreed, key = _AGREED.get(), (id(group), where, tuple(tensors), tuple(sig))
+    if agreed is not None and key in agreed:
+        return
     local = _signature(tuple(sig))
     n = group_size(group)
     gathered = torch.empty(n * _SIG_WIDTH, dtype=torch.int64)
@@ -242,6 +269,8 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
     _all_gather_single(gathered, local, group=group)
     gathered = gathered.view(n, _SIG_WIDTH)
     if torch.equal(gathered, gathered[:1].expand(n, -1)):
+        if agreed is not None:
+            agreed.add(key)
         return
     r = next(r for r in range(n) if not torch.equal(gathered[r], gathered[0]))
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}

@@ -538,7 +538,7 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
 
 def _check_buckets(config: Config, family) -> None:
     """Training on mixed shapes (``data.buckets``: packed micro-batches, training/packed_data.py)."""
-    d, p, t = config.data, config.parallel, config.train
+    d, t = config.data, config.train
     if family.packed_kind is None:
         family.make_packed_objective(config)  # raises, naming the family's rule
     if d.source != "shards":
@@ -546,12 +546,6 @@ def _check_buckets(config: Config, family) -> None:
             f"data.source ({d.source!r}) must be 'shards' with data.buckets: training on mixed "
             f"shapes reads latents precomputed at each clip's bucket (`megatron-video "
             f"precompute` with data.buckets)"
-        )
-    if p.pipeline_model_parallel_size != 1:
-        raise ValueError(
-            f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
-            f"with data.buckets (packed micro-batches vary in length; the pipeline's send shapes "
-            f"are fixed)"
         )
     if t.sample:
         raise ValueError(

@@ -190,7 +190,9 @@ class Trainer:
             dp_size=self.dp_size,
             log=(lambda text: print(text, flush=True)) if self.is_logger else None,
         )
-        self.seq_length = self.batches.budget  # the schedule's nominal length (PP = 1)
+        # the schedule's nominal length; with PP the stages exchange each micro-batch's shape
+        # (Megatron's variable_seq_lengths: packed micro-batches vary in length)
+        self.seq_length = self.batches.budget
         self.objective = self.family.make_packed_objective(config)
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
@@ -268,6 +270,8 @@ class Trainer:
 
         c, t = self.config, self.config.train
         self.tcfg = self.family.transformer_config(c, self.has_gpu)
+        if self.packed and c.parallel.pipeline_model_parallel_size > 1:
+            self.tcfg.variable_seq_lengths = True
         torch.manual_seed(
             t.seed
         )  # CPU initialisation: the same full weights on every rank / layout
