@@ -332,7 +332,9 @@ def test_bad_input_names_the_field(root):
         validate(cfg, 1)
     cfg = _config("video_dit", root)
     cfg.data.source = "synthetic"
-    with pytest.raises(ValueError, match=r"data.source \('synthetic'\) must be 'shards'"):
+    with pytest.raises(
+        ValueError, match=r"data.source \('synthetic'\) must be 'shards' or 'energon'"
+    ):
         validate(cfg, 1)
     cfg = _config("video_dit", root, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size \(2\) must be 1"):
