@@ -9,9 +9,9 @@ A DP rank's micro-batch becomes one ``PackedVideo`` (padded to a multiple of ``2
 over the CP group's ``U x R`` by ``plan_placement``; every CP rank keeps its tokens with the
 placement's ids. The clips come from a ``clip_source.ClipSource``: precomputed latent shards, or
 raw energon clips of which each CP rank decodes and encodes only the halo windows of the latent
-frames its tokens read (``clip_ranges``; other frames stay zero). Noise, timesteps / sigmas and the CFG drop are drawn per clip from generators
-seeded by ``(train.seed, step, clip index)`` over the clip's whole token grid, so any layout sees
-the values of one process.
+frames its tokens read (``clip_ranges``; other frames stay zero). Noise, timesteps / sigmas and
+the CFG drop are drawn per clip from generators seeded by ``(train.seed, step, clip index)`` over
+the clip's whole token grid, so any layout sees the values of one process.
 
 Empty micro-batches (an epoch's last step can have fewer clips than DP ranks x micro-batches):
 every rank still runs all its micro-batches (the schedule and the collectives stay the same on
