@@ -189,8 +189,12 @@ def test_config_data_buckets_builds_the_grid_at_the_model_patch():
     c.data.validate()
     grid = bucket_grid(c)
     assert grid.patch == (1, 2, 2) and all(h * w <= 900 for h, w in grid.shapes)
-    with pytest.raises(ValueError, match=r"data\.source \('synthetic'\) must be 'shards' with"):
-        validate(c, 1)  # training on mixed shapes reads precomputed latents (test_train_mixed.py)
+    with pytest.raises(
+        ValueError, match=r"data\.source \('synthetic'\) must be 'shards' or 'energon'"
+    ):
+        validate(
+            c, 1
+        )  # mixed shapes read clips by key (test_train_mixed.py, test_train_raw_mixed.py)
     bad = {
         "data.buckets.patch_size=[1,1,1]": r"data\.buckets\.patch_size \(\[1, 1, 1\]\) is not a",
         "data.buckets.max_frames=8": r"data\.buckets\.max_frames \(8\) must be 1 \+ 4k",

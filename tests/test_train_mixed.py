@@ -375,7 +375,9 @@ def test_bad_input_names_the_field(root):
         validate(cfg, 1)
     cfg = _config("video_dit", root)
     cfg.data.source = "synthetic"
-    with pytest.raises(ValueError, match=r"data.source \('synthetic'\) must be 'shards'"):
+    with pytest.raises(
+        ValueError, match=r"data.source \('synthetic'\) must be 'shards' or 'energon'"
+    ):
         validate(cfg, 1)
     cfg = _config("video_dit", root)
     cfg.train.micro_batch_size = 2

@@ -256,6 +256,23 @@ class PackedVideo:
         fpb = self._table([c_.frames_per_block for c_ in self.clips], self.clip_of(ids))
         return self.token_thw(ids)[..., 0] // fpb
 
+    def frame_ranges(self, ids) -> List[List[Tuple[int, int]]]:
+        """Per clip, the (patched) frames its tokens among ``ids`` lie on, as sorted half-open
+        runs ``[(a, b), ...]`` (both teacher-forcing halves of a frame map to that frame; ``[]``
+        for a clip with no token among ``ids``; padding ignored): what a CP rank holding ``ids``
+        must encode of each clip."""
+        g = self._ids(ids)
+        c, f = self.clip_of(g), self.token_thw(g)[..., 0]
+        out: List[List[Tuple[int, int]]] = [[] for _ in self.clips]
+        for ci in torch.unique(c[c >= 0]).tolist():
+            runs = out[ci]
+            for t in torch.unique(f[c == ci]).tolist():
+                if runs and runs[-1][1] == t:
+                    runs[-1] = (runs[-1][0], t + 1)
+                else:
+                    runs.append((t, t + 1))
+        return out
+
     def loss_mask(self, ids) -> torch.Tensor:
         """True where the id bears loss: every token of a full clip, the noisy half of a
         teacher-forcing clip; never padding."""

@@ -186,7 +186,7 @@ class DataSection:
     seed: int = 0
     # mixed lengths and shapes: data.buckets.<field> of data.buckets.BucketConfig (patch and
     # strides come from model.patch_size and the VAE); read by `megatron-video buckets`,
-    # `precompute` and, with data.source shards, training (packed micro-batches)
+    # `precompute` and, with data.source shards or energon, training (packed micro-batches)
     buckets: Optional[dict] = None
 
     def validate(self) -> None:
@@ -541,11 +541,18 @@ def _check_buckets(config: Config, family) -> None:
     d, t = config.data, config.train
     if family.packed_kind is None:
         family.make_packed_objective(config)  # raises, naming the family's rule
-    if d.source != "shards":
+    if d.source not in ("shards", "energon"):
         raise ValueError(
-            f"data.source ({d.source!r}) must be 'shards' with data.buckets: training on mixed "
-            f"shapes reads latents precomputed at each clip's bucket (`megatron-video "
-            f"precompute` with data.buckets)"
+            f"data.source ({d.source!r}) must be 'shards' or 'energon' with data.buckets: training "
+            f"on mixed shapes reads clips by key, as latents precomputed at each clip's bucket "
+            f"(`megatron-video precompute` with data.buckets) or as raw videos of a prepared "
+            f"energon dataset encoded per CP rank (the procedural source has one fixed shape)"
+        )
+    if d.source == "energon" and not family.needs_vae:
+        raise ValueError(
+            f"data.source ('energon') with data.buckets encodes raw clips with the causal VAE; "
+            f"model.family {config.model.family!r} has none (use data.source 'shards' from "
+            f"`megatron-video precompute`)"
         )
     if t.sample:
         raise ValueError(

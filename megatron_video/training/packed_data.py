@@ -7,9 +7,11 @@ step's clips from a seeded per-epoch permutation minus the ledger's consumed cli
 them by cost over DP ranks x micro-batches, each within ``data.buckets.tokens_per_microbatch``.
 A DP rank's micro-batch becomes one ``PackedVideo`` (padded to a multiple of ``2·CP``), placed
 over the CP group's ``U x R`` by ``plan_placement``; every CP rank keeps its tokens with the
-placement's ids. Noise, timesteps / sigmas and the CFG drop are drawn per clip from generators
-seeded by ``(train.seed, step, clip index)`` over the clip's whole token grid, so any layout sees
-the values of one process.
+placement's ids. The clips come from a ``clip_source.ClipSource``: precomputed latent shards, or
+raw energon clips of which each CP rank decodes and encodes only the halo windows of the latent
+frames its tokens read (``clip_ranges``; other frames stay zero). Noise, timesteps / sigmas and
+the CFG drop are drawn per clip from generators seeded by ``(train.seed, step, clip index)`` over
+the clip's whole token grid, so any layout sees the values of one process.
 
 Empty micro-batches (an epoch's last step can have fewer clips than DP ranks x micro-batches):
 every rank still runs all its micro-batches (the schedule and the collectives stay the same on
@@ -37,6 +39,7 @@ from megatron_video.layouts.packed_video import PackedVideo, VideoClip
 from megatron_video.layouts.placement import CostModel, Placement, PlacementPlan
 from megatron_video.models.embedders import patchify
 
+from .clip_source import ClipSource, ShardClipSource, clip_source, load_clip_store
 from .config import Config, bucket_grid
 from .data import sample_generator
 
@@ -65,44 +68,13 @@ class PackedMicroBatch:
     scale: float  # num_microbatches x dp_size (0 for a dummy micro-batch)
 
 
-def load_clip_store(config: Config) -> Dict[str, dict]:
-    """Every clip of ``data.shards`` (``precompute`` with ``data.buckets``: latents at each clip's
-    own bucket): ``key -> {latent [z, F, h, w], caption, text_emb?, text_mask?}``, read by every
-    rank in the same order (the sampler is a pure function of the clip ids)."""
-    from megatron_video.data.shards import ShardReader
-
-    d, z = config.data, config.vae.latent_channels
-    store: Dict[str, dict] = {}
-    for s in ShardReader(d.shards, split="samples"):
-        key = s["key"]
-        lat = s.get("latent")
-        if lat is None or lat.dim() != 4 or lat.shape[0] != z or min(lat.shape) < 1:
-            raise ValueError(
-                f"shard sample {key!r}: data.buckets trains on precomputed latents [z="
-                f"{z}, F, h, w] (`megatron-video precompute` with data.buckets); got "
-                f"{None if lat is None else tuple(lat.shape)}"
-            )
-        if key in store:
-            raise ValueError(f"shard sample {key!r}: keys must be unique across data.shards")
-        item = dict(latent=lat.float(), caption=s.get("caption", ""))
-        if d.text_embed_dim is not None:
-            emb, tm = s.get("text_emb"), s.get("text_mask")
-            if emb is None or tm is None or tuple(emb.shape) != (d.caption_len, d.text_embed_dim):
-                raise ValueError(
-                    f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
-                    f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask"
-                )
-            item.update(text_emb=emb.float(), text_mask=tm.bool())
-        store[key] = item
-    if not store:
-        raise ValueError(f"data.shards ({d.shards!r}) holds no samples")
-    return store
-
-
 class PackedBatchMaker:
     """This rank's packed micro-batches (``step_batches(step)``) and the sample ledger (its data
     state). ``kind``: ``"full"`` (T2V) or ``"teacher_forcing"`` (the AR families). ``log``: where
-    the planner's decision is printed once (rank 0), or None."""
+    the planner's decision is printed once (rank 0), or None. The clips come from ``source``
+    (``clip_source.ClipSource``), else from ``store`` (precomputed latents in memory), else from
+    ``config.data.source`` (``clip_source.clip_source``: shards, or raw energon clips encoded with
+    ``vae``, the trainer's causal VAE)."""
 
     def __init__(
         self,
@@ -117,6 +89,8 @@ class PackedBatchMaker:
         dp_size: int,
         log: Optional[Callable[[str], None]] = None,
         store: Optional[Dict[str, dict]] = None,
+        source: Optional[ClipSource] = None,
+        vae=None,
     ):
         self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
         p = config.parallel
@@ -131,8 +105,10 @@ class PackedBatchMaker:
         self.num_microbatches = gbs // (t.micro_batch_size * dp_size)
         self.grid = bucket_grid(config)
         self.budget = self.grid.config.tokens_per_microbatch
-        self.store = store if store is not None else load_clip_store(config)
-        self.ids = sorted(self.store)
+        if source is None:
+            source = ShardClipSource(store) if store is not None else clip_source(config, vae)
+        self.source = source
+        self.ids = list(source.ids)
         self.index = {k: i for i, k in enumerate(self.ids)}
         self.clips = {k: self._video_clip(k) for k in self.ids}
         self._check_budget()
@@ -151,7 +127,7 @@ class PackedBatchMaker:
 
     # -- clips ----------------------------------------------------------------------------------
     def _video_clip(self, key: str) -> VideoClip:
-        _, F, h, w = self.store[key]["latent"].shape
+        F, h, w = self.source.latent_grid(key)
         pt, ph, pw = self.patch
         if F % pt or h % ph or w % pw:
             raise ValueError(
@@ -231,8 +207,9 @@ class PackedBatchMaker:
         shapes = sorted({(c.frames, c.height, c.width) for c in self.clips.values()})
         lines = [
             f"[megatron-video] mixed data (data.buckets): {len(self.ids)} clips ({images} images), "
-            f"{len(shapes)} token grids; budget {self.budget} tokens per micro-batch, "
-            f"{self.num_microbatches} micro-batch(es) x DP {self.dp_size}, CP U{self.U}xR{self.R}",
+            f"{len(shapes)} token grids from {self.source.describe()}; budget {self.budget} "
+            f"tokens per micro-batch, {self.num_microbatches} micro-batch(es) x DP "
+            f"{self.dp_size}, CP U{self.U}xR{self.R}",
             f"[megatron-video] step {batch.step}: {len(batch.clip_ids)} clips, DP cost max/mean "
             f"{batch.assignment.imbalance():.3f}; micro-batches of DP rank {self.dp_rank}:",
         ]
@@ -241,9 +218,17 @@ class PackedBatchMaker:
             lines.append(f"[megatron-video]   micro-batch {m}: {what}; {mb.plan.summary()}")
         return "\n".join(lines)
 
-    def _clip_tensors(self, step: int, key: Optional[str], clip: VideoClip):
+    def clip_ranges(self, packed: PackedVideo, local: torch.Tensor) -> List[List[tuple]]:
+        """Per clip of ``packed``, the latent-frame ranges ``[(a, b), ...]`` the tokens ``local``
+        read (their patched frames times the temporal patch; both teacher-forcing copies of a
+        frame read its latents): all a CP rank must encode of each clip."""
+        pt = self.patch[0]
+        return [[(a * pt, b * pt) for a, b in r] for r in packed.frame_ranges(local)]
+
+    def _clip_tensors(self, step: int, key: Optional[str], clip: VideoClip, ranges=()):
         """``(clean [n, C], noise [n, C], t, sigma [1], drop)`` of one clip (frame-major tokens);
-        ``key`` None: the dummy zero clip."""
+        ``key`` None: the dummy zero clip. ``ranges``: the latent frames this rank's tokens read
+        (``clip_ranges``); a raw source encodes only those, the other frames stay zero."""
         cfg = self.config
         C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
         n, nb = clip.frame_tokens, clip.frames // clip.frames_per_block
@@ -251,7 +236,7 @@ class PackedBatchMaker:
             z = torch.zeros(n, C)
             t = torch.full((nb,) if self.kind == "teacher_forcing" else (1,), 0.5)
             return z, z.clone(), t, torch.ones(1), False
-        lat = self.store[key]["latent"] * self.latent_scale
+        lat = self.source.latents(key, ranges).float() * self.latent_scale
         clean = patchify(lat[None], self.patch)[0]
         g = sample_generator(cfg.train.seed, step, self.index[key])
         noise = torch.randn(n, C, generator=g)
@@ -272,10 +257,11 @@ class PackedBatchMaker:
                     embs.append(torch.zeros(d.caption_len, d.text_embed_dim))
                     masks.append(torch.zeros(d.caption_len, dtype=torch.bool))
                 else:
-                    embs.append(self.store[k]["text_emb"])
-                    masks.append(self.store[k]["text_mask"])
+                    emb, mask = self.source.text(k)
+                    embs.append(emb)
+                    masks.append(mask)
             return torch.stack(embs), torch.stack(masks)
-        caps = ["" if k is None else self.store[k]["caption"] for k in keys]
+        caps = ["" if k is None else self.source.caption(k) for k in keys]
         return self.tokenizer.encode_batch(caps)
 
     def micro_batch(self, step: int, keys: List[str], num_loss_tokens: int) -> PackedMicroBatch:
@@ -286,7 +272,8 @@ class PackedBatchMaker:
         packed = PackedVideo(tuple(clips)).padded_to(2 * self.cp_size)
         plan = packed.plan(self.U, self.R, placement=self.placement_order)
         local = packed.local_ids(plan.placement, self.cp_size, self.cp_rank)
-        per = [self._clip_tensors(step, k, c) for k, c in zip(slots, clips)]
+        ranges = self.clip_ranges(packed, local)
+        per = [self._clip_tensors(step, k, c, r) for k, c, r in zip(slots, clips, ranges)]
         cleans, noises, ts = [p[0] for p in per], [p[1] for p in per], [p[2] for p in per]
         if self.kind == "teacher_forcing":
             x, t, target = packed_teacher_forcing_inputs(packed, cleans, noises, ts)

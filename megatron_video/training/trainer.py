@@ -189,6 +189,7 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             log=(lambda text: print(text, flush=True)) if self.is_logger else None,
+            vae=self.vae,
         )
         # the schedule's nominal length; with PP the stages exchange each micro-batch's shape
         # (Megatron's variable_seq_lengths: packed micro-batches vary in length)
@@ -344,6 +345,28 @@ class Trainer:
 
         return output, loss_func
 
+    def _step_batches(self, step: int):
+        """The step's micro-batches. Raw clips (``data.source: energon`` with ``data.buckets``)
+        are decoded while the batches are built; a clip that fails raises ``ValueError`` on
+        every rank (one status all-reduce before the step's first model collective), the failing
+        rank's naming the clip."""
+        if not (self.packed and self.config.data.source == "energon"):
+            return self.batches.step_batches(step)
+        failed, error, batches = torch.zeros(1), None, []
+        try:
+            batches = list(self.batches.step_batches(step))
+        except ValueError as e:  # re-raised below, after every rank knows
+            failed[0], error = 1, e
+        comm.all_reduce(failed, dist.group.WORLD, tag="data.status")
+        if error is not None:
+            raise error
+        if failed.item():
+            raise ValueError(
+                f"step {step}: a raw clip failed to decode on {int(failed.item())} other rank(s) "
+                f"(its ValueError names the clip)"
+            )
+        return iter(batches)
+
     def forward_backward(self, step: int) -> Optional[float]:
         """Gradients of step ``step`` (reduced; no optimizer step). Returns the loss on last-stage
         ranks (averaged over micro-batches and data-parallel ranks), None elsewhere."""
@@ -352,7 +375,7 @@ class Trainer:
         self.optimizer.zero_grad()
         losses = self.forward_backward_func(
             forward_step_func=self._forward_step,
-            data_iterator=self.batches.step_batches(step),
+            data_iterator=self._step_batches(step),
             model=[self.ddp],
             num_microbatches=self.num_microbatches,
             seq_length=self.seq_length,
