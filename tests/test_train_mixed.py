@@ -43,7 +43,7 @@ def _config(family, root, budget=None, **parallel):
     return tiny_mixed_config(family, root, shards, budget=budget, **parallel)
 
 
-def _maker(cfg, store=None, dp_rank=0, dp_size=1, U=1, R=1, cp_rank=0, log=None):
+def _maker(cfg, store=None, dp_rank=0, dp_size=1, U=1, R=1, cp_rank=0, log=None, source=None):
     from megatron_video.training.families import get_family
     from megatron_video.training.packed_data import PackedBatchMaker
 
@@ -58,6 +58,7 @@ def _maker(cfg, store=None, dp_rank=0, dp_size=1, U=1, R=1, cp_rank=0, log=None)
         dp_size=dp_size,
         log=log,
         store=store,
+        source=source,
     )
 
 
@@ -338,6 +339,37 @@ def test_empty_micro_batches_run_the_dummy_clip(root):
     for mb in empty:
         assert mb.scale == 0.0 and repr(mb.packed) == "PackedVideo([1x1x1], seq_len=2)"
     assert all(mb.scale == 16.0 for mb in mbs if mb.clip_ids)
+
+
+@pytest.mark.parametrize("family", ["wan", "ar_dit"])
+def test_lazy_shards_read_only_the_index_up_front(root, family, monkeypatch):
+    """Training's shards source (``LazyShardClipSource``): building it reads the tar headers,
+    captions and meta only (no tensor is loaded: ``torch.load`` is refused meanwhile); its
+    micro-batches equal those of the in-memory store, each clip's tensors read from its tar
+    offsets when a micro-batch needs them."""
+    import megatron_video.data.shards as shards
+    from megatron_video.training.clip_source import LazyShardClipSource
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config(family, root)
+    cfg.train.global_batch_size = 2
+    with monkeypatch.context() as mp:
+        mp.setattr(shards.torch, "load", lambda *a, **k: pytest.fail("loaded a tensor"))
+        lazy = LazyShardClipSource(cfg, cache=2)
+    assert lazy.loads == 0 and len(lazy.ids) == 12
+    eager = load_clip_store(cfg)
+    a = _maker(cfg, U=2, R=2, cp_rank=1, source=lazy)
+    b = _maker(cfg, store=eager, U=2, R=2, cp_rank=1)
+    assert a.ids == b.ids and a.costs == b.costs
+    for step in range(3):
+        for x, y in zip(a.step_batches(step), b.step_batches(step)):
+            assert x.clip_ids == y.clip_ids and torch.equal(x.x, y.x)
+            assert torch.equal(x.caption_ids, y.caption_ids)
+            assert torch.equal(x.caption_mask, y.caption_mask)
+    assert 0 < lazy.loads and len(lazy._recent) <= 2
+    for k in lazy.ids:
+        assert lazy.caption(k) == eager[k]["caption"]
+        assert torch.equal(lazy.latents(k, []), eager[k]["latent"])
 
 
 # ---------------------------------------------------------------------------------------------

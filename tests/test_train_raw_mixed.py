@@ -357,4 +357,4 @@ def test_corrupt_clip_fails_every_rank_before_the_step(pool4, data, tmp_path):
     errors = pool4.run(_trainer_failure, cfg)
     assert all(e is not None for e in errors), errors
     assert sum("clip '000000001'" in e for e in errors) == 1
-    assert sum("failed to decode on 1 other rank" in e for e in errors) == 3, errors
+    assert sum("failed to load on 1 other rank" in e for e in errors) == 3, errors

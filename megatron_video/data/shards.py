@@ -7,8 +7,10 @@ from __future__ import annotations
 import glob
 import io
 import json
+import re
+import tarfile
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence, Union
+from typing import Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .synthetic import check_dp_rank
 
-__all__ = ["write_shards", "list_shards", "ShardReader"]
+__all__ = ["write_shards", "list_shards", "ShardReader", "ShardIndex"]
 
 _DATA_KEYS = ("video", "latent")
 _SPLITS = ("shards", "samples")
@@ -237,3 +239,56 @@ def _sample(raw: dict) -> dict:
             out[k] = torch.from_numpy(np.ascontiguousarray(raw[f"{k}.npy"]))
     out.update(raw.get("latent.pth", {}))  # precomputed latent (+ text embeddings)
     return out
+
+
+_MEMBER = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")  # webdataset's <key>.<entry> split
+_TEXT_ENTRIES = ("caption.txt", "meta.json")
+
+
+class ShardIndex:
+    """Random access by key to the samples of shards (a folder, glob or list, as ``ShardReader``)
+    without reading their tensors up front: one pass over each tar's headers (``tarfile`` seeks
+    past every member's data) records where each entry lies; only the small text entries
+    (``caption.txt``, ``meta.json``) are read. ``keys`` (in shard order), ``caption(key)``,
+    ``meta(key)``; ``read(key)`` reads one sample's entries from their offsets and decodes them
+    as ``ShardReader`` does (``.npy`` without pickle, ``latent.pth`` weights-only)."""
+
+    def __init__(self, shards: Union[str, Path, Sequence[Union[str, Path]]]):
+        self.shards = list_shards(shards)
+        self.entries: Dict[str, Dict[str, Tuple[int, int, int]]] = {}
+        self._text: Dict[str, Dict[str, bytes]] = {}
+        for s, path in enumerate(self.shards):
+            seen: set = set()
+            with tarfile.open(path, "r:") as tar:
+                for m in tar:
+                    parts = _MEMBER.match(m.name) if m.isfile() else None
+                    if parts is None:
+                        continue
+                    key, entry = parts.groups()
+                    if key in self.entries and key not in seen:
+                        raise ValueError(
+                            f"shard sample {key!r} ({path}): keys must be unique across the shards"
+                        )
+                    seen.add(key)
+                    self.entries.setdefault(key, {})[entry] = (s, m.offset_data, m.size)
+                    if entry in _TEXT_ENTRIES:
+                        self._text.setdefault(key, {})[entry] = tar.extractfile(m).read()
+        self.keys: List[str] = list(self.entries)
+
+    def caption(self, key: str) -> str:
+        return self._text.get(key, {}).get("caption.txt", b"").decode("utf-8")
+
+    def meta(self, key: str) -> dict:
+        raw = self._text.get(key, {}).get("meta.json")
+        return json.loads(raw.decode("utf-8")) if raw else {}
+
+    def read(self, key: str) -> dict:
+        """One sample, ``{"key", "video" | "latent", "caption", "meta", ...}`` (``ShardReader``'s
+        form), read from its recorded offsets."""
+        raw: dict = {"__key__": key}
+        for entry, (s, offset, size) in self.entries[key].items():
+            with open(self.shards[s], "rb") as f:
+                f.seek(offset)
+                raw[entry] = f.read(size)
+        raw.setdefault("caption.txt", b"")
+        return _sample(_decode(raw))

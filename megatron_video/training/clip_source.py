@@ -1,8 +1,9 @@
 """Where the clips of packed micro-batches come from (``data.buckets``; docs/data.md, "Training on
 mixed shapes"): one small interface, ``ClipSource``, with two implementations.
 
-* ``ShardClipSource``: latent shards from ``megatron-video precompute`` with ``data.buckets``
-  (``data.source: shards``; ``load_clip_store``).
+* ``LazyShardClipSource``: latent shards from ``megatron-video precompute`` with ``data.buckets``
+  (``data.source: shards``), an index up front and each clip's tensors read when needed
+  (``ShardClipSource``: the same from an in-memory ``load_clip_store``).
 * ``RawClipSource``: a prepared energon dataset of raw videos and images (``data.source:
   energon``). Each clip's latent grid is its ``BucketGrid`` plan (``config.bucket_grid``, the grid
   ``precompute`` uses, so token counts, costs, sampler and ledger are those of the shards path);
@@ -22,7 +23,14 @@ import torch
 
 from .config import TEMPORAL_STRIDE, Config, bucket_grid
 
-__all__ = ["ClipSource", "ShardClipSource", "RawClipSource", "load_clip_store", "clip_source"]
+__all__ = [
+    "ClipSource",
+    "ShardClipSource",
+    "LazyShardClipSource",
+    "RawClipSource",
+    "load_clip_store",
+    "clip_source",
+]
 
 Ranges = Sequence[Tuple[int, int]]
 
@@ -173,47 +181,117 @@ def _parameters(encoder):
     return params() if callable(params) else iter(())
 
 
+def _clip_item(config: Config, s: dict) -> dict:
+    """``{latent [z, F, h, w] float, caption, text_emb?, text_mask?}`` of one shard sample
+    (``ShardReader``'s form), checked: ``ValueError`` names the sample and the rule."""
+    d, z, key = config.data, config.vae.latent_channels, s["key"]
+    lat = s.get("latent")
+    if lat is None or lat.dim() != 4 or lat.shape[0] != z or min(lat.shape) < 1:
+        raise ValueError(
+            f"shard sample {key!r}: data.buckets trains on precomputed latents [z="
+            f"{z}, F, h, w] (`megatron-video precompute` with data.buckets); got "
+            f"{None if lat is None else tuple(lat.shape)}"
+        )
+    item = dict(latent=lat.float(), caption=s.get("caption", ""))
+    if d.text_embed_dim is not None:
+        emb, tm = s.get("text_emb"), s.get("text_mask")
+        if emb is None or tm is None or tuple(emb.shape) != (d.caption_len, d.text_embed_dim):
+            raise ValueError(
+                f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
+                f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask"
+            )
+        item.update(text_emb=emb.float(), text_mask=tm.bool())
+    return item
+
+
 def load_clip_store(config: Config) -> Dict[str, dict]:
     """Every clip of ``data.shards`` (``precompute`` with ``data.buckets``: latents at each clip's
-    own bucket): ``key -> {latent [z, F, h, w], caption, text_emb?, text_mask?}``, read by every
-    rank in the same order (the sampler is a pure function of the clip ids)."""
+    own bucket) in memory: ``key -> {latent [z, F, h, w], caption, text_emb?, text_mask?}``, read
+    by every rank in the same order (the sampler is a pure function of the clip ids). Training
+    reads the shards lazily instead (``LazyShardClipSource``)."""
     from megatron_video.data.shards import ShardReader
 
-    d, z = config.data, config.vae.latent_channels
+    d = config.data
     store: Dict[str, dict] = {}
     for s in ShardReader(d.shards, split="samples"):
-        key = s["key"]
-        lat = s.get("latent")
-        if lat is None or lat.dim() != 4 or lat.shape[0] != z or min(lat.shape) < 1:
-            raise ValueError(
-                f"shard sample {key!r}: data.buckets trains on precomputed latents [z="
-                f"{z}, F, h, w] (`megatron-video precompute` with data.buckets); got "
-                f"{None if lat is None else tuple(lat.shape)}"
-            )
-        if key in store:
-            raise ValueError(f"shard sample {key!r}: keys must be unique across data.shards")
-        item = dict(latent=lat.float(), caption=s.get("caption", ""))
-        if d.text_embed_dim is not None:
-            emb, tm = s.get("text_emb"), s.get("text_mask")
-            if emb is None or tm is None or tuple(emb.shape) != (d.caption_len, d.text_embed_dim):
-                raise ValueError(
-                    f"shard sample {key!r}: data.text_embed_dim ({d.text_embed_dim}) needs "
-                    f"text_emb [data.caption_len={d.caption_len}, {d.text_embed_dim}] and text_mask"
-                )
-            item.update(text_emb=emb.float(), text_mask=tm.bool())
-        store[key] = item
+        if s["key"] in store:
+            raise ValueError(f"shard sample {s['key']!r}: keys must be unique across data.shards")
+        store[s["key"]] = _clip_item(config, s)
     if not store:
         raise ValueError(f"data.shards ({d.shards!r}) holds no samples")
     return store
 
 
+class LazyShardClipSource(ClipSource):
+    """``data.shards`` by key without holding every clip's latents: up front only the index
+    (``data.shards.ShardIndex``: tar member offsets from the headers, captions, and each clip's
+    latent grid from ``meta.json``'s ``latent_shape`` as ``precompute`` writes it; a sample
+    without one is read once for its shape); a clip's tensors are read from its offsets
+    (weights-only, nothing unpickled) when a micro-batch needs them, the last ``cache`` kept."""
+
+    kind = "precomputed latent shards (read lazily)"
+
+    def __init__(self, config: Config, cache: int = 32):
+        from collections import OrderedDict
+
+        from megatron_video.data.shards import ShardIndex
+
+        self.config, self.cache = config, cache
+        self.index = ShardIndex(config.data.shards)
+        self._recent: "OrderedDict[str, dict]" = OrderedDict()
+        self.loads = 0
+        self.grids = {k: self._grid(k) for k in self.index.keys}
+        if not self.grids:
+            raise ValueError(f"data.shards ({config.data.shards!r}) holds no samples")
+        self.ids = sorted(self.grids)
+
+    def _grid(self, key: str) -> Tuple[int, int, int]:
+        shape = self.index.meta(key).get("latent_shape")
+        z = self.config.vae.latent_channels
+        if isinstance(shape, list) and len(shape) == 4 and shape[0] == z:
+            shape = shape[1:]  # [z, F, h, w]
+        if isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) for v in shape):
+            return tuple(shape)
+        return tuple(self._item(key)["latent"].shape[1:])
+
+    def _item(self, key: str) -> dict:
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return self._recent[key]
+        item = _clip_item(self.config, self.index.read(key))
+        self.loads += 1
+        grid = getattr(self, "grids", {}).get(key)
+        if grid is not None and tuple(item["latent"].shape[1:]) != grid:
+            raise ValueError(
+                f"shard sample {key!r}: latent {tuple(item['latent'].shape)} must match its "
+                f"meta.json latent_shape {list(grid)} (rule: the index is the clip's grid)"
+            )
+        self._recent[key] = item
+        while len(self._recent) > self.cache:
+            self._recent.popitem(last=False)
+        return item
+
+    def latent_grid(self, key: str) -> Tuple[int, int, int]:
+        return self.grids[key]
+
+    def caption(self, key: str) -> str:
+        return self.index.caption(key)
+
+    def text(self, key: str):
+        item = self._item(key)
+        return (item["text_emb"], item["text_mask"]) if "text_emb" in item else None
+
+    def latents(self, key: str, ranges: Ranges) -> torch.Tensor:
+        return self._item(key)["latent"]
+
+
 def clip_source(config: Config, vae=None) -> ClipSource:
-    """The source of ``config.data.source``: ``shards`` -> ``ShardClipSource``, ``energon`` ->
+    """The source of ``config.data.source``: ``shards`` -> ``LazyShardClipSource``, ``energon`` ->
     ``RawClipSource`` encoding with ``vae.encoder`` (the trainer's causal VAE) and
     ``vae.halo_latents``."""
     d = config.data
     if d.source == "shards":
-        return ShardClipSource(load_clip_store(config))
+        return LazyShardClipSource(config)
     if d.source == "energon":
         if vae is None:
             raise ValueError(

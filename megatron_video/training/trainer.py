@@ -346,11 +346,11 @@ class Trainer:
         return output, loss_func
 
     def _step_batches(self, step: int):
-        """The step's micro-batches. Raw clips (``data.source: energon`` with ``data.buckets``)
-        are decoded while the batches are built; a clip that fails raises ``ValueError`` on
-        every rank (one status all-reduce before the step's first model collective), the failing
-        rank's naming the clip."""
-        if not (self.packed and self.config.data.source == "energon"):
+        """The step's micro-batches. With ``data.buckets`` a clip is read (raw energon clips:
+        decoded and encoded; shards: its tensors loaded) while the batches are built; a clip that
+        fails raises ``ValueError`` on every rank (one status all-reduce before the step's first
+        model collective), the failing rank's naming the clip."""
+        if not self.packed:
             return self.batches.step_batches(step)
         failed, error, batches = torch.zeros(1), None, []
         try:
@@ -362,8 +362,8 @@ class Trainer:
             raise error
         if failed.item():
             raise ValueError(
-                f"step {step}: a raw clip failed to decode on {int(failed.item())} other rank(s) "
-                f"(its ValueError names the clip)"
+                f"step {step}: a clip failed to load on {int(failed.item())} other rank(s) (its "
+                f"ValueError names the clip)"
             )
         return iter(batches)
 
