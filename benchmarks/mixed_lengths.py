@@ -47,9 +47,20 @@ def dataset(n: int, seed: int = 0):
 
 
 def _ffd(tokens, budget):
-    from megatron_video.data.packing import plan_packing
-
-    return plan_packing(tokens, budget)
+    """First-fit-decreasing by token count (NVIDIA's Wan recipes): largest clip first (ties by
+    index) into the first pack with room, else a new pack. ``[[clip index, ...], ...]``."""
+    if max(tokens) > budget:
+        raise ValueError(f"budget ({budget}) must hold every clip (largest: {max(tokens)} tokens)")
+    packs, used = [], []
+    for i in sorted(range(len(tokens)), key=lambda j: (-tokens[j], j)):
+        slot = next((k for k, u in enumerate(used) if u + tokens[i] <= budget), None)
+        if slot is None:
+            packs.append([])
+            used.append(0)
+            slot = len(packs) - 1
+        packs[slot].append(i)
+        used[slot] += tokens[i]
+    return packs
 
 
 def micro_batches(clips, budget: int):

@@ -1,4 +1,5 @@
-"""Procedural videos, captions, packing and WebDataset shards."""
+"""Procedural videos, captions and WebDataset shards (packed mixed-shape micro-batches:
+tests/test_packed_video.py, tests/test_train_mixed.py)."""
 
 import json
 import math
@@ -6,8 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from megatron_video.data import (
     VOCAB,
@@ -16,14 +15,9 @@ from megatron_video.data import (
     ProceduralVideoDataset,
     ShardReader,
     list_shards,
-    pack_sequence,
-    pack_sequences,
-    pack_tokens,
-    plan_packing,
     render_video,
     sample_attributes,
     shard_indices,
-    unpack_tokens,
     write_shards,
 )
 from megatron_video.data.synthetic import COLORS, DIRECTIONS, SHAPES
@@ -139,93 +133,6 @@ def test_dp_shard_indices_partition():
     assert shard_indices(100, 0, 4, seed=0, epoch=0) != shard_indices(100, 0, 4, seed=0, epoch=1)
     with pytest.raises(ValueError, match=r"dp_rank \(3\) must be in \[0, dp_size=3\)"):
         shard_indices(10, 3, 3)
-
-
-# --------------------------------------------------------------------------------------- packing
-
-
-def _check_packed(p, counts, tpf):
-    cu = p.cu_seqlens.tolist()
-    assert p.cu_seqlens.dtype == torch.int32 and cu[0] == 0 and cu[-1] == p.total_length
-    doc_lens = [b - a for a, b in zip(cu, cu[1:])]
-    assert doc_lens == [counts[i] for i in p.order] + ([p.pad_length] if p.pad_length else [])
-    for s, (a, b) in zip(p.samples, zip(cu, cu[1:])):
-        assert (s.start, s.start + s.length) == (a, b)
-        assert bool((p.sample_id[a:b] == s.index).all())
-        assert p.position_in_sample[a:b].tolist() == list(range(s.length))
-        assert p.frame_index[a:b].tolist() == [k // tpf[s.index] for k in range(s.length)]
-        assert p.spatial_index[a:b].tolist() == [k % tpf[s.index] for k in range(s.length)]
-        assert s.num_frames * s.tokens_per_frame == s.length
-    assert int((~p.loss_mask).sum()) == p.pad_length
-    assert bool((p.sample_id[p.total_length - p.pad_length :] == -1).all())
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    frames=st.lists(st.sampled_from([1, 1, 2, 5, 9]), min_size=1, max_size=12),
-    tpf=st.sampled_from([4, 16]),
-    mult=st.sampled_from([1, 2, 4, 8]),
-    strategy=st.sampled_from(["first_fit_decreasing", "sequential"]),
-    pad_full=st.booleans(),
-)
-def test_packing_round_trip(frames, tpf, mult, strategy, pad_full):
-    counts = [f * tpf for f in frames]
-    capacity = -(-max(counts) * 2 // mult) * mult
-    packs = pack_sequences(
-        counts,
-        capacity,
-        tokens_per_frame=tpf,
-        pad_multiple=mult,
-        pad_to_capacity=pad_full,
-        strategy=strategy,
-    )
-    assert sorted(i for p in packs for i in p.order) == list(
-        range(len(counts))
-    )  # every sample exactly once
-    tokens = [torch.randn(c, 3) + i for i, c in enumerate(counts)]
-    for p in packs:
-        assert p.total_length % mult == 0 and p.total_length <= capacity
-        used = sum(counts[i] for i in p.order)
-        assert p.total_length == (capacity if pad_full else -(-used // mult) * mult)
-        _check_packed(p, counts, [tpf] * len(counts))
-        packed = pack_tokens(tokens, p, pad_value=-7.0)
-        assert packed.shape == (p.total_length, 3)
-        assert bool((packed[p.total_length - p.pad_length :] == -7).all())
-        back = unpack_tokens(packed, p)
-        assert list(back) == list(p.order) and all(torch.equal(back[i], tokens[i]) for i in p.order)
-    if strategy == "sequential":
-        assert [i for p in packs for i in p.order] == list(range(len(counts)))
-
-
-def test_packing_mixed_images_videos_and_errors():
-    # One 5-frame video of 16 tokens/frame and three images of 16 tokens, padded for CP = 2 (multiple 4).
-    counts, tpf = [80, 16, 16, 16], [16, 16, 16, 16]
-    p = pack_sequence([0, 1, 2, 3], counts, tokens_per_frame=tpf, pad_multiple=4)
-    assert (
-        p.cu_seqlens.tolist() == [0, 80, 96, 112, 128] and p.pad_length == 0 and p.max_seqlen == 80
-    )
-    p = pack_sequence([1, 0], counts, tokens_per_frame=tpf, pad_multiple=10)
-    assert p.cu_seqlens.tolist() == [0, 16, 96, 100] and p.pad_length == 4
-    assert [s.num_frames for s in p.samples] == [1, 5]
-    _check_packed(p, counts, tpf)
-    # Channel-first tensors pack along dim 1.
-    toks = {0: torch.randn(2, 80), 1: torch.randn(2, 16)}
-    back = unpack_tokens(pack_tokens(toks, p, dim=1), p, dim=1)
-    assert torch.equal(back[0], toks[0]) and torch.equal(back[1], toks[1])
-    assert plan_packing([5, 3, 4, 2], 7) == [[0, 3], [2, 1]]
-    assert plan_packing([5, 3, 4, 2], 7, strategy="sequential") == [[0], [1, 2], [3]]
-    with pytest.raises(ValueError, match=r"token_counts\[1\] \(9\) must be in \[1, capacity=8\]"):
-        plan_packing([3, 9], 8)
-    with pytest.raises(
-        ValueError, match=r"capacity \(10\) must be a multiple of pad_multiple \(4\)"
-    ):
-        pack_sequences([3], 10, pad_multiple=4)
-    with pytest.raises(
-        ValueError, match=r"token_counts\[0\] \(10\) must be a multiple of tokens_per_frame"
-    ):
-        pack_sequence([0], [10], tokens_per_frame=4)
-    with pytest.raises(ValueError, match=r"tokens\[0\] shape"):
-        pack_tokens([torch.zeros(5)], pack_sequence([0], [4]))
 
 
 # ---------------------------------------------------------------------------------------- shards

@@ -10,6 +10,7 @@ checked in every environment.
 """
 
 import importlib.util
+import math
 import os
 import re
 import socket
@@ -67,7 +68,7 @@ def test_documented_lines_carry_what_pretrain_requires(name):
             check_launch_line(tokens[:i] + tokens[i + 2 :])
     with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
         check_launch_line(tokens[1:])
-    assert {"cpu", "scaled", "tp2cp2", "stdit", "ar_dit", "wan", "wan_ar"} <= set(BLOCKS)
+    assert {"cpu", "scaled", "tp2cp2", "stdit", "ar_dit", "wan", "wan_ar", "mixed"} <= set(BLOCKS)
 
 
 def _provider_model():
@@ -300,3 +301,51 @@ def test_wan_families(family, wan_shards, tmp_path):
     _five_iterations_train_and_evaluate(
         family, tmp_path, "--video-override", f"data.shards={wan_shards}"
     )
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory):
+    """The ``mixed`` line (data.buckets) on mixed-shape latent shards with images: 6 iterations,
+    a checkpoint at 3, evaluation at 3 and 6."""
+    from megatron_video.testing.mixed import write_tiny_mixed_shards
+
+    root = tmp_path_factory.mktemp("mlm_mixed")
+    shards = write_tiny_mixed_shards("wan", root / "shards", num_samples=12)
+    six = ("--train-iters", "6", "--save-interval", "3", "--eval-interval", "3")
+    extra = ("--video-override", f"data.shards={shards}")
+    run = _run("mixed", root / "run", *six, *extra)
+    return {**run, "out": root / "run", "shards": shards, "six": six, "extra": extra}
+
+
+@real
+def test_mixed_first_loss_equals_our_trainer(mixed_run, pool4, tmp_path):
+    """Packed micro-batches under the real ``pretrain()``: every iteration logged, finite,
+    evaluation run; iteration 1 is ``megatron-video train``'s first step (same seed, ledger,
+    placement plans and weights)."""
+    losses = mixed_run["losses"]
+    assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(v) for v in losses.values())
+    assert [i for i, final, _ in mixed_run["evals"] if not final] == [3, 6]
+    assert "mixed data (data.buckets)" in mixed_run["text"]  # the plan, printed once
+    overrides = [
+        f"train.seed={MEGATRON_SEED}",
+        f"data.shards={mixed_run['shards']}",
+        f"output={tmp_path}",
+    ]
+    path = str(ROOT / "examples/configs/mixed_tiny.yaml")
+    ours = pool4.run(_our_first_step, path, overrides, ranks_per_node=2)
+    assert len(set(ours)) == 1
+    assert ours[0] == pytest.approx(losses[1], rel=2e-6)
+
+
+@real
+def test_mixed_resume_replays_the_ledger(mixed_run, tmp_path):
+    """Resumed from iteration 3's checkpoint, iterations 4-6 see the clips of the uninterrupted
+    run (the ledger replayed): the same losses (Megatron's first log after a resume averages
+    iterations 4 and 5) and the same evaluation at 6."""
+    extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3")
+    run = _run("mixed", tmp_path / "resumed", *mixed_run["six"], *mixed_run["extra"], *extra)
+    ref, got = mixed_run["losses"], run["losses"]
+    assert sorted(got) == [4, 5, 6], got
+    assert got[4] == ref[4] and got[6] == ref[6]
+    assert got[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=2e-6)
+    assert run["evals"] == [e for e in mixed_run["evals"] if e[0] == 6]

@@ -325,6 +325,49 @@ def test_ledger_resume_every_clip_once(root, before, after):
     print(f"DP {before} -> {after}: {len(seen)} clips once each, {dummies} dummy micro-batches")
 
 
+def test_replay_and_restart_give_the_same_draws(root):
+    """Megatron-LM's entry resumes by replaying the ledger from the seed (``replay_to``) and
+    restarts the evaluation draws at every evaluation (``restart``): both reproduce the
+    sequential draws; replaying backwards is refused."""
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config("video_dit", root)
+    store = load_clip_store(cfg)
+    a = _maker(cfg, store=store, dp_size=2)
+    draws = [[mb.clip_ids for mb in a.step_batches(s)] for s in range(3)]
+    b = _maker(cfg, store=store, dp_size=2)
+    b.replay_to(2)
+    assert [mb.clip_ids for mb in b.step_batches(2)] == draws[2]
+    assert a.data_state() == b.data_state()
+    a.restart()
+    assert [mb.clip_ids for mb in a.step_batches(0)] == draws[0]
+    with pytest.raises(ValueError, match=r"step \(0\) must not be before the sample ledger's next"):
+        b.replay_to(0)
+
+
+def test_middle_pipeline_stages_read_no_clip(root):
+    """``need_latents=False`` (a middle pipeline stage, whose input is the previous stage's): no
+    clip's latents are read, and everything the stage does use -- placement, timesteps, CFG
+    drop, captions, loss mask -- equals a first stage's."""
+    from megatron_video.training.packed_data import load_clip_store
+
+    cfg = _config("wan", root)
+    store = load_clip_store(cfg)
+    first = _maker(cfg, store=store, U=2, R=2, cp_rank=1)
+    middle = _maker(cfg, store=store, U=2, R=2, cp_rank=1)
+    middle.need_latents = False
+
+    def refuse(*a, **k):
+        raise AssertionError("a middle stage read a clip")
+
+    middle.source.latents = refuse
+    for a, b in zip(first.step_batches(0), middle.step_batches(0)):
+        assert a.clip_ids == b.clip_ids and a.placement == b.placement
+        for name in ("t", "sigma", "drop", "caption_ids", "caption_mask", "loss_mask", "noise"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert not b.x.any() and a.x.any()
+
+
 def test_empty_micro_batches_run_the_dummy_clip(root):
     """12 clips over DP 4 x 4 micro-batches: the empty ones hold the one-token zero clip with
     loss weight 0 on every rank (the schedule is the same everywhere, nothing hangs)."""

@@ -1,14 +1,6 @@
-"""Data: procedural videos (the embedded default), captions, sequence packing, WebDataset shards."""
+"""Data: procedural videos (the embedded default), captions, WebDataset shards, buckets, balance and
+the sample ledger of mixed-shape training."""
 
-from .packing import (
-    PackedSample,
-    PackedSequence,
-    pack_sequence,
-    pack_sequences,
-    pack_tokens,
-    plan_packing,
-    unpack_tokens,
-)
 from .shards import ShardReader, list_shards, write_shards
 from .synthetic import (
     VOCAB,
@@ -23,13 +15,6 @@ from .synthetic import (
 )
 
 __all__ = [
-    "PackedSample",
-    "PackedSequence",
-    "pack_sequence",
-    "pack_sequences",
-    "pack_tokens",
-    "plan_packing",
-    "unpack_tokens",
     "ShardReader",
     "list_shards",
     "write_shards",

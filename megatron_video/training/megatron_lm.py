@@ -67,7 +67,12 @@ def add_video_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def sequence_length(config: Config) -> int:
-    """Tokens per sample that the model processes (Megatron-LM's ``--seq-length``)."""
+    """Tokens per sample that the model processes (Megatron-LM's ``--seq-length``); with
+    ``data.buckets`` the packed micro-batch's budget, ``data.buckets.tokens_per_microbatch``."""
+    if config.data.buckets is not None:
+        from .config import bucket_grid
+
+        return bucket_grid(config).config.tokens_per_microbatch
     return get_family(config.model.family).seq_length(config)
 
 
@@ -178,8 +183,12 @@ class _Job:
             from megatron_video.training.vae_stage import ensure_vae, load_vae
 
             vae, scale = load_vae(ensure_vae(config, progress=False), config)
-        sample = family.sample_layout(config, self.groups.cp_size)
         self.first_stage = ps.is_pipeline_first_stage()
+        self.packed = None
+        if config.data.buckets is not None:
+            self._init_packed(config, family, vae, scale)
+            return
+        sample = family.sample_layout(config, self.groups.cp_size)
         self.batches = family.make_batches(
             config,
             vae=vae,
@@ -192,6 +201,58 @@ class _Job:
             need_latents=self.first_stage or ps.is_pipeline_last_stage(),
         )
         self.objective = family.make_objective(config, self.groups, sample)
+
+    def _init_packed(self, config: Config, family, vae, scale: float) -> None:
+        """``data.buckets``: the trainer's packed micro-batches (``packed_data``) for training and
+        a second maker, seeded ``data.seed + 1``, for evaluation (the same draws at every one)."""
+        import copy
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from .packed_data import PackedBatchMaker
+
+        p = config.parallel
+        kw = dict(
+            kind=family.packed_kind,
+            latent_scale=scale,
+            cp_rank=self.groups.cp_rank,
+            ulysses_size=p.ulysses_size,
+            ring_size=p.ring_size,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            need_latents=self.first_stage or ps.is_pipeline_last_stage(),
+        )
+        log = (lambda text: print(text, flush=True)) if dist.get_rank() == 0 else None
+        self.packed = PackedBatchMaker(config, log=log, vae=vae, **kw)
+        held = copy.deepcopy(config)
+        held.data.seed += 1
+        self.eval_packed = PackedBatchMaker(held, source=self.packed.source, **kw)
+        self.objective = family.make_packed_objective(config)
+        self._mbs, self._at = None, None  # this step's micro-batches, (training?, iteration)
+
+    def packed_micro_batch(self, iteration: int, training: bool):
+        """The next packed micro-batch of training step ``iteration`` (the ledger replayed to it
+        after a resume), or of the evaluation run at ``iteration`` (its draws from step 0)."""
+        if self._at != (training, iteration):
+            if training:
+                self.packed.replay_to(iteration)
+                self._mbs = self.packed.checked_step_batches(iteration)
+            else:
+                self.eval_packed.restart()
+                self._mbs = None
+            self._at = (training, iteration)
+        mb = next(self._mbs, None) if self._mbs is not None else None
+        if mb is None and not training:  # the next evaluation step's micro-batches
+            maker = self.eval_packed
+            self._mbs = maker.checked_step_batches(maker.sampler.ledger.next_step)
+            mb = next(self._mbs, None)
+        if mb is None:
+            raise ValueError(
+                f"iteration {iteration}: more micro-batches were asked for than the step has "
+                f"({self.packed.num_microbatches}); --global-batch-size must be the config's"
+            )
+        return mb
 
 
 def _loss_func(job: _Job, mb, extra, output_tensor):
@@ -312,11 +373,6 @@ class MegatronLMEntry:
                 f"--seq-length ({seq}) must be the model's tokens per sample "
                 f"({sequence_length(cfg)})"
             )
-        if cfg.data.buckets is not None:
-            raise ValueError(
-                "data.buckets (mixed shapes, packed micro-batches) is trained by `megatron-video "
-                "train` only; the Megatron-LM entry takes fixed-shape samples (leave it null)"
-            )
         get_family(m.family).check_megatron_lm_args(cfg, args)
         if world_size is not None:
             validate(cfg, world_size, torch.cuda.is_available())
@@ -355,6 +411,8 @@ class MegatronLMEntry:
 
             config = megatron_transformer_config(get_args())
         tcfg = get_family(job.config.model.family).megatron_lm_config(config, job.config)
+        if job.packed is not None and job.config.parallel.pipeline_model_parallel_size > 1:
+            tcfg.variable_seq_lengths = True  # packed micro-batches vary in length
         model = build_model(job.config, tcfg, pre_process, post_process, vp_stage)
         _give_pg_collection(model, pg_collection)
         if not torch.cuda.is_available():
@@ -378,7 +436,10 @@ class MegatronLMEntry:
             if torch.cuda.is_available()
             else "cpu"
         )
-        mb = job.batches.from_positions([int(p) for p in batch["position"]], step)
+        if job.packed is not None:  # Megatron's positions only count; the ledger picks clips
+            mb = job.packed_micro_batch(step, model.training)
+        else:
+            mb = job.batches.from_positions([int(p) for p in batch["position"]], step)
         for name, value in vars(mb).items():
             if isinstance(value, torch.Tensor):
                 setattr(mb, name, value.to(device))

@@ -91,6 +91,7 @@ class PackedBatchMaker:
         store: Optional[Dict[str, dict]] = None,
         source: Optional[ClipSource] = None,
         vae=None,
+        need_latents: bool = True,
     ):
         self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
         p = config.parallel
@@ -107,7 +108,7 @@ class PackedBatchMaker:
         self.budget = self.grid.config.tokens_per_microbatch
         if source is None:
             source = ShardClipSource(store) if store is not None else clip_source(config, vae)
-        self.source = source
+        self.source, self.need_latents = source, need_latents
         self.ids = list(source.ids)
         self.index = {k: i for i, k in enumerate(self.ids)}
         self.clips = {k: self._video_clip(k) for k in self.ids}
@@ -186,6 +187,22 @@ class PackedBatchMaker:
             )
         self.sampler = self._sampler(SampleLedger.from_json(text))
 
+    def replay_to(self, step: int) -> None:
+        """Advance the ledger to the start of ``step`` by drawing the steps before it (no data is
+        read): a resume at the same DP size and batch sizes without a saved ledger (Megatron-LM's
+        ``pretrain()`` checkpoints only its iteration). ``ValueError`` if ``step`` is behind."""
+        if step < self.sampler.ledger.next_step:
+            raise ValueError(
+                f"step ({step}) must not be before the sample ledger's next step "
+                f"({self.sampler.ledger.next_step})"
+            )
+        while self.sampler.ledger.next_step < step:
+            self.sampler.next_step()
+
+    def restart(self) -> None:
+        """Back to an empty ledger (step 0): e.g. every evaluation draws the same micro-batches."""
+        self.sampler, self._before = self._sampler(None), None
+
     # -- micro-batches --------------------------------------------------------------------------
     def step_batches(self, step: int) -> Iterator[PackedMicroBatch]:
         nxt = self.sampler.ledger.next_step
@@ -200,6 +217,30 @@ class PackedBatchMaker:
             self._logged = True
             self.log(self.describe(batch, mbs))
         return iter(mbs)
+
+    def checked_step_batches(self, step: int) -> Iterator[PackedMicroBatch]:
+        """``step_batches``, as every entry calls it: a clip is read (raw energon clips: decoded
+        and encoded; shards: its tensors loaded) while the batches are built; a clip that fails
+        raises ``ValueError`` on every rank (one status all-reduce over the world before the
+        step's first model collective), the failing rank's naming the clip."""
+        import torch.distributed as dist
+
+        from megatron_video.parallel import comm
+
+        failed, error, batches = torch.zeros(1), None, []
+        try:
+            batches = list(self.step_batches(step))
+        except ValueError as e:  # re-raised below, after every rank knows
+            failed[0], error = 1, e
+        comm.all_reduce(failed, dist.group.WORLD, tag="data.status")
+        if error is not None:
+            raise error
+        if failed.item():
+            raise ValueError(
+                f"step {step}: a clip failed to load on {int(failed.item())} other rank(s) (its "
+                f"ValueError names the clip)"
+            )
+        return iter(batches)
 
     def describe(self, batch, mbs: Sequence[PackedMicroBatch]) -> str:
         """The bucket / budget summary and the first step's placement plans (printed once)."""
@@ -236,8 +277,11 @@ class PackedBatchMaker:
             z = torch.zeros(n, C)
             t = torch.full((nb,) if self.kind == "teacher_forcing" else (1,), 0.5)
             return z, z.clone(), t, torch.ones(1), False
-        lat = self.source.latents(key, ranges).float() * self.latent_scale
-        clean = patchify(lat[None], self.patch)[0]
+        if self.need_latents:
+            lat = self.source.latents(key, ranges).float() * self.latent_scale
+            clean = patchify(lat[None], self.patch)[0]
+        else:  # a middle pipeline stage: no clip is read (its input is the previous stage's)
+            clean = torch.zeros(n, C)
         g = sample_generator(cfg.train.seed, step, self.index[key])
         noise = torch.randn(n, C, generator=g)
         sigma = sample_sigma((1,), self.edm, generator=g)

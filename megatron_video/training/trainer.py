@@ -190,6 +190,7 @@ class Trainer:
             dp_size=self.dp_size,
             log=(lambda text: print(text, flush=True)) if self.is_logger else None,
             vae=self.vae,
+            need_latents=self.first_stage or self.last_stage,
         )
         # the schedule's nominal length; with PP the stages exchange each micro-batch's shape
         # (Megatron's variable_seq_lengths: packed micro-batches vary in length)
@@ -345,28 +346,6 @@ class Trainer:
 
         return output, loss_func
 
-    def _step_batches(self, step: int):
-        """The step's micro-batches. With ``data.buckets`` a clip is read (raw energon clips:
-        decoded and encoded; shards: its tensors loaded) while the batches are built; a clip that
-        fails raises ``ValueError`` on every rank (one status all-reduce before the step's first
-        model collective), the failing rank's naming the clip."""
-        if not self.packed:
-            return self.batches.step_batches(step)
-        failed, error, batches = torch.zeros(1), None, []
-        try:
-            batches = list(self.batches.step_batches(step))
-        except ValueError as e:  # re-raised below, after every rank knows
-            failed[0], error = 1, e
-        comm.all_reduce(failed, dist.group.WORLD, tag="data.status")
-        if error is not None:
-            raise error
-        if failed.item():
-            raise ValueError(
-                f"step {step}: a clip failed to load on {int(failed.item())} other rank(s) (its "
-                f"ValueError names the clip)"
-            )
-        return iter(batches)
-
     def forward_backward(self, step: int) -> Optional[float]:
         """Gradients of step ``step`` (reduced; no optimizer step). Returns the loss on last-stage
         ranks (averaged over micro-batches and data-parallel ranks), None elsewhere."""
@@ -375,7 +354,11 @@ class Trainer:
         self.optimizer.zero_grad()
         losses = self.forward_backward_func(
             forward_step_func=self._forward_step,
-            data_iterator=self._step_batches(step),
+            data_iterator=(
+                self.batches.checked_step_batches(step)
+                if self.packed
+                else self.batches.step_batches(step)
+            ),
             model=[self.ddp],
             num_microbatches=self.num_microbatches,
             seq_length=self.seq_length,
