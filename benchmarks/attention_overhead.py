@@ -3,7 +3,10 @@
 Per call, forward and backward separately, first call (empty plan cache) and steady state (median
 of ``--reps``): host time = wall time minus the self time of aten compute ops (torch.profiler) minus
 the time spent in communication (gloo sends, receives and all-to-alls, timed around
-``parallel.comm``);
+``parallel.comm``). Four ranks share the machine's cores, so wall times include other ranks' work;
+the "host cpu" column is the robust one: this thread's CPU time (``time.thread_time``) minus the
+thread CPU time inside aten compute ops (timed per op by a ``TorchDispatchMode``, its own
+per-op cost calibrated and removed) minus the thread CPU time inside ``parallel.comm``;
 beside it the estimated H200 time of this rank's share of the kernels (its visible (q, k) pairs x
 ``4 H D`` FLOPs forward, 2.5x that backward, at 60 % of 790 TFLOP/s, for ``--gpu-heads``
 x ``--gpu-dim`` bf16); plan builds; engine kernel calls and aten compute ops (~ GPU launches) per
@@ -68,7 +71,7 @@ class _CommTimer:
         from megatron_video.attention import attention_2d
         from megatron_video.parallel import comm
 
-        self.seconds = 0.0
+        self.seconds, self.cpu = 0.0, 0.0
         self._saved = []
         for owner, name in (
             (comm, "all_to_all_single"),
@@ -82,11 +85,12 @@ class _CommTimer:
 
     def _timed(self, fn):
         def f(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 self.seconds += time.perf_counter() - t0
+                self.cpu += time.thread_time() - c0
 
         return f
 
@@ -99,6 +103,54 @@ class _CommTimer:
     def close(self):
         for owner, name, orig in self._saved:
             setattr(owner, name, orig)
+
+
+def _op_timer():
+    """A ``TorchDispatchMode`` summing this thread's CPU time inside aten compute ops (every op
+    not in ``_META``) and counting all ops; ``overhead``: its own cost per op (calibrated)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpTimer(TorchDispatchMode):
+        overhead = 0.0
+
+        def __init__(self):
+            super().__init__()
+            self.compute, self.ops = 0.0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            c0 = time.thread_time()
+            out = func(*args, **(kwargs or {}))
+            if f"aten::{func.__name__.split('.')[0]}" not in _META:
+                self.compute += time.thread_time() - c0
+            self.ops += 1
+            return out
+
+    x = torch.zeros(4)
+    for _ in range(2):  # calibrate: a metadata op with and without the mode
+        c0 = time.thread_time()
+        for _ in range(2000):
+            torch.ops.aten.alias(x)
+        bare = time.thread_time() - c0
+        with OpTimer():
+            c0 = time.thread_time()
+            for _ in range(2000):
+                torch.ops.aten.alias(x)
+            timed = time.thread_time() - c0
+        OpTimer.overhead = max(0.0, (timed - bare) / 2000)
+    return OpTimer
+
+
+def _host_cpu(fn, timer, op_timer) -> float:
+    """This thread's CPU seconds in ``fn`` outside aten compute ops and communication."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    k0 = timer.cpu
+    with op_timer() as ot:
+        c0 = time.thread_time()
+        fn()
+        cpu = time.thread_time() - c0
+    return max(0.0, cpu - ot.compute - (timer.cpu - k0) - ot.ops * ot.overhead)
 
 
 def _visible_pairs(blocks) -> int:
@@ -126,45 +178,47 @@ def _compute_self_seconds(prof) -> tuple:
     return sum(e.self_cpu_time_total for e in busy) * 1e-6, len(busy)
 
 
-def _one(fn, timer, profile: bool):
-    """``(wall, compute self seconds, compute ops, comm seconds)`` of ``fn()``."""
+def _one(fn, timer, mode: str, op_timer):
+    """``(wall, compute self seconds, compute ops, comm seconds, host cpu)`` of ``fn()``; each
+    pass (``mode``: ``wall``, ``profile`` or ``cpu``) fills its own fields."""
     import torch.distributed as dist
 
+    if mode == "cpu":
+        return None, None, None, None, _host_cpu(fn, timer, op_timer)
     dist.barrier()
     c0 = timer.seconds
-    if not profile:
+    if mode == "wall":
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0, None, None, timer.seconds - c0, None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        t0 = time.thread_time()
         fn()
-        cpu = time.thread_time() - t0  # this thread's CPU time: no waits, no gloo threads
     comp, ops = _compute_self_seconds(prof)
-    return None, comp, ops, timer.seconds - c0, cpu
+    return None, comp, ops, timer.seconds - c0, None
 
 
-def _phase(run_fwd, run_bwd, timer, reps, first):
-    """Median per direction of wall / compute / ops / comm, each call on fresh inputs."""
+def _phase(run_fwd, run_bwd, timer, reps, first, op_timer):
+    """Median per direction of wall / compute / ops / comm / host cpu, each call on fresh
+    inputs."""
     from megatron_video.attention.plans import PLANS
 
     res = {"fwd": [], "bwd": []}
-    for profile in (False, True):
+    for mode in ("wall", "profile", "cpu"):
         for _ in range(1 if first else reps):
             if first:
                 PLANS.clear()
             holder = {}
-            f = _one(lambda: holder.update(out=run_fwd()), timer, profile)
-            b = _one(lambda: run_bwd(holder["out"]), timer, profile)
+            f = _one(lambda: holder.update(out=run_fwd()), timer, mode, op_timer)
+            b = _one(lambda: run_bwd(holder["out"]), timer, mode, op_timer)
             res["fwd"].append(f)
             res["bwd"].append(b)
     out = {}
     for d, rows in res.items():
-        wall = statistics.median(r[0] for r in rows if r[0] is not None)
-        comp = statistics.median(r[1] for r in rows if r[1] is not None)
-        ops = statistics.median(r[2] for r in rows if r[2] is not None)
-        comm = statistics.median(r[3] for r in rows if r[0] is not None)
-        host_cpu = statistics.median(max(0.0, r[4] - r[1]) for r in rows if r[1] is not None)
+
+        def med(i, rows=rows):
+            return statistics.median(r[i] for r in rows if r[i] is not None)
+
+        wall, comp, ops, comm, host_cpu = med(0), med(1), med(2), med(3), med(4)
         out[d] = dict(
             wall=wall,
             compute=comp,
@@ -184,7 +238,7 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
     from megatron_video.attention.ring import ring_block_plans
 
     torch.set_num_threads(1)
-    rows = []
+    rows, op_timer = [], _op_timer()
     with u2r2_groups() as groups, _CommTimer() as timer:
         for S in seqs:
             for name in masks_:
@@ -202,11 +256,11 @@ def _rank_bench(seqs, heads, dim, gpu_heads, gpu_dim, reps, masks_):
                 def run_bwd(out):
                     out.backward(torch.ones_like(out))
 
-                first = _phase(run_fwd, run_bwd, timer, reps, True)
+                first = _phase(run_fwd, run_bwd, timer, reps, True, op_timer)
                 builds_first = PLANS.builds  # the last first call started from an empty cache
                 calls0 = (st.kernel_calls, st.bwd_kernel_calls, st.steps)
                 b1 = PLANS.builds
-                steady = _phase(run_fwd, run_bwd, timer, reps, False)
+                steady = _phase(run_fwd, run_bwd, timer, reps, False, op_timer)
                 n_calls = (st.steps - calls0[2]) // R  # dist_attention calls in the steady phase
                 kcalls = (
                     (st.kernel_calls - calls0[0]) / n_calls,
@@ -284,7 +338,8 @@ def main():
     )
     print(
         "host 1st / ss: wall-based (wall - compute - comm; first call / steady state); host cpu: "
-        "main-thread CPU time - compute, steady state; host/H200 uses host cpu"
+        "this thread's CPU time - its CPU time in aten compute ops and in comm, steady state "
+        "(robust to sharing the cores); host/H200 uses host cpu"
     )
     print(
         f"{'S':>7} {'mask':>16} {'dir':>4} {'host 1st':>9} {'host ss':>9} {'host cpu':>9} "
