@@ -349,3 +349,19 @@ def test_mixed_resume_replays_the_ledger(mixed_run, tmp_path):
     assert got[4] == ref[4] and got[6] == ref[6]
     assert got[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=2e-6)
     assert run["evals"] == [e for e in mixed_run["evals"] if e[0] == 6]
+
+
+@real
+def test_mixed_pipeline_parallel_runs(mixed_run, tmp_path):
+    """The mixed line at PP 2 x CP 2 (Ulysses 2): Megatron's schedule with
+    ``variable_seq_lengths`` (set by the entry) passes each packed micro-batch's shape between the
+    stages; every iteration and evaluation runs (a load-status all-reduce over the world inside
+    ``forward_step`` would deadlock here: stage 1 waits in its pipeline receive). The stages
+    initialise their layers from other RNG states than PP 1, so losses are compared in
+    ``tests/test_train_mixed.py::test_trainer_pp2_equals_pp1`` (same weights), not here."""
+    pp = ("--pipeline-model-parallel-size", "2", "--context-parallel-size", "2")
+    pp += ("--hierarchical-context-parallel-sizes", "2", "1")
+    run = _run("mixed", tmp_path / "run", *mixed_run["six"], *mixed_run["extra"], *pp)
+    assert sorted(run["losses"]) == list(range(1, 7))
+    assert all(math.isfinite(v) for v in run["losses"].values())
+    assert [i for i, final, _ in run["evals"] if not final] == [3, 6]

@@ -356,4 +356,6 @@ class VideoTransformerBlock(TransformerBlock):
                     hidden_states = tensor_parallel.checkpoint(
                         run(start, end), cfg.distribute_saved_activations, hidden_states, *args
                     )
-        return hidden_states
+        # as Megatron's TransformerBlock: a viewless output, which the pipeline schedule frees
+        # after sending it (deallocate_pipeline_outputs, Megatron-LM's default, asserts it)
+        return make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)

@@ -230,6 +230,11 @@ class _Job:
         self.eval_packed = PackedBatchMaker(held, source=self.packed.source, **kw)
         self.objective = family.make_packed_objective(config)
         self._mbs, self._at = None, None  # this step's micro-batches, (training?, iteration)
+        # forward_step runs inside the schedule: a load failure is shared by the ranks of this
+        # pipeline stage (DP x CP; TP ranks read the same clips), which reach it together; a
+        # world-wide all-reduce there would wait on stages blocked in their pipeline receives
+        # (torchrun stops the other stages when these raise)
+        self._stage_group = ps.get_data_parallel_group(with_context_parallel=True)
 
     def packed_micro_batch(self, iteration: int, training: bool):
         """The next packed micro-batch of training step ``iteration`` (the ledger replayed to it
@@ -237,7 +242,7 @@ class _Job:
         if self._at != (training, iteration):
             if training:
                 self.packed.replay_to(iteration)
-                self._mbs = self.packed.checked_step_batches(iteration)
+                self._mbs = self.packed.checked_step_batches(iteration, self._stage_group)
             else:
                 self.eval_packed.restart()
                 self._mbs = None
@@ -245,7 +250,9 @@ class _Job:
         mb = next(self._mbs, None) if self._mbs is not None else None
         if mb is None and not training:  # the next evaluation step's micro-batches
             maker = self.eval_packed
-            self._mbs = maker.checked_step_batches(maker.sampler.ledger.next_step)
+            self._mbs = maker.checked_step_batches(
+                maker.sampler.ledger.next_step, self._stage_group
+            )
             mb = next(self._mbs, None)
         if mb is None:
             raise ValueError(

@@ -218,21 +218,24 @@ class PackedBatchMaker:
             self.log(self.describe(batch, mbs))
         return iter(mbs)
 
-    def checked_step_batches(self, step: int) -> Iterator[PackedMicroBatch]:
+    def checked_step_batches(self, step: int, group=None) -> Iterator[PackedMicroBatch]:
         """``step_batches``, as every entry calls it: a clip is read (raw energon clips: decoded
         and encoded; shards: its tensors loaded) while the batches are built; a clip that fails
-        raises ``ValueError`` on every rank (one status all-reduce over the world before the
-        step's first model collective), the failing rank's naming the clip."""
+        raises ``ValueError`` on every rank of ``group`` (one status all-reduce before the step's
+        first model collective; default: the world), the failing rank's naming the clip. Call it
+        where every rank of ``group`` calls it at once: the trainer before the schedule (world);
+        Megatron-LM's ``forward_step``, inside the schedule, with its pipeline stage's ranks."""
         import torch.distributed as dist
 
         from megatron_video.parallel import comm
 
+        group = dist.group.WORLD if group is None else group
         failed, error, batches = torch.zeros(1), None, []
         try:
             batches = list(self.step_batches(step))
         except ValueError as e:  # re-raised below, after every rank knows
             failed[0], error = 1, e
-        comm.all_reduce(failed, dist.group.WORLD, tag="data.status")
+        comm.all_reduce(failed, group, tag="data.status")
         if error is not None:
             raise error
         if failed.item():

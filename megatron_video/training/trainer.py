@@ -272,8 +272,11 @@ class Trainer:
 
         c, t = self.config, self.config.train
         self.tcfg = self.family.transformer_config(c, self.has_gpu)
-        if self.packed and c.parallel.pipeline_model_parallel_size > 1:
-            self.tcfg.variable_seq_lengths = True
+        if c.parallel.pipeline_model_parallel_size > 1:
+            # Megatron-LM's default: a stage's output is freed once sent (it must be viewless)
+            self.tcfg.deallocate_pipeline_outputs = True
+            # packed micro-batches vary in length: the stages exchange each one's shape
+            self.tcfg.variable_seq_lengths = self.packed
         torch.manual_seed(
             t.seed
         )  # CPU initialisation: the same full weights on every rank / layout
