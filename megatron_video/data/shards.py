@@ -286,9 +286,13 @@ class ShardIndex:
         """One sample, ``{"key", "video" | "latent", "caption", "meta", ...}`` (``ShardReader``'s
         form), read from its recorded offsets."""
         raw: dict = {"__key__": key}
+        by_shard: Dict[int, List[Tuple[str, int, int]]] = {}
         for entry, (s, offset, size) in self.entries[key].items():
+            by_shard.setdefault(s, []).append((entry, offset, size))
+        for s, members in by_shard.items():  # a sample's entries lie in one shard: one open
             with open(self.shards[s], "rb") as f:
-                f.seek(offset)
-                raw[entry] = f.read(size)
+                for entry, offset, size in members:
+                    f.seek(offset)
+                    raw[entry] = f.read(size)
         raw.setdefault("caption.txt", b"")
         return _sample(_decode(raw))

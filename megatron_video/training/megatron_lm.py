@@ -418,8 +418,6 @@ class MegatronLMEntry:
 
             config = megatron_transformer_config(get_args())
         tcfg = get_family(job.config.model.family).megatron_lm_config(config, job.config)
-        if job.packed is not None and job.config.parallel.pipeline_model_parallel_size > 1:
-            tcfg.variable_seq_lengths = True  # packed micro-batches vary in length
         model = build_model(job.config, tcfg, pre_process, post_process, vp_stage)
         _give_pg_collection(model, pg_collection)
         if not torch.cuda.is_available():

@@ -110,7 +110,11 @@ def build_model(
     post_process: bool = True,
     vp_stage=None,
 ):
-    """The model of ``config.model.family`` for this pipeline stage (``family_spec.FamilySpec``)."""
+    """The model of ``config.model.family`` for this pipeline stage (``family_spec.FamilySpec``).
+    With ``data.buckets`` and PP > 1 it sets ``tcfg.variable_seq_lengths`` (the one home of that
+    rule for both entries): packed micro-batches vary in length, so the stages exchange shapes."""
+    if config.data.buckets is not None and config.parallel.pipeline_model_parallel_size > 1:
+        tcfg.variable_seq_lengths = True
     return get_family(config.model.family).build_model(
         tcfg, pre_process, post_process, vp_stage, config=config
     )

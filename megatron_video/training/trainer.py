@@ -275,8 +275,6 @@ class Trainer:
         if c.parallel.pipeline_model_parallel_size > 1:
             # Megatron-LM's default: a stage's output is freed once sent (it must be viewless)
             self.tcfg.deallocate_pipeline_outputs = True
-            # packed micro-batches vary in length: the stages exchange each one's shape
-            self.tcfg.variable_seq_lengths = self.packed
         torch.manual_seed(
             t.seed
         )  # CPU initialisation: the same full weights on every rank / layout
