@@ -432,10 +432,11 @@ def _run(encoder: Encoder, x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _gradient_reach(encoder: Encoder, x, N: int, st: int, cff: bool, g):
-    """The raw frames (indices) the gradients of the last and the previous latent of
-    ``encoder(x)`` reach, for one random weight ``w`` drawn from ``g``. An encoder that gives
-    no gradient (e.g. wrapped in ``torch.no_grad()``, the usual inference idiom) is probed by
-    perturbing one raw frame at a time instead (:func:`_perturbation_reach`)."""
+    """``(first, last)``: the first raw frame the last latent of ``encoder(x)`` reads and the last
+    raw frame the previous latent reads (``None`` where it reads none), from the gradients of one
+    random weighting drawn from ``g``. An encoder that gives no gradient (e.g. wrapped in
+    ``torch.no_grad()``, the usual inference idiom) is probed by perturbing raw frames instead
+    (:func:`_perturbation_reach`)."""
     T = x.shape[2]
     with torch.enable_grad():
         x.requires_grad_(True)
@@ -453,23 +454,35 @@ def _gradient_reach(encoder: Encoder, x, N: int, st: int, cff: bool, g):
         (g_prev,) = torch.autograd.grad((out[:, :, -2:-1] * w).sum(), x)
     reach_last = g_last.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
     reach_prev = g_prev.abs().flatten(3).sum(dim=(0, 1, 3)).nonzero().flatten()
-    return reach_last, reach_prev
+    first = int(reach_last[0]) if reach_last.numel() else None
+    return first, (int(reach_prev[-1]) if reach_prev.numel() else None)
 
 
 def _perturbation_reach(encoder: Encoder, x, out, g):
-    """``_gradient_reach`` without autograd: raw frame ``t`` is in a latent's reach when adding
-    noise to frame ``t`` alone changes that latent (float64: a frame it does not read leaves it
-    bit-identical). One encoder call per raw frame."""
-    changed = []
-    with torch.no_grad():
-        for t in range(x.shape[2]):
-            xt = x.clone()
-            xt[:, :, t] += torch.randn(xt[:, :, t].shape, generator=g, dtype=x.dtype)
-            d = (_run(encoder, xt, "encoder") - out).abs()
-            changed.append((bool(d[:, :, -1].max() > 0), bool(d[:, :, -2].max() > 0)))
-    last = torch.tensor([c[0] for c in changed])
-    prev = torch.tensor([c[1] for c in changed])
-    return last.nonzero().flatten(), prev.nonzero().flatten()
+    """``_gradient_reach`` without autograd, by bisection: adding noise to the raw frames
+    ``[0, t]`` changes the last latent exactly when ``t`` reaches the first frame it reads, and
+    adding noise to ``[t, T)`` changes the previous latent exactly when ``t`` is at most the last
+    frame it reads (float64: frames a latent does not read leave it bit-identical). About
+    ``2 log2(T)`` encoder calls."""
+    T = x.shape[2]
+
+    def changes(lo, hi, latent):
+        xt = x.clone()
+        xt[:, :, lo:hi] += torch.randn(xt[:, :, lo:hi].shape, generator=g, dtype=x.dtype)
+        with torch.no_grad():
+            d = _run(encoder, xt, "encoder")[:, :, latent] - out[:, :, latent]
+        return bool(d.abs().max() > 0)
+
+    def bisect(pred):  # the smallest t in [0, T) with pred(t), monotone; T when none
+        lo, hi = 0, T
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if pred(mid) else (mid + 1, hi)
+        return lo
+
+    first = bisect(lambda t: changes(0, t + 1, -1))
+    beyond = bisect(lambda t: not changes(t, T, -2))  # one past the last frame latent N-2 reads
+    return (first if first < T else None), (beyond - 1 if beyond > 0 else None)
 
 
 def _exact_halo(encoder: Encoder, x, N: int, L: int, h: int, st: int, cff: bool, atol: float):
@@ -530,19 +543,18 @@ def probe_halo(
         while True:
             T = num_raw_frames(N, st, cff)
             x = torch.randn(1, c, T, *spatial, generator=g, dtype=torch.float64)
-            reach_last, reach_prev = _gradient_reach(encoder, x, N, st, cff, g)
+            first, prev_last = _gradient_reach(encoder, x, N, st, cff, g)
             prev_end = st * (N - 2) if cff else st * (N - 1) - 1  # last raw frame of latent N-2
-            if reach_prev.numel() and int(reach_prev[-1]) > prev_end:
+            if prev_last is not None and prev_last > prev_end:
                 raise ValueError(
                     f"encoder is not causal in time: latent {N - 2} depends on raw frame "
-                    f"{int(reach_prev[-1])} (> {prev_end}); a halo cannot make windows exact"
+                    f"{prev_last} (> {prev_end}); a halo cannot make windows exact"
                 )
-            if reach_last.numel() == 0:
+            if first is None:
                 raise ValueError(
                     "encoder's last latent does not depend on its input (no gradient); "
                     "cannot probe its temporal look-back"
                 )
-            first = int(reach_last[0])
             if first > 0 or N >= max_latents:
                 break
             N *= 2

@@ -69,6 +69,36 @@ def _reset_rank_state() -> None:
         mrandom.get_cuda_rng_tracker().reset()
     except Exception:  # pragma: no cover
         pass
+    _destroy_stray_groups()
+
+
+def _destroy_stray_groups() -> None:
+    """Destroy process groups a case created and left behind (``dist.new_group`` in a test or in
+    code under test). Each live gloo group keeps a TCP loop thread that wakes every 10 ms: left to
+    pile up over a session they burn a core of a small CI machine in idle workers."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None) or {}
+    for g in list(pg_map):
+        if g is not dist.GroupMember.WORLD:
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):  # pragma: no cover - already destroyed
+                pass
+
+
+def _gloo_loop_threads() -> int:
+    """Live gloo TCP loop threads of this process (one per gloo device; 0 where /proc is absent).
+    Each wakes every 10 ms, so devices kept alive after their groups were destroyed (by references
+    held in C++) cost CPU in idle workers; the pool restarts workers that collect too many."""
+    try:
+        names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    except OSError:  # pragma: no cover - no procfs
+        return 0
+    return sum(n.strip() == "gloo_tcp_loop" for n in names)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -129,7 +159,7 @@ def _worker_main(
     from megatron_video.compat import ensure_cpu_mode
 
     ensure_cpu_mode()
-    result_q.put(("ready", rank, True, None))
+    result_q.put(("ready", rank, True, None, 0))
     while True:
         msg = task_q.get()
         if msg is None:
@@ -141,11 +171,11 @@ def _worker_main(
             # Fail here, not in the queue's feeder thread (whose errors would never reach the
             # parent, which would then wait for the timeout), when a result cannot be pickled.
             ForkingPickler.dumps(out)
-            result_q.put((task_id, rank, True, out))
+            msg = (task_id, rank, True, out)
         except BaseException:  # report everything, including assertion errors
-            result_q.put((task_id, rank, False, traceback.format_exc()))
-        finally:
-            _reset_rank_state()
+            msg = (task_id, rank, False, traceback.format_exc())
+        _reset_rank_state()
+        result_q.put(msg + (_gloo_loop_threads(),))
     try:
         dist.destroy_process_group()
     except Exception:  # pragma: no cover
@@ -154,6 +184,8 @@ def _worker_main(
 
 class WorkerPool:
     """``world_size`` gloo ranks on this machine; ``ranks_per_node`` simulates nodes."""
+
+    max_loop_threads = 8  # restart the workers when one holds more (``_gloo_loop_threads``)
 
     def __init__(
         self,
@@ -173,6 +205,7 @@ class WorkerPool:
         self.timeout = timeout
         self.gloo_timeout = gloo_timeout
         self._procs: List[Any] = []
+        self._loop_threads = 0  # the most gloo loop threads a worker reported since its start
         self._task_qs: List[Any] = []
         self._result_q = None
         self._ids = itertools.count()
@@ -235,6 +268,7 @@ class WorkerPool:
                 p.kill()
                 p.join(timeout=5)
         self._procs, self._task_qs, self._result_q = [], [], None
+        self._loop_threads = 0
 
     def __enter__(self):
         return self
@@ -254,7 +288,9 @@ class WorkerPool:
             if now >= limit:
                 break
             try:
-                tid, rank, ok, payload = self._result_q.get(timeout=min(1.0, limit - now))
+                tid, rank, ok, payload, loops = self._result_q.get(
+                    timeout=min(1.0, limit - now)
+                )
             except queue_mod.Empty:
                 dead = [
                     r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results
@@ -268,6 +304,7 @@ class WorkerPool:
                 continue
             if tid != task_id:
                 continue  # stale message from a killed earlier run
+            self._loop_threads = max(self._loop_threads, loops)
             if ok:
                 results[rank] = payload
             else:
@@ -285,6 +322,8 @@ class WorkerPool:
                     f"({self.timeout:.0f} s) or after another rank failed; pool killed"
                 )
             raise RankError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(parts))
+        if self._loop_threads > self.max_loop_threads:
+            self.close()  # restarted on the next run, without the idle threads
         return [results[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable, *args, ranks_per_node: Optional[int] = None, **kwargs) -> list:
