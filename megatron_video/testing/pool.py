@@ -288,9 +288,7 @@ class WorkerPool:
             if now >= limit:
                 break
             try:
-                tid, rank, ok, payload, loops = self._result_q.get(
-                    timeout=min(1.0, limit - now)
-                )
+                tid, rank, ok, payload, loops = self._result_q.get(timeout=min(1.0, limit - now))
             except queue_mod.Empty:
                 dead = [
                     r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results
