@@ -106,24 +106,27 @@ def _cli(args, env_extra=None, timeout=120):
     )
 
 
-@pytest.mark.parametrize(
-    "override, field",
-    [
-        ("data.num_frames=30", "data.num_frames (30)"),
-        ("parallel.ulysses_size=4", "parallel.ulysses_size * parallel.ring_size (4 * 2 = 8)"),
-        (
-            "model.num_attention_heads=3",
-            "model.num_attention_heads (3) / parallel.tensor_model_parallel_size",
-        ),
-        ("model.frames_per_block=3", "model.frames_per_block (3)"),
-    ],
+BAD_CONFIGS = [
+    ("data.num_frames=30", "data.num_frames (30)"),
+    ("parallel.ulysses_size=4", "parallel.ulysses_size * parallel.ring_size (4 * 2 = 8)"),
+    (
+        "model.num_attention_heads=3",
+        "model.num_attention_heads (3) / parallel.tensor_model_parallel_size",
+    ),
+    ("model.frames_per_block=3", "model.frames_per_block (3)"),
+]
+# one rank of a 4-rank torchrun job whose peers never start: forming the group would hang
+TORCHRUN_RANK0_ALONE = dict(
+    RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
 )
-def test_bad_config_fails_before_collectives(override, field, tmp_path):
-    # one rank of a 4-rank torchrun job whose peers never start: forming the group would hang
-    env = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def test_bad_config_fails_before_collectives(tmp_path):
+    """The process: exit status 2, the field named, nothing written."""
+    override, field = BAD_CONFIGS[0]
     r = _cli(
         ["train", "--config", "examples/configs/demo.yaml", "--output", str(tmp_path), override],
-        env_extra=env,
+        env_extra=TORCHRUN_RANK0_ALONE,
         timeout=60,
     )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
@@ -131,19 +134,37 @@ def test_bad_config_fails_before_collectives(override, field, tmp_path):
     assert not (tmp_path / "metrics.json").exists()
 
 
-def test_bad_nproc_layout_fails(tmp_path):
-    r = _cli(
-        [
-            "train",
-            "--config",
-            "examples/configs/demo.yaml",
-            "--nproc",
-            "6",
-            "--output",
-            str(tmp_path),
-        ]
-    )
-    assert r.returncode == 2 and "world size (6)" in r.stderr, r.stderr[-2000:]
+@pytest.mark.parametrize("override, field", BAD_CONFIGS)
+def test_bad_config_exits_2_naming_the_field(override, field, tmp_path, monkeypatch, capsys):
+    """Every rule, through the command line's ``main`` in this process (the trainer, which would
+    form the group, must not be reached)."""
+    from megatron_video.training import cli, launch, trainer
+
+    for k, v in TORCHRUN_RANK0_ALONE.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("reached the trainer"))
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("reached the launcher"))
+    args = [
+        "train",
+        "--config",
+        str(ROOT / "examples/configs/demo.yaml"),
+        "--output",
+        str(tmp_path),
+    ]
+    assert cli.main(args + [override]) == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_bad_nproc_layout_fails(tmp_path, monkeypatch, capsys):
+    from megatron_video.training import cli, launch
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("reached the launcher"))
+    args = ["train", "--config", str(ROOT / "examples/configs/demo.yaml"), "--nproc", "6"]
+    assert cli.main(args + ["--output", str(tmp_path)]) == 2
+    assert "world size (6)" in capsys.readouterr().err
 
 
 def test_short_demo_run(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from .config import Config, load_config, validate
 from .families import get_family
 from .model_factory import build_model
+from .rank_data import rank_data
 
 __all__ = [
     "add_video_args",
@@ -168,6 +169,7 @@ class _Job:
     as the trainer builds them (``training.trainer.Trainer``)."""
 
     def __init__(self, config: Config):
+        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         from megatron_video.parallel.topology import get_video_parallel_groups, init_video_parallel
@@ -184,51 +186,27 @@ class _Job:
 
             vae, scale = load_vae(ensure_vae(config, progress=False), config)
         self.first_stage = ps.is_pipeline_first_stage()
-        self.packed = None
-        if config.data.buckets is not None:
-            self._init_packed(config, family, vae, scale)
-            return
-        sample = family.sample_layout(config, self.groups.cp_size)
-        self.batches = family.make_batches(
+        data = rank_data(
             config,
+            family,
+            self.groups,
             vae=vae,
             latent_scale=scale,
             cp_rank=self.groups.cp_rank,
             cp_size=self.groups.cp_size,
             dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size(),
-            layout=sample.layout,
             need_latents=self.first_stage or ps.is_pipeline_last_stage(),
+            log=(lambda text: print(text, flush=True)) if dist.get_rank() == 0 else None,
         )
-        self.objective = family.make_objective(config, self.groups, sample)
-
-    def _init_packed(self, config: Config, family, vae, scale: float) -> None:
-        """``data.buckets``: the trainer's packed micro-batches (``packed_data``) for training and
-        a second maker, seeded ``data.seed + 1``, for evaluation (the same draws at every one)."""
-        import copy
-
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from .packed_data import PackedBatchMaker
-
-        p = config.parallel
-        kw = dict(
-            kind=family.packed_kind,
-            latent_scale=scale,
-            cp_rank=self.groups.cp_rank,
-            ulysses_size=p.ulysses_size,
-            ring_size=p.ring_size,
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            need_latents=self.first_stage or ps.is_pipeline_last_stage(),
-        )
-        log = (lambda text: print(text, flush=True)) if dist.get_rank() == 0 else None
-        self.packed = PackedBatchMaker(config, log=log, vae=vae, **kw)
-        held = copy.deepcopy(config)
-        held.data.seed += 1
-        self.eval_packed = PackedBatchMaker(held, source=self.packed.source, **kw)
-        self.objective = family.make_packed_objective(config)
+        self.objective = data.objective
+        self.packed = self.batches = None
+        if config.data.buckets is None:
+            self.batches = data.batches
+            return
+        # data.buckets: the trainer's packed micro-batches for training, and a second maker over
+        # the same clips, seeded data.seed + 1, for evaluation (the same draws at every one)
+        self.packed, self.eval_packed = data.batches, data.batches.held_out()
         self._mbs, self._at = None, None  # this step's micro-batches, (training?, iteration)
         # forward_step runs inside the schedule: a load failure is shared by the ranks of this
         # pipeline stage (DP x CP; TP ranks read the same clips), which reach it together; a

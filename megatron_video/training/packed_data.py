@@ -25,6 +25,7 @@ count is known on every rank (the step's assignment is), and each share is scale
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -94,6 +95,16 @@ class PackedBatchMaker:
         need_latents: bool = True,
     ):
         self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
+        self._rank_kw = dict(
+            kind=kind,
+            latent_scale=latent_scale,
+            cp_rank=cp_rank,
+            ulysses_size=ulysses_size,
+            ring_size=ring_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            need_latents=need_latents,
+        )
         p = config.parallel
         self.U, self.R, self.cp_rank = ulysses_size, ring_size, cp_rank
         self.cp_size = ulysses_size * ring_size
@@ -125,6 +136,13 @@ class PackedBatchMaker:
         self._before: Optional[str] = None  # the ledger before the last drawn step
         self.last_step_tokens = 0
         self._logged = False
+
+    def held_out(self) -> "PackedBatchMaker":
+        """A maker for the same rank over the same clips (the same source), drawing its steps from
+        ``data.seed + 1``: the evaluation draws, apart from training's."""
+        held = copy.deepcopy(self.config)
+        held.data.seed += 1
+        return PackedBatchMaker(held, source=self.source, **self._rank_kw)
 
     # -- clips ----------------------------------------------------------------------------------
     def _video_clip(self, key: str) -> VideoClip:

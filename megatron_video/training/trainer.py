@@ -35,6 +35,7 @@ from .config import Config, config_to_dict, validate
 from .data import MicroBatch, sample_generator
 from .families import get_family
 from .model_factory import build_model
+from .rank_data import rank_data
 from .vae_stage import ensure_vae, load_vae
 
 __all__ = ["init_distributed", "Trainer", "train", "NonFiniteError"]
@@ -143,61 +144,30 @@ class Trainer:
         else:
             self.vae_path, self.vae, self.latent_scale = None, None, 1.0
 
-        self.packed = config.data.buckets is not None
-        if self.packed:  # mixed shapes: packed micro-batches (training/packed_data.py)
-            self._init_packed(config)
-            self._build()
-            self._beat(-1)
-            return
-        # layout, geometry, data, objective
-        sample = self.family.sample_layout(config, self.cp_size)
-        self.layout, self.geometry, self.seq_length = (
-            sample.layout,
-            sample.geometry,
-            sample.seq_length,
-        )
-        self.batches = self.family.make_batches(
+        self.packed = config.data.buckets is not None  # mixed shapes: packed micro-batches
+        data = rank_data(
             config,
+            self.family,
+            self.groups,
             vae=self.vae,
             latent_scale=self.latent_scale,
             cp_rank=self.cp_rank,
             cp_size=self.cp_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
-            layout=self.layout,
             need_latents=self.first_stage or self.last_stage,
+            log=(lambda text: print(text, flush=True)) if self.is_logger else None,
         )
-        self.objective = self.family.make_objective(config, self.groups, sample)
+        self.batches, self.objective, self.seq_length = (
+            data.batches,
+            data.objective,
+            data.seq_length,
+        )
+        self.layout, self.geometry = data.layout, data.geometry
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
         self._beat(-1)  # start-up done (the watchdog's clock restarts at every beat)
-
-    def _init_packed(self, config: Config) -> None:
-        """``data.buckets``: the packed batch maker (sample ledger, planner) and objective."""
-        from .packed_data import PackedBatchMaker
-
-        p = config.parallel
-        self.layout = self.geometry = None
-        self.batches = PackedBatchMaker(
-            config,
-            kind=self.family.packed_kind,
-            latent_scale=self.latent_scale,
-            cp_rank=self.cp_rank,
-            ulysses_size=p.ulysses_size,
-            ring_size=p.ring_size,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            log=(lambda text: print(text, flush=True)) if self.is_logger else None,
-            vae=self.vae,
-            need_latents=self.first_stage or self.last_stage,
-        )
-        # the schedule's nominal length; with PP the stages exchange each micro-batch's shape
-        # (Megatron's variable_seq_lengths: packed micro-batches vary in length)
-        self.seq_length = self.batches.budget
-        self.objective = self.family.make_packed_objective(config)
-        self.num_microbatches = self.batches.num_microbatches
-        self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
 
     @staticmethod
     def _check_runtime(cpu: bool) -> None:
