@@ -48,3 +48,37 @@ def test_pool_times_out_instead_of_hanging():
     with WorkerPool(2, timeout=8, gloo_timeout=60) as pool:
         with pytest.raises(RankError, match="did not finish"):
             pool.run(_hang_unless_rank0)
+
+
+_KEPT = []  # groups a careless case keeps alive past its end
+
+
+def _leave_groups(kept: int, stray: int):
+    """``kept`` groups referenced after the case (their gloo devices stay alive) and ``stray``
+    groups only left registered; returns this worker's pid."""
+    import os
+
+    for _ in range(kept):
+        _KEPT.append(dist.new_group([0, 1]))
+    for _ in range(stray):
+        dist.new_group([0, 1])
+    return os.getpid()
+
+
+def _pid():
+    import os
+
+    return os.getpid()
+
+
+def test_pool_sheds_leftover_groups():
+    """Groups a case leaves registered are destroyed after it; workers that still hold more gloo
+    devices than ``max_loop_threads`` (idle, each polls every 10 ms) are replaced."""
+    from megatron_video.testing import WorkerPool
+
+    with WorkerPool(2) as pool:
+        first = pool.run(_leave_groups, 0, 12)
+        assert pool.run(_pid) == first  # destroyed: the same workers carry on
+        kept = pool.run(_leave_groups, pool.max_loop_threads + 1, 0)
+        assert kept == first
+        assert not set(pool.run(_pid)) & set(first)  # restarted

@@ -254,7 +254,22 @@ def _cli(config_file, out, steps):
     return proc.stdout + proc.stderr
 
 
-def test_cli_trains_from_raw_clips_and_resumes(data, tmp_path):
+def _resume_in_process(config_file, out, steps):
+    """What a second ``megatron-video train`` of the same config does, in the pool's ranks."""
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    cfg = load_config(config_file, [f"output={out}", f"train.steps={steps}"])
+    t = Trainer(cfg, progress=False)
+    try:
+        t.run()
+    finally:
+        t.close()
+
+
+def test_cli_trains_from_raw_clips_and_resumes(pool4, data, tmp_path):
+    """The command line trains 2 steps from raw clips; a run of the same config resumes from its
+    checkpoint and replays the ledger (in the pool's ranks: one launch is what the CLI adds)."""
     import yaml
 
     from megatron_video.training import checkpoint as ckpt
@@ -263,6 +278,7 @@ def test_cli_trains_from_raw_clips_and_resumes(data, tmp_path):
     cfg = _config("video_dit", data, **CP4)
     cfg.train.global_batch_size = 2
     cfg.train.save = cfg.train.resume = True
+    cfg.train.progress = False
     config_file, out = tmp_path / "raw.yaml", tmp_path / "run"
     config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
     t0 = time.time()
@@ -271,14 +287,19 @@ def test_cli_trains_from_raw_clips_and_resumes(data, tmp_path):
     assert "6 clips (1 images)" in console and "[megatron-video] step 0:" in console
     first = json.loads((out / "metrics.json").read_text())["history"]
     assert ckpt.latest_step(out / "checkpoints") == 2
-    second = _cli(config_file, out, 3)
+    pool4.run(_resume_in_process, str(config_file), str(out), 3, ranks_per_node=2)
     history = json.loads((out / "metrics.json").read_text())["history"]
     assert ckpt.latest_step(out / "checkpoints") == 3 and len(history) == 3
     assert [h["loss"] for h in history[:2]] == [h["loss"] for h in first]
     assert all(torch.isfinite(torch.tensor([h["loss"] for h in history])))
-    ledger = json.loads(ckpt.read_data_state(out / "checkpoints", 3, "ledger"))
-    assert "[megatron-video] step 2:" in second and "step 0:" not in second  # resumed
-    print(f"CLI 2 + 1 steps in {time.time() - t0:.0f} s; ledger {ledger}")
+
+    def steps_in_ledger(step):
+        ledger = json.loads(ckpt.read_data_state(out / "checkpoints", step, "ledger"))
+        return ledger["steps_before"] + len(ledger["steps"])
+
+    assert (steps_in_ledger(2), steps_in_ledger(3)) == (2, 3)  # the resumed run extended it
+    ledger = ckpt.read_data_state(out / "checkpoints", 3, "ledger")
+    print(f"CLI 2 steps + 1 resumed in {time.time() - t0:.0f} s; ledger {ledger}")
 
 
 # ---------------------------------------------------------------------------------------------

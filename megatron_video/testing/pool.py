@@ -4,8 +4,11 @@ Process start-up with torch + megatron costs seconds, so tests start one pool pe
 many functions in it. ``pool.run(fn, *args)`` runs ``fn`` on every rank and returns the list of
 per-rank results; if any rank raises, ``RankError`` carries every failing rank's traceback. A run
 that does not finish within ``timeout`` kills the pool (it restarts on the next run) instead of
-hanging. Simulated nodes: ``ranks_per_node`` sets ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` in the
-workers, which is what ``megatron_video.parallel.topology`` reads for placement rules.
+hanging. After each run a worker destroys the process groups the case left behind; a pool whose
+workers still hold more than ``max_loop_threads`` gloo devices (each polls every 10 ms) is
+restarted on its next run. Simulated nodes: ``ranks_per_node`` sets ``LOCAL_WORLD_SIZE`` /
+``LOCAL_RANK`` in the workers, which is what ``megatron_video.parallel.topology`` reads for
+placement rules.
 
 ``fn`` must be importable by qualified name (a module-level function); the workers get the parent's
 ``sys.path`` so test modules import as they do under pytest.
