@@ -5,9 +5,12 @@ on any shared machine)."""
 
 import re
 
+import pytest
+
 from megatron_video.testing.scripts import run_script
 
 
+@pytest.mark.process_launch
 def test_attention_overhead_benchmark_runs_at_a_tiny_size():
     out = run_script(
         "benchmarks/attention_overhead.py", "--seqs", "512", "--reps", "1", "--masks", "causal"

@@ -36,6 +36,7 @@ def test_there_are_cuda_sources():
     assert {p.name for p in CU_FILES} >= {"halo_cuda.cu", "masks_cuda.cu"}
 
 
+@pytest.mark.process_launch
 @needs_nvcc
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda p: p.name)
 def test_cu_compiles_for_sm90(source, tmp_path):
@@ -62,6 +63,7 @@ def test_cu_compiles_for_sm90(source, tmp_path):
     assert obj.stat().st_size > 0
 
 
+@pytest.mark.process_launch
 @needs_nvcc
 def test_bindings_cuda_path_syntax(tmp_path):
     """bindings.cpp with MEGATRON_VIDEO_WITH_CUDA: the CUDA dispatch code a CPU build never compiles."""

@@ -114,6 +114,7 @@ def test_full_size_config_validates(path):
         assert abs(n / WAN_PARAMS[path.stem] - 1) < 5e-3, n
 
 
+@pytest.mark.process_launch
 def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     """``megatron-video train --cpu --config examples/configs/video_llava.yaml --nproc 4
     --ranks-per-node 2`` (the README's MM-SP example, 2 steps): rank 0 alone on

@@ -4,9 +4,12 @@ fewer ring K/V bytes (tracer counts) than FFD packing split zigzag over the whol
 
 import re
 
+import pytest
+
 from megatron_video.testing.scripts import run_script
 
 
+@pytest.mark.process_launch
 def test_mixed_lengths_benchmark_runs_at_a_tiny_size():
     args = ("--clips", "8", "--budget", "4096", "--iters", "1", "--width", "32")
     out = run_script("benchmarks/mixed_lengths.py", *args)

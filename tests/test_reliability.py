@@ -359,6 +359,7 @@ def _gone(pid: int) -> bool:
     return "State:\tZ" in state
 
 
+@pytest.mark.process_launch
 @pytest.mark.parametrize("fault", ["die", "hang"])
 def test_dead_or_hung_rank_ends_the_job(fault, vae_dir, tmp_path, capsys):
     from megatron_video.training.launch import launch

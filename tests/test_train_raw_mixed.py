@@ -267,6 +267,7 @@ def _resume_in_process(config_file, out, steps):
         t.close()
 
 
+@pytest.mark.process_launch
 def test_cli_trains_from_raw_clips_and_resumes(pool4, data, tmp_path):
     """The command line trains 2 steps from raw clips; a run of the same config resumes from its
     checkpoint and replays the ledger (in the pool's ranks: one launch is what the CLI adds)."""

@@ -121,6 +121,7 @@ TORCHRUN_RANK0_ALONE = dict(
 )
 
 
+@pytest.mark.process_launch
 def test_bad_config_fails_before_collectives(tmp_path):
     """The process: exit status 2, the field named, nothing written."""
     override, field = BAD_CONFIGS[0]
@@ -167,6 +168,7 @@ def test_bad_nproc_layout_fails(tmp_path, monkeypatch, capsys):
     assert "world size (6)" in capsys.readouterr().err
 
 
+@pytest.mark.process_launch
 def test_short_demo_run(tmp_path):
     out = tmp_path / "demo"
     # the shipped VAE (examples/vae/demo_vae.pt) of the real demo; a tiny DiT on smaller frames

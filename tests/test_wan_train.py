@@ -317,6 +317,7 @@ def _decode(path):
     return (x.float() / 127.5 - 1).permute(3, 0, 1, 2)
 
 
+@pytest.mark.process_launch
 def test_precompute_wan_vae_umt5_then_train_cli(tmp_path):
     """``megatron-video precompute`` with a tiny ``AutoencoderKLWan`` (``vae.diffusers``) and a
     tiny UMT5 (``--text-encoder``), 2 SP halo windows per clip: the latents equal the full-clip
