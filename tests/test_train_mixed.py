@@ -411,6 +411,12 @@ def test_lazy_shards_read_only_the_index_up_front(root, family, monkeypatch):
     for k in lazy.ids:
         assert lazy.caption(k) == eager[k]["caption"]
         assert torch.equal(lazy.latents(k, []), eager[k]["latent"])
+    # a tensor that disagrees with the grid its meta.json declared is refused when it is read
+    key = lazy.ids[0]
+    lazy._recent.clear()
+    lazy.grids[key] = (99, 1, 1)
+    with pytest.raises(ValueError, match=rf"shard sample '{key}': latent .* must match its meta"):
+        lazy.latents(key, [])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -306,6 +306,16 @@ def test_cli_trains_from_raw_clips_and_resumes(pool4, data, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------
+def test_raw_source_without_a_vae_is_refused():
+    from megatron_video.training.clip_source import clip_source
+    from megatron_video.training.config import load_config
+
+    cfg = load_config(str(ROOT / "examples/configs/mixed_tiny.yaml"))
+    cfg.data.source, cfg.data.path = "energon", "/nonexistent"  # refused before it is read
+    with pytest.raises(ValueError, match=r"vae \(None\) must be the trainer's causal VAE"):
+        clip_source(cfg, None)
+
+
 def test_synthetic_source_with_buckets_is_refused(data):
     from megatron_video.training.config import validate
 

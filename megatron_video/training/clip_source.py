@@ -240,7 +240,9 @@ class LazyShardClipSource(ClipSource):
         self.index = ShardIndex(config.data.shards)
         self._recent: "OrderedDict[str, dict]" = OrderedDict()
         self.loads = 0
-        self.grids = {k: self._grid(k) for k in self.index.keys}
+        self.grids: Dict[str, Tuple[int, int, int]] = {}
+        for k in self.index.keys:
+            self.grids[k] = self._grid(k)  # (an item loaded for its grid has none to match yet)
         if not self.grids:
             raise ValueError(f"data.shards ({config.data.shards!r}) holds no samples")
         self.ids = sorted(self.grids)
@@ -260,7 +262,7 @@ class LazyShardClipSource(ClipSource):
             return self._recent[key]
         item = _clip_item(self.config, self.index.read(key))
         self.loads += 1
-        grid = getattr(self, "grids", {}).get(key)
+        grid = self.grids.get(key)
         if grid is not None and tuple(item["latent"].shape[1:]) != grid:
             raise ValueError(
                 f"shard sample {key!r}: latent {tuple(item['latent'].shape)} must match its "
@@ -293,11 +295,10 @@ def clip_source(config: Config, vae=None) -> ClipSource:
     if d.source == "shards":
         return LazyShardClipSource(config)
     if d.source == "energon":
-        if vae is None:
+        if vae is None:  # (a family without a VAE is refused by config.validate)
             raise ValueError(
-                f"data.source ('energon') with data.buckets encodes raw clips with the causal "
-                f"VAE; model.family {config.model.family!r} has none (train it on latent shards "
-                f"from `megatron-video precompute`, data.source shards)"
+                "vae (None) must be the trainer's causal VAE with data.source 'energon': raw "
+                "clips are encoded per CP rank"
             )
         return RawClipSource(config, vae.encoder, config.vae.halo_latents)
     raise ValueError(
