@@ -157,6 +157,8 @@ def test_probe_rejects_bad_encoders():
     sym = nn.Conv3d(3, 4, 3, padding=1)  # sees the future
     with pytest.raises(ValueError, match="not causal in time"):
         probe_halo(lambda x: sym(x)[:, :, ::4], causal_first_frame=True)
+    with pytest.raises(ValueError, match="not causal in time"):  # the no-grad (bisection) probe
+        probe_halo(torch.no_grad()(lambda x: sym(x)[:, :, ::4]), in_channels=3)
     with pytest.raises(ValueError, match=r"produced 29 latents for 29 raw frames"):
         probe_halo(nn.Conv3d(3, 4, 1))
     with pytest.raises(ValueError, match=r"num_latents \(2\) must be >= 3"):
