@@ -95,16 +95,6 @@ class PackedBatchMaker:
         need_latents: bool = True,
     ):
         self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
-        self._rank_kw = dict(
-            kind=kind,
-            latent_scale=latent_scale,
-            cp_rank=cp_rank,
-            ulysses_size=ulysses_size,
-            ring_size=ring_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            need_latents=need_latents,
-        )
         p = config.parallel
         self.U, self.R, self.cp_rank = ulysses_size, ring_size, cp_rank
         self.cp_size = ulysses_size * ring_size
@@ -142,7 +132,18 @@ class PackedBatchMaker:
         ``data.seed + 1``: the evaluation draws, apart from training's."""
         held = copy.deepcopy(self.config)
         held.data.seed += 1
-        return PackedBatchMaker(held, source=self.source, **self._rank_kw)
+        return PackedBatchMaker(
+            held,
+            kind=self.kind,
+            latent_scale=self.latent_scale,
+            cp_rank=self.cp_rank,
+            ulysses_size=self.U,
+            ring_size=self.R,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            source=self.source,
+            need_latents=self.need_latents,
+        )
 
     # -- clips ----------------------------------------------------------------------------------
     def _video_clip(self, key: str) -> VideoClip:
