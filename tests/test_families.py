@@ -156,3 +156,27 @@ def test_ar_dit_explains_its_objective():
         r"flow matching\)",
     ):
         validate(load_config(None, ["diffusion.objective=edm"]), 1)
+
+
+def test_built_in_families_load_on_first_lookup():
+    """Importing the package, the config or the command line (and its --help) imports no model and
+    not Megatron-Core; the first lookup loads the built-in families (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, sys\n"
+        "from megatron_video.training import cli\n"
+        "from megatron_video.training.config import load_config\n"
+        "load_config(None, ['model.family=wan'])\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "assert 'usage: megatron-video' in out.getvalue(), out.getvalue()\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('megatron.core', "
+        "'megatron_video.models', 'megatron_video.training.families')))\n"
+        "assert not heavy, heavy\n"
+        "from megatron_video.training.family_spec import get_family\n"
+        "assert get_family('wan').name == 'wan'\n"
+        "assert 'megatron.core' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -1,6 +1,5 @@
 """Training on Megatron-Core: config, model families, trainer, checkpoints, CLI, Megatron-LM entry.
 
-Importing the package registers the built-in model families (``training/families/``).
+The built-in model families (``training/families/``) register on the first lookup
+(``family_spec.get_family``), so importing this package or its command line is light.
 """
-
-from . import families  # noqa: F401  (registers the families; config looks them up by name)

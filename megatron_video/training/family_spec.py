@@ -1,13 +1,15 @@
 """What a model family is (:class:`FamilySpec`) and the registry of families by ``model.family``.
 
-The families live in ``training/families/`` and register here (importing ``megatron_video.training``
-registers the built-in ones); this module imports nothing of ``training``, so the config and the
-model factory look a family up by name without importing the family modules.
+The families live in ``training/families/`` and register here. The built-in ones are loaded on the
+first lookup or registration (``_load_builtin``), not at import: this module imports nothing of
+``training``, so the config and the command line (``--help``, argument errors) do not import the
+models, Megatron-Core among them, until a family is asked for.
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -128,10 +130,26 @@ class FamilySpec(abc.ABC):
 
 
 _FAMILIES: Dict[str, FamilySpec] = {}
+_BUILTIN = "megatron_video.training.families"  # its import registers the built-in families
+_builtin_loaded = False
+
+
+def _load_builtin() -> None:
+    """Import the built-in families once (before any lookup, and before a user's family registers,
+    so that a clash with a built-in name is reported)."""
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True  # set first: the family modules register while being imported
+        try:
+            importlib.import_module(_BUILTIN)
+        except BaseException:
+            _builtin_loaded = False  # a failed import is retried (and raises) at the next lookup
+            raise
 
 
 def register_family(spec: FamilySpec) -> FamilySpec:
     """Make ``spec`` the family of ``model.family: spec.name``; returns ``spec``."""
+    _load_builtin()
     if not isinstance(spec, FamilySpec):
         raise ValueError(f"spec ({type(spec).__name__}) must be a FamilySpec")
     if spec.name in _FAMILIES:
@@ -144,11 +162,13 @@ def register_family(spec: FamilySpec) -> FamilySpec:
 
 
 def family_names() -> Tuple[str, ...]:
+    _load_builtin()
     return tuple(_FAMILIES)
 
 
 def get_family(name: str) -> FamilySpec:
     """The spec of ``model.family`` ``name``; ``ValueError`` naming it and the registered ones."""
+    _load_builtin()
     try:
         return _FAMILIES[name]
     except (KeyError, TypeError):
