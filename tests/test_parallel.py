@@ -415,3 +415,81 @@ def test_comm_world8(pool8):
     for res in pool8.run(_comm_checks, gradcheck=False):
         assert res["roundtrip"] and res["content"] and res["ring_value"] and res["permuted"]
         assert res["tracer"]["a2a_fwd"] == (1, res["tracer"]["expect_a2a"])
+
+
+def _device_only_groups_run():
+    """Megatron's groups and ours on a backend with no CPU device, as NCCL on GPUs (torch's
+    FakeProcessGroup registered for "cuda" only: a CPU tensor on it raises), the world staying
+    gloo. 2D attention (Ulysses a2a, shape check), the loss reductions and the agreement checks on
+    host tensors must all travel over ``comm.host_group``'s gloo groups."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    from megatron_video.attention import dist_attention, masks
+    from megatron_video.layouts import shard_sequence
+    from megatron_video.parallel import comm, destroy_video_parallel, init_video_parallel
+    from megatron_video.testing.oracles import attention_with_grads, max_rel_error, random_qkv
+
+    if not hasattr(dist.Backend, "DEVICEONLY"):
+        dist.Backend.register_backend(
+            "deviceonly",
+            lambda store, rank, size, timeout: FakeProcessGroup._create_internal(rank, size),
+            devices=["cuda"],
+        )
+    new_group = dist.new_group
+
+    def device_only(*a, backend=None, **kw):  # Megatron's and our groups; its gloo ones stay gloo
+        return new_group(*a, backend="deviceonly" if backend in (None, "nccl") else backend, **kw)
+
+    dist.new_group, res = device_only, {}
+    try:
+        with model_parallel(cp=4, hierarchical_cp=[2, 2]):
+            groups = init_video_parallel(2, ranks_per_node=2)
+            try:  # the emulation is real: a host tensor on the group itself is refused
+                dist.all_reduce(torch.ones(1), group=groups.cp_group)
+            except RuntimeError as e:
+                res["refused"] = str(e)
+            q, k, v, dout = random_qkv(1, 64, 4, 4, 8, seed=3)
+            ref = attention_with_grads(q, k, v, dout, torch.ones(64, 64, dtype=torch.bool).tril())
+            shard = lambda x: shard_sequence(x, groups, scheme="zigzag")  # noqa: E731
+            ql, kl, vl = (shard(x).clone().requires_grad_() for x in (q, k, v))
+            out = dist_attention(ql, kl, vl, groups, mask=masks.causal(), scheme="zigzag")
+            (out * shard(dout)).sum().backward()
+            got = [out, ql.grad, kl.grad, vl.grad]
+            res["error"] = max_rel_error(got, [shard(r) for r in ref])
+            x = comm.all_reduce(torch.tensor([float(dist.get_rank())]), groups.cp_group)
+            res["sum"] = float(x)
+            try:
+                n = 2 + dist.get_rank() % 2
+                comm.check_same_shape({"x": torch.zeros(n)}, groups.ulysses_group, "t")
+            except ValueError as e:
+                res["mismatch"] = str(e)
+            ug, me = groups.ulysses_group, dist.get_rank()
+            res["me"] = me
+            res["counts"] = comm.exchange_counts([me, me + 10], ug)
+            res["gathered"] = comm.all_gather_cat(torch.tensor([me]), ug).tolist()
+            res["broadcast"] = int(comm.broadcast(torch.tensor([me]), ug, src=1))
+            comm.check_same_values({"ids": torch.arange(4)}, groups.ring_group, "t")
+            res["mirrors"] = len(comm._HOST_GROUPS)
+            res["same_mirror"] = comm.host_group(groups.cp_group) is comm.host_group(
+                groups.cp_group
+            )
+            destroy_video_parallel()
+            res["dropped"] = len(comm._HOST_GROUPS)
+    finally:
+        dist.new_group = new_group
+    return res
+
+
+def test_host_tensors_avoid_device_only_groups(pool4):
+    """With groups that cannot carry CPU tensors (NCCL), every host-side collective (shape checks,
+    counts, flags) goes over a gloo group of the same ranks; 2D attention stays exact."""
+    for res in pool4.run(_device_only_groups_run, ranks_per_node=2):
+        assert "No backend type associated with device type cpu" in res["refused"], res
+        assert res["error"] < 1e-10, res
+        assert res["sum"] == 6.0
+        u0 = res["gathered"][0]  # Ulysses groups {0, 1} and {2, 3}: counts from both members
+        assert res["gathered"] == [u0, u0 + 1] and res["broadcast"] == u0 + 1
+        gr = res["me"] - u0  # group rank j sent [u0 + j, u0 + j + 10]: this rank gets entry gr
+        assert res["counts"] == [u0 + 10 * gr, u0 + 1 + 10 * gr], res
+        assert "differ between ranks" in res["mismatch"]
+        assert res["mirrors"] >= 2 and res["same_mirror"] and res["dropped"] == 0, res

@@ -10,6 +10,7 @@ import contextvars
 import functools
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -31,6 +32,8 @@ __all__ = [
     "group_ranks",
     "group_size",
     "group_rank",
+    "host_group",
+    "drop_host_groups",
     "all_reduce",
     "all_gather_cat",
     "copy_to_group",
@@ -183,6 +186,50 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+# A group whose backend has no CPU device (NCCL: Megatron's groups and ours on GPUs) cannot carry
+# the small host tensors of shape checks, counts and status flags; they travel over a gloo group
+# of the same ranks instead, so they never touch the device (no device sync, nothing to capture).
+_HOST_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _carries_cpu(pg) -> bool:
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except RuntimeError:  # "No backend type associated with device type cpu"
+        return False
+    return True
+
+
+def host_group(group):
+    """The group that carries CPU tensors for ``group`` (None: the world): ``group`` itself when
+    its backend has a CPU device (gloo, ``"cpu:gloo,cuda:nccl"``), else a gloo group of the same
+    ranks, created at the first call by the group's members (every member reaches it at the same
+    collective) and kept until ``drop_host_groups``."""
+    pg = dist.group.WORLD if group is None else group
+    if _carries_cpu(pg):
+        return group
+    mirror = _HOST_GROUPS.get(pg)
+    if mirror is None:
+        ranks = list(dist.get_process_group_ranks(pg))
+        mirror = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        _HOST_GROUPS[pg] = mirror
+    return mirror
+
+
+def drop_host_groups() -> None:
+    """Destroy the gloo groups ``host_group`` created (``destroy_video_parallel`` calls it)."""
+    mirrors = list(_HOST_GROUPS.values())
+    _HOST_GROUPS.clear()
+    for m in mirrors:
+        with contextlib.suppress(ValueError):  # already destroyed with the world
+            dist.destroy_process_group(m)
+
+
+def _carrier(x: torch.Tensor, group):
+    """``group``, or its ``host_group`` for a CPU tensor."""
+    return host_group(group) if x.device.type == "cpu" else group
+
+
 def check_dim(name: str, dim: int, x: torch.Tensor) -> int:
     """``dim`` normalised to ``[0, x.dim())``; ``ValueError`` outside ``[-x.dim(), x.dim())``."""
     nd = x.dim()
@@ -266,7 +313,7 @@ def check_same_shape(tensors: Dict[str, torch.Tensor], group, where: str = "") -
     n = group_size(group)
     gathered = torch.empty(n * _SIG_WIDTH, dtype=torch.int64)
     _record("shape_check", group, local.nbytes * (n - 1), where, "fwd")
-    _all_gather_single(gathered, local, group=group)
+    _all_gather_single(gathered, local, group=host_group(group))
     gathered = gathered.view(n, _SIG_WIDTH)
     if torch.equal(gathered, gathered[:1].expand(n, -1)):
         if agreed is not None:
@@ -294,7 +341,7 @@ def all_to_all_single(
     x = x.contiguous()
     out = torch.empty_like(x)
     _record("all_to_all", group, x.nbytes * (n - 1) // n, tag, direction)
-    dist.all_to_all_single(out, x, group=group)
+    dist.all_to_all_single(out, x, group=_carrier(x, group))
     return out
 
 
@@ -454,7 +501,7 @@ def exchange_counts(send_counts: Sequence[int], group, tag: str = "") -> List[in
         return send.tolist()
     recv = torch.empty_like(send)
     _record("a2a_counts", group, send.nbytes * (n - 1) // n, tag, "fwd")
-    dist.all_to_all_single(recv, send, group=group)
+    dist.all_to_all_single(recv, send, group=host_group(group))
     return recv.tolist()
 
 
@@ -465,7 +512,11 @@ def _a2av(x: torch.Tensor, send: List[int], recv: List[int], group, tag: str, di
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
     _record("all_to_all_v", group, row * (sum(send) - send[me]), tag, direction)
     dist.all_to_all_single(
-        out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group
+        out,
+        x,
+        output_split_sizes=list(recv),
+        input_split_sizes=list(send),
+        group=_carrier(x, group),
     )
     return out
 
@@ -538,7 +589,7 @@ def check_same_values(values: Dict[str, torch.Tensor], group, where: str = "") -
     local = torch.tensor(sig, dtype=torch.int64)
     gathered = [torch.empty_like(local) for _ in range(group_size(group))]
     _record("shape_check", group, local.nbytes * (group_size(group) - 1), where, "fwd")
-    dist.all_gather(gathered, local, group=group)
+    dist.all_gather(gathered, local, group=host_group(group))
     names = list(values)
     for r, g in enumerate(gathered):
         if not torch.equal(g, gathered[0]):
@@ -594,11 +645,15 @@ class RingExchange:
             else list(recv)
         )
         tensors = [t.contiguous() for t in tensors]
+        ops = []
         for i, t in enumerate(tensors):
             _record("send", group, t.nbytes, tag, direction, peers=[ranks[me], self.dst])
-            self._reqs.append(dist.isend(t, self.dst, group=None, tag=i))
+            ops.append(dist.P2POp(dist.isend, t, self.dst, _carrier(t, None), i))
         for i, t in enumerate(self.recv):
-            self._reqs.append(dist.irecv(t, self.src, group=None, tag=i))
+            ops.append(dist.P2POp(dist.irecv, t, self.src, _carrier(t, None), i))
+        # one batch: NCCL fuses it into one group call, so a send and a receive between the same
+        # two ranks (a ring of two) cannot wait on each other; gloo posts the ops one by one
+        self._reqs = dist.batch_isend_irecv(ops) if ops else []
         self._sent = tensors  # keep alive until wait()
 
     def wait(self) -> List[torch.Tensor]:
@@ -639,7 +694,7 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, tag: str = "") -> t
     n = group_size(group)
     if n > 1:
         _record("all_reduce", group, x.nbytes * (n - 1) // n, tag, "fwd")
-        dist.all_reduce(x, op=op, group=group)
+        dist.all_reduce(x, op=op, group=_carrier(x, group))
     return x
 
 
@@ -651,7 +706,7 @@ def all_gather_cat(x: torch.Tensor, group, dim: int = 0, tag: str = "") -> torch
     x = x.contiguous()
     out = [torch.empty_like(x) for _ in range(n)]
     _record("all_gather", group, x.nbytes * (n - 1), tag, "fwd")
-    dist.all_gather(out, x, group=group)
+    dist.all_gather(out, x, group=_carrier(x, group))
     return torch.cat(out, dim=dim)
 
 
@@ -666,7 +721,7 @@ def broadcast(x: torch.Tensor, group, src: int = 0, tag: str = "") -> torch.Tens
         _record(
             "broadcast", group, x.nbytes * (n - 1) if group_rank(group) == src else 0, tag, "fwd"
         )
-        dist.broadcast(x, src=group_ranks(group)[src], group=group)
+        dist.broadcast(x, src=group_ranks(group)[src], group=_carrier(x, group))
     return x
 
 
@@ -690,7 +745,7 @@ def scatter(
         out,
         [c.contiguous() for c in chunks] if me == src else None,
         src=group_ranks(group)[src],
-        group=group,
+        group=_carrier(out, group),
     )
     return out
 
@@ -710,7 +765,7 @@ class _CopyToGroup(torch.autograd.Function):
         grad = grad.contiguous().clone()
         n = group_size(ctx.group)
         _record("all_reduce", ctx.group, grad.nbytes * (n - 1) // n, ctx.tag, "bwd")
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad, group=_carrier(grad, ctx.group))
         return grad, None, None
 
 

@@ -11,6 +11,8 @@ from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
+from .comm import drop_host_groups
+
 __all__ = [
     "CP_COMM_TYPES",
     "groups_from_megatron",
@@ -102,8 +104,11 @@ def get_video_parallel_groups(check_initialized: bool = True) -> Optional[VideoP
 
 
 def destroy_video_parallel() -> None:
-    """Forget the groups and destroy the ones created here (Megatron's own are left to Megatron)."""
+    """Forget the groups and destroy the ones created here (Megatron's own are left to Megatron),
+    host groups (``comm.host_group``) included."""
     global _GROUPS
+    if dist.is_initialized():
+        drop_host_groups()
     if _GROUPS is not None and dist.is_initialized():
         for g in _GROUPS.extra.get("owned_groups", []):
             try:

@@ -364,8 +364,7 @@ def agree_or_raise(reason: Optional[str], what: str) -> None:
     """Collective over the world: raise ``ValueError`` on every rank if any rank has a ``reason``
     (its own reason where it has one), so a refusal seen by one rank never leaves the others
     waiting in a later collective. One traced ``all_reduce`` (tag ``"agree"``)."""
-    nccl = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    flag = torch.tensor([0.0 if reason is None else 1.0], device="cuda" if nccl else "cpu")
+    flag = torch.tensor([0.0 if reason is None else 1.0])  # a host flag (comm.host_group)
     comm.all_reduce(flag, None, tag="agree")
     if flag.item():
         raise ValueError(
