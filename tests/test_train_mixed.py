@@ -42,16 +42,13 @@ def _config(family, root, budget=None, **parallel):
 
 
 def _maker(cfg, store=None, dp_rank=0, dp_size=1, U=1, R=1, cp_rank=0, log=None, source=None):
-    from megatron_video.training.families import get_family
-    from megatron_video.training.packed_data import PackedBatchMaker
+    from megatron_video.testing.mixed import packed_maker
 
-    return PackedBatchMaker(
+    return packed_maker(
         cfg,
-        kind=get_family(cfg.model.family).packed_kind,
-        latent_scale=1.0,
         cp_rank=cp_rank,
-        ulysses_size=U,
-        ring_size=R,
+        U=U,
+        R=R,
         dp_rank=dp_rank,
         dp_size=dp_size,
         log=log,

@@ -60,19 +60,10 @@ def _config(family, data, budget=None, source="energon", **parallel):
 
 
 def _maker(cfg, source, cp_rank=0, U=2, R=2, dp_size=1):
-    from megatron_video.training.families import get_family
-    from megatron_video.training.packed_data import PackedBatchMaker
+    from megatron_video.testing.mixed import packed_maker
 
-    return PackedBatchMaker(
-        cfg,
-        kind=get_family(cfg.model.family).packed_kind,
-        latent_scale=0.5,
-        cp_rank=cp_rank,
-        ulysses_size=U,
-        ring_size=R,
-        dp_rank=0,
-        dp_size=dp_size,
-        source=source,
+    return packed_maker(
+        cfg, latent_scale=0.5, cp_rank=cp_rank, U=U, R=R, dp_size=dp_size, source=source
     )
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "write_mixed_latent_shards",
     "write_tiny_mixed_shards",
     "tiny_mixed_config",
+    "packed_maker",
 ]
 
 # the tiny grid: latent h x w in {3x3, 2x3, 3x2} (area 9), 1..4 latent frames (13 raw at most)
@@ -139,3 +140,36 @@ def _is_wan(family: str) -> bool:
     from megatron_video.training.families import WanFamily, get_family
 
     return isinstance(get_family(family), WanFamily)
+
+
+def packed_maker(
+    cfg,
+    *,
+    latent_scale: float = 1.0,
+    cp_rank: int = 0,
+    U: int = 1,
+    R: int = 1,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    log=None,
+    store=None,
+    source=None,
+):
+    """A ``PackedBatchMaker`` of ``cfg`` for CP rank ``cp_rank`` of ``U x R`` (the family's packed
+    kind), as the tests of packed training build it without process groups."""
+    from megatron_video.training.families import get_family
+    from megatron_video.training.packed_data import PackedBatchMaker
+
+    return PackedBatchMaker(
+        cfg,
+        kind=get_family(cfg.model.family).packed_kind,
+        latent_scale=latent_scale,
+        cp_rank=cp_rank,
+        ulysses_size=U,
+        ring_size=R,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        log=log,
+        store=store,
+        source=source,
+    )
