@@ -648,9 +648,9 @@ class RingExchange:
         ops = []
         for i, t in enumerate(tensors):
             _record("send", group, t.nbytes, tag, direction, peers=[ranks[me], self.dst])
-            ops.append(dist.P2POp(dist.isend, t, self.dst, _carrier(t, None), i))
+            ops.append(dist.P2POp(dist.isend, t, self.dst, _carrier(t, group), i))
         for i, t in enumerate(self.recv):
-            ops.append(dist.P2POp(dist.irecv, t, self.src, _carrier(t, None), i))
+            ops.append(dist.P2POp(dist.irecv, t, self.src, _carrier(t, group), i))
         # one batch: NCCL fuses it into one group call, so a send and a receive between the same
         # two ranks (a ring of two) cannot wait on each other; gloo posts the ops one by one
         self._reqs = dist.batch_isend_irecv(ops) if ops else []
