@@ -493,3 +493,36 @@ def test_host_tensors_avoid_device_only_groups(pool4):
         assert res["counts"] == [u0 + 10 * gr, u0 + 1 + 10 * gr], res
         assert "differ between ranks" in res["mismatch"]
         assert res["mirrors"] >= 2 and res["same_mirror"] and res["dropped"] == 0, res
+
+
+def _ring_pads_run():
+    from megatron_video.parallel.comm import RingExchange
+
+    rank, batch, batches = dist.get_rank(), dist.batch_isend_irecv, [0]
+
+    def counted(ops):
+        batches[0] += 1
+        return batch(ops)
+
+    group = dist.new_group([0, 1, 2, 3])
+    dist.batch_isend_irecv = counted
+    try:  # only rank 0 sends (to rank 1); ranks 2 and 3 have nothing to move
+        send = [torch.full((3,), 7.0)] if rank == 0 else []
+        recv = [torch.empty(3)] if rank == 1 else []
+        got = RingExchange(send, group, 1, recv=recv, device=torch.device("cpu")).wait()
+        try:
+            RingExchange([], group, 1, recv=[])
+        except ValueError as e:
+            refused = str(e)
+    finally:
+        dist.batch_isend_irecv = batch
+    return batches[0], [t.tolist() for t in got], refused
+
+
+def test_ring_exchange_every_rank_posts_a_batch(pool4):
+    """A rank with nothing to move still posts a batch (one pad byte each way), so a group's first
+    batch, where NCCL builds its communicator, is joined by all its ranks."""
+    for rank, (batches, got, refused) in enumerate(pool4.run(_ring_pads_run)):
+        assert batches == 1
+        assert got == ([[7.0, 7.0, 7.0]] if rank == 1 else [])
+        assert "device must be given" in refused

@@ -169,8 +169,7 @@ def _kv_exchange(
 ):
     """Post step ``i``'s ring exchange: the K/V held (origin ``r - i``) when a later hop needs
     them (only the kept keys; at hop 0 cut from the full block), plus ``extra_*``; skipped sends
-    and receives are counted on each side. Returns the exchange (None when nothing moves) and
-    whether K/V arrive."""
+    and receives are counted on each side. Returns the exchange and whether K/V arrive."""
     R, r, routes = plan.ring_size, plan.ring_rank, plan.routes
     j, j_in = (r - i) % R, (r - 1 - i) % R
     kv_out = routes.kv_leaves(j, i, R)
@@ -184,10 +183,13 @@ def _kv_exchange(
         recv = _kv_buffers(like, _kept(routes, j_in, full)) + recv
     if i < R - 1:
         record_skipped(plan.group, 2 * (not kv_out), 2 * (not kv_in), f"{plan.tag}.kv", direction)
-    if not send and not recv:
-        return None, kv_in
+    if R == 1:
+        return None, kv_in  # a ring of one: nothing moves, no group needed
     tag = f"{plan.tag}.kv" if direction == "fwd" else f"{plan.tag}.bwd"
-    return RingExchange(send, plan.group, 1, tag=tag, direction=direction, recv=recv), kv_in
+    ex = RingExchange(
+        send, plan.group, 1, tag=tag, direction=direction, recv=recv, device=like.device
+    )  # posted even when nothing moves (pads: every ring rank joins each batch)
+    return ex, kv_in
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
@@ -273,6 +275,7 @@ def _grads_home(plan: RingPlan, travel: list, home_in: bool, own: list, like, n:
             tag=f"{plan.tag}.bwd",
             direction="bwd",
             recv=_kv_buffers(like, n, count=1, dtype=acc) if home_in else [],
+            device=like.device,
         )
         if travel:
             travel[part] = None  # the exchange holds it until sent
@@ -331,7 +334,7 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
         record_skipped(plan.group, 2 * (not travel), 2 * (not home_in), f"{plan.tag}.bwd", "bwd")
     dq = engine._grad_zeros(q, q.shape[2]) if dq is None else dq
     dq = dq.to(q.dtype)  # before the last hop: no accumulation-dtype dQ beside the partial sums
-    if travel or home_in:  # last hop: the finished partial sums go home to their owner
+    if R > 1:  # last hop: the finished partial sums go home (every ring rank posts: pads)
         own = _grads_home(plan, travel, home_in, list(own), like, _kept(routes, r, full), acc)
         travel = []
     return dq, own[0].to(k_dtype), own[1].to(k_dtype)

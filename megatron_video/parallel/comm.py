@@ -614,7 +614,11 @@ class RingExchange:
     ``shift=+1`` sends to ``(i+1) % R`` and receives from ``(i-1) % R``; ``shift=-1`` the reverse
     (used to send dK/dV back to their owners); a shift that is a multiple of ``R`` (or a ring of
     one) copies locally, with no communication. Posting happens in ``__init__`` so callers overlap
-    the transfer with compute on the current block.
+    the transfer with compute on the current block. Every rank of the ring posts a batch: a
+    direction with nothing to move carries one pad byte (``device``: where it lives when there are
+    no tensors), so the first batch on a group, where NCCL builds the group's communicator, is
+    joined by all its ranks. That needs what the ring already keeps: a rank sends nothing to its
+    next rank exactly when that rank receives nothing from it.
     """
 
     def __init__(
@@ -625,6 +629,7 @@ class RingExchange:
         tag: str = "",
         direction: str = "fwd",
         recv: Optional[Sequence[torch.Tensor]] = None,
+        device=None,
     ):
         ranks = group_ranks(group)
         n = len(ranks)
@@ -645,16 +650,24 @@ class RingExchange:
             else list(recv)
         )
         tensors = [t.contiguous() for t in tensors]
-        ops = []
-        for i, t in enumerate(tensors):
+        for t in tensors:
             _record("send", group, t.nbytes, tag, direction, peers=[ranks[me], self.dst])
-            ops.append(dist.P2POp(dist.isend, t, self.dst, _carrier(t, group), i))
-        for i, t in enumerate(self.recv):
-            ops.append(dist.P2POp(dist.irecv, t, self.src, _carrier(t, group), i))
+        if device is None:
+            if not tensors and not self.recv:
+                raise ValueError("RingExchange: device must be given when nothing moves (pads)")
+            device = (list(tensors) + list(self.recv))[0].device
+        sends = list(tensors) or [torch.zeros(1, dtype=torch.uint8, device=device)]  # pads
+        recvs = list(self.recv) or [torch.empty(1, dtype=torch.uint8, device=device)]
+        ops = [
+            dist.P2POp(dist.isend, t, self.dst, _carrier(t, group), i) for i, t in enumerate(sends)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, self.src, _carrier(t, group), i) for i, t in enumerate(recvs)
+        ]
         # one batch: NCCL fuses it into one group call, so a send and a receive between the same
         # two ranks (a ring of two) cannot wait on each other; gloo posts the ops one by one
-        self._reqs = dist.batch_isend_irecv(ops) if ops else []
-        self._sent = tensors  # keep alive until wait()
+        self._reqs = dist.batch_isend_irecv(ops)
+        self._sent = sends + recvs  # keep alive until wait()
 
     def wait(self) -> List[torch.Tensor]:
         for r in self._reqs:
