@@ -19,9 +19,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..checks import check_int
 from ..parallel.topology import local_groups
 from .balanced_sp import max_over_mean
-from .zigzag import Placement, check_int
+from .zigzag import Placement
 
 __all__ = [
     "CLIP_KINDS",

@@ -10,7 +10,8 @@ from typing import Tuple
 
 import torch
 
-from .geometry import VideoGeometry, _positive_int
+from ..checks import check_positive_int
+from .geometry import VideoGeometry
 
 __all__ = [
     "VideoGeometry",
@@ -36,8 +37,8 @@ def check_stdit_divisibility(num_frames: int, cp_size: int, batch_size: int = No
     Videos need ``num_frames % cp_size == 0``; images (``num_frames == 1``) are data-parallel over the
     CP group and need ``batch_size % cp_size == 0`` (checked when ``batch_size`` is given).
     """
-    _positive_int("num_frames", num_frames)
-    _positive_int("cp_size", cp_size)
+    check_positive_int("num_frames", num_frames)
+    check_positive_int("cp_size", cp_size)
     if num_frames == 1:
         if batch_size is not None and batch_size % cp_size:
             raise ValueError(
@@ -56,8 +57,8 @@ def frames_per_rank(num_frames: int, cp_size: int) -> int:
 
 def positions_per_rank(num_positions: int, cp_size: int) -> int:
     """``m = ceil(n/P)``: positions each rank holds in layout B, padding included."""
-    _positive_int("num_positions", num_positions)
-    _positive_int("cp_size", cp_size)
+    check_positive_int("num_positions", num_positions)
+    check_positive_int("cp_size", cp_size)
     return -(-num_positions // cp_size)
 
 

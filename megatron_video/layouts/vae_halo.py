@@ -14,6 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from ..checks import check_nonneg_int, check_positive_int
+
 __all__ = [
     "HaloWindow",
     "halo_window",
@@ -34,22 +36,12 @@ __all__ = [
 Encoder = Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]
 
 
-def _nonneg_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} ({value!r}) must be a non-negative integer")
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
-
 def num_raw_frames(
     num_latent_frames: int, temporal_stride: int = 4, causal_first_frame: bool = True
 ) -> int:
     """Raw frames that encode to exactly ``num_latent_frames`` latents."""
-    _positive_int("num_latent_frames", num_latent_frames)
-    _positive_int("temporal_stride", temporal_stride)
+    check_positive_int("num_latent_frames", num_latent_frames)
+    check_positive_int("temporal_stride", temporal_stride)
     if causal_first_frame:
         return 1 + temporal_stride * (num_latent_frames - 1)
     return temporal_stride * num_latent_frames
@@ -126,9 +118,9 @@ def halo_window(
     ``[st*halo_start, st*le)`` and ``drop = ls - halo_start``.
     """
     ls, le, h, st = latent_start, latent_end, halo_latents, temporal_stride
-    _nonneg_int("latent_start", ls)
-    _nonneg_int("halo_latents", h)
-    _positive_int("temporal_stride", st)
+    check_nonneg_int("latent_start", ls)
+    check_nonneg_int("halo_latents", h)
+    check_positive_int("temporal_stride", st)
     if not isinstance(le, int) or isinstance(le, bool) or le <= ls:
         raise ValueError(f"latent_end ({le!r}) must be an integer > latent_start ({ls})")
     hs = max(0, ls - h)
@@ -198,8 +190,8 @@ def halo_windows(
     given, a halo below the encoder's receptive field is rejected.
     """
     F, P = num_latent_frames, sp_size
-    _positive_int("num_latent_frames", F)
-    _positive_int("sp_size", P)
+    check_positive_int("num_latent_frames", F)
+    check_positive_int("sp_size", P)
     h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
     if F % P:
         raise ValueError(f"num_latent_frames ({F}) must be divisible by sp_size ({P})")
@@ -220,7 +212,7 @@ def resolve_halo(
     if halo_latents is None and encoder is None:
         raise ValueError("halo_latents (None) needs an encoder to derive the halo from")
     if halo_latents is not None:
-        _nonneg_int("halo_latents", halo_latents)
+        check_nonneg_int("halo_latents", halo_latents)
     if encoder is None:
         return halo_latents
     need = encoder_halo(encoder, temporal_stride, causal_first_frame)
@@ -529,8 +521,8 @@ def probe_halo(
     exact, in case the encoder treats a window's first frame differently from a frame with history).
     Raises ``ValueError`` when the encoder is not causal, produces the wrong number of latents for
     ``temporal_stride``, or looks back further than ``max_latents`` latents."""
-    _positive_int("temporal_stride", temporal_stride)
-    _positive_int("num_latents", num_latents)
+    check_positive_int("temporal_stride", temporal_stride)
+    check_positive_int("num_latents", num_latents)
     if num_latents < 3:
         raise ValueError(
             f"num_latents ({num_latents}) must be >= 3 (a causality check and a windowed check)"

@@ -12,13 +12,12 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..parallel.comm import check_dim
+from ..checks import check_dim, check_int
 
 __all__ = [
     "SCHEMES",
     "Placement",
     "as_placement",
-    "check_int",
     "check_seq_len",
     "zigzag_global_ids",
     "contiguous_global_ids",
@@ -31,13 +30,6 @@ __all__ = [
 ]
 
 SCHEMES = ("zigzag", "contiguous")
-
-
-def check_int(name: str, value, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``, else ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return value
 
 
 def as_placement(scheme):

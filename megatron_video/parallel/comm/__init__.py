@@ -15,7 +15,7 @@ from .collectives import (
     scatter,
 )
 from .cross_rank import check_same_shape, check_same_values, shape_check_scope
-from .groups import check_dim, drop_host_groups, group_rank, group_ranks, group_size, host_group
+from .groups import drop_host_groups, group_rank, group_ranks, group_size, host_group
 from .ring import RingExchange, ring_shift
 from .tracer import CommEvent, CommTracer, record_skipped
 
@@ -29,7 +29,6 @@ __all__ = [
     "record_skipped",
     "check_same_shape",
     "shape_check_scope",
-    "check_dim",
     "group_ranks",
     "group_size",
     "group_rank",

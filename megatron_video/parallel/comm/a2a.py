@@ -10,7 +10,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .groups import _carrier, check_dim, group_rank, group_size, host_group
+from ...checks import check_dim
+from .groups import _carrier, group_rank, group_size, host_group
 from .tracer import _record
 
 __all__ = ["all_to_all_single", "all_to_all", "exchange_counts", "all_to_all_v"]

@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .groups import _carrier, check_dim, group_rank, group_ranks, group_size
+from ...checks import check_dim
+from .groups import _carrier, group_rank, group_ranks, group_size
 from .tracer import _record
 
 __all__ = [

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from numbers import Integral
 from typing import List
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_ranks", "group_size", "group_rank", "host_group", "drop_host_groups", "check_dim"]
+__all__ = ["group_ranks", "group_size", "group_rank", "host_group", "drop_host_groups"]
 
 
 def group_ranks(group) -> List[int]:
@@ -72,14 +71,3 @@ def drop_host_groups() -> None:
 def _carrier(x: torch.Tensor, group):
     """``group``, or its ``host_group`` for a CPU tensor."""
     return host_group(group) if x.device.type == "cpu" else group
-
-
-def check_dim(name: str, dim: int, x: torch.Tensor) -> int:
-    """``dim`` normalised to ``[0, x.dim())``; ``ValueError`` outside ``[-x.dim(), x.dim())``."""
-    nd = x.dim()
-    if isinstance(dim, bool) or not isinstance(dim, Integral) or not -nd <= dim < nd:
-        raise ValueError(
-            f"{name} ({dim!r}) must be an integer in [-{nd}, {nd}) for a {nd}-D tensor "
-            f"{tuple(x.shape)}"
-        )
-    return int(dim) % nd
