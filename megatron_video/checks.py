@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from numbers import Integral
 
-__all__ = ["check_int", "check_positive_int", "check_nonneg_int", "check_dim"]
+__all__ = ["check_int", "check_positive_int", "check_nonneg_int", "check_rank", "check_dim"]
 
 
 def _is_int(value) -> bool:
@@ -30,6 +30,13 @@ def check_nonneg_int(name: str, value) -> int:
     """``check_int(name, value, 0)``, worded "a non-negative integer"."""
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} ({value!r}) must be a non-negative integer")
+    return value
+
+
+def check_rank(name: str, value, size: int, size_name: str) -> int:
+    """``value`` if it is an int (not a bool) in ``[0, size)``; the message names ``size_name``."""
+    if not _is_int(value) or not 0 <= value < size:
+        raise ValueError(f"{name} ({value!r}) must be an integer in [0, {size_name} ({size}))")
     return value
 
 

@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checks import check_positive_int
+from ..checks import check_positive_int, check_rank
 from ..ops.rules import CLEAN, EMPTY, FULL, NOISY, PARTIAL  # noqa: F401  (the one rule definition)
 from ..ops.rules import teacher_forcing as teacher_forcing_rule
 
@@ -226,8 +226,7 @@ class BalancedSPLayout:
         return out
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.sp_size:
-            raise ValueError(f"rank ({rank!r}) must be an integer in [0, sp_size ({self.sp_size}))")
+        check_rank("rank", rank, self.sp_size, "sp_size")
 
     def rank_frames(self, rank: int) -> torch.Tensor:
         """Global latent frames owned by ``rank``, in local order (ascending)."""

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_int, check_rank
 from .zigzag import shard_global_ids, shard_owner
 
 __all__ = [
@@ -61,8 +61,7 @@ class FrameShards:
         return (u[:, None] * t + torch.arange(t)[None]).flatten()
 
     def _check_rank(self, rank):
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.cp_size:
-            raise ValueError(f"rank ({rank!r}) must be an integer in [0, cp_size = {self.cp_size})")
+        check_rank("rank", rank, self.cp_size, "cp_size")
 
 
 def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1) -> FrameShards:
