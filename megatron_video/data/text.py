@@ -8,6 +8,8 @@ from typing import Sequence, Tuple
 
 import torch
 
+from ..checks import check_positive_int
+
 __all__ = ["HFTextEncoder"]
 
 
@@ -21,8 +23,7 @@ class HFTextEncoder:
     """
 
     def __init__(self, tokenizer, encoder: torch.nn.Module, max_len: int = 64):
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len ({max_len!r}) must be a positive integer")
+        check_positive_int("max_len", max_len)
         if not callable(tokenizer) or not isinstance(encoder, torch.nn.Module):
             raise ValueError("tokenizer must be a callable HF tokenizer and encoder an nn.Module")
         self.tokenizer, self.encoder, self.max_len = tokenizer, encoder.eval(), max_len

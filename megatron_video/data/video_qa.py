@@ -8,6 +8,7 @@ from typing import Dict
 
 import torch
 
+from ..checks import check_positive_int
 from ..models.embedders import VOCAB
 from .synthetic import render_video, sample_attributes
 
@@ -40,8 +41,7 @@ class VideoQADataset(torch.utils.data.Dataset):
     def __init__(
         self, num_samples: int, *, num_frames: int, height: int, width: int, seed: int = 0
     ):
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples ({num_samples!r}) must be a positive integer")
+        check_positive_int("num_samples", num_samples)
         self.num_samples, self.num_frames, self.height, self.width, self.seed = (
             num_samples,
             num_frames,

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checks import check_int, check_rank
+from ..checks import check_int, check_positive_int, check_rank
 from .zigzag import shard_global_ids, shard_owner
 
 __all__ = [
@@ -85,8 +85,7 @@ def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1)
     for j, f in enumerate(list(num_frames)):
         if isinstance(f, torch.Tensor) and f.dim() == 0 and not f.is_floating_point():
             f = int(f)
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-            raise ValueError(f"num_frames[{j}] ({f!r}) must be a positive integer")
+        check_positive_int(f"num_frames[{j}]", f)
         if f % tubelet_size:
             raise ValueError(
                 f"num_frames[{j}] ({f}) must be divisible by tubelet_size "
