@@ -16,6 +16,7 @@ ORDER = [
     "mmsp",
     "diffusion",
     "data",
+    "planner",
     "training",
 ]
 # Known upward imports still to be removed (the caption vocabulary lives in data.synthetic).
