@@ -3,6 +3,9 @@ counts on real runs (training steps of the tiny families on 4 gloo ranks, and a 
 batch through ``dist_attention``); ``megatron-video plan`` on the command line; impossible
 requests exit 2 naming the smallest change."""
 
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -136,3 +139,65 @@ def test_packed_mixed_batch_bytes_equal_tracer(pool4):
         sum(v for (op, _), v in want.items() if op == "send")
         < full[("send", "bwd")] + full[("send", "fwd")]
     )
+
+
+WAN14B = "examples/configs/full/wan2.1_t2v_14b.yaml"
+
+
+def test_readme_plan_table_is_what_the_command_prints(capsys):
+    """The README's plan command, run as written; its output is the table the README shows."""
+    import re
+
+    from megatron_video.testing.configs import REPO_ROOT
+    from megatron_video.testing.doc_blocks import launch_blocks
+    from megatron_video.training.cli import main
+
+    text = (REPO_ROOT / "README.md").read_text()
+    tokens = launch_blocks(text)["plan-wan14b"]
+    assert tokens[:2] == ["megatron-video", "plan"]
+    shown = re.search(r"<!-- launch:plan-wan14b -->.*?```text\n(.*?)```", text, re.S).group(1)
+    assert main(tokens[1:]) == 0
+    assert capsys.readouterr().out == shown
+
+
+def test_plan_json_every_legal_layout(capsys):
+    from megatron_video.training.cli import main
+
+    assert main(["plan", "--config", WAN14B, "--gpus", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    keys = {"tp", "pp", "dp", "ulysses", "ring", "recompute", "micro_batch_size", "step_s"}
+    keys |= {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "mem_gib_per_gpu", "fits"}
+    assert rows and all(keys <= set(r) for r in rows)
+    assert all(r["tp"] * r["pp"] * r["dp"] * r["ulysses"] * r["ring"] == 64 for r in rows)
+    assert any(r["fits"] for r in rows) and any(not r["fits"] for r in rows)
+    # 21 latent frames: a CP that does not divide them is never listed (the family's rule)
+    assert all(21 % (r["ulysses"] * r["ring"]) == 0 for r in rows)
+    # ranked: fitting layouts first, by tokens/s/GPU
+    fit = [r["tokens_per_s_per_gpu"] for r in rows if r["fits"]]
+    assert fit == sorted(fit, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--gpus", "4"], "smallest change that fits: --gpus 8"),
+        (["--gpus", "8", "--hardware", "tpu"], "hardware ('tpu') must be one of"),
+    ],
+)
+def test_impossible_request_exits_2_naming_the_change(argv, needle, capsys):
+    from megatron_video.training.cli import main
+
+    assert main(["plan", "--config", WAN14B, *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_no_layout_divides_exits_2_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_video.training.cli", "plan", "--config", WAN14B]
+        + ["--gpus", "131"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "smallest change: --gpus 136" in proc.stderr and "Traceback" not in proc.stderr

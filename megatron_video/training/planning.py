@@ -104,7 +104,10 @@ def plan_config(
             raise PlanError(f"{name} ({v!r}) must be a positive integer")
     rpn = min(gpus, gpus_per_node)
     if gpus % rpn:
-        raise PlanError(f"gpus ({gpus}) must be a multiple of gpus_per_node ({gpus_per_node})")
+        raise PlanError(
+            f"gpus ({gpus}) must be a multiple of gpus_per_node ({gpus_per_node}); smallest "
+            f"change: --gpus {-(-gpus // rpn) * rpn}"
+        )
     gbs = global_batch if global_batch is not None else config.train.global_batch_size
     cfg = copy.copy(config)
     cfg.train = dataclasses.replace(config.train, global_batch_size=gbs)
@@ -152,8 +155,8 @@ def _any_fits(cfg, n, gpn, hardware) -> bool:
 
 
 def _smallest(ok, gpus: int, factor: int = 8) -> Optional[int]:
-    """The smallest GPU count above ``gpus`` (multiples of a node, then doublings) that is ok."""
-    cands = sorted({gpus + k for k in range(1, 9)} | {gpus * 2**k for k in range(1, 7)})
+    """The smallest doubling of ``gpus`` (up to ``factor`` x) that is ok."""
+    cands = [gpus * 2**k for k in range(1, 7)]
     for n in cands:
         if n <= gpus * factor and ok(n):
             return n
@@ -227,3 +230,36 @@ def megatron_flags(config: Config, layout: Layout) -> List[str]:
             "--recompute-num-layers 1",
         ]
     return flags
+
+
+def add_plan_arguments(p) -> None:
+    """The ``plan`` subcommand's arguments."""
+    p.add_argument("--config", required=True, help="YAML config (examples/configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--hardware", default="h100", help="h100 | h200 | b200 | cpu")
+    p.add_argument(
+        "--frames", type=int, default=None, help="raw frames of a clip (data.num_frames)"
+    )
+    p.add_argument("--height", type=int, default=None, help="pixels (data.height)")
+    p.add_argument("--width", type=int, default=None, help="pixels (data.width)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step")
+    p.add_argument("--top", type=int, default=5, help="rows of the table")
+    p.add_argument("--json", action="store_true", help="every legal layout, as JSON")
+
+
+def plan_command(args) -> int:
+    """``megatron-video plan``: the table (or ``--json``); an impossible request raises
+    ``PlanError`` (a ``ValueError``: exit status 2 with the message, no traceback)."""
+    from .config import load_config
+
+    extra = [
+        f"data.{k}={v}"
+        for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width))
+        if v is not None
+    ]
+    config = load_config(args.config, list(args.overrides) + extra)
+    plan = plan_config(config, args.gpus, args.gpus_per_node, args.hardware, args.global_batch)
+    print(report(plan, args.top, args.json))
+    return 0
