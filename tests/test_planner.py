@@ -201,3 +201,57 @@ def test_no_layout_divides_exits_2_without_traceback():
     )
     assert proc.returncode == 2, proc.stderr
     assert "smallest change: --gpus 136" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _auto_step(tmp, family):
+    import contextlib
+    import io
+    import warnings
+
+    from megatron_video.training.config import config_to_dict
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = tiny_config(family, tmp)
+    cfg.parallel.auto = True
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        t = Trainer(cfg, progress=False)
+    try:
+        loss = t.forward_backward(0)
+        p = config_to_dict(t.config)["parallel"]
+    finally:
+        t.close()
+    return dict(printed=out.getvalue(), parallel=p, loss=loss)
+
+
+@pytest.mark.parametrize("family", ["video_dit", "ar_dit"])
+def test_parallel_auto_trains_the_planned_layout(pool4, vae_dir, family):
+    """``parallel: auto`` at 4 ranks: the trainer takes the planner's best layout (cpu profile)
+    for its world size, prints it once (rank 0), and runs a step of it."""
+    from megatron_video.training.config import config_from_dict
+    from megatron_video.training.planning import plan_config
+
+    per_rank = pool4.run(_auto_step, vae_dir, family, ranks_per_node=2)
+    best = plan_config(tiny_config(family, vae_dir), 4, 2, "cpu", micro_batch_sizes=(1,))
+    lay = best.fitting[0].layout
+    for rank, res in enumerate(per_rank):
+        p = res["parallel"]
+        got = (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"])
+        got += (p["ulysses_size"], p["ring_size"], p["recompute"], p["auto"])
+        assert got == (lay.tp, lay.pp, lay.ulysses, lay.ring, lay.recompute, False), (rank, p)
+        assert res["printed"].count("parallel: auto ->") == (rank == 0)
+        assert res["loss"] is None or torch.isfinite(torch.tensor(res["loss"]))
+    assert config_from_dict({"parallel": "auto"}).parallel.auto
+
+
+def test_megatron_lm_entry_plan_prints_the_flags(capsys):
+    from megatron_video.training.planning import plan_entry
+
+    argv = ["--plan", "--video-config", WAN14B, "--plan-gpus", "128"]
+    assert plan_entry(argv, "pretrain_video_dit.py") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# megatron-video plan: TP4xU1xR1xPP1xDP32 rc mb1")
+    assert "--tensor-model-parallel-size 4" in out[1]
+    assert "--recompute-granularity full" in out[1]
+    assert plan_entry(["--plan", "--video-config", WAN14B, "--plan-gpus", "4"], "x") == 2

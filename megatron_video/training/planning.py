@@ -174,23 +174,25 @@ def _shorter_clip(cfg: Config, gpus: int, gpn: int, hardware: str) -> Optional[i
     return None
 
 
-def auto_layout(config: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Config:
-    """``config`` with the planner's best layout for ``world_size`` ranks (``parallel: auto``)."""
-    rpn = ranks_per_node or config.parallel.ranks_per_node or world_size
+def auto_layout(
+    config: Config, world_size: int, ranks_per_node: Optional[int] = None, hardware=None
+):
+    """``(config with the planner's best layout for world_size ranks, its StepCost)``
+    (``parallel: auto``; the micro-batch size stays the config's). Pure: every rank gets the same
+    answer without communicating. ``hardware`` default: ``h100`` with CUDA, else ``cpu``."""
+    import os
+
+    rpn = ranks_per_node or config.parallel.ranks_per_node
+    rpn = rpn or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if hardware is None:
+        import torch
+
+        hardware = "h100" if torch.cuda.is_available() else "cpu"
     plan = plan_config(
-        config,
-        world_size,
-        rpn,
-        "cpu" if not _has_gpu() else "h100",
-        micro_batch_sizes=(config.train.micro_batch_size,),
+        config, world_size, rpn, hardware, micro_batch_sizes=(config.train.micro_batch_size,)
     )
-    return apply_layout(config, plan.fitting[0].layout, min(rpn, world_size))
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    best = plan.fitting[0]
+    return apply_layout(config, best.layout, min(rpn, world_size)), best
 
 
 def report(plan: Plan, top: int = 5, as_json: bool = False) -> str:
@@ -230,6 +232,43 @@ def megatron_flags(config: Config, layout: Layout) -> List[str]:
             "--recompute-num-layers 1",
         ]
     return flags
+
+
+def plan_entry(argv: List[str], script: str) -> int:
+    """The Megatron-LM entry's ``--plan``: print the Megatron-LM flags of the best layout of
+    ``--video-config`` on ``--plan-gpus`` GPUs (exit status 2 naming the problem otherwise)."""
+    import argparse
+    import sys
+
+    from .config import load_config
+
+    ap = argparse.ArgumentParser(prog=f"{script} --plan")
+    ap.add_argument("--plan", action="store_true")
+    ap.add_argument("--video-config", required=True)
+    ap.add_argument("--video-override", nargs="*", default=[])
+    ap.add_argument("--plan-gpus", type=int, default=None, help="default: $WORLD_SIZE")
+    ap.add_argument("--plan-gpus-per-node", type=int, default=8)
+    ap.add_argument("--plan-hardware", default="h100")
+    args, _ = ap.parse_known_args(argv)
+    try:
+        import os
+
+        gpus = args.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or None
+        if gpus is None:
+            raise PlanError("--plan-gpus (None) must be given (or WORLD_SIZE set)")
+        cfg = load_config(args.video_config, args.video_override)
+        plan = plan_config(cfg, gpus, args.plan_gpus_per_node, args.plan_hardware)
+    except ValueError as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        return 2
+    best = plan.fitting[0]
+    print(
+        f"# megatron-video plan: {best.layout.name()} on {gpus} {args.plan_hardware}: step "
+        f"{best.step_s:.3g} s, {best.tokens_per_s_per_gpu:.4g} tokens/s/GPU, MFU {best.mfu:.1%}, "
+        f"{best.mem_gib:.1f} GiB/GPU"
+    )
+    print(" ".join(megatron_flags(cfg, best.layout)))
+    return 0
 
 
 def add_plan_arguments(p) -> None:
