@@ -318,7 +318,7 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
     tokens_rank = b * shape.seq / N
     elem = 30 * tokens_rank * shape.hidden * e * len(layers) * mult / lay.tp
     compute = mult * fwd_lin / (hw.peak_flops * hw.matmul_eff) + t_attn
-    compute += elem * hw.elementwise_s_per_byte
+    compute += elem * hw.elementwise_s_per_byte + mult * len(layers) * hw.layer_overhead_s
     # traced communication: Ulysses all-to-alls, ST-DiT transitions, ring P2P
     tb = traced_bytes(shape, lay)
     n_a2a = sum(

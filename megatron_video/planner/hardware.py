@@ -29,6 +29,9 @@ class Hardware:
     ib_lat: float
     usable_mem: float = 0.9  # fraction of HBM the planner lets a layout use (allocator, NCCL)
     elementwise_s_per_byte: float = 0.0  # norms / modulation / activations: time per byte moved
+    layer_overhead_s: float = (
+        0.0  # fixed time per layer and micro-batch, forward (launches, Python)
+    )
 
     def link(self, intra: bool):
         """``(bandwidth, latency)`` of an intra- or inter-node link."""
