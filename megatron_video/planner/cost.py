@@ -21,6 +21,10 @@ from .hardware import ASSUMPTIONS, Hardware
 
 __all__ = ["ModelShape", "Layout", "Cluster", "StepCost", "traced_bytes", "ring_bytes", "step_cost"]
 
+# Activation elements per token and layer kept for the backward: ``D`` + (``D_tp`` + ``F_tp``
+# (per FFN width)) / TP, and ``backward_D`` in flight during a layer's backward; fitted on the tiny
+# video DiT at DP 4 with and without recompute and TP 2 (benchmarks/planner.py reports the rest).
+ACT_PER_TOKEN = dict(D=4, D_tp=9, F_tp=5, backward_D=8)
 ATTENTION_KINDS = ("full", "causal", "teacher_forcing", "stdit")
 
 
@@ -85,7 +89,11 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.num_layers * self.layer_params() + self.extra_params
+        """All parameters: the layers, the embedders (timestep MLP, caption projection, patch
+        embedding and final projection) and ``extra_params``."""
+        D, c = self.hidden, self.in_channels
+        embed = 2 * D * D + 256 * D + (self.text_dim or D) * D + 2 * D * c
+        return self.num_layers * self.layer_params() + embed + self.extra_params
 
 
 @dataclass(frozen=True)
@@ -286,13 +294,14 @@ def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: in
     optim = p_rank * opt_bytes / shard
     tokens = layout.micro_batch_size * shape.seq / layout.cp
     layers = shape.num_layers // layout.pp
-    # elements stored per token and layer for the backward (inputs of every matmul, norms,
-    # modulation and activation outputs); with recompute only the layer input
-    per_layer = (16 * D + 2 * F) / layout.tp + 2 * D
-    if shape.text_len:
-        per_layer += 4 * D / layout.tp
+    # elements per token and layer the backward keeps (ACT_PER_TOKEN, measured on our DiT layers
+    # with testing.LiveTensors: benchmarks/planner.py), the part inside TP split by it; with
+    # recompute only the layer input, plus the recomputed layer while its backward runs
+    a = ACT_PER_TOKEN
+    per_layer = a["D"] * D + (a["D_tp"] * D + a["F_tp"] * F) / layout.tp
+    back = a["backward_D"] * D  # gradients in flight through one layer
     stored = (D if layout.recompute else per_layer) * tokens * e * layers
-    transient = per_layer * tokens * e  # one layer's activations live (its forward / recompute)
+    transient = ((per_layer if layout.recompute else 0) + back) * tokens * e
     in_flight = min(microbatches, layout.pp)
     return dict(
         weights=weights,
@@ -329,7 +338,8 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
     size = N if shape.attention == "stdit" else lay.ulysses
     bw_a, lat_a = _link(lay, lay.tp, size, cluster, hw)
     a2a = tb.get(("all_to_all", "fwd"), 0) + tb.get(("all_to_all", "bwd"), 0)
-    t_a2a = (a2a / bw_a + n_a2a * lat_a) * ((4 / 3) if lay.recompute else 1)  # recomputed fwd
+    # latency per call and peer (pairwise exchanges); the recomputed forward repeats its calls
+    t_a2a = (a2a / bw_a + n_a2a * lat_a * (size - 1)) * ((4 / 3) if lay.recompute else 1)
     bw_r, lat_r = _link(lay, lay.tp * lay.ulysses, lay.ring, cluster, hw)
     ring_b = tb.get(("send", "fwd"), 0) + tb.get(("send", "bwd"), 0)
     t_ring = ring_b / bw_r + 3 * (lay.ring - 1) * len(layers) * lat_r
