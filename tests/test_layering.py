@@ -17,6 +17,7 @@ ORDER = [
     "mmsp",
     "diffusion",
     "data",
+    "planner",
     "training",
 ]
 # Known upward imports still to be removed (none): entries are ("path under megatron_video/", layer).

@@ -1,7 +1,7 @@
 """``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
 
 Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``,
-``buckets``, ``convert`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with
+``buckets``, ``convert``, ``plan`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with
 status 2 naming the field, before any process or process group is started.
 """
 
@@ -166,6 +166,14 @@ def _add_convert(sub) -> None:
         )
 
 
+def _add_plan(sub) -> None:
+    from .planning import add_plan_arguments
+
+    add_plan_arguments(
+        sub.add_parser("plan", help="predict step time / memory / MFU of every parallel layout")
+    )
+
+
 SUBCOMMANDS = (
     _add_train,
     _add_demo,
@@ -175,6 +183,7 @@ SUBCOMMANDS = (
     _add_buckets,
     _add_validate,
     _add_convert,
+    _add_plan,
 )
 
 
@@ -383,6 +392,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _buckets(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "plan":
+            from .planning import plan_command
+
+            return plan_command(args)
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
             validate(config, args.nproc)

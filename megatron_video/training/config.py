@@ -120,6 +120,7 @@ class ParallelSection:
         None  # ar_dit: zigzag frame pairing over the ring (default R > 1)
     )
     recompute: bool = False  # activation checkpointing of every layer (composes with SP)
+    auto: bool = False  # `parallel: auto`: the planner picks the layout (training/planning.py)
 
     def validate(self, world_size: int) -> None:
         p = self
@@ -418,6 +419,8 @@ def config_from_dict(data: Optional[dict]) -> Config:
             continue
         if name == "output":
             kwargs[name] = str(data[name])
+        elif name == "parallel" and data[name] == "auto":  # the planner picks the layout
+            kwargs[name] = ParallelSection(auto=True)
         else:
             kwargs[name] = _section_from_dict(f.default_factory().__class__, data[name], name)
     return Config(**kwargs)

@@ -443,6 +443,10 @@ class MegatronLMEntry:
         )
 
     def main(self) -> None:
+        if "--plan" in sys.argv:  # print the planner's flags, start nothing (docs/planner.md)
+            from .planning import plan_entry
+
+            sys.exit(plan_entry(sys.argv[1:], self.script))
         from megatron.training import pretrain
 
         if "--cpu" in sys.argv:  # before Megatron-LM initialises anything

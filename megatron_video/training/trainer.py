@@ -124,6 +124,8 @@ class Trainer:
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.has_gpu = torch.cuda.is_available()
+        if config.parallel.auto:  # the planner picks the layout (pure: the same on every rank)
+            config = self.config = self._auto_layout(config)
         validate(config, self.world, self.has_gpu)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -168,6 +170,19 @@ class Trainer:
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
         self._build()
         self._beat(-1)  # start-up done (the watchdog's clock restarts at every beat)
+
+    def _auto_layout(self, config: Config) -> Config:
+        """``parallel: auto``: the planner's best layout for this world size, printed once."""
+        from .planning import auto_layout
+
+        config, best = auto_layout(config, self.world)
+        if self.rank == 0:
+            print(
+                f"[megatron-video] parallel: auto -> {best.layout.name()} (predicted step "
+                f"{best.step_s:.3g} s, {best.mem_gib:.2f} GiB/GPU; docs/planner.md)",
+                flush=True,
+            )
+        return config
 
     @staticmethod
     def _check_runtime(cpu: bool) -> None:

@@ -1,0 +1,401 @@
+"""Cost model of one training step: FLOPs, traced communication bytes, memory and time per rank.
+
+Input is plain numbers (``ModelShape``, ``Layout``, ``Cluster``); ``training/planning.py`` reads
+them from a config. Attention pairs come from the mask rules of ``layouts.placement``
+(``clip_pairs``), ring traffic from the ring's own routes (``attention.ring.ring_routes``) and the
+Ulysses K/V head count from ``attention.ulysses``: the bytes are the ones ``CommTracer`` counts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..attention.ring import ring_routes
+from ..attention.ulysses import kv_heads_for_a2a
+from ..layouts.placement import Clip, clip_pairs
+from .hardware import ASSUMPTIONS, Hardware
+
+__all__ = ["ModelShape", "Layout", "Cluster", "StepCost", "traced_bytes", "ring_bytes", "step_cost"]
+
+# Activation elements per token and layer kept for the backward: ``D`` + (``D_tp`` + ``F_tp``
+# (per FFN width)) / TP, and ``backward_D`` in flight during a layer's backward; fitted on the tiny
+# video DiT at DP 4 with and without recompute and TP 2 (benchmarks/planner.py reports the rest).
+ACT_PER_TOKEN = dict(D=4, D_tp=9, F_tp=5, backward_D=8)
+ATTENTION_KINDS = ("full", "causal", "teacher_forcing", "stdit")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost of a step depends on: the transformer's sizes and one sample's token grid."""
+
+    family: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    frames: int  # token frames T of a sample (per half for teacher forcing)
+    positions: int  # tokens per frame
+    attention: str = "full"  # full | teacher_forcing | stdit
+    block_frames: int = 1  # teacher forcing: token frames per block
+    full_layers: Tuple[int, ...] = ()  # stdit: 1-based layers with a full attention too
+    text_len: int = 0  # cross-attention keys per sample (0: none)
+    text_dim: int = 0
+    lora_rank: int = 0  # AdaLN-LoRA rank (0: a full modulation table)
+    in_channels: int = 16
+    dtype_bytes: int = 2
+    extra_params: int = 0  # embedders, heads, vision tower (not in the layers)
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention ({self.attention!r}) must be one of {ATTENTION_KINDS}")
+
+    @property
+    def seq(self) -> int:
+        """Tokens of one sample in the transformer (``[clean ; noisy]`` for teacher forcing)."""
+        return (2 if self.attention == "teacher_forcing" else 1) * self.frames * self.positions
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def self_attentions(self, layer: int) -> Dict[str, int]:
+        """``{pattern: attention pairs of one sample}`` of layer ``layer`` (1-based)."""
+        T, n, S = self.frames, self.positions, self.seq
+        if self.attention == "stdit":
+            out = {"spatial": T * n * n, "temporal": n * T * T}
+            if layer in self.full_layers:
+                out["full"] = S * S
+            return out
+        if self.attention == "teacher_forcing":
+            clip = Clip(S, "teacher_forcing", self.block_frames * n)
+            return {"full": clip_pairs(clip)}
+        return {"full": clip_pairs(Clip(S, "causal" if self.attention == "causal" else "full"))}
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer."""
+        D, F, r = self.hidden, self.ffn, self.lora_rank
+        kv = self.kv_heads * self.head_dim
+        attn = D * (D + 2 * kv) + D * D + 4 * D  # qkv, out, biases / QK norms (approx.)
+        n_self = 2 if self.attention == "stdit" else 1
+        cross = (2 * D * D + 2 * D * D + 4 * D) if self.text_len else 0
+        mlp = 2 * D * F + F + D
+        mod = (D * r + r * 9 * D) if r else 6 * D
+        return n_self * attn + cross + mlp + mod
+
+    @property
+    def params(self) -> int:
+        """All parameters: the layers, the embedders (timestep MLP, caption projection, patch
+        embedding and final projection) and ``extra_params``."""
+        D, c = self.hidden, self.in_channels
+        embed = 2 * D * D + 256 * D + (self.text_dim or D) * D + 2 * D * c
+        return self.num_layers * self.layer_params() + embed + self.extra_params
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    recompute: bool = False
+    micro_batch_size: int = 1
+
+    @property
+    def cp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def name(self) -> str:
+        parts = [
+            f"TP{self.tp}",
+            f"U{self.ulysses}",
+            f"R{self.ring}",
+            f"PP{self.pp}",
+            f"DP{self.dp}",
+        ]
+        return "x".join(parts) + (" rc" if self.recompute else "") + f" mb{self.micro_batch_size}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    global_batch: Optional[int] = None  # samples per step (None: one micro-batch per DP rank)
+    distributed_optimizer: bool = True
+
+
+def ring_bytes(routes, ring_rank: int, ring_size: int, tokens: int, kv_row: int, acc_row: int):
+    """``(fwd, bwd)`` bytes ring rank ``ring_rank`` sends in one ring attention (``attention.ring``):
+    K and V at each hop a later hop needs them (``kv_leaves``), and in the backward the dK / dV
+    partial sums (accumulation dtype) from the first hop that needs them, home after the last."""
+    R, r = ring_size, ring_rank
+
+    def kept(j):
+        return tokens if routes.keep[j] is None else int(routes.keep[j].numel())
+
+    fwd = sum(
+        2 * kept((r - i) % R) * kv_row for i in range(R - 1) if routes.kv_leaves((r - i) % R, i, R)
+    )
+    grads = sum(
+        2 * kept((r - i) % R) * acc_row for i in range(1, R) if routes.first[(r - i) % R] <= i
+    )
+    return fwd, fwd + grads
+
+
+@functools.lru_cache(maxsize=256)
+def _full_routes(ring_size: int, tokens: int):
+    return ring_routes([torch.empty(tokens)] * ring_size, None)
+
+
+def traced_bytes(
+    shape: ModelShape,
+    layout: Layout,
+    ring_rank: int = 0,
+    routes=None,
+) -> Dict[Tuple[str, str], int]:
+    """``{(op, direction): bytes}`` this rank sends (as ``CommTracer`` counts them; shape checks
+    aside) in the forward and backward of ONE micro-batch over its pipeline stage's layers.
+    ``routes``: the ring's ``RingRoutes`` (None: every key reaches every ring rank)."""
+    e, b, D = shape.dtype_bytes, layout.micro_batch_size, shape.hidden
+    U, R, N, tp = layout.ulysses, layout.ring, layout.cp, layout.tp
+    hd, ht = shape.head_dim, shape.heads // tp
+    hkv = kv_heads_for_a2a(shape.kv_heads // tp, U)
+    s = shape.seq // N
+    out: Dict[Tuple[str, str], int] = {}
+
+    def add(key, v):
+        out[key] = out.get(key, 0) + v
+
+    acc_e = 8 if e == 8 else 4
+    routes = routes if routes is not None or R == 1 else _full_routes(R, U * s)
+    layers = range(1, shape.num_layers // layout.pp + 1)  # stage 0's layers (all stages equal)
+    for layer in layers:
+        pats = shape.self_attentions(layer)
+        cp_attn = ["full"] if "full" in pats else []
+        if shape.attention == "stdit" and N > 1 and shape.frames > 1:
+            xa = b * (shape.frames // N) * shape.positions * D * e
+            xb = b * -(-shape.positions // N) * shape.frames * D * e
+            for d in ("fwd", "bwd"):
+                add(("all_to_all", d), xa * (N - 1) // N + xb * (N - 1) // N)
+        for _ in cp_attn:
+            for d in ("fwd", "bwd"):
+                if U > 1:
+                    for heads in (ht, hkv, hkv, ht):  # q, k, v, out
+                        add(("all_to_all", d), b * s * heads * hd * e * (U - 1) // U)
+            if R > 1:
+                f, bw = ring_bytes(
+                    routes,
+                    ring_rank,
+                    R,
+                    U * s,
+                    b * (hkv // U) * hd * e,
+                    b * (hkv // U) * hd * acc_e,
+                )
+                add(("send", "fwd"), f)
+                add(("send", "bwd"), bw)
+    if N > 1:  # the loss value, summed over the CP group (one float32 per micro-batch)
+        add(("all_reduce", "fwd"), 4 * (N - 1) // N)
+    return out
+
+
+@dataclass
+class StepCost:
+    """Predicted cost of one training step of ``layout`` (per rank; seconds, bytes, FLOPs)."""
+
+    layout: Layout
+    step_s: float
+    parts: Dict[str, float]  # seconds of the step by cost: compute, a2a, ring, tp, dp, pp, bubble
+    model_flops: float  # per GPU per step, without recompute (MFU's numerator)
+    tokens_per_step: int
+    mem_bytes: float
+    mem_parts: Dict[str, float] = field(default_factory=dict)
+    fits: bool = True
+    gpus: int = 1
+    peak_flops: float = 1.0
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_s / self.gpus
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_s / self.peak_flops
+
+    @property
+    def mem_gib(self) -> float:
+        return self.mem_bytes / 2**30
+
+    @property
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get)
+
+    def row(self) -> dict:
+        lay = self.layout
+        return dict(
+            layout=lay.name(),
+            tp=lay.tp,
+            pp=lay.pp,
+            dp=lay.dp,
+            ulysses=lay.ulysses,
+            ring=lay.ring,
+            recompute=lay.recompute,
+            micro_batch_size=lay.micro_batch_size,
+            step_s=self.step_s,
+            tokens_per_s_per_gpu=self.tokens_per_s_per_gpu,
+            tflops_per_gpu=self.tflops_per_gpu,
+            mfu=self.mfu,
+            mem_gib_per_gpu=self.mem_gib,
+            fits=self.fits,
+            dominant=self.dominant,
+            parts={k: round(v, 6) for k, v in self.parts.items()},
+        )
+
+
+def layer_flops(shape: ModelShape, layer: int) -> Tuple[float, float]:
+    """``(linear, attention)`` forward FLOPs of layer ``layer`` for one sample."""
+    S, D, F, hd = shape.seq, shape.hidden, shape.ffn, shape.head_dim
+    kv = shape.kv_heads * hd
+    pats = shape.self_attentions(layer)
+    lin = len(pats) * 2 * S * D * (2 * D + 2 * kv) + 4 * S * D * F
+    attn = sum(4 * pairs * D for pairs in pats.values())
+    if shape.text_len:
+        lin += 4 * S * D * D + 4 * shape.text_len * D * D
+        attn += 4 * S * shape.text_len * D
+    return float(lin), float(attn)
+
+
+def _link(layout: Layout, stride: int, size: int, cluster: Cluster, hw: Hardware):
+    """``(bandwidth, latency)`` of a group of ``size`` ranks ``stride`` apart (rank order TP, CP
+    (Ulysses inner), DP, PP, as Megatron builds them)."""
+    return hw.link(stride * size <= cluster.gpus_per_node)
+
+
+def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: int):
+    """``{part: bytes}`` per rank of the first pipeline stage (the one holding most in flight)."""
+    e, D, F = shape.dtype_bytes, shape.hidden, shape.ffn
+    p_rank = (shape.params / layout.pp) / layout.tp
+    shard = layout.dp * layout.cp if cluster.distributed_optimizer else 1
+    weights = p_rank * e
+    grads = p_rank * ASSUMPTIONS["grad_bytes_per_param"]
+    opt_bytes = ASSUMPTIONS["optimizer_bytes_per_param"] - (4 if e == 4 else 0)
+    optim = p_rank * opt_bytes / shard
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
+    layers = shape.num_layers // layout.pp
+    # elements per token and layer the backward keeps (ACT_PER_TOKEN, measured on our DiT layers
+    # with testing.LiveTensors: benchmarks/planner.py), the part inside TP split by it; with
+    # recompute only the layer input, plus the recomputed layer while its backward runs
+    a = ACT_PER_TOKEN
+    per_layer = a["D"] * D + (a["D_tp"] * D + a["F_tp"] * F) / layout.tp
+    back = a["backward_D"] * D  # gradients in flight through one layer
+    stored = (D if layout.recompute else per_layer) * tokens * e * layers
+    transient = ((per_layer if layout.recompute else 0) + back) * tokens * e
+    in_flight = min(microbatches, layout.pp)
+    return dict(
+        weights=weights,
+        grads=grads,
+        optimizer=optim,
+        activations=stored * in_flight,
+        transient=transient,
+    )
+
+
+def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hardware) -> dict:
+    """Seconds of one micro-batch on one pipeline stage, by cost (compute, a2a, ring, tp, pp),
+    and its forward FLOPs (``fwd_flops``) and the attention part of the compute (``attn``)."""
+    A, e, b, N = ASSUMPTIONS, shape.dtype_bytes, lay.micro_batch_size, lay.cp
+    layers = range(1, shape.num_layers // lay.pp + 1)
+    lin = attn = 0.0
+    for layer in layers:
+        a, c = layer_flops(shape, layer)
+        lin, attn = lin + a, attn + c
+    fwd_lin, fwd_attn = b * lin / (lay.tp * N), b * attn / (lay.tp * N)
+    mult = 1 + A["backward_factor"] + (A["recompute_factor"] if lay.recompute else 0)
+    t_attn = mult * fwd_attn / (hw.peak_flops * hw.attn_eff)
+    tokens_rank = b * shape.seq / N
+    elem = 30 * tokens_rank * shape.hidden * e * len(layers) * mult / lay.tp
+    compute = mult * fwd_lin / (hw.peak_flops * hw.matmul_eff) + t_attn
+    compute += elem * hw.elementwise_s_per_byte + mult * len(layers) * hw.layer_overhead_s
+    # traced communication: Ulysses all-to-alls, ST-DiT transitions, ring P2P
+    tb = traced_bytes(shape, lay)
+    n_a2a = sum(
+        (8 if lay.ulysses > 1 and "full" in shape.self_attentions(x) else 0)
+        + (4 if shape.attention == "stdit" and N > 1 else 0)
+        for x in layers
+    )
+    size = N if shape.attention == "stdit" else lay.ulysses
+    bw_a, lat_a = _link(lay, lay.tp, size, cluster, hw)
+    a2a = tb.get(("all_to_all", "fwd"), 0) + tb.get(("all_to_all", "bwd"), 0)
+    # latency per call and peer (pairwise exchanges); the recomputed forward repeats its calls
+    t_a2a = (a2a / bw_a + n_a2a * lat_a * (size - 1)) * ((4 / 3) if lay.recompute else 1)
+    bw_r, lat_r = _link(lay, lay.tp * lay.ulysses, lay.ring, cluster, hw)
+    ring_b = tb.get(("send", "fwd"), 0) + tb.get(("send", "bwd"), 0)
+    t_ring = ring_b / bw_r + 3 * (lay.ring - 1) * len(layers) * lat_r
+    t_ring = max(0.0, t_ring - A["ring_overlap"] * t_attn)
+    # tensor parallel: a reduction per sub-layer (attention, cross-attention, MLP) of the
+    # [s, b, D] activations forward, as many backward, and again in a recomputed forward
+    t_tp = 0.0
+    if lay.tp > 1:
+        bw_t, lat_t = _link(lay, 1, lay.tp, cluster, hw)
+        n = (3 if shape.text_len else 2) * len(layers) * (2 + lay.recompute)
+        t_tp = n * (2 * tokens_rank * shape.hidden * e * (lay.tp - 1) / lay.tp / bw_t + lat_t)
+    t_pp = 0.0
+    if lay.pp > 1:  # activations forward, their gradients backward
+        bw_p, lat_p = _link(lay, lay.tp * N * lay.dp, lay.pp, cluster, hw)
+        t_pp = 2 * (tokens_rank * shape.hidden * e / lay.tp / bw_p + lat_p)
+    return dict(
+        compute=compute,
+        a2a=t_a2a,
+        ring=t_ring,
+        tp=t_tp,
+        pp=t_pp,
+        fwd_flops=fwd_lin + fwd_attn,
+        bwd=(compute * A["backward_factor"] / mult),
+    )
+
+
+def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware) -> StepCost:
+    """Predicted step time, memory and FLOPs of ``layout`` on ``cluster`` of ``hw``: ``m``
+    micro-batches through a 1F1B pipeline (bubble ``(pp - 1)`` micro-batch times), then the
+    DP x CP gradient reduce-scatter / parameter all-gather behind the last backward."""
+    lay = layout
+    gbs = cluster.global_batch or lay.micro_batch_size * lay.dp
+    m = max(1, gbs // (lay.micro_batch_size * lay.dp))  # micro-batches per DP rank
+    t = _microbatch_times(shape, lay, cluster, hw)
+    keys = ("compute", "a2a", "ring", "tp", "pp")
+    t_mb = sum(t[k] for k in keys)
+    t_dp, g = 0.0, lay.dp * lay.cp
+    if g > 1:
+        bw_d, lat_d = _link(lay, lay.tp, g, cluster, hw)
+        p_rank = shape.params / lay.pp / lay.tp
+        total = 2 * p_rank * shape.dtype_bytes * (g - 1) / g / bw_d
+        total += 2 * lat_d * (shape.num_layers // lay.pp)
+        t_dp = max(0.0, total - ASSUMPTIONS["dp_overlap"] * t["bwd"])
+    parts = {k: m * t[k] for k in keys}
+    parts.update(bubble=(lay.pp - 1) * t_mb, dp=t_dp)
+    mem = memory(shape, lay, cluster, m)
+    total = sum(mem.values())
+    return StepCost(
+        layout=lay,
+        step_s=sum(parts.values()),
+        parts=parts,
+        model_flops=3 * m * t["fwd_flops"],  # per GPU (its stage, its share of the tokens)
+        tokens_per_step=gbs * shape.seq,
+        mem_bytes=total,
+        mem_parts=mem,
+        fits=total <= hw.hbm_gib * 2**30 * hw.usable_mem,
+        gpus=lay.world,
+        peak_flops=hw.peak_flops,
+    )
