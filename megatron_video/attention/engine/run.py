@@ -12,12 +12,12 @@ from ...ops.rules import PARTIAL
 from .. import kernels
 from ..masks import AttentionMask
 from ..plans import PLANS
+from . import flex
 from .planning import BlockPlan, check_tile, choose_tile, debug_enabled, flex_plan, plan_block
 from .stats import EngineStats
 from .tiles import (
     _bwd_math,
     _bwd_sdpa,
-    _flex_block_mask,
     _fwd_math,
     _fwd_sdpa,
     _heads_first,
@@ -76,13 +76,8 @@ def block_forward(
         raise ValueError("block_forward: out_acc / lse_acc may be None only with fresh=True")
     h = q.shape[2]
     if backend == "flex":
-        from ..kernels import _compiled_flex
-
         qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
-        bm = _flex_block_mask(plan, q.device)
-        o, lse = _compiled_flex(q.device.type)(
-            qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=k.shape[2] != h, return_lse=True
-        )
+        o, lse = flex.flex_lse(qt, kt, vt, flex.block_mask(plan, q.device), scale)
         if out_acc is None:
             out_acc, lse_acc = accumulators(q)
         _merge(out_acc, lse_acc, o, lse.to(lse_acc.dtype))  # flex: -inf on rows without keys
@@ -211,15 +206,9 @@ def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
     With ``w = exp(lse_block - lse)``: ``d out_block = w * dout`` and
     ``d lse_block = w * rowsum(dout * (out_block - out))`` (the LSE merge's derivative).
     """
-    from ..kernels import _compiled_flex
-
-    h = q.shape[2]
     with torch.enable_grad():
         qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        bm = _flex_block_mask(plan, q.device)
-        o, lb = _compiled_flex(q.device.type)(
-            qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=k.shape[2] != h, return_lse=True
-        )
+        o, lb = flex.flex_lse(qt, kt, vt, flex.block_mask(plan, q.device), scale)
         glob = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
         w = torch.exp(lb.detach().to(glob.dtype) - glob)
         w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
@@ -231,7 +220,7 @@ def _flex_backward(dq_acc, dk_acc, dv_acc, dout, q, k, v, out, lse, plan, scale)
     hk = k.shape[2]
     dq_acc += dq.transpose(1, 2).to(dq_acc.dtype)
     # dk/dv come back with the kv heads of k; spread them on the expanded accumulator's first copy
-    rep = h // hk
+    rep = q.shape[2] // hk
     dk = dk.transpose(1, 2).to(dk_acc.dtype)
     dv = dv.transpose(1, 2).to(dv_acc.dtype)
     if rep == 1:
@@ -279,12 +268,16 @@ def cached_plan(
     return PLANS.get(key, lambda: plan_for(q_ids, k_ids, mask, tile, backend, stats))
 
 
-def engine_backend(backend: str, q: torch.Tensor) -> str:
-    """The engine's kernel family for ``backend`` and ``q``: ``"math"``, ``"sdpa"`` or ``"flex"``."""
+def engine_backend(backend: str, q: torch.Tensor, mask=None) -> str:
+    """The engine's kernel family for ``backend``, ``q`` and ``mask``: ``"math"``, ``"sdpa"`` or
+    ``"flex"``. ``"auto"`` takes FlexAttention on CUDA for masks that define ``pair``. ``"flex"``
+    on CPU runs torch's unfused flex math path (forward and backward): the GPU path's BlockMask,
+    mask_mods and LSE merge checked on CPU, not a fast path."""
+    flex_ok = mask is None or not isinstance(mask, AttentionMask) or mask.has_pair
     if backend == "auto":
         if q.dtype == torch.float64:
             return "math"
-        if q.is_cuda and kernels._flex() is not None:
+        if q.is_cuda and kernels._flex() is not None and flex_ok:
             return "flex"
         return "sdpa" if (q.is_cuda or kernels._has_cpu_flash()) else "math"
     if backend not in ("math", "sdpa", "flex", "flash_attn"):
@@ -296,9 +289,9 @@ def engine_backend(backend: str, q: torch.Tensor) -> str:
         )
     if backend == "flash_attn":  # torch's flash kernel runs the unmasked fp16/bf16 calls on CUDA
         return "sdpa"
-    if backend == "flex" and not q.is_cuda:
-        return (
-            "sdpa"  # FlexAttention has no backward on CPU; same tiles through the CPU flash kernel
+    if backend == "flex" and not flex_ok:
+        raise ValueError(
+            f"backend ('flex') needs a mask with an elementwise pair(); {mask!r} has none"
         )
     return backend
 
@@ -391,7 +384,7 @@ def local_attention(
         raise ValueError(
             f"mask ({type(mask).__name__}) must be None, an AttentionMask or a bool tensor"
         )
-    kernel = engine_backend(backend, q)
+    kernel = engine_backend(backend, q, mask)
     tile = (
         choose_tile(mask, kernel, q.device) if tile is None else check_tile(tile, kernel, q.device)
     )

@@ -9,6 +9,19 @@ from ...ops.rules import PARTIAL
 from .. import kernels
 from .planning import CAUSAL, BlockPlan
 
+# CUDA kernels' input rules the engine's strided views must meet (checked on CPU by
+# tests/test_attention_flex_cpu.py through the seams ``_on_cuda`` / ``_aten``):
+BIAS_ROW_ALIGN = 16  # elements: the memory-efficient kernel's bias rows 16-byte aligned (fp32: 4)
+LSE_ALIGN = 32  # the memory-efficient kernel's LSE rows are padded to a multiple of 32
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _aten(name: str):
+    return getattr(torch.ops.aten, name)
+
 
 def _bias(m: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))[
@@ -16,21 +29,46 @@ def _bias(m: torch.Tensor, dtype) -> torch.Tensor:
     ]
 
 
+def _aligned_bias(m: torch.Tensor, dtype, b: int, h: int) -> torch.Tensor:
+    """Additive bias ``[b, h, n_q, n_k]`` (broadcast) whose row stride is a multiple of
+    ``BIAS_ROW_ALIGN`` (padded columns, sliced off), as the memory-efficient kernel requires."""
+    n_q, n_k = m.shape
+    store = torch.full(
+        (n_q, n_k + (-n_k % BIAS_ROW_ALIGN)), float("-inf"), dtype=dtype, device=m.device
+    )
+    view = store[:, :n_k]
+    view.masked_fill_(m, 0.0)
+    return view[None, None].expand(b, h, n_q, n_k)
+
+
+def _dense_lse(lse: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """``lse [b, h, n]`` as a dense float32 tensor (the kernels index it as ``[b, h, n]`` whatever
+    its strides), its last dim padded to a multiple of ``align`` (+inf rows: no probability)."""
+    n = lse.shape[-1]
+    pad = -n % align
+    if pad == 0:
+        return lse.float().contiguous()
+    out = torch.full(
+        (*lse.shape[:-1], n + pad), float("inf"), dtype=torch.float32, device=lse.device
+    )
+    out[..., :n].copy_(lse)
+    return out
+
+
 def _fwd_sdpa(q, k, v, call, m, scale):
     causal = call.kind == CAUSAL
-    bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
-    if not q.is_cuda:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    if not _on_cuda(q):
+        bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
+        return _aten("_scaled_dot_product_flash_attention_for_cpu")(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale
         )
-    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+    if call.kind != PARTIAL and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = _aten("_scaled_dot_product_flash_attention")(
             q, k, v, 0.0, causal, False, scale=scale
         )[:2]
         return out, lse
-    if bias is not None:
-        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+    bias = _aligned_bias(m, q.dtype, q.shape[0], q.shape[1]) if call.kind == PARTIAL else None
+    out, lse = _aten("_scaled_dot_product_efficient_attention")(
         q, k, v, bias, True, 0.0, causal, scale=scale
     )[:2]
     return out, lse[..., : q.shape[2]]
@@ -38,22 +76,46 @@ def _fwd_sdpa(q, k, v, call, m, scale):
 
 def _bwd_sdpa(do, q, k, v, o, lse, call, m, scale):
     causal = call.kind == CAUSAL
-    bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
-    if not q.is_cuda:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    if not _on_cuda(q):
+        bias = _bias(m, q.dtype) if call.kind == PARTIAL else None
+        return _aten("_scaled_dot_product_flash_attention_for_cpu_backward")(
             do, q, k, v, o, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
-    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
-        sq, sk = q.shape[2], k.shape[2]
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale
-        )
-    if bias is not None:
-        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        do, q, k, v, bias, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale
+    if call.kind != PARTIAL and q.dtype in (torch.float16, torch.bfloat16):
+        sq, sk = q.shape[2], k.shape[2]
+        return _aten("_scaled_dot_product_flash_attention_backward")(
+            do,
+            q,
+            k,
+            v,
+            o,
+            _dense_lse(lse),
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            zero,
+            zero,
+            scale=scale,
+        )
+    bias = _aligned_bias(m, q.dtype, q.shape[0], q.shape[1]) if call.kind == PARTIAL else None
+    return _aten("_scaled_dot_product_efficient_attention_backward")(
+        do,
+        q,
+        k,
+        v,
+        bias,
+        o,
+        _dense_lse(lse, LSE_ALIGN),
+        zero,
+        zero,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
     )[:3]
 
 
@@ -99,26 +161,6 @@ def _heads_first(x: torch.Tensor, heads: int, contiguous: bool) -> torch.Tensor:
     """``[b, s, hk, d] -> [b, h, s, d]`` with kv heads repeated to ``heads`` (GQA)."""
     x = kernels._expand_kv(x, heads).transpose(1, 2)
     return x.contiguous() if contiguous else x
-
-
-def _flex_block_mask(plan: BlockPlan, device):
-    """FlexAttention ``BlockMask`` of the block: PARTIAL tiles masked by ``mask_mod`` on global ids,
-    FULL tiles without it, EMPTY tiles absent (built once per plan)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from ...ops.masks import flex_block_fields
-
-    if plan.flex is None:
-        qi, ki = plan.q_ids.to(device), plan.k_ids.to(device)
-        mod = plan.mask.mask_mod(qi, ki) if plan.mask is not None else None
-        fields = flex_block_fields(plan.status.to(device))
-        plan.flex = BlockMask.from_kv_blocks(
-            *fields,
-            BLOCK_SIZE=(plan.tile, plan.tile),
-            mask_mod=mod,
-            seq_lengths=(qi.numel(), ki.numel()),
-        )
-    return plan.flex
 
 
 def _rows(x: torch.Tensor, rows: slice, dim: int, batch: int = 1, step: int = 0) -> torch.Tensor:
