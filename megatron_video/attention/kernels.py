@@ -282,13 +282,17 @@ FLEX_COMPILE_LIMIT = 64
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_flex(device_type: str, compiled: Optional[bool] = None):
-    """FlexAttention for ``device_type``: ``torch.compile(..., dynamic=True)`` (by default on CUDA
-    only), to be called inside ``flex_compile_bound()``."""
+def _compiled_flex(device_type: str, compiled: Optional[bool] = None, backend: str = "inductor"):
+    """FlexAttention for ``device_type``, to be called inside ``flex_compile_bound()``: compiled (by
+    default on CUDA only) with dynamic lengths on CUDA; Inductor's CPU flex template (forward
+    only, no LSE) gets static shapes (its C++ codegen fails on dynamic ones in torch 2.13)."""
     flex_attention = _flex()[0]
     if compiled is None:
         compiled = device_type == "cuda"
-    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+    if not compiled:
+        return flex_attention
+    dynamic = device_type != "cpu" or backend != "inductor"
+    return torch.compile(flex_attention, dynamic=dynamic, backend=backend)
 
 
 def flex_compile_bound():
