@@ -299,10 +299,11 @@ def flex_compile_bound():
     """Context of every compiled flex call: recompile limit ``FLEX_COMPILE_LIMIT`` (or Dynamo's own
     if higher), and hitting it raises instead of falling back to eager."""
     cfg = torch._dynamo.config
-    return cfg.patch(
-        recompile_limit=max(cfg.recompile_limit, FLEX_COMPILE_LIMIT),
-        fail_on_recompile_limit_hit=True,
-    )
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    changes = {name: max(getattr(cfg, name), FLEX_COMPILE_LIMIT)}
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):  # feature-detected (torch >= 2.6)
+        changes["fail_on_recompile_limit_hit"] = True
+    return cfg.patch(**changes)
 
 
 def _flex_fwd(q, k, v, m4, scale):
