@@ -21,18 +21,18 @@ Sections (each bounded by a share of ``--budget`` seconds; cases that do not fit
             s = 8192 and 32768 (``--seqs``), next to the fused kernels themselves (torch SDPA,
             flash-attn, compiled FlexAttention, TE) with TFLOP/s (causal FLOPs, the flash-attn
             convention: fwd 2*b*h*s^2*d, fwd+bwd 3.5x that) and the time ratio to the fastest.
-            Our backward on CUDA goes through the math kernel, which materialises [b, h, s, s]
-            float32 scores; entries whose estimated memory does not fit are skipped and say so,
+            Our forward and backward run by tile pairs (linear memory in s); entries whose
+            estimated memory (``est_ours_bytes``) does not fit are skipped and say so (SKIPPED),
             and the math backend is capped at ``--math-max-seq``.
 
 Errors are max |ours - oracle| / max(1, max |oracle|); tolerances per dtype: fp32 2e-3 (room for
 TF32 in Triton kernels), fp16 5e-3, bf16 2.5e-2 (the documented bf16 bound).
 
-    python benchmarks/gpu_attention.py                        # CUDA (prints SKIP without a GPU)
+    python benchmarks/gpu_attention.py                        # CUDA (SKIPPED, exit 3, without a GPU)
     python benchmarks/gpu_attention.py --device cpu --small   # the same checks on CPU, tiny sizes
     python benchmarks/gpu_attention.py --sections local,dist --json /tmp/attn.json
 
-Exit status: 0 on PASS (or SKIP: no CUDA device), 1 when any correctness check fails or errors,
+Exit status: 0 on PASS, 3 when SKIPPED (no CUDA device), 1 when any correctness check fails or errors,
 or when our own code raises anywhere (the TE section and the bench included).
 """
 
@@ -448,19 +448,16 @@ def _free_bytes(device) -> float:
     return float(free)
 
 
-def est_ours_bytes(resolved: str, device, b, h, s, masked: bool):
-    """Rough peak bytes of our (fwd, fwd+bwd) beyond the inputs: scores dominate."""
-    ss = float(b * h * s * s)
-    cuda = torch.device(device).type == "cuda"
+def est_ours_bytes(resolved: str, device, b, h, s, masked: bool, d: int = 128, tile: int = 512):
+    """Rough peak bytes of our (fwd, fwd+bwd) beyond the inputs, for today's tiled engine (forward
+    and backward both by tile pairs): the dense [s, s] bool mask when one is given, the fp32
+    accumulators (out and LSE; dq, dk, dv in the backward) and three tile pairs' fp32 scores per
+    (batch, head) at a time (the math backend's explicit ones; the fused kernels' workspace)."""
     mask = float(s * s) if masked else 0.0
-    fwd = {
-        "math": 3 * ss * 4,
-        "sdpa": 2.0 * s * s * 2 + ss / 8,
-        "flex": 2 * ss,
-        "flash_attn": 0.0,
-    }.get(resolved, 3 * ss * 4)
-    bwd = 6 * ss * 4 if (cuda or resolved == "math") else 2.0 * s * s * 4
-    return mask + fwd, mask + max(fwd, bwd)
+    tiles = 3 * 4.0 * b * h * tile * tile
+    fwd = mask + 4.0 * b * h * s * (d + 1) + tiles
+    bwd = fwd + 3 * 4.0 * b * h * s * d + tiles
+    return fwd, bwd
 
 
 @dataclass
@@ -536,8 +533,8 @@ def bench_entries(device, shape: Shape, dtype, math_max_seq: int, te, flash_attn
     for be in our_backends():
         resolved = kernels.resolve_backend(be, q, True)
         label = f"ours local[{be}]" + (f"->{resolved}" if resolved != be else "")
-        est = est_ours_bytes(resolved, device, b, h, s, True)
-        note = "bwd via math" if is_cuda and resolved != "math" else ""
+        est = est_ours_bytes(resolved, device, b, h, s, True, d)
+        note = ""
         if resolved == "math" and s > math_max_seq:
             entries.append(
                 (
@@ -545,7 +542,7 @@ def bench_entries(device, shape: Shape, dtype, math_max_seq: int, te, flash_attn
                     None,
                     None,
                     None,
-                    f"math capped at s <= {math_max_seq} (materialises [b,h,s,s] fp32 scores)",
+                    f"math capped at s <= {math_max_seq} (one call per tile pair: slow)",
                 )
             )
             continue
@@ -558,8 +555,8 @@ def bench_entries(device, shape: Shape, dtype, math_max_seq: int, te, flash_attn
             f"ours dist_attention N=1 (auto->{resolved})",
             fwd(call),
             fb(call),
-            est_ours_bytes(resolved, device, b, h, s, True),
-            "bwd via math" if is_cuda and resolved != "math" else "",
+            est_ours_bytes(resolved, device, b, h, s, False, d),
+            "",
         )
     )
     return entries
@@ -604,7 +601,7 @@ def run_bench(
         notes = [note] if note else []
         if est is not None and est[0] > free:
             row.note = "; ".join(
-                notes + [f"skipped: needs ~{est[0] / 2**30:.0f} GiB, {free / 2**30:.0f} GiB usable"]
+                notes + [f"SKIPPED: needs ~{est[0] / 2**30:.0f} GiB, {free / 2**30:.0f} GiB usable"]
             )
             continue
         if est is None or est[1] <= free:
@@ -614,8 +611,7 @@ def run_bench(
                 notes.append("fwd+bwd " + why)
         else:
             notes.append(
-                f"fwd+bwd skipped: needs ~{est[1] / 2**30:.0f} GiB (bwd materialises "
-                f"[b,h,s,s] fp32), {free / 2**30:.0f} GiB usable"
+                f"fwd+bwd SKIPPED: needs ~{est[1] / 2**30:.0f} GiB, {free / 2**30:.0f} GiB usable"
             )
         if time.perf_counter() <= deadline:
             ms, why = _try_time(fwd_fn, device, warmup if row.fb_ms is None else 0, iters)
@@ -824,11 +820,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
-            "SKIP: no CUDA device (torch %s sees none); run with --device cpu --small to exercise "
-            "the checks on CPU" % torch.__version__,
+            "gpu_attention: SKIPPED - no CUDA device (torch %s sees none); run with --device cpu "
+            "--small to exercise the checks on CPU" % torch.__version__,
             flush=True,
         )
-        return 0
+        return 3
     t_start = time.perf_counter()
     faulthandler.dump_traceback_later(
         args.budget + 20, exit=True

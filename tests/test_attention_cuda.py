@@ -88,11 +88,11 @@ def test_transformer_engine_baseline_cuda(mask):
 
 
 def test_cpu_small_mode_correctness(monkeypatch, capsys):
-    """The script's logic on CPU (tiny sizes): without CUDA the default run prints SKIP and exits 0;
-    ``--device cpu --small`` local and dist checks all pass against the oracle."""
+    """The script's logic on CPU (tiny sizes): without CUDA the default run says SKIPPED (exit 3,
+    never a pass); ``--device cpu --small`` local and dist checks all pass against the oracle."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ga.main([]) == 0
-    assert "SKIP: no CUDA device" in capsys.readouterr().out
+    assert ga.main([]) == 3
+    assert "gpu_attention: SKIPPED - no CUDA device" in capsys.readouterr().out
     monkeypatch.undo()
 
     threads = torch.get_num_threads()

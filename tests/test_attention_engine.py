@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_video.attention import dist_attention, engine, masks
+from megatron_video.attention.engine import planning
 from megatron_video.attention.ring import RingStats
 from megatron_video.diffusion.teacher_forcing import TeacherForcingMask
 from megatron_video.layouts import BalancedSPLayout
@@ -367,19 +368,19 @@ def test_full_tiles_partition_into_fewest_rectangles():
     FULL tile exactly once and nothing else, never more than the row grouping gives; rows with
     different runs share a column run (first-principles count)."""
     grid = [[1, 0, 1], [1, 0, 0], [1, 0, 1]]
-    assert len(engine._row_groups(grid)) == 5
-    assert sorted(engine._fewest_rectangles(grid)) == [(0, 1, 2, 3), (0, 3, 0, 1), (2, 3, 2, 3)]
+    assert len(planning._row_groups(grid)) == 5
+    assert sorted(planning._fewest_rectangles(grid)) == [(0, 1, 2, 3), (0, 3, 0, 1), (2, 3, 2, 3)]
     g = torch.Generator().manual_seed(0)
     for trial in range(200):
         nq, nk = (int(x) for x in torch.randint(1, 9, (2,), generator=g))
         full = (torch.rand(nq, nk, generator=g) < 0.3 + 0.6 * (trial % 3) / 2).tolist()
-        rects = engine._fewest_rectangles(full)
+        rects = planning._fewest_rectangles(full)
         cover = torch.zeros(nq, nk, dtype=torch.int64)
         for i0, i1, j0, j1 in rects:
             assert 0 <= i0 < i1 <= nq and 0 <= j0 < j1 <= nk
             cover[i0:i1, j0:j1] += 1
         assert torch.equal(cover, torch.tensor(full, dtype=torch.int64)), (full, rects)
-        assert len(rects) <= len(engine._row_groups(full))
+        assert len(rects) <= len(planning._row_groups(full))
 
 
 @pytest.mark.parametrize("b", [1, 2])

@@ -157,7 +157,7 @@ def _validate(q, k, v, groups, mask, softmax_scale, backend, scheme, tile):
             f"backend ({backend!r}) must be 'auto' or one of {kernels.available_backends()}"
         )
     if tile is not None:
-        engine.check_tile(tile, engine.engine_backend(backend, q), q.device)
+        engine.check_tile(tile, engine.engine_backend(backend, q, mask), q.device)
     U = 1 if groups is None else groups.ulysses_size
     N = 1 if groups is None else groups.cp_size
     check_heads(q.shape[2], k.shape[2], U)
@@ -266,7 +266,7 @@ def dist_attention(
     elif order is not None:
         q, k, v = (x.index_select(1, order) for x in (q, k, v))
 
-    kernel = engine.engine_backend(backend, q)
+    kernel = engine.engine_backend(backend, q, mask)
     plan = RingPlan(
         group=rg,
         ring_rank=ring_rank,

@@ -274,10 +274,36 @@ def _sdpa_cpu_bwd(dout, q, k, v, out, lse, m4, scale):
 # ----------------------------------------------------------------------------------------------
 # flex / flash_attn (optional, GPU-oriented)
 # ----------------------------------------------------------------------------------------------
+# Compiled FlexAttention entries a process may hold (Dynamo's recompile limit for the call,
+# raised from its default 8 deliberately). Sequence lengths are dynamic, so entries grow with the
+# (mask kind, dtype, grad mode) combinations a run uses, not with shapes; past the bound a call
+# raises instead of silently running flex's unfused eager path (docs/attention.md).
+FLEX_COMPILE_LIMIT = 64
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled_flex(device_type: str):
+def _compiled_flex(device_type: str, compiled: Optional[bool] = None, backend: str = "inductor"):
+    """FlexAttention for ``device_type``, to be called inside ``flex_compile_bound()``: compiled (by
+    default on CUDA only) with dynamic lengths on CUDA; Inductor's CPU flex template (forward
+    only, no LSE) gets static shapes (its C++ codegen fails on dynamic ones in torch 2.13)."""
     flex_attention = _flex()[0]
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    if compiled is None:
+        compiled = device_type == "cuda"
+    if not compiled:
+        return flex_attention
+    dynamic = device_type != "cpu" or backend != "inductor"
+    return torch.compile(flex_attention, dynamic=dynamic, backend=backend)
+
+
+def flex_compile_bound():
+    """Context of every compiled flex call: recompile limit ``FLEX_COMPILE_LIMIT`` (or Dynamo's own
+    if higher), and hitting it raises instead of falling back to eager."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    changes = {name: max(getattr(cfg, name), FLEX_COMPILE_LIMIT)}
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):  # feature-detected (torch >= 2.6)
+        changes["fail_on_recompile_limit_hit"] = True
+    return cfg.patch(**changes)
 
 
 def _flex_fwd(q, k, v, m4, scale):
@@ -297,15 +323,16 @@ def _flex_fwd(q, k, v, m4, scale):
     with warnings.catch_warnings():  # eager (uncompiled) flex on CPU is expected, not a mistake
         warnings.simplefilter("ignore", UserWarning)
         # detached: our own autograd function owns the backward (flex has none on CPU)
-        out, lse = _compiled_flex(q.device.type)(
-            q.detach().transpose(1, 2),
-            k.detach().transpose(1, 2),
-            v.detach().transpose(1, 2),
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=k.shape[2] != h,
-            return_lse=True,
-        )
+        with flex_compile_bound():
+            out, lse = _compiled_flex(q.device.type)(
+                q.detach().transpose(1, 2),
+                k.detach().transpose(1, 2),
+                v.detach().transpose(1, 2),
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=k.shape[2] != h,
+                return_lse=True,
+            )
     out, lse = out.transpose(1, 2), lse.to(accumulation_dtype(q.dtype))
     dead = _dead_rows(m4)
     if dead is not None:

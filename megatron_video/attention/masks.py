@@ -41,6 +41,18 @@ def is_lower_triangle(m: torch.Tensor) -> bool:
     )
 
 
+def _gather_mod(fn: Callable, q_cols, k_cols) -> Callable:
+    """``mask_mod(b, h, qi, ki) = fn(*(c[qi] for c in q_cols), *(c[ki] for c in k_cols))`` with
+    clamped scalar gathers only (Inductor's flex lowering rejects reshapes of gathered values)."""
+    lq, lk = int(q_cols[0].shape[0]), int(k_cols[0].shape[0])
+
+    def mod(b, h, qi, ki):
+        qx, kx = qi.clamp(max=lq - 1), ki.clamp(max=lk - 1)
+        return fn(*(c[qx] for c in q_cols), *(c[kx] for c in k_cols))
+
+    return mod
+
+
 def _tile_edges(n: int, tile: int):
     return [(a, min(a + tile, n)) for a in range(0, n, tile)]
 
@@ -142,13 +154,23 @@ class AttentionMask(metaclass=_Frozen):
         to a ring rank holding ``q_ids``."""
         return None
 
+    def pair(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Elementwise verdict on broadcastable global id tensors (FlexAttention's ``mask_mod``
+        traces it on scalars: gathers and elementwise ops only, no reshape). Subclasses that run
+        on FlexAttention define it; the engine takes the fused SDPA kernels for masks that do not."""
+        raise NotImplementedError(f"{type(self).__name__}.pair (FlexAttention needs it)")
+
+    @property
+    def has_pair(self) -> bool:
+        """True when the mask defines ``pair`` (or its own ``mask_mod``): FlexAttention can run it."""
+        t = type(self)
+        return t.pair is not AttentionMask.pair or t.mask_mod is not AttentionMask.mask_mod
+
     def mask_mod(self, q_ids: torch.Tensor, k_ids: torch.Tensor) -> Callable:
-        """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``."""
-
-        def mod(b, h, qi, ki):
-            return self.dense(q_ids[qi].reshape(1), k_ids[ki].reshape(1)).reshape(())
-
-        return mod
+        """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over positions of ``q_ids`` / ``k_ids``:
+        scalar gathers of the ids (indices clamped: compiled kernels may probe a partial last
+        block's padding, then discard it) into ``pair``."""
+        return _gather_mod(self.pair, (q_ids,), (k_ids,))
 
 
 class RuleMask(AttentionMask):
@@ -320,9 +342,21 @@ class _Packed(RuleMask):
         return RuleMask.block_status(self, q_ids, k_ids)
 
     def mask_mod(self, q_ids, k_ids):
-        if self.rule is None:
-            return AttentionMask.mask_mod(self, q_ids, k_ids)
-        return RuleMask.mask_mod(self, q_ids, k_ids)
+        if self.rule is not None:
+            return RuleMask.mask_mod(self, q_ids, k_ids)
+        (dq, cu), (dk, _) = self._doc(q_ids), self._doc(k_ids)
+        q_rel, k_rel = q_ids - cu[dq.clamp(min=0)], k_ids - cu[dk.clamp(min=0)]
+        inner = self.inner.pair if self.inner is not None else None
+
+        def fn(dq_, rq, dk_, rk):
+            m = (dq_ == dk_) & (dq_ >= 0)
+            return m if inner is None else m & inner(rq, rk)
+
+        return _gather_mod(fn, (dq, q_rel), (dk, k_rel))
+
+    @property
+    def has_pair(self) -> bool:
+        return self.inner is None or self.rule is not None or self.inner.has_pair
 
     def lower_triangle(self, q_ids, k_ids):
         if self.rule is None:
@@ -368,6 +402,9 @@ class _Predicate(AttentionMask):
                 f"{type(m).__name__} {getattr(m, 'dtype', '')})"
             )
         return m.expand(shape)
+
+    def pair(self, q, k):
+        return self.fn(q, k)
 
     def _value(self):
         return (self.fn, self.default_scheme)  # fn by identity: it must be a pure function
@@ -422,6 +459,10 @@ class VideoRows(AttentionMask):
         q, k = q_ids.reshape(-1, 1), k_ids.reshape(1, -1)
         return (q // n == k // n) if self.pattern == "spatial" else (q % n == k % n)
 
+    def pair(self, q, k):
+        n = self.positions
+        return (q // n == k // n) if self.pattern == "spatial" else (q % n == k % n)
+
     def _value(self):
         return (self.positions, self.pattern)
 
@@ -448,6 +489,10 @@ class _Dense(AttentionMask):
     def dense(self, q_ids, k_ids):
         t = self._table
         return t[q_ids.to(t.device)][:, k_ids.to(t.device)].to(q_ids.device)
+
+    def mask_mod(self, q_ids, k_ids):
+        t = self._table.to(q_ids.device)
+        return _gather_mod(lambda q, k: t[q, k], (q_ids,), (k_ids,))
 
     def __repr__(self):
         return f"from_dense({tuple(self._table.shape)})"

@@ -18,6 +18,7 @@ from . import engine, kernels
 from .engine import EngineStats as RingStats
 from .engine import id_runs
 from .masks import AttentionMask
+from .plans import PLANS
 
 __all__ = ["RingStats", "RingPlan", "RingRoutes", "id_runs", "ring_attention", "ring_routes"]
 
@@ -148,13 +149,13 @@ def ring_block_plans(
     """``(routes, plans)``: the ring's ``RingRoutes`` and the engine plans of ring rank
     ``ring_rank``'s queries against the keys of every ring rank that reach it, one cache entry for
     the whole ring (``ids_key`` None: built, not kept)."""
-    debug = engine._debug()
+    debug = engine.debug_enabled()
     key = (
         None
         if ids_key is None
         else ("ring", ids_key, ring_rank, mask, tile, backend, str(device), debug)
     )
-    return engine.PLANS.get(
+    return PLANS.get(
         key, lambda: _reached_plans(ids, ring_rank, mask, tile, backend, stats, device)
     )
 
@@ -252,8 +253,8 @@ def _block_grads(plan: RingPlan, j: int, dq, dout, q, cur, out, lse):
             plan.stats,
             fresh=True,
         )
-    dk = engine._grad_zeros(cur[0], h) if dk is None else dk  # q's heads; reduced below
-    dv = engine._grad_zeros(cur[1], h) if dv is None else dv
+    dk = engine.grad_zeros(cur[0], h) if dk is None else dk  # q's heads; reduced below
+    dv = engine.grad_zeros(cur[1], h) if dv is None else dv
     return dq, kernels._reduce_kv(dk, hk), kernels._reduce_kv(dv, hk)
 
 
@@ -332,7 +333,7 @@ def _ring_backward(dout, q, kv: list, out, lse, plan: RingPlan):
     home_in = R > 1 and routes.grads_leave(r, R - 1)
     if R > 1:
         record_skipped(plan.group, 2 * (not travel), 2 * (not home_in), f"{plan.tag}.bwd", "bwd")
-    dq = engine._grad_zeros(q, q.shape[2]) if dq is None else dq
+    dq = engine.grad_zeros(q, q.shape[2]) if dq is None else dq
     dq = dq.to(q.dtype)  # before the last hop: no accumulation-dtype dQ beside the partial sums
     if R > 1:  # last hop: the finished partial sums go home (every ring rank posts: pads)
         own = _grads_home(plan, travel, home_in, list(own), like, _kept(routes, r, full), acc)
