@@ -11,6 +11,7 @@ the cache. Every case runs on the 4-rank pool (CP = 1 cases as replicas).
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import pytest
@@ -287,3 +288,46 @@ def test_cached_generator_equals_no_cache_oracles(pool4, family):
                 assert -err > 1e-6, (rank, name, -err)
             else:
                 assert err <= TOL, (rank, name, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# under context parallelism: equal to CP = 1, 1/N of the cache per rank
+# ---------------------------------------------------------------------------------------------
+DEGREES = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)]  # (U, R, TP)
+
+
+CP_RUN = dict(frames=8, w=3.0, switches=[(4, 1)])  # CFG, sink 2 + window 2, a prompt switch
+
+
+@functools.lru_cache(maxsize=None)  # per worker process: once per family for every degree
+def _cp1_reference(family):
+    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.testing.parallel import model_parallel
+
+    with model_parallel(seed=0):
+        return _cached(_build(family), family, rule=WindowRule(NB, 2, 2), **CP_RUN)
+
+
+def _cp_cases(family, U, R, tp):
+    from megatron_video.attention.ulysses import kv_heads_for_a2a
+    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.testing.parallel import video_parallel
+
+    ref, ref_bytes = _cp1_reference(family)
+    with video_parallel(U, R, tp=tp, seed=0) as groups:
+        model = _build(family, tp=tp, cp=U * R)
+        got, nbytes = _cached(model, family, groups, rule=WindowRule(NB, 2, 2), **CP_RUN)
+    hk = (2 if family == "ar_dit" else 4) // tp  # kv heads per TP rank
+    replicas = kv_heads_for_a2a(hk, U) // hk  # Ulysses repeats kv heads when U does not divide them
+    return {
+        "output": _err(got, ref),
+        "cache bytes x N / replicas": abs(nbytes * U * R * tp / replicas - ref_bytes),
+    }
+
+
+@pytest.mark.parametrize("family", ["ar_dit", "wan_ar"])
+@pytest.mark.parametrize("degree", DEGREES, ids=lambda d: f"U{d[0]}xR{d[1]}xTP{d[2]}")
+def test_cp_layouts_equal_cp1(pool4, family, degree):
+    for rank, res in enumerate(pool4.run(_cp_cases, family, *degree, ranks_per_node=4)):
+        for name, err in res.items():
+            assert err <= TOL, (rank, name, err)

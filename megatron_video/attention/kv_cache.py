@@ -58,8 +58,8 @@ def _merge(parts):
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
     safe = torch.where(torch.isneginf(lse), 0.0, lse)
     out = 0
-    for o, l in parts:
-        w = torch.exp(l - safe).transpose(1, 2)[..., None]  # [b, m, h, 1]
+    for o, part_lse in parts:
+        w = torch.exp(part_lse - safe).transpose(1, 2)[..., None]  # [b, m, h, 1]
         out = out + w * o.to(w.dtype)
     return out
 
