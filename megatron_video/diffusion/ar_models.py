@@ -19,10 +19,17 @@ __all__ = ["block_model", "sequence_velocity", "recompute_velocity", "is_wan", "
 WAN_TIMESTEP_SCALE = 1000.0  # Wan's timestep is t * num_train_timesteps
 
 
+def _unwrap(model):
+    """The model inside wrappers (Megatron's DDP, Float16Module: ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
 def is_wan(model) -> bool:
     from ..models.wan.model import WanModel
 
-    return isinstance(model, WanModel)
+    return isinstance(_unwrap(model), WanModel)
 
 
 def _call(model, x, t, cond, frames, spatial, geometry, mask):
@@ -32,7 +39,7 @@ def _call(model, x, t, cond, frames, spatial, geometry, mask):
     if is_wan(model):
         from .wan_sampling import _proj_out_to_patchify
 
-        cfg = model.config
+        cfg = _unwrap(model).config
         image = cond[1] if len(cond) > 1 else None
         out = model(
             x,
@@ -59,7 +66,7 @@ def _call(model, x, t, cond, frames, spatial, geometry, mask):
 
 def rope_frames(model) -> Optional[int]:
     """The latent frames the model's RoPE is defined for: Wan's table length, None (any) else."""
-    return model.config.rope_max_seq_len if is_wan(model) else None
+    return _unwrap(model).config.rope_max_seq_len if is_wan(model) else None
 
 
 def _geometry(model, height: int, width: int, frames: torch.Tensor) -> VideoGeometry:

@@ -1,7 +1,7 @@
 """``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
 
 Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``,
-``buckets``, ``convert`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with
+``buckets``, ``convert``, ``generate`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with
 status 2 naming the field, before any process or process group is started.
 """
 
@@ -166,6 +166,35 @@ def _add_convert(sub) -> None:
         )
 
 
+def _add_generate(sub) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="stream a video from an AR checkpoint, block by block with a KV cache "
+        "(docs/generation.md)",
+    )
+    g.add_argument("--checkpoint", required=True, help="run folder of `train` (or its checkpoints)")
+    g.add_argument("--prompt", required=True, help="the caption")
+    g.add_argument("--frames", type=int, required=True, help="raw frames: 1 + 4 (F - 1), F blocks")
+    g.add_argument(
+        "--switch",
+        action="append",
+        default=[],
+        metavar="FRAME:PROMPT",
+        help="from raw frame FRAME (a block start) on, PROMPT (repeatable; KV re-cache)",
+    )
+    g.add_argument("--image", default=None, help="first-frame image (TI2V families only)")
+    g.add_argument("--output", default="generated", help="writes OUTPUT.mp4 and OUTPUT.gif")
+    g.add_argument("--sink", type=int, default=0, help="latent frames always attended (sink)")
+    g.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="latent frames attended before a block (default: the trained length less a block)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu", action="store_true", help=CPU_HELP)
+
+
 SUBCOMMANDS = (
     _add_train,
     _add_demo,
@@ -175,6 +204,7 @@ SUBCOMMANDS = (
     _add_buckets,
     _add_validate,
     _add_convert,
+    _add_generate,
 )
 
 
@@ -383,6 +413,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _buckets(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "generate":
+            from .generation import main_generate
+
+            mp4, gif = main_generate(args)
+            print(f"[megatron-video] wrote {mp4} and {gif}")
+            return 0
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
             validate(config, args.nproc)
