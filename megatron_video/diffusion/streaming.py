@@ -82,6 +82,23 @@ def _check_switches(switches, num_blocks: int, nb: int) -> Dict[int, Any]:
     return out
 
 
+def _setup(rule, nb: int, S: int, groups):
+    """``(rule, cp size, cp rank, this rank's slice of a block's tokens)``, checked."""
+    rule = rule or WindowRule(nb)
+    if rule.frames_per_block != nb:
+        raise ValueError(
+            f"rule.frames_per_block ({rule.frames_per_block}) must equal frames_per_block ({nb})"
+        )
+    N = 1 if groups is None else groups.cp_size
+    rank = 0 if groups is None else groups.cp_rank
+    if (nb * S) % N:
+        raise ValueError(
+            f"tokens per block ({nb} frames x {S}) must be divisible by the CP size ({N})"
+        )
+    s = nb * S // N
+    return rule, N, rank, slice(rank * s, (rank + 1) * s)
+
+
 def stream_autoregressive(
     block_model: BlockModel,
     noise_block: Callable[[int], Tensor],
@@ -111,20 +128,8 @@ def stream_autoregressive(
     Collective over ``groups`` (None: one process).
     """
     nb, S = frames_per_block, tokens_per_frame
-    rule = rule or WindowRule(nb)
-    if rule.frames_per_block != nb:
-        raise ValueError(
-            f"rule.frames_per_block ({rule.frames_per_block}) must equal frames_per_block ({nb})"
-        )
-    N = 1 if groups is None else groups.cp_size
-    rank = 0 if groups is None else groups.cp_rank
-    if (nb * S) % N:
-        raise ValueError(
-            f"tokens per block ({nb} frames x {S}) must be divisible by the CP size ({N})"
-        )
+    rule, N, rank, mine = _setup(rule, nb, S, groups)
     switch_at = _check_switches(switches, num_blocks, nb)
-    s = nb * S // N
-    mine = slice(rank * s, (rank + 1) * s)
     frame_of = torch.arange(nb * S) // S  # block-relative frame of each new token
     ts = [float(v) for v in flow_timesteps(num_steps, shift)]
     cache, done = KVCache(), {}  # done: this rank's clean share of the blocks still kept
@@ -146,14 +151,13 @@ def stream_autoregressive(
     for j in range(num_blocks):
         f0 = j * nb
         keep = rule.kept(torch.arange(f0), f0)
+        done = {k: x for k, x in done.items() if bool(keep[k * nb])}  # the kept blocks
         if j in switch_at:  # KV re-cache: the kept frames, block-causally, under the new prompt
             cond = switch_at[j]
             cache.clear()
             for k in sorted(done):
-                if bool(keep[k * nb]):
-                    append(done[k], cond, k)
+                append(done[k], cond, k)
         cache.keep(lambda tags: rule.kept(tags, f0))
-        done = {k: x for k, x in done.items() if bool(keep[k * nb])}
         x = noise_block(j)[:, mine].clone()
         step = CacheStep(cache, frame_of + f0)
         for i in range(num_steps):

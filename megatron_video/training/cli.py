@@ -369,6 +369,40 @@ def _convert(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    """``generate`` in this process: a world of one, or every rank under torchrun."""
+    import torch.distributed as dist
+
+    from megatron_video.compat import destroy_model_parallel
+    from megatron_video.parallel.topology import destroy_video_parallel
+
+    from .generation import generate, parse_switch
+    from .trainer import init_distributed
+
+    switches = [parse_switch(s) for s in args.switch]
+    owns = init_distributed()
+    try:
+        r = generate(
+            args.checkpoint,
+            args.prompt,
+            args.frames,
+            switches=switches,
+            image=args.image,
+            output=args.output,
+            sink=args.sink,
+            window=args.window,
+            seed=args.seed,
+        )
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+    if "mp4" in r:
+        print(f"[megatron-video] wrote {r['mp4']} ({r['written_frames']} frames) and {r['gif']}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -414,11 +448,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "convert":
             return _convert(args)
         if args.command == "generate":
-            from .generation import main_generate
-
-            mp4, gif = main_generate(args)
-            print(f"[megatron-video] wrote {mp4} and {gif}")
-            return 0
+            return _generate(args)
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
             validate(config, args.nproc)

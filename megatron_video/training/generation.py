@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -273,31 +273,62 @@ def read_checkpoint_config(checkpoint) -> Tuple[Config, Path, int]:
 
 
 class _VideoSink:
-    """Decoded frames appended block by block to an mp4 (libx264) and, at the end, a GIF."""
+    """The logging rank's output: each finished block VAE-decoded (given all latents before it:
+    the causal decoder's frames depend on them) and appended to an mp4 (libx264); a GIF at the
+    end. ``add(j, block tokens)``; ``close() -> (mp4, gif, frames written)``."""
 
-    def __init__(self, path: Path, height: int, width: int, fps: int = 8):
+    def __init__(self, output: str, config: Config, vae, scale: float, prompt: str, fps: int = 8):
         import av
 
-        self.path, self.frames = path, []
-        self._c = av.open(str(path), "w")
+        self.out, self.config, self.vae, self.scale, self.prompt = (
+            Path(output),
+            config,
+            vae,
+            scale,
+            prompt,
+        )
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tokens, self.frames = [], []
+        self._c = av.open(str(self.out.with_suffix(".mp4")), "w")
         self._st = self._c.add_stream("libx264", rate=fps)
-        self._st.width, self._st.height, self._st.pix_fmt = width, height, "yuv420p"
+        self._st.width, self._st.height = config.data.width, config.data.height
+        self._st.pix_fmt = "yuv420p"
 
-    def add(self, video: torch.Tensor) -> None:
-        """``[3, T, H, W]`` in ``[-1, 1]``."""
+    def add(self, j: int, block: torch.Tensor) -> None:
         import av
 
+        from megatron_video.diffusion.cp_sampling import decode_tokens
+
+        c, nb = self.config, self.config.model.frames_per_block
+        _, Hp, Wp = token_grid_of(c)
+        self.tokens.append(block.cpu())
+        video = decode_tokens(
+            self.vae,
+            torch.cat(self.tokens, dim=1),
+            tuple(c.model.patch_size),
+            ((j + 1) * nb, Hp, Wp),
+            c.vae.latent_channels,
+            self.scale,
+        )[0]
+        video = video[:, 0 if j == 0 else 1 + TEMPORAL_STRIDE * (j * nb - 1) :]
         v = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         for t in range(v.shape[1]):
-            img = v[:, t].permute(1, 2, 0).contiguous().numpy()
             self.frames.append(video[:, t])
+            img = v[:, t].permute(1, 2, 0).contiguous().numpy()
             for pkt in self._st.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
                 self._c.mux(pkt)
 
-    def close(self) -> None:
+    def close(self) -> dict:
+        from .outputs import write_gif
+
         for pkt in self._st.encode():
             self._c.mux(pkt)
         self._c.close()
+        gif = self.out.with_suffix(".gif")
+        write_gif(gif, [torch.stack(self.frames, dim=1)], labels=[self.prompt])
+        return dict(
+            mp4=str(self.out.with_suffix(".mp4")), gif=str(gif), written_frames=len(self.frames)
+        )
 
 
 def _check_request(config: Config, family, frames: int, switches, image) -> Tuple[int, list]:
@@ -307,6 +338,11 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
             f"model.family ({config.model.family!r}) is not autoregressive: `megatron-video "
             f"generate` streams the AR families (ar_dit, wan_ar); T2V families sample with "
             f"train.sample"
+        )
+    if not family.needs_vae:
+        raise ValueError(
+            f"--checkpoint: model.family ({config.model.family!r}) decodes with the Wan VAE, "
+            f"which `generate` does not load yet (stream it with Generator.ar_blocks)"
         )
     if image is not None:
         raise ValueError(
@@ -319,7 +355,7 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
         lat, rest = divmod(raw - 1, TEMPORAL_STRIDE)
         if raw < 1 or rest or (lat + 1) % nb or not 0 < lat + 1 < F:
             raise ValueError(
-                f"--switch frame ({raw}) must be a raw frame that starts a block inside the "
+                f"--switch ({raw}:...) frame must be a raw frame that starts a block inside the "
                 f"video: 1 + {TEMPORAL_STRIDE} k with latent frame k a positive multiple of "
                 f"{nb} below {F} (--frames {frames})"
             )
@@ -338,7 +374,6 @@ def generate(
     sink: int = 0,
     window: Optional[int] = None,
     seed: int = 0,
-    progress: bool = True,
     log=print,
 ) -> dict:
     """Stream ``frames`` raw frames of ``prompt`` from the newest checkpoint under ``checkpoint``
@@ -348,7 +383,6 @@ def generate(
     import torch.distributed as dist
 
     from megatron_video.compat import ensure_cpu_mode
-    from megatron_video.diffusion.cp_sampling import decode_tokens
 
     from .families import get_family
     from .vae_stage import ensure_vae, load_vae
@@ -356,11 +390,6 @@ def generate(
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
     F, lat_switches = _check_request(config, family, frames, switches, image)
-    if family.needs_vae is False:
-        raise ValueError(
-            f"model.family ({config.model.family!r}) decodes with the Wan VAE, which `generate` "
-            f"does not load yet; use an ar_dit checkpoint"
-        )
     if not torch.cuda.is_available():
         ensure_cpu_mode()
     model, groups = _load_model(config, folder, step)
@@ -368,49 +397,32 @@ def generate(
     dev = next(model.parameters()).device
     cond, null = caption_conditions(config, [prompt], dev)
     switch_conds = [(f, caption_conditions(config, [p], dev)[0]) for f, p in lat_switches]
-    gen = Generator(model, config, family, groups, progress=False)
     nb = config.model.frames_per_block
     _, Hp, Wp = token_grid_of(config)
     C = config.vae.latent_channels * int(torch.tensor(config.model.patch_size).prod())
-    nbS = nb * Hp * Wp
 
     def noise_block(j):
-        return torch.randn(1, nbS, C, generator=sample_generator(seed, 10**9 + 1, j)).to(dev)
+        g = sample_generator(seed, 10**9 + 1, j)
+        return torch.randn(1, nb * Hp * Wp, C, generator=g).to(dev)
 
-    logger = dist.get_rank() == 0
-    out = Path(output)
-    sink_v = None
-    if logger:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        sink_v = _VideoSink(out.with_suffix(".mp4"), config.data.height, config.data.width)
-    tokens, times, t0 = [], [], time.time()
-    z, patch = config.vae.latent_channels, tuple(config.model.patch_size)
+    writer = _VideoSink(output, config, vae, scale, prompt) if dist.get_rank() == 0 else None
+    blocks = Generator(model, config, family, groups).ar_blocks(
+        cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds
+    )
+    times, t0 = [], time.time()
     with torch.no_grad():
-        for j, block, _ in gen.ar_blocks(
-            cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds
-        ):
+        for j, block, _ in blocks:
             times.append(time.time() - t0)
-            t0 = time.time()
-            tokens.append(block.cpu())
-            if logger:  # the causal decoder: the new block's frames given all latents before it
-                video = decode_tokens(
-                    vae, torch.cat(tokens, dim=1), patch, ((j + 1) * nb, Hp, Wp), z, scale
-                )[0]
-                first = 0 if j == 0 else 1 + TEMPORAL_STRIDE * (j * nb - 1)
-                sink_v.add(video[:, first:])
+            if writer is not None:
+                writer.add(j, block)
+                first, last = j * nb, (j + 1) * nb - 1
                 log(
-                    f"[megatron-video] block {j + 1}/{F // nb}: latent frames "
-                    f"{j * nb}-{(j + 1) * nb - 1}, {times[-1]:.2f} s"
+                    f"[megatron-video] block {j + 1}/{F // nb} (latent frames {first}-{last}): "
+                    f"{times[-1]:.2f} s"
                 )
+            t0 = time.time()
     result = dict(frames=frames, latent_frames=F, block_seconds=times, step=step)
-    if logger:
-        sink_v.close()
-        from .outputs import write_gif
-
-        write_gif(out.with_suffix(".gif"), [torch.stack(sink_v.frames, dim=1)], labels=[prompt])
-        result.update(mp4=str(out.with_suffix(".mp4")), gif=str(out.with_suffix(".gif")))
-        result["written_frames"] = len(sink_v.frames)
-    return result
+    return {**result, **(writer.close() if writer is not None else {})}
 
 
 def _load_model(config: Config, folder: Path, step: int):
@@ -445,33 +457,3 @@ def _load_model(config: Config, folder: Path, step: int):
         model.cuda()
     ckpt.load_model_weights(folder, model, step)
     return model.eval(), groups
-
-
-def main_generate(args) -> List[str]:
-    """The ``generate`` subcommand in this process (a world of one unless under torchrun)."""
-    from .trainer import init_distributed
-
-    owns = init_distributed()
-    try:
-        r = generate(
-            args.checkpoint,
-            args.prompt,
-            args.frames,
-            switches=[parse_switch(s) for s in args.switch],
-            image=args.image,
-            output=args.output,
-            sink=args.sink,
-            window=args.window,
-            seed=args.seed,
-        )
-    finally:
-        from megatron_video.compat import destroy_model_parallel
-        from megatron_video.parallel.topology import destroy_video_parallel
-
-        destroy_video_parallel()
-        destroy_model_parallel()
-        import torch.distributed as dist
-
-        if owns and dist.is_initialized():
-            dist.destroy_process_group()
-    return [r.get("mp4", ""), r.get("gif", "")]
