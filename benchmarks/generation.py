@@ -184,7 +184,7 @@ def pool_runs(a):
         f"{a.pool_grid}x{a.pool_grid} tokens a frame"
     )
     print(
-        f"CP         cache_bytes_after_{a.blocks - 1}_blocks  cpu_s_block_{a.blocks} "
+        f"CP         cache_bytes_after_{a.pool_blocks - 1}_blocks  cpu_s_block_{a.pool_blocks} "
         f"(max over ranks)  vs CP1"
     )
     base = None
