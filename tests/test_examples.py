@@ -86,6 +86,46 @@ def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
     for first, second in pool4.run(_run, str(path), overrides):
         assert first == (None, [0, 1], 2)  # trained 2 steps, saved the final checkpoint
         assert second == (2, [2], 3)  # resumed from it, ran step 3 only, saved it
+    if path.stem == "demo":
+        _generate_as_documented(tmp_path)
+
+
+def _generate_as_documented(tmp_path):
+    """docs/generation.md's ``megatron-video generate`` on this demo checkpoint (as ``runs/demo``),
+    in this process: an mp4 of the asked 45 frames (the demo trains on 29); bad input exits 2
+    naming the option."""
+    import contextlib
+    import io
+    import os
+
+    import av
+
+    from megatron_video.testing.doc_blocks import launch_blocks
+    from megatron_video.training.cli import main
+
+    tokens = launch_blocks((ROOT / "docs" / "generation.md").read_text())["generate"]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "demo").symlink_to(tmp_path / "run")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert tokens[0] == "megatron-video" and main(tokens[1:]) == 0
+        with av.open("runs/demo/generated.mp4") as c:
+            assert sum(1 for _ in c.decode(video=0)) == 45
+        assert Path("runs/demo/generated.gif").is_file()
+        i = tokens.index("--frames")
+        bad = {
+            "--frames": tokens[: i + 1] + ["43"] + tokens[i + 2 :],
+            "--switch": [t if not t.startswith("29:") else "45:a circle" for t in tokens],
+            "--image": tokens + ["--image", "first.png"],
+        }
+        for option, argv in bad.items():
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                assert main(argv[1:]) == 2, option
+            assert f"{option} (" in err.getvalue(), (option, err.getvalue())
+    finally:
+        os.chdir(cwd)
 
 
 # parameters of the released models (diffusers' WanTransformer3DModel of each size), to 0.5 %

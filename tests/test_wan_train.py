@@ -240,11 +240,6 @@ def _validate(family, root, world=4, **fields):
         ),
         (
             "wan",
-            dict(train__sample=True),
-            r"train.sample \(True\) must be false for model.family 'wan'",
-        ),
-        (
-            "wan",
             dict(model__num_layers=3),
             r"its num_layers \(2\) must equal model.num_layers \(3\)",
         ),

@@ -51,6 +51,7 @@ from ..parallel.topology import VideoParallelGroups, check_cp_comm_type, resolve
 from . import masks as masks_mod
 from .attention_2d import dist_attention
 from .engine import local_attention
+from .kv_cache import CacheStep
 from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 
 __all__ = ["DistAttention2D", "UlyssesAttention", "LocalDotProductAttention"]
@@ -158,6 +159,8 @@ class DistAttention2D(MegatronModule):
         placement=None,
         **kwargs,
     ):
+        if isinstance(attention_mask, CacheStep):  # a call against a KV cache (generation)
+            return self._cached(query, key, value, attention_mask)
         if placement is not None and as_placement(placement) is None:
             raise ValueError(
                 f"placement ({type(placement).__name__}) must be None or a "
@@ -199,6 +202,12 @@ class DistAttention2D(MegatronModule):
         )
         if thd:
             return out[0].reshape(out.shape[1], -1)
+        return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
+
+    def _cached(self, query, key, value, step: CacheStep):
+        """``kv_cache.cached_attention`` on this layer's cache shard (Megatron ``[s, b, h, d]``)."""
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        out = step.attend(self, q, k, v, self.video_groups(), self.softmax_scale, self.backend)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
 

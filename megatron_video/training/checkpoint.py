@@ -29,6 +29,7 @@ from ..parallel import comm
 
 __all__ = [
     "TRACKER_FILE",
+    "load_model_weights",
     "read_data_state",
     "latest_step",
     "checkpoint_path",
@@ -533,4 +534,34 @@ def load_checkpoint(
         set_rng_state(loaded["rng"])
     if int(loaded["step"]) != step:
         raise ValueError(f"checkpoint {path} holds step {loaded['step']}, expected {step}")
+    return step
+
+
+def load_model_weights(directory, model, step: Optional[int] = None) -> int:
+    """Collective: only the model's weights of the newest (or the given) checkpoint, under any
+    parallel layout (generation: no optimizer, scheduler or RNG); the same checks as
+    ``load_checkpoint`` before anything is loaded. Returns the step."""
+    from megatron.core import dist_checkpointing
+
+    step = latest_step(directory) if step is None else step
+    if step is None:
+        raise ValueError(
+            f"checkpoint directory ({directory}) must hold {TRACKER_FILE} (no complete checkpoint)"
+        )
+    path = checkpoint_path(directory, step)
+    agree_or_raise(
+        _verify_share(path, dist.get_rank(), dist.get_world_size()), f"checkpoint {path} is corrupt"
+    )
+    reason = None
+    try:
+        safe_read_common(path, safe_read_index(path))
+    except ValueError as e:
+        reason = str(e)
+    agree_or_raise(reason, f"checkpoint {path} refused")
+    request = {"model": _without_objects(model.sharded_state_dict())}
+    state = dist_checkpointing.load(request, str(path))["model"]
+    for key, value in model.state_dict().items():  # TE extra state is not checkpointed: keep it
+        if key.endswith("_extra_state") and key not in state:
+            state[key] = value
+    model.load_state_dict(state)
     return step

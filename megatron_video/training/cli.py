@@ -1,8 +1,8 @@
 """``megatron-video``: train video DiTs with megatron_video on Megatron-Core.
 
 Subcommands ``train``, ``demo``, ``train-vae``, ``validate``, ``prepare``, ``precompute``,
-``buckets``, ``convert``, ``plan`` (``megatron-video SUBCOMMAND --help``). A bad configuration exits with
-status 2 naming the field, before any process or process group is started.
+``buckets``, ``convert``, ``plan``, ``generate`` (``megatron-video SUBCOMMAND --help``). A bad
+configuration exits with status 2 naming the field, before any process or process group is started.
 """
 
 from __future__ import annotations
@@ -174,6 +174,35 @@ def _add_plan(sub) -> None:
     )
 
 
+def _add_generate(sub) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="stream a video from an AR checkpoint, block by block with a KV cache "
+        "(docs/generation.md)",
+    )
+    g.add_argument("--checkpoint", required=True, help="run folder of `train` (or its checkpoints)")
+    g.add_argument("--prompt", required=True, help="the caption")
+    g.add_argument("--frames", type=int, required=True, help="raw frames: 1 + 4 (F - 1), F blocks")
+    g.add_argument(
+        "--switch",
+        action="append",
+        default=[],
+        metavar="FRAME:PROMPT",
+        help="from raw frame FRAME (a block start) on, PROMPT (repeatable; KV re-cache)",
+    )
+    g.add_argument("--image", default=None, help="first-frame image (TI2V families only)")
+    g.add_argument("--output", default="generated", help="writes OUTPUT.mp4 and OUTPUT.gif")
+    g.add_argument("--sink", type=int, default=0, help="latent frames always attended (sink)")
+    g.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="latent frames attended before a block (default: the trained length less a block)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu", action="store_true", help=CPU_HELP)
+
+
 SUBCOMMANDS = (
     _add_train,
     _add_demo,
@@ -184,6 +213,7 @@ SUBCOMMANDS = (
     _add_validate,
     _add_convert,
     _add_plan,
+    _add_generate,
 )
 
 
@@ -348,6 +378,40 @@ def _convert(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    """``generate`` in this process: a world of one, or every rank under torchrun."""
+    import torch.distributed as dist
+
+    from megatron_video.compat import destroy_model_parallel
+    from megatron_video.parallel.topology import destroy_video_parallel
+
+    from .generation import generate, parse_switch
+    from .trainer import init_distributed
+
+    switches = [parse_switch(s) for s in args.switch]
+    owns = init_distributed()
+    try:
+        r = generate(
+            args.checkpoint,
+            args.prompt,
+            args.frames,
+            switches=switches,
+            image=args.image,
+            output=args.output,
+            sink=args.sink,
+            window=args.window,
+            seed=args.seed,
+        )
+    finally:
+        destroy_video_parallel()
+        destroy_model_parallel()
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+    if "mp4" in r:
+        print(f"[megatron-video] wrote {r['mp4']} ({r['written_frames']} frames) and {r['gif']}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -396,6 +460,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .planning import plan_command
 
             return plan_command(args)
+        if args.command == "generate":
+            return _generate(args)
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
             validate(config, args.nproc)

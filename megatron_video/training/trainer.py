@@ -31,8 +31,9 @@ from megatron_video.parallel import comm
 from megatron_video.parallel.topology import destroy_video_parallel, init_video_parallel
 
 from . import checkpoint as ckpt
+from . import generation
 from .config import Config, config_to_dict, validate
-from .data import MicroBatch, sample_generator
+from .data import MicroBatch
 from .families import get_family
 from .model_factory import build_model
 from .rank_data import rank_data
@@ -434,7 +435,10 @@ class Trainer:
             self.scheduler,
             meta=self.model_meta,
             data_state=self._data_state(step),
-            extra_files=self.family.checkpoint_files(self.config, self.tcfg.params_dtype),
+            extra_files={
+                **self.family.checkpoint_files(self.config, self.tcfg.params_dtype),
+                **generation.config_file(self.config),  # what `megatron-video generate` builds
+            },
         )
 
     def load(self, directory=None, step: Optional[int] = None) -> int:
@@ -459,120 +463,6 @@ class Trainer:
         if not self.config.train.resume or ckpt.latest_step(self.checkpoint_dir) is None:
             return 0
         return self.load()
-
-    # -- sampling ----------------------------------------------------------------------------
-    def _held_out(self, b: int):
-        from megatron_video.data.synthetic import ProceduralVideoDataset
-
-        d = self.config.data
-        held_out = ProceduralVideoDataset(
-            b,
-            num_frames=d.num_frames,
-            height=d.height,
-            width=d.width,
-            seed=d.seed + 1_000_003,
-            caption_len=d.caption_len,
-        )
-        return [held_out[i] for i in range(b)]
-
-    def sample_tokens(self, num_samples: Optional[int] = None) -> torch.Tensor:
-        """Context-parallel sampling of held-out captions (collective): the noise of the whole
-        sequence is partitioned with the model's layout, denoised in parallel (classifier-free
-        guidance, the configured sampler) and gathered. Returns the clean tokens ``[b, N, C]``."""
-        from megatron_video.diffusion import cp_sampling as cps
-
-        c = self.config
-        b = num_samples or c.train.sample_batch
-        items = self._held_out(b)
-        ids = torch.stack([it["caption_ids"] for it in items]).to(self.device)
-        mask = torch.stack([it["caption_mask"] for it in items]).to(self.device)
-        cond = (ids, mask, torch.zeros(b, dtype=torch.bool, device=self.device))
-        null = (ids, mask, torch.ones(b, dtype=torch.bool, device=self.device))
-        C = self.tcfg.patch_dim
-        N = self.seq_length // 2 if self.family.autoregressive else self.seq_length
-        noise = torch.stack(
-            [
-                torch.randn(N, C, generator=sample_generator(c.train.seed, 10**9, i))
-                for i in range(b)
-            ]
-        ).to(self.device)
-        local_ids = self.batches.token_ids
-        noise_local = cps.partition_tokens(noise, local_ids)
-        self.ddp.eval()
-        try:
-            with torch.no_grad():
-                out = self._sample_local(noise_local, cond, null)
-                return cps.gather_tokens(out, local_ids, self.groups.cp_group, N)
-        finally:
-            self.ddp.train()
-
-    def _sample_local(self, noise_local, cond, null):
-        """This rank's shard of the samples with the configured sampler (model in eval, no grad)."""
-        from megatron_video.diffusion import cp_sampling as cps
-
-        df = self.config.diffusion
-        guided = dict(
-            null_cond=null,
-            guidance_scale=df.guidance_scale,
-            num_steps=df.sample_steps,
-            progress=self.progress,
-        )
-        if self.family.autoregressive:
-            tf = self.objective.tf
-
-            def velocity(x, t, cnd):
-                return self.ddp(
-                    x,
-                    t,
-                    frame_positions=tf.frame_positions,
-                    token_ids=tf.token_ids,
-                    mask=tf.mask,
-                    caption_ids=cnd[0],
-                    caption_mask=cnd[1],
-                    geometry=self.geometry,
-                    drop=cnd[2],
-                )
-
-            return cps.sample_autoregressive(
-                velocity,
-                self.layout,
-                self.cp_rank,
-                noise_local,
-                cond,
-                shift=df.flow_shift,
-                **guided,
-            )
-
-        def net(x, tt, cnd):
-            return self.ddp(x, tt, cnd[0], cnd[1], self.geometry, drop=cnd[2])
-
-        if self.config.objective == "edm":
-            return cps.sample_edm(
-                net, noise_local, cond, sigma_data=df.sigma_data, sampler=df.sampler, **guided
-            )
-        return cps.sample_flow(net, noise_local, cond, shift=df.flow_shift, **guided)
-
-    def generate_sample(self, num_samples: Optional[int] = None):
-        """``sample_tokens`` decoded with the VAE: ``(generated, data, VAE reconstruction,
-        captions)`` videos on the logging rank, None elsewhere (collective)."""
-        from megatron_video.diffusion import cp_sampling as cps
-        from megatron_video.models.embedders import patchify
-
-        c = self.config
-        b = num_samples or c.train.sample_batch
-        full = self.sample_tokens(b)
-        if not self.is_logger:
-            return None
-        items = self._held_out(b)
-        patch = tuple(c.model.patch_size)
-        grid = (self.geometry.frames, self.geometry.height, self.geometry.width)
-        z = c.vae.latent_channels
-        generated = cps.decode_tokens(self.vae, full.cpu(), patch, grid, z, self.latent_scale)
-        truth = torch.stack([it["video"] for it in items])
-        with torch.no_grad():
-            recon_tokens = patchify(self.vae.encode(truth) * self.latent_scale, patch)
-        recon = cps.decode_tokens(self.vae, recon_tokens, patch, grid, z, self.latent_scale)
-        return generated, truth, recon, [it["caption"] for it in items]
 
     # -- the job -----------------------------------------------------------------------------
     def run(self) -> Dict:
@@ -629,7 +519,7 @@ class Trainer:
         sample_wall = 0.0
         if t.sample:
             s0 = time.time()
-            sample = self.generate_sample()
+            sample = generation.training_sample(self)
             sample_wall = time.time() - s0
             self._beat(t.steps)
         metrics: Dict = {}
@@ -738,7 +628,13 @@ class Trainer:
                 losses,
                 title=f"{c.model.family} (CP={self.cp_size}: U{p.ulysses_size} x R{p.ring_size})",
             )
-        if sample is not None:
+        if isinstance(sample, dict):  # the Wan families: latents (generation.wan_training_sample)
+            torch.save(sample["latents"], out_dir / "sample_latents.pt")
+            metrics["sample"] = {
+                "frames": sample["frames"],
+                "latents": str(out_dir / "sample_latents.pt"),
+            }
+        elif sample is not None:
             generated, truth, recon, captions = sample
             write_gif(
                 out_dir / "sample.gif",

@@ -222,11 +222,6 @@ def _check_common(config: Config, world_size: int) -> None:
             f"{d.text_embed_dim!r}) for model.family {name!r}: Wan trains on precomputed "
             f"Wan-VAE latents + UMT5 embeddings (`megatron-video precompute`)"
         )
-    if config.train.sample:
-        raise ValueError(
-            f"train.sample (True) must be false for model.family {name!r} (Wan sampling is "
-            f"not in the trainer)"
-        )
     grid = token_grid_of(config)
     if max(grid) > WAN_FIXED["rope_max_seq_len"]:
         raise ValueError(

@@ -1,0 +1,369 @@
+"""Streaming AR generation with a KV cache (``diffusion.streaming``, ``attention.kv_cache``), float64.
+
+Oracles, none of them the cache code: (1) the recompute sampler ``cp_sampling.sample_autoregressive``
+(the whole ``[clean ; noisy]`` sequence at every step) for an unbounded window, with and without
+CFG, for ``ar_dit`` and ``wan_ar``; a stale cache (noisy keys / values appended) must differ.
+(2) For sink + window and prompt switches, a no-cache recompute over exactly the frames the rule
+keeps, with a dense mask written here from the rule and the same absolute RoPE frames. (3) Under CP
+(U2xR2, U4, R4, TP2xCP2) the cached generator equals its CP = 1 run, and each rank holds 1/N of
+the cache. Every case runs on the 4-rank pool (CP = 1 cases as replicas).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import pytest
+import torch
+
+TOL = 1e-10
+B, C_IN, L = 1, 4, 5  # batch, latent channels (ar_dit patch 1), caption length
+H = W = 2  # token grid per frame
+S = H * W
+NB, F = 2, 6  # frames per block, latent frames
+STEPS = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# models (the same full weights on every layout)
+# ---------------------------------------------------------------------------------------------
+def _perturb(model):
+    from megatron.core import parallel_state as ps
+
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = list(p.shape)
+            sharded = getattr(p, "tensor_model_parallel", False)
+            if sharded:
+                shape[p.partition_dim] *= tp
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            full = 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)
+            full += 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            p.copy_(full.chunk(tp, dim=p.partition_dim)[r] if sharded else full)
+
+
+def _build(family, tp=1, cp=1):
+    torch.manual_seed(0)
+    if family == "wan_ar":
+        from megatron_video.models.wan import WanModel, get_wan_layer_spec
+        from megatron_video.models.wan.interop import wan_config
+        from megatron_video.testing.wan import TINY_WAN
+
+        cfg = wan_config({**TINY_WAN, "patch_size": (1, 1, 1)}, params_dtype=torch.float64)
+        model = WanModel(cfg, layer_spec=get_wan_layer_spec(cfg)).double()
+    else:
+        from megatron_video.models.ar_dit import ARVideoDiT
+        from megatron_video.models.video_dit import VideoDiTConfig
+
+        cfg = VideoDiTConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=8,
+            ffn_hidden_size=64,
+            lora_rank=4,
+            in_channels=C_IN,
+            patch_size=(1, 1, 1),
+            text_max_len=L,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            qk_layernorm=True,
+            add_bias_linear=True,
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            params_dtype=torch.float64,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+        )
+        model = ARVideoDiT(cfg).double()
+    _perturb(model)
+    return model.eval()
+
+
+def _conds(family, seed=0):
+    """(cond, null) of the family for prompt ``seed``."""
+    g = torch.Generator().manual_seed(100 + seed)
+    if family == "wan_ar":
+        text = torch.randn(B, L, 32, generator=g, dtype=torch.float64)
+        return (text,), (torch.zeros_like(text),)
+    ids = torch.randint(1, 8, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    return (ids, mask, torch.zeros(B, dtype=torch.bool)), (
+        ids,
+        mask,
+        torch.ones(B, dtype=torch.bool),
+    )
+
+
+def _noise(frames=F):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(B, frames * S, C_IN, generator=g, dtype=torch.float64)
+
+
+def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=(), stale=False):
+    """Every block of the cached generator concatenated ``[b, frames*S, C]``, and the cache's
+    bytes on this rank after the last block."""
+    from megatron_video.diffusion.ar_models import block_model
+    from megatron_video.diffusion.streaming import stream_autoregressive
+
+    cond, null = _conds(family)
+    noise = _noise(frames)
+    N, rank = (1, 0) if groups is None else (groups.cp_size, groups.cp_rank)
+    out, nbytes = [], 0
+    with torch.no_grad():
+        for _, block, cache in stream_autoregressive(
+            block_model(model, H, W, NB, rank, N),
+            lambda j: noise[:, j * NB * S : (j + 1) * NB * S],
+            frames // NB,
+            NB,
+            S,
+            cond,
+            groups=groups,
+            null_cond=null if w != 1.0 else None,
+            guidance_scale=w,
+            num_steps=STEPS,
+            rule=rule,
+            switches=[(f, _conds(family, p)[0]) for f, p in switches],
+            stale_cache=stale,
+        ):
+            out.append(block)
+            nbytes = cache.nbytes()
+    return torch.cat(out, dim=1), nbytes
+
+
+def _recompute(model, family, w=1.0):
+    from megatron_video.diffusion.ar_models import recompute_velocity
+    from megatron_video.diffusion.cp_sampling import sample_autoregressive
+    from megatron_video.layouts.balanced_sp import BalancedSPLayout
+
+    cond, null = _conds(family)
+    layout = BalancedSPLayout(F, S, NB, 1)
+    with torch.no_grad():
+        return sample_autoregressive(
+            recompute_velocity(model, layout, 0, H, W),
+            layout,
+            0,
+            _noise(),
+            cond,
+            null_cond=null if w != 1.0 else None,
+            guidance_scale=w,
+            num_steps=STEPS,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the no-cache oracle of the window rule and of prompt switches (written from the rule)
+# ---------------------------------------------------------------------------------------------
+def _kept_by_rule(kf, first, sink, window):
+    """Frame ``kf`` is attended by the block starting at ``first`` (the documented rule)."""
+    return kf < first and (kf < sink or kf >= first - window)
+
+
+def _oracle(model, family, frames, gen_blocks, prefilled, allowed, cond, null, w, total):
+    """No-cache generation of ``gen_blocks`` (block indices) over the tokens of ``frames`` (each
+    frame's clean and noisy copy, absolute RoPE frames); ``allowed(q_side, q_frame, k_side,
+    k_frame)`` is the attention rule (side 0 clean, 1 noisy); ``prefilled``: frame -> clean tokens."""
+    from megatron_video.attention import masks
+    from megatron_video.diffusion.ar_models import sequence_velocity
+    from megatron_video.diffusion.cfg import guided_denoise
+    from megatron_video.diffusion.samplers import flow_timesteps
+
+    n = len(frames)
+    fr = torch.tensor(frames).repeat_interleave(S)
+    side = torch.cat([torch.zeros(n * S, dtype=torch.long), torch.ones(n * S, dtype=torch.long)])
+    tok_frame = torch.cat([fr, fr])
+    table = torch.tensor(
+        [
+            [
+                allowed(int(side[q]), int(tok_frame[q]), int(side[k]), int(tok_frame[k]))
+                for k in range(2 * n * S)
+            ]
+            for q in range(2 * n * S)
+        ]
+    )
+    v = sequence_velocity(
+        model, tok_frame, torch.arange(2 * n * S) % S, H, W, masks.from_dense(table)
+    )
+    fn = v if w == 1.0 else (lambda x, t, c: guided_denoise(v, x, t, c, null, w))
+    noise = _noise(total)
+    clean = torch.zeros(B, n * S, C_IN, dtype=torch.float64)
+    noisy = torch.cat([noise[:, f * S : (f + 1) * S] for f in frames], dim=1)
+    for i, f in enumerate(frames):
+        if f in prefilled:
+            clean[:, i * S : (i + 1) * S] = prefilled[f]
+    ts = [float(x) for x in flow_timesteps(STEPS, 1.0)]
+    for j in gen_blocks:
+        mine = (fr // NB) == j
+        for i in range(STEPS):
+            tn = torch.where(mine, ts[i], 1.0).to(torch.float64).expand(B, -1)
+            t = torch.cat([torch.zeros_like(tn), tn], dim=1)
+            vel = fn(torch.cat([clean, noisy], dim=1), t, cond)[:, n * S :]
+            noisy = torch.where(mine[None, :, None], noisy + (ts[i + 1] - ts[i]) * vel, noisy)
+        clean = torch.where(mine[None, :, None], noisy, clean)
+    return {f: clean[:, i * S : (i + 1) * S] for i, f in enumerate(frames)}
+
+
+def _window_oracle(model, family, sink, window, w, frames=F):
+    cond, null = _conds(family)
+
+    def allowed(qs, qf, ks, kf):
+        qb, kb = qf // NB, kf // NB
+        if ks == 1:
+            return qs == 1 and kb == qb
+        return (qs == 0 and kb == qb) or _kept_by_rule(kf, qb * NB, sink, window)
+
+    got = _oracle(
+        model, family, list(range(frames)), range(frames // NB), {}, allowed, cond, null, w, frames
+    )
+    return torch.cat([got[f] for f in range(frames)], dim=1)
+
+
+def _switch_oracle(model, family, sink, window, switch, w, frames=F):
+    """Before ``switch``: the window oracle (old prompt). At it: the kept frames re-encoded under
+    the new prompt, block-causally among themselves; then the rule."""
+    before = _window_oracle(model, family, sink, window, w, frames)
+    kept = [f for f in range(switch) if _kept_by_rule(f, switch, sink, window)]
+    seq = kept + list(range(switch, frames))
+    cond, null = _conds(family, 1)[0], _conds(family)[1]
+
+    def allowed(qs, qf, ks, kf):
+        qb, kb = qf // NB, kf // NB
+        if ks == 1:
+            return qs == 1 and kb == qb
+        if qf < switch:  # a re-encoded frame: block-causal among the kept frames
+            return qs == 0 and kb <= qb
+        return (qs == 0 and kb == qb) or _kept_by_rule(kf, qb * NB, sink, window)
+
+    pre = {f: before[:, f * S : (f + 1) * S] for f in kept}
+    got = _oracle(
+        model, family, seq, range(switch // NB, frames // NB), pre, allowed, cond, null, w, frames
+    )
+    return torch.cat([before[:, : switch * S]] + [got[f] for f in range(switch, frames)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# cases (run on every rank of the pool)
+# ---------------------------------------------------------------------------------------------
+def _err(a, b):
+    return float((a - b).abs().max())
+
+
+def _cp1_cases(family):
+    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.testing.parallel import model_parallel
+
+    out = {}
+    with model_parallel(seed=0):
+        model = _build(family)
+        for w in (1.0, 3.0):
+            ref = _recompute(model, family, w)
+            out[f"unbounded w={w}"] = _err(_cached(model, family, w=w)[0], ref)
+            out[f"stale w={w}"] = -_err(_cached(model, family, w=w, stale=True)[0], ref)
+        rule = WindowRule(NB, sink=2, window=2)  # block 3 drops frames 2, 3
+        windowed = _cached(model, family, frames=8, w=3.0, rule=rule)[0]
+        out["sink2 window2"] = _err(windowed, _window_oracle(model, family, 2, 2, 3.0, frames=8))
+        out["window drops frames"] = -_err(windowed, _cached(model, family, frames=8, w=3.0)[0])
+        rule = WindowRule(NB, sink=0, window=2)
+        switched = _cached(model, family, rule=rule, switches=[(4, 1)])[0]
+        out["sink0 window2 switch@4"] = _err(switched, _switch_oracle(model, family, 0, 2, 4, 1.0))
+        out["switch changes frames"] = -_err(switched, _cached(model, family, rule=rule)[0])
+        out["unbounded switch@2"] = _err(
+            _cached(model, family, w=3.0, switches=[(2, 1)])[0],
+            _switch_oracle(model, family, 0, F, 2, 3.0),
+        )
+    return out
+
+
+@pytest.mark.parametrize("family", ["ar_dit", "wan_ar"])
+def test_cached_generator_equals_no_cache_oracles(pool4, family):
+    for rank, res in enumerate(pool4.run(_cp1_cases, family)):
+        for name, err in res.items():
+            if err < 0:  # a stale cache must be caught; the window / switch must matter
+                assert -err > 1e-6, (rank, name, -err)
+            else:
+                assert err <= TOL, (rank, name, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# under context parallelism: equal to CP = 1, 1/N of the cache per rank
+# ---------------------------------------------------------------------------------------------
+DEGREES = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)]  # (U, R, TP)
+
+
+CP_RUN = dict(frames=8, w=3.0, switches=[(4, 1)])  # CFG, sink 2 + window 2, a prompt switch
+
+
+@functools.lru_cache(maxsize=None)  # per worker process: once per family for every degree
+def _cp1_reference(family):
+    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.testing.parallel import model_parallel
+
+    with model_parallel(seed=0):
+        return _cached(_build(family), family, rule=WindowRule(NB, 2, 2), **CP_RUN)
+
+
+def _cp_cases(family, U, R, tp):
+    from megatron_video.attention.ulysses import kv_heads_for_a2a
+    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.testing.parallel import video_parallel
+
+    ref, ref_bytes = _cp1_reference(family)
+    with video_parallel(U, R, tp=tp, seed=0) as groups:
+        model = _build(family, tp=tp, cp=U * R)
+        got, nbytes = _cached(model, family, groups, rule=WindowRule(NB, 2, 2), **CP_RUN)
+    hk = (2 if family == "ar_dit" else 4) // tp  # kv heads per TP rank
+    replicas = kv_heads_for_a2a(hk, U) // hk  # Ulysses repeats kv heads when U does not divide them
+    return {
+        "output": _err(got, ref),
+        "cache bytes x N / replicas": abs(nbytes * U * R * tp / replicas - ref_bytes),
+    }
+
+
+@pytest.mark.parametrize("family", ["ar_dit", "wan_ar"])
+@pytest.mark.parametrize("degree", DEGREES, ids=lambda d: f"U{d[0]}xR{d[1]}xTP{d[2]}")
+def test_cp_layouts_equal_cp1(pool4, family, degree):
+    for rank, res in enumerate(pool4.run(_cp_cases, family, *degree, ranks_per_node=4)):
+        for name, err in res.items():
+            assert err <= TOL, (rank, name, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# train.sample for the Wan families (the shared generation module)
+# ---------------------------------------------------------------------------------------------
+def _wan_train_sample(family, tmp):
+    import warnings
+
+    from megatron_video.testing.wan import tiny_wan_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    # wan_ar: a block is one latent frame of 6 tokens, so CP 2 (DP 2)
+    cp = dict(context_parallel_size=4, ulysses_size=2, ring_size=2)
+    if family == "wan_ar":
+        cp = dict(context_parallel_size=2, ulysses_size=2)
+    cfg = tiny_wan_config(family, tmp, f"{tmp}/shards", **cp)
+    cfg.train.steps, cfg.train.sample, cfg.train.save, cfg.train.sample_batch = 1, True, False, 1
+    cfg.diffusion.sample_steps, cfg.diffusion.guidance_scale = 2, 2.0
+    t = Trainer(cfg, progress=False)
+    try:
+        metrics = t.run()
+    finally:
+        t.close()
+    return metrics.get("sample")
+
+
+@pytest.mark.parametrize("family", ["wan", "wan_ar"])
+def test_train_sample_works_for_wan(pool4, tmp_path, family):
+    from megatron_video.testing.wan import tiny_wan_config, write_random_latent_shards
+
+    cfg = tiny_wan_config(family, tmp_path, tmp_path / "shards")
+    write_random_latent_shards(cfg, tmp_path / "shards")
+    sample = pool4.run(_wan_train_sample, family, str(tmp_path), ranks_per_node=2)[0]
+    latents = torch.load(sample["latents"])
+    assert tuple(latents.shape) == (1, 4, 4, 4, 6) and torch.isfinite(latents).all()
