@@ -19,7 +19,7 @@ from megatron_video.data import (
     write_shards,
 )
 from megatron_video.data.synthetic import COLORS, DIRECTIONS, SHAPES, SIZES
-from megatron_video.models.embedders import VOCAB, CaptionEmbedder
+from megatron_video.models.captions import VOCAB, CaptionEmbedder
 
 # ------------------------------------------------------------------------------------- synthetic
 

@@ -1,6 +1,6 @@
 """The embedded default data: procedural videos of a moving, bouncing, colour-changing shape, each
 fully determined by ``(seed, index)``, with captions over a small fixed vocabulary
-(``CaptionTokenizer`` over ``models.embedders.VOCAB``; no model hub).
+(``CaptionTokenizer`` over ``models.captions.VOCAB``; no model hub).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..models.embedders import PAD, UNK, VOCAB
+from ..models.captions import PAD, UNK, VOCAB
 
 __all__ = [
     "COLORS",

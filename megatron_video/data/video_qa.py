@@ -9,7 +9,7 @@ from typing import Dict
 import torch
 
 from ..checks import check_positive_int
-from ..models.embedders import VOCAB
+from ..models.captions import VOCAB
 from .synthetic import render_video, sample_attributes
 
 __all__ = ["IMAGE_TOKEN_INDEX", "QA_VOCAB", "QUESTIONS", "TEXT_LEN", "VideoQADataset"]

@@ -22,6 +22,7 @@ from megatron_video.attention.masks import AttentionMask
 from megatron_video.layouts.packed_video import PackedVideo
 from megatron_video.layouts.placement import Placement
 from megatron_video.layouts.stdit import VideoGeometry
+from megatron_video.models.captions import VOCAB
 from megatron_video.models.dit_blocks import TimestepEmbedder
 from megatron_video.models.dit_layer import DiTParams, VideoTransformerBlock
 from megatron_video.models.dit_layer_specs import (  # noqa: F401  (re-exported, their old home)
@@ -37,7 +38,6 @@ from megatron_video.models.dit_layer_specs import (  # noqa: F401  (re-exported,
     layer_spec_for,
 )
 from megatron_video.models.embedders import (
-    VOCAB,
     FinalLayer,
     PatchEmbed,
     TextEmbedder,
