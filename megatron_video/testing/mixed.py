@@ -158,7 +158,7 @@ def packed_maker(
     """A ``PackedBatchMaker`` of ``cfg`` for CP rank ``cp_rank`` of ``U x R`` (the family's packed
     kind), as the tests of packed training build it without process groups."""
     from megatron_video.training.families import get_family
-    from megatron_video.training.packed_data import PackedBatchMaker
+    from megatron_video.training.batches.packed import PackedBatchMaker
 
     return PackedBatchMaker(
         cfg,

@@ -15,10 +15,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from .batches import RankCoords, checked_step_batches, rank_data
 from .config import Config, load_config, validate
 from .families import get_family
 from .model_factory import build_model
-from .rank_data import rank_data
 
 __all__ = [
     "add_video_args",
@@ -186,26 +186,32 @@ class _Job:
 
             vae, scale = load_vae(ensure_vae(config, progress=False), config)
         self.first_stage = ps.is_pipeline_first_stage()
+        coords = RankCoords(
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            cp_rank=self.groups.cp_rank,
+            ulysses_size=p.ulysses_size,
+            ring_size=p.ring_size,
+            first_stage=self.first_stage,
+            last_stage=ps.is_pipeline_last_stage(),
+        )
         data = rank_data(
             config,
             family,
             self.groups,
+            coords,
             vae=vae,
             latent_scale=scale,
-            cp_rank=self.groups.cp_rank,
-            cp_size=self.groups.cp_size,
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            need_latents=self.first_stage or ps.is_pipeline_last_stage(),
             log=(lambda text: print(text, flush=True)) if dist.get_rank() == 0 else None,
         )
         self.objective = data.objective
         self.packed = self.batches = None
-        if config.data.buckets is None:
+        if hasattr(data.batches, "from_positions"):  # stateless (video_qa): Megatron's positions
             self.batches = data.batches
             return
-        # data.buckets: the trainer's packed micro-batches for training, and a second maker over
-        # the same clips, seeded data.seed + 1, for evaluation (the same draws at every one)
+        # the sample ledger's micro-batches (fixed or mixed shapes) for training, and a second
+        # maker over the same clips, seeded data.seed + 1, for evaluation (the same draws at
+        # every one)
         self.packed, self.eval_packed = data.batches, data.batches.held_out()
         self._mbs, self._at = None, None  # this step's micro-batches, (training?, iteration)
         # forward_step runs inside the schedule: a load failure is shared by the ranks of this
@@ -215,12 +221,12 @@ class _Job:
         self._stage_group = ps.get_data_parallel_group(with_context_parallel=True)
 
     def packed_micro_batch(self, iteration: int, training: bool):
-        """The next packed micro-batch of training step ``iteration`` (the ledger replayed to it
+        """The next micro-batch of training step ``iteration`` (the ledger replayed to it
         after a resume), or of the evaluation run at ``iteration`` (its draws from step 0)."""
         if self._at != (training, iteration):
             if training:
                 self.packed.replay_to(iteration)
-                self._mbs = self.packed.checked_step_batches(iteration, self._stage_group)
+                self._mbs = checked_step_batches(self.packed, iteration, self._stage_group)
             else:
                 self.eval_packed.restart()
                 self._mbs = None
@@ -228,8 +234,8 @@ class _Job:
         mb = next(self._mbs, None) if self._mbs is not None else None
         if mb is None and not training:  # the next evaluation step's micro-batches
             maker = self.eval_packed
-            self._mbs = maker.checked_step_batches(
-                maker.sampler.ledger.next_step, self._stage_group
+            self._mbs = checked_step_batches(
+                maker, maker.sampler.ledger.next_step, self._stage_group
             )
             mb = next(self._mbs, None)
         if mb is None:
