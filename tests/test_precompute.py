@@ -10,9 +10,9 @@ import torch
 from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 from megatron_video.data.shards import ShardReader
 from megatron_video.models.vae import CausalVideoVAE
-from megatron_video.training.config import load_config
 from megatron_video.training.batches import RankCoords
 from megatron_video.training.batches.fixed import FixedBatchMaker
+from megatron_video.training.config import load_config
 from megatron_video.training.precompute import precompute_latents
 
 

@@ -435,8 +435,8 @@ def test_planner_decision_printed_once(root):
 
 
 def test_bad_input_names_the_field(root):
-    from megatron_video.training.config import validate
     from megatron_video.training.batches.packed import load_clip_store
+    from megatron_video.training.config import validate
 
     cfg = _config("video_dit", root, budget=20)
     with pytest.raises(

@@ -184,7 +184,11 @@ def test_each_cp_rank_encodes_exactly_its_latents(data, family):
 # the raw path is the shards path: clip set, grids, costs, draws; one trainer step's loss
 # ---------------------------------------------------------------------------------------------
 def test_raw_and_shards_draw_the_same_steps(data):
-    from megatron_video.training.batches.clips import RawClipSource, ShardClipSource, load_clip_store
+    from megatron_video.training.batches.clips import (
+        RawClipSource,
+        ShardClipSource,
+        load_clip_store,
+    )
     from megatron_video.training.vae_stage import load_vae
 
     cfg = _config("video_dit", data)

@@ -108,7 +108,8 @@ class StepSampler:
     ``max_clips``) and pack into ``dp_size * num_microbatches`` micro-batches (a clip that does
     not fit goes first into the next step), then ``balance_clips`` them by cost over the ranks.
     Which clips a step takes depends on ``dp_size * num_microbatches`` (the global batch), not
-    on ``dp_size``: replaying the draws from the seed gives the same ledger at any DP size. The last step of an epoch takes what is left (micro-batches may stay empty
+    on ``dp_size``: replaying the draws from the seed gives the same ledger at any DP size.
+    The last step of an epoch takes what is left (micro-batches may stay empty
     when it has fewer clips than ``dp_size * num_microbatches``; ``drop_last``: an epoch's
     clips that cannot fill a whole step are left for the next epoch's permutation instead, as
     fixed-shape batches need). Every step is recorded in

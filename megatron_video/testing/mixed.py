@@ -157,8 +157,8 @@ def packed_maker(
 ):
     """A ``PackedBatchMaker`` of ``cfg`` for CP rank ``cp_rank`` of ``U x R`` (the family's packed
     kind), as the tests of packed training build it without process groups."""
-    from megatron_video.training.families import get_family
     from megatron_video.training.batches.packed import PackedBatchMaker
+    from megatron_video.training.families import get_family
 
     return PackedBatchMaker(
         cfg,
