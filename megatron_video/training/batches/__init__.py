@@ -41,17 +41,7 @@ def rank_data(
         from .packed import PackedBatchMaker
 
         maker = PackedBatchMaker(
-            config,
-            kind=family.packed_kind,
-            latent_scale=latent_scale,
-            cp_rank=coords.cp_rank,
-            ulysses_size=coords.ulysses_size,
-            ring_size=coords.ring_size,
-            dp_rank=coords.dp_rank,
-            dp_size=coords.dp_size,
-            log=log,
-            vae=vae,
-            need_latents=coords.need_latents,
+            config, coords, kind=family.packed_kind, latent_scale=latent_scale, log=log, vae=vae
         )
         # the schedule's nominal length; with PP the stages exchange each micro-batch's shape
         # (Megatron's variable_seq_lengths: packed micro-batches vary in length)

@@ -41,7 +41,7 @@ from megatron_video.models.embedders import patchify
 from ..config import Config, bucket_grid
 from .clips import ClipSource, ShardClipSource, clip_source, load_clip_store
 from .fixed import clip_draws
-from .protocol import checked_step_batches
+from .protocol import RankCoords, checked_step_batches
 
 __all__ = ["PackedMicroBatch", "PackedBatchMaker", "load_clip_store"]
 
@@ -79,36 +79,31 @@ class PackedBatchMaker:
     def __init__(
         self,
         config: Config,
+        coords: RankCoords,
         *,
         kind: str,
         latent_scale: float,
-        cp_rank: int,
-        ulysses_size: int,
-        ring_size: int,
-        dp_rank: int,
-        dp_size: int,
         log: Optional[Callable[[str], None]] = None,
         store: Optional[Dict[str, dict]] = None,
         source: Optional[ClipSource] = None,
         vae=None,
-        need_latents: bool = True,
     ):
-        self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
+        self.config, self.coords, self.kind = config, coords, kind
+        self.latent_scale, self.log = float(latent_scale), log
         p = config.parallel
-        self.U, self.R, self.cp_rank = ulysses_size, ring_size, cp_rank
-        self.cp_size = ulysses_size * ring_size
-        self.dp_rank, self.dp_size, self.log = dp_rank, dp_size, log
+        self.U, self.R, self.cp_rank = coords.ulysses_size, coords.ring_size, coords.cp_rank
+        self.cp_size, self.dp_rank, self.dp_size = coords.cp_size, coords.dp_rank, coords.dp_size
         self.placement_order = p.placement
         self.patch = tuple(config.model.patch_size)
         self.fpb = config.model.frames_per_block if kind == "teacher_forcing" else 1
         t = config.train
-        gbs = t.global_batch_size or t.micro_batch_size * dp_size
-        self.num_microbatches = gbs // (t.micro_batch_size * dp_size)
+        gbs = t.global_batch_size or t.micro_batch_size * self.dp_size
+        self.num_microbatches = gbs // (t.micro_batch_size * self.dp_size)
         self.grid = bucket_grid(config)
         self.budget = self.grid.config.tokens_per_microbatch
         if source is None:
             source = ShardClipSource(store) if store is not None else clip_source(config, vae)
-        self.source, self.need_latents = source, need_latents
+        self.source, self.need_latents = source, coords.need_latents
         self.ids = list(source.ids)
         self.index = {k: i for i, k in enumerate(self.ids)}
         self.clips = {k: self._video_clip(k) for k in self.ids}
@@ -127,16 +122,7 @@ class PackedBatchMaker:
         held = copy.deepcopy(self.config)
         held.data.seed += 1
         return PackedBatchMaker(
-            held,
-            kind=self.kind,
-            latent_scale=self.latent_scale,
-            cp_rank=self.cp_rank,
-            ulysses_size=self.U,
-            ring_size=self.R,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            source=self.source,
-            need_latents=self.need_latents,
+            held, self.coords, kind=self.kind, latent_scale=self.latent_scale, source=self.source
         )
 
     # -- clips ----------------------------------------------------------------------------------
