@@ -52,10 +52,18 @@ def _trainer(tmp, name, source="synthetic", **parallel):
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    cfg = tiny_config("ar_dit", tmp, **parallel)
+    if source == "buckets":  # data.buckets: packed mixed-shape clips from precomputed shards
+        from megatron_video.testing.mixed import tiny_mixed_config
+
+        cfg = tiny_mixed_config("ar_dit", tmp, f"{tmp}/mixed", budget=96, **parallel)
+        cfg.train.global_batch_size = 4
+    else:
+        cfg = tiny_config("ar_dit", tmp, **parallel)
     cfg.output = f"{tmp}/{name}"
     if source == "energon":
         cfg.data.source, cfg.data.path = "energon", f"{tmp}/ds"
+    if source == "shards":  # latents precomputed from the energon clips
+        cfg.data.source, cfg.data.shards = "shards", f"{tmp}/latents"
     return Trainer(cfg, progress=False)
 
 
@@ -161,18 +169,35 @@ def test_each_clip_once_check_fails_on_a_skip_or_repeat():
             assert_each_clip_once(full, bad)
 
 
-def test_energon_clips_resume_under_another_layout(pool4, vae_dir):
-    """The demo's data (energon clips, each CP rank decoding and encoding its own halo windows)
-    saved at DP1 x CP4 resumes at DP2 x CP2, DP4 x CP1 and TP2 x CP2: the sample ledger names
-    every clip once across the interruption and the next two losses are the uninterrupted run's."""
-    from pathlib import Path
-
+def _prepare(vae_dir, source):
+    """The data of ``source`` under ``vae_dir`` (once): 16 energon clips, their precomputed
+    latents, or 32 mixed-shape latent clips for data.buckets."""
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 
-    if not (Path(vae_dir) / "ds").is_dir():
-        write_procedural_videos(f"{vae_dir}/src", 16, num_frames=13, height=16, width=16, seed=9)
-        prepare_dataset(f"{vae_dir}/src", f"{vae_dir}/ds")
-    res = pool4.run(_reshard, vae_dir, "energon")
+    root = Path(vae_dir)
+    if not (root / "ds").is_dir():
+        write_procedural_videos(root / "src", 16, num_frames=13, height=16, width=16, seed=9)
+        prepare_dataset(root / "src", root / "ds")
+    if source == "shards" and not (root / "latents").is_dir():
+        from megatron_video.training.precompute import precompute_latents
+
+        cfg = tiny_config("ar_dit", vae_dir)
+        cfg.data.source, cfg.data.path = "energon", str(root / "ds")
+        precompute_latents(cfg, root / "latents")
+    if source == "buckets" and not (root / "mixed").is_dir():
+        from megatron_video.testing.mixed import write_tiny_mixed_shards
+
+        write_tiny_mixed_shards("ar_dit", root / "mixed", num_samples=32)
+
+
+@pytest.mark.parametrize("source", ["energon", "shards", "buckets"])
+def test_data_sources_resume_under_another_layout(pool4, vae_dir, source):
+    """Saved at DP1 x CP4, resumed at DP2 x CP2, DP4 x CP1 and TP2 x CP2: energon clips with the
+    VAE inside the SP partition (the demo's data), latents precomputed from them, and mixed
+    shapes (data.buckets, packed): the sample ledger names every clip once across the
+    interruption and the next two losses are the uninterrupted run's."""
+    _prepare(vae_dir, source)
+    res = pool4.run(_reshard, vae_dir, source)
     _check_reshard(res, ENERGON_LAYOUTS)
     assert [res[0][n][2] for n in ENERGON_LAYOUTS] == [2, 4, 1]
 
@@ -249,6 +274,7 @@ def _checkpoint_failures(tmp):
         out["restored"] = all(
             torch.equal(before[k], v) for k, v in t.model.state_dict().items() if k in before
         )
+        t.train_step(1)  # the step the crash lost (the sample ledger is the data state)
         t.save(2)  # the next save clears the partial one
         out["after_save"] = (ckpt.latest_step(d), (d / "iter_0000002.partial").exists())
         # a truncated tensor file
@@ -260,6 +286,7 @@ def _checkpoint_failures(tmp):
         out["truncated"] = _raises(lambda: t.load())
         # crafted pickles, with a manifest that matches them (what an attacker would write)
         sentinel = Path(tmp) / "pwned"
+        t.train_step(2)
         for name in (".metadata", "common.pt"):
             t.save(3)
             p3 = d / "iter_0000003"
