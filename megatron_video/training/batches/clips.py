@@ -99,7 +99,7 @@ class EncodingClipSource(ClipSource):
     z = halo = 0
 
     def _init_encoder(self, encoder, z: int, halo_latents: Optional[int]) -> None:
-        from megatron_video.layouts.vae_halo import encoder_halo
+        from megatron_video.models.vae_halo_probe import encoder_halo
 
         if encoder is None:
             raise ValueError(
@@ -196,7 +196,7 @@ class RawClipSource(EncodingClipSource):
     """Raw clips of the energon dataset ``config.data.path`` at their buckets, encoded per request
     with ``encoder`` (``[B, 3, T, H, W]`` in ``[-1, 1]`` -> ``[B, >= z, F, h, w]``; channels past
     ``vae.latent_channels`` are dropped) and ``halo_latents`` (None: the encoder's temporal
-    receptive field, ``layouts.vae_halo.encoder_halo``). Clips the grid refuses are left out
+    receptive field, ``models.vae_halo_probe.encoder_halo``). Clips the grid refuses are left out
     (``left_out``: ``(key, reason)``), as ``precompute`` leaves them out. ``reads`` records each
     decoded ``(key, HaloWindow)``."""
 

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_video.models.wan.model import WanConfig, WanModel, wan_architecture
+from megatron_video.models.wan.config import WanConfig, wan_architecture
+from megatron_video.models.wan.model import WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
 from ..config import Config, token_grid_of
