@@ -168,3 +168,15 @@ def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
             everything.extend(union)
     if source == "shards":  # distinct clips (captions): none twice within the epoch
         assert len(set(everything)) == len(everything) == 3 * gbs
+
+
+def test_rank_coords_are_checked_once():
+    c = RankCoords(dp_rank=1, dp_size=2, cp_rank=3, ulysses_size=2, ring_size=2, last_stage=False)
+    assert c.cp_size == 4 and c.need_latents
+    assert not RankCoords(first_stage=False, last_stage=False).need_latents  # a middle stage
+    with pytest.raises(
+        ValueError, match=r"RankCoords.cp_rank \(4\) must be an integer in \[0, cp_size \(4\)\)"
+    ):
+        RankCoords(cp_rank=4, ulysses_size=2, ring_size=2)
+    with pytest.raises(ValueError, match=r"RankCoords.dp_size \(0\) must be a positive integer"):
+        RankCoords(dp_size=0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol, runtime_checkable
 
+from megatron_video.checks import check_positive_int, check_rank
+
 __all__ = ["RankCoords", "BatchSource", "checked_step_batches"]
 
 
@@ -24,13 +26,9 @@ class RankCoords:
 
     def __post_init__(self):
         for name in ("dp_size", "ulysses_size", "ring_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RankCoords.{name} ({v!r}) must be an integer >= 1")
-        for name, size in (("dp_rank", self.dp_size), ("cp_rank", self.cp_size)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
-                raise ValueError(f"RankCoords.{name} ({v!r}) must be an integer in [0, {size})")
+            check_positive_int(f"RankCoords.{name}", getattr(self, name))
+        check_rank("RankCoords.dp_rank", self.dp_rank, self.dp_size, "dp_size")
+        check_rank("RankCoords.cp_rank", self.cp_rank, self.cp_size, "cp_size")
 
     @property
     def cp_size(self) -> int:
