@@ -347,22 +347,17 @@ def test_mixed_first_loss_equals_our_trainer(mixed_run, pool4, tmp_path):
 
 
 @real
-def test_mixed_resume_at_another_dp_size_replays_the_ledger(mixed_run, tmp_path):
-    """Saved at DP 1 x CP 4, resumed from iteration 3's checkpoint at DP 2 x CP 2 (the same
-    global batch): iterations 4-6 see the clips of the uninterrupted run (the ledger replayed
-    from the seed draws the same clips at any DP size), so the same losses (fp32, rel 1e-5;
-    Megatron's first log after a resume averages iterations 4 and 5) and evaluation at 6."""
+def test_mixed_resume_replays_the_ledger(mixed_run, tmp_path):
+    """Resumed from iteration 3's checkpoint, iterations 4-6 see the clips of the uninterrupted
+    run (the ledger replayed): the same losses (Megatron's first log after a resume averages
+    iterations 4 and 5) and the same evaluation at 6."""
     extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3")
-    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
-    run = _run("mixed", tmp_path / "resumed", *mixed_run["six"], *mixed_run["extra"], *extra, *dp2)
+    run = _run("mixed", tmp_path / "resumed", *mixed_run["six"], *mixed_run["extra"], *extra)
     ref, got = mixed_run["losses"], run["losses"]
     assert sorted(got) == [4, 5, 6], got
-    assert got[4] == pytest.approx(ref[4], rel=1e-5) and got[6] == pytest.approx(ref[6], rel=1e-5)
-    assert got[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=1e-5)
-    ((_, final, value),) = [e for e in run["evals"] if e[0] == 6 and not e[1]]
-    assert value == pytest.approx(
-        next(v for i, f, v in mixed_run["evals"] if (i, f) == (6, False)), rel=1e-5
-    )
+    assert got[4] == ref[4] and got[6] == ref[6]
+    assert got[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=2e-6)
+    assert run["evals"] == [e for e in mixed_run["evals"] if e[0] == 6]
 
 
 @real
