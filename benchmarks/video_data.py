@@ -5,8 +5,8 @@ A prepared energon dataset of procedural mp4 clips (H.264, a key frame every 8 f
 (``layouts.vae_halo.halo_windows``, halo of the project's VAE) is decoded with energon's
 ``AVDecoder.get_video_clips`` (frame range) and, for comparison, the whole clip is decoded and
 sliced. Printed per P: raw frames decoded per rank (max), the target ``F/P`` share + halo in raw
-frames, and decode time per rank (max over ranks, mean over clips); then the energon loader's
-samples/s for one rank's windows.
+frames, and decode time per rank (max over ranks, mean over clips); then the clips-by-key reader's
+(``KeyedClips``, what training reads) samples/s for one rank's window.
 
     python benchmarks/video_data.py [--latents 32] [--hw 64] [--clips 6]
 """
@@ -24,9 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megatron_video.data.buckets import BucketConfig, BucketGrid  # noqa: E402
 from megatron_video.data.energon_video import (  # noqa: E402
+    KeyedClips,
+    dataset_records,
     prepare_dataset,
-    video_window_loader,
     write_procedural_videos,
 )
 from megatron_video.layouts.vae_halo import halo_windows, num_raw_frames  # noqa: E402
@@ -85,27 +87,20 @@ def main() -> None:
                 f"{P:2d} | {max(frames_w):26d} | {target:12d} | {T:16d} | {1e3 * max(per_rank_w):15.1f} ms | "
                 f"{1e3 * max(per_rank_f):17.1f} ms | {max(per_rank_f) / max(per_rank_w):5.2f}x"
             )
+        lat = args.hw // 8  # one bucket: the clips' own shape
+        grid = BucketGrid(BucketConfig(area=lat * lat, area_tolerance=0.0, aspect_ratios=[1.0],
+                                       max_frames=T, frame_counts=[T], patch_size=[1, 1, 1],
+                                       tokens_per_microbatch=F * lat * lat))  # fmt: skip
+        plans = grid.plan_many(dataset_records(root / "ds"))
+        clips = KeyedClips(root / "ds")
         for P in (1, 4):
             w = halo_windows(F, P, h, temporal_stride=st)[P - 1]
-            loader, te = video_window_loader(
-                root / "ds",
-                [w],
-                num_frames=T,
-                height=args.hw,
-                width=args.hw,
-                batch_size=1,
-                dp_rank=0,
-                dp_size=1,
-            )
-            it = iter(loader)
-            next(it)
-            n, t = 3 * args.clips, time.perf_counter()
-            for _ in range(n):
-                next(it)
+            n, t = 3 * len(plans), time.perf_counter()
+            frames = sum(clips.read(plans[i % len(plans)], w).shape[1] for i in range(n))
             dt = time.perf_counter() - t
             print(
-                f"energon loader, last rank of P={P} (window {w.window}): {n / dt:.1f} samples/s "
-                f"({te.decoded_frames / (n + 1):.0f} raw frames decoded per sample)"
+                f"clips by key, last rank of P={P} (window {w.window}): {n / dt:.1f} samples/s "
+                f"({frames / n:.0f} raw frames decoded per sample)"
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -231,6 +231,36 @@ def test_every_clip_exactly_once_across_an_interruption(dp_after):
         assert all(t <= 2**17 for rank in b.assignment.bin_tokens for t in rank)
 
 
+def test_replayed_draws_are_the_same_at_any_dp_size():
+    """Which clips a step takes depends on the global batch (DP x micro-batches), not on DP:
+    Megatron-LM's entry replays the ledger from the seed and resumes at another DP size."""
+
+    def ledger(dp, m):
+        plans, costs = _realistic_clips(120, 1)[0], _costs(120, 1)
+        s = StepSampler(
+            [f"clip{p.key}" for p in plans], [p.tokens for p in plans], costs, dp_size=dp,
+            num_microbatches=m, tokens_per_microbatch=2**17, seed=3,
+        )  # fmt: skip
+        _run_epoch(s)
+        return s.ledger.steps
+
+    ref = ledger(4, 1)
+    assert len(ref) > 3 and ledger(2, 2) == ref and ledger(1, 4) == ref
+
+
+def test_fixed_shape_steps_are_whole_and_drop_the_epoch_tail():
+    """One clip per sequence (tokens 1, budget = micro-batch size): every micro-batch full; the
+    clips that cannot fill a last step wait for the next epoch (``drop_last``)."""
+    s = StepSampler(list(range(10)), [1] * 10, [1.0] * 10, dp_size=2, num_microbatches=1,
+                    tokens_per_microbatch=2, drop_last=True)  # fmt: skip
+    steps = [s.next_step() for _ in range(4)]
+    assert all(len(mb) == 2 for b in steps for rank in b.bins for mb in rank)
+    assert [b.epoch for b in steps] == [0, 0, 1, 1]  # 8 of 10 clips in epoch 0, 2 left over
+    with pytest.raises(ValueError, match="must fill one step"):
+        StepSampler([0, 1], [1, 1], [1.0, 1.0], dp_size=2, num_microbatches=1,
+                    tokens_per_microbatch=2, drop_last=True)  # fmt: skip
+
+
 def test_same_dp_resume_repeats_the_uninterrupted_batches():
     whole = _run_epoch(_sampler((120, 1), 2))
     part = _sampler((120, 1), 2)

@@ -1,22 +1,15 @@
 """Real video through megatron-energon (data.energon_video): prepare -> per-rank frame-range
-decoding on 4 gloo ranks (DP2 x CP2), sample agreement and sharding, resume order, corrupt files."""
+decoding of each CP rank's halo windows (the fixed-shape batches' raw clip source), the resume
+order on 4 gloo ranks (DP2 x CP2, the sample ledger), corrupt files."""
 
 import io
 import json
-import logging
 import tarfile
 
 import pytest
 import torch
 
-from megatron_video.data.energon_video import (
-    prepare_dataset,
-    state_from_json,
-    state_to_json,
-    video_window_loader,
-    write_procedural_videos,
-)
-from megatron_video.layouts.vae_halo import halo_windows
+from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 
 T, HW, F = 29, 32, 8
 
@@ -53,66 +46,43 @@ def test_prepare_records_metadata_and_skips_unreadable(dataset):
     assert (meta / "split.yaml").is_file() and (meta / "index.sqlite").is_file()
 
 
-def _rank_case(ds_path, src_dir):
-    import torch.distributed as dist
+def _fixed_maker(ds_path, cp_rank, cp_size, tmp):
+    from megatron_video.models.vae import CausalVideoVAE
+    from megatron_video.testing.configs import tiny_config
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.fixed import FixedBatchMaker
 
-    me = dist.get_rank()
-    dp, cp = me // 2, me % 2  # DP2 x CP2: the loader sees only the DP rank
-    w = halo_windows(F, 2, 2)[cp]
-    loader, te = video_window_loader(
-        ds_path, [w], num_frames=T, height=HW, width=HW, batch_size=2, dp_rank=dp, dp_size=2, seed=5
-    )
-    it = iter(loader)
-    batches, state = [], None
-    for i in range(4):
-        batches.append(next(it))
-        if i == 1:
-            state = state_to_json(loader.save_state_rank())
-    keys = [[s.meta["source"] for s in b] for b in batches]
-    decoded = [s.decoded_frames for b in batches for s in b]
-    exact = True  # the window is the slice of a full decode
-    for b in batches[:2]:
-        for s in b:
-            full = _full_decode(f"{src_dir}/{s.meta['source']}")
-            ref = (full[w.raw_start : w.raw_end].float() / 127.5 - 1).permute(3, 0, 1, 2)
-            exact &= torch.equal(s.windows[0], ref)
-    # resume: a fresh loader restored from the JSON state continues as the uninterrupted one
-    loader2, _ = video_window_loader(
-        ds_path, [w], num_frames=T, height=HW, width=HW, batch_size=2, dp_rank=dp, dp_size=2, seed=5
-    )
-    loader2.restore_state_rank(state_from_json(state))
-    it2 = iter(loader2)
-    resumed = [[s.meta["source"] for s in next(it2)] for _ in range(2)]
-    return dict(
-        dp=dp,
-        window=(w.raw_start, w.raw_end),
-        keys=keys,
-        decoded=decoded,
-        exact=exact,
-        resumed=resumed,
-        total=te.decoded_frames,
-    )
+    cfg = tiny_config("video_dit", str(tmp))
+    cfg.data.source, cfg.data.path = "energon", str(ds_path)
+    cfg.data.num_frames, cfg.data.height, cfg.data.width = T, HW, HW
+    torch.manual_seed(0)
+    vae = CausalVideoVAE(3, cfg.vae.latent_channels, 4).eval()
+    coords = RankCoords(cp_rank=cp_rank, ulysses_size=cp_size)
+    return FixedBatchMaker(cfg, coords, vae=type("V", (), {"encoder": vae.encoder})())
 
 
-def test_energon_windows_dp2_cp2(pool4, dataset):
+def test_energon_windows_per_cp_rank(dataset, tmp_path):
+    """Each CP rank decodes exactly its halo window of each clip (a slice of the full decode);
+    the CP ranks read the same clips; the file that does not decode was left out by prepare."""
     root, _ = dataset
-    out = pool4.run(_rank_case, str(root / "ds"), str(root / "src"))
-    for r in out:
-        a, b = r["window"]
-        assert r["decoded"] == [b - a] * 8  # each rank decoded exactly its window per sample
-        assert r["total"] == 8 * (b - a) < 8 * T
-        assert r["exact"]
-        assert r["resumed"] == r["keys"][2:]  # resume = the uninterrupted order
-    assert out[0]["window"] == (0, 13) and out[1]["window"] == (4, 29)  # CP0 / CP1 windows (h = 2)
-    for d in (0, 1):  # CP ranks of a replica see the same samples
-        assert out[2 * d]["keys"] == out[2 * d + 1]["keys"]
-    first_epoch = [set(k for b in out[2 * d]["keys"][:2] for k in b) for d in (0, 1)]
-    assert not first_epoch[0] & first_epoch[1]  # the DP replicas' shares are disjoint
-    assert len(first_epoch[0] | first_epoch[1]) == 8
+    seen = []
+    for cp in (0, 1):
+        m = _fixed_maker(root / "ds", cp, 2, tmp_path)
+        assert len(m.ids) == 8
+        mbs = list(m.step_batches(0))
+        seen.append([c for mb in mbs for c in mb.captions])
+        wins = {(w.raw_start, w.raw_end) for _, w in m.source.reads}
+        assert wins == ({(0, 13)} if cp == 0 else {(4, 29)})  # F=8 latents, halo 2
+        assert len(m.source.reads) == sum(len(mb.captions) for mb in mbs)
+        key, w = m.source.reads[0]
+        rec = m.source.clips.records[key]
+        full = _full_decode(root / "src" / rec["source"])
+        ref = (full[w.raw_start : w.raw_end].float() / 127.5 - 1).permute(3, 0, 1, 2)
+        assert torch.equal(m.source.raw(key, w), ref)
+    assert seen[0] == seen[1]
 
 
-def test_corrupt_sample_skipped_named_and_counted(dataset, tmp_path, caplog):
-    root, _ = dataset
+def test_corrupt_sample_named(dataset, tmp_path):
     src = tmp_path / "src"
     write_procedural_videos(src, 4, num_frames=T, height=HW, width=HW, seed=4)
     prepare_dataset(src, tmp_path / "ds", samples_per_shard=4)
@@ -136,31 +106,9 @@ def test_corrupt_sample_skipped_named_and_counted(dataset, tmp_path, caplog):
         shuffle_seed=None,
         workers=1,
     )
-    w = halo_windows(F, 2, 2)[1]
-    loader, te = video_window_loader(
-        tmp_path / "ds", [w], num_frames=T, height=HW, width=HW, batch_size=1, dp_rank=0, dp_size=1
-    )
-    it = iter(loader)
-    with caplog.at_level(logging.WARNING, logger="megatron_video.data"):
-        got = [next(it)[0].meta["source"] for _ in range(3)]
-    assert got == ["clip000000.mp4", "clip000002.mp4", "clip000003.mp4"]
-    assert te.skipped == 1
-    assert any(
-        "clip000001.mp4" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records
-    )
-
-
-def test_state_json_refuses_foreign_classes():
-    bad = json.dumps(
-        {
-            "format": "megatron_video.energon_state/1",
-            "state": {"__dataclass__": "os:system", "fields": {}},
-        }
-    )
-    with pytest.raises(ValueError, match="only megatron.energon classes are allowed"):
-        state_from_json(bad)
-    with pytest.raises(ValueError, match="must be a megatron_video.energon_state/1"):
-        state_from_json("{}")
+    m = _fixed_maker(tmp_path / "ds", 1, 2, tmp_path)
+    with pytest.raises(ValueError, match=r"clip '000000001' of data.path .* cannot be decoded"):
+        m.micro_batch(0, ["000000001"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,10 +130,8 @@ def _trainer_resume(tmp, ds):
         cfg.data.source, cfg.data.path, cfg.output = "energon", ds, f"{tmp}/{name}"
         t = Trainer(cfg, progress=False)
         keys = []
-        nb = t.batches.energon.next_batch
-        t.batches.energon.next_batch = lambda n: (
-            lambda b: (keys.append([s.__key__ for s in b]), b)[1]
-        )(nb(n))
+        mb = t.batches.micro_batch
+        t.batches.micro_batch = lambda step, k: (keys.append(list(k)), mb(step, k))[1]
         return t, keys
 
     t, keys = make("a")
@@ -224,7 +170,7 @@ def test_trainer_checkpoint_resumes_energon_order(pool4, tmp_path_factory):
     assert out[0]["full_keys"] == out[1]["full_keys"] != out[2]["full_keys"] == out[3]["full_keys"]
     ck = tmp / "a" / "checkpoints"
     files = sorted(p.name for p in ck.rglob("dataloader/*.json"))
-    assert files == [f"rank{r}.json" for r in range(4)]
+    assert files == ["ledger.json"]  # the sample ledger, the same on every rank
 
 
 def test_prepare_cli_manifest_json_sidecars_and_errors(tmp_path, capsys):
@@ -296,22 +242,3 @@ def test_energon_config_and_loader_refusals(tmp_path):
         ValueError, match=r"data.source \('tar'\) must be 'synthetic', 'shards' or 'energon'"
     ):
         validate(load_config(None, ["data.source=tar"]), 1)
-    with pytest.raises(
-        ValueError, match=r"must be an energon dataset \(run `megatron-video prepare"
-    ):
-        video_window_loader(
-            tmp_path,
-            halo_windows(F, 2, 2)[:1],
-            num_frames=T,
-            height=HW,
-            width=HW,
-            batch_size=1,
-            dp_rank=0,
-            dp_size=1,
-        )
-    with pytest.raises(
-        ValueError, match=r"windows reach raw frame 29; must lie in num_frames \(13\)"
-    ):
-        from megatron_video.data.energon_video import VideoWindowTaskEncoder
-
-        VideoWindowTaskEncoder(halo_windows(F, 2, 2)[1:], 13, HW, HW)

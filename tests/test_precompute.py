@@ -10,8 +10,9 @@ import torch
 from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
 from megatron_video.data.shards import ShardReader
 from megatron_video.models.vae import CausalVideoVAE
+from megatron_video.training.batches import RankCoords
+from megatron_video.training.batches.fixed import FixedBatchMaker
 from megatron_video.training.config import load_config
-from megatron_video.training.data import BatchMaker
 from megatron_video.training.precompute import precompute_latents
 
 
@@ -80,8 +81,8 @@ def test_precomputed_latents_equal_full_encoding(setup, sp):
             "train.micro_batch_size=1",
         ],
     )
-    bm = BatchMaker(tcfg, vae=None, latent_scale=0.5, cp_rank=0, cp_size=1, dp_rank=0, dp_size=1)
-    mb = bm.micro_batch(0, 0)
+    bm = FixedBatchMaker(tcfg, RankCoords(), latent_scale=0.5)
+    mb = next(bm.step_batches(0))
     assert mb.clean is not None and torch.isfinite(mb.clean).all()
 
 

@@ -38,15 +38,39 @@ OTHER_LAYOUTS = {
 }
 
 
-def _trainer(tmp, name, **parallel):
+# the demo's other data source (energon clips, VAE in the SP partition) resumes on these
+ENERGON_LAYOUTS = {
+    "dp2_cp2_u2": OTHER_LAYOUTS["dp2_cp2_u2"],
+    "dp4_cp1": dict(ranks_per_node=2),
+    "tp2_cp2_r2": OTHER_LAYOUTS["tp2_cp2_r2"],
+}
+
+
+def _trainer(tmp, name, source="synthetic", **parallel):
     import warnings
 
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    cfg = tiny_config("ar_dit", tmp, **parallel)
+    if source == "buckets":  # data.buckets: packed mixed-shape clips from precomputed shards
+        from megatron_video.testing.mixed import tiny_mixed_config
+
+        cfg = tiny_mixed_config("ar_dit", tmp, f"{tmp}/mixed", budget=96, **parallel)
+        cfg.train.global_batch_size = 4
+    else:
+        cfg = tiny_config("ar_dit", tmp, **parallel)
     cfg.output = f"{tmp}/{name}"
+    if source == "energon":
+        cfg.data.source, cfg.data.path = "energon", f"{tmp}/ds"
+    if source == "shards":  # latents precomputed from the energon clips
+        cfg.data.source, cfg.data.shards = "shards", f"{tmp}/latents"
     return Trainer(cfg, progress=False)
+
+
+def _ledger_steps(t):
+    import json
+
+    return [tuple(ids) for _, ids in json.loads(t.batches.data_state())["steps"]]
 
 
 @pytest.fixture(scope="module")
@@ -61,30 +85,34 @@ def vae_dir(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 # resharding resume
 # ---------------------------------------------------------------------------------------------
-def _reshard(tmp):
+def _reshard(tmp, source="synthetic"):
     out = {}
-    t = _trainer(tmp, "reshard_src", **CP4)  # DP1 x CP4 (U2 x R2)
+    t = _trainer(tmp, f"reshard_src_{source}", source, **CP4)  # DP1 x CP4 (U2 x R2)
     try:
         for s in range(2):
             t.train_step(s)
         t.save(2)
         out["same"] = [t.train_step(s)["loss"] for s in (2, 3)]
-        out["gbs"] = t.global_batch
+        out["gbs"], out["ledger"] = t.global_batch, _ledger_steps(t)
     finally:
         t.close()
-    ckdir = f"{tmp}/reshard_src/checkpoints"
-    for name, layout in OTHER_LAYOUTS.items():
-        t = _trainer(tmp, f"reshard_{name}", **layout)
+    ckdir = f"{tmp}/reshard_src_{source}/checkpoints"
+    layouts = OTHER_LAYOUTS if source == "synthetic" else ENERGON_LAYOUTS
+    for name, layout in layouts.items():
+        t = _trainer(tmp, f"reshard_{name}_{source}", source, **layout)
         try:
             assert t.load(ckdir) == 2
-            out[name] = ([t.train_step(s)["loss"] for s in (2, 3)], t.global_batch, t.dp_size)
+            losses = [t.train_step(s)["loss"] for s in (2, 3)]
+            out[name] = (losses, t.global_batch, t.dp_size, _ledger_steps(t))
         finally:
             t.close()
+    if source != "synthetic":
+        return out
     # the user's path: a job under DP2 x CP2 pointed at the same output resumes by itself (run())
     import megatron_video.training.trainer as trainer_mod
 
     cfg = tiny_config("ar_dit", tmp, **OTHER_LAYOUTS["dp2_cp2_u2"])
-    cfg.output, cfg.train.steps, cfg.train.resume = f"{tmp}/reshard_src", 4, True
+    cfg.output, cfg.train.steps, cfg.train.resume = f"{tmp}/reshard_src_synthetic", 4, True
     t = trainer_mod.Trainer(cfg, progress=False)
     try:
         metrics = t.run()
@@ -105,22 +133,78 @@ def _refuse_shape(tmp):
     t = Trainer(cfg, progress=False)
     try:
         with pytest.raises(ValueError) as e:
-            t.load(f"{tmp}/reshard_src/checkpoints")
+            t.load(f"{tmp}/reshard_src_synthetic/checkpoints")
         return str(e.value)
     finally:
         t.close()
 
 
-def test_resume_under_another_layout(pool4, vae_dir):
-    res = pool4.run(_reshard, vae_dir)
+def assert_each_clip_once(uninterrupted, resumed):
+    """The resumed run's ledger (steps before and after the interruption) names every clip of
+    the uninterrupted run's steps exactly once, step by step."""
+    clips = [c for ids in resumed for c in ids]
+    assert len(clips) == len(set(clips)), "a clip repeated across the interruption"
+    assert [sorted(ids) for ids in resumed] == [sorted(ids) for ids in uninterrupted], (
+        "a clip skipped or moved across the interruption"
+    )
+
+
+def _check_reshard(res, layouts):
     for r in res:
         same = r["same"]
-        for name in OTHER_LAYOUTS:
-            losses, gbs, dp = r[name]
+        for name in layouts:
+            losses, gbs, dp, ledger = r[name]
             assert gbs == r["gbs"] == 4
+            assert_each_clip_once(r["ledger"], ledger)
             # every rank has the step's loss, a first pipeline stage too (the console is rank 0)
             for a, b in zip(same, losses):
                 assert math.isfinite(a) and abs(a - b) <= 1e-5 * abs(a), (name, same, losses)
+
+
+def test_each_clip_once_check_fails_on_a_skip_or_repeat():
+    full = [(3, 1), (0, 7), (5, 2), (4, 6)]
+    assert_each_clip_once(full, list(full))
+    for bad in ([(3, 1), (0, 7), (5, 2), (4, 1)], [(3, 1), (0, 7), (5, 2), (4, 8)]):
+        with pytest.raises(AssertionError):
+            assert_each_clip_once(full, bad)
+
+
+def _prepare(vae_dir, source):
+    """The data of ``source`` under ``vae_dir`` (once): 16 energon clips, their precomputed
+    latents, or 32 mixed-shape latent clips for data.buckets."""
+    from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+
+    root = Path(vae_dir)
+    if not (root / "ds").is_dir():
+        write_procedural_videos(root / "src", 16, num_frames=13, height=16, width=16, seed=9)
+        prepare_dataset(root / "src", root / "ds")
+    if source == "shards" and not (root / "latents").is_dir():
+        from megatron_video.training.precompute import precompute_latents
+
+        cfg = tiny_config("ar_dit", vae_dir)
+        cfg.data.source, cfg.data.path = "energon", str(root / "ds")
+        precompute_latents(cfg, root / "latents")
+    if source == "buckets" and not (root / "mixed").is_dir():
+        from megatron_video.testing.mixed import write_tiny_mixed_shards
+
+        write_tiny_mixed_shards("ar_dit", root / "mixed", num_samples=32)
+
+
+@pytest.mark.parametrize("source", ["energon", "shards", "buckets"])
+def test_data_sources_resume_under_another_layout(pool4, vae_dir, source):
+    """Saved at DP1 x CP4, resumed at DP2 x CP2, DP4 x CP1 and TP2 x CP2: energon clips with the
+    VAE inside the SP partition (the demo's data), latents precomputed from them, and mixed
+    shapes (data.buckets, packed): the sample ledger names every clip once across the
+    interruption and the next two losses are the uninterrupted run's."""
+    _prepare(vae_dir, source)
+    res = pool4.run(_reshard, vae_dir, source)
+    _check_reshard(res, ENERGON_LAYOUTS)
+    assert [res[0][n][2] for n in ENERGON_LAYOUTS] == [2, 4, 1]
+
+
+def test_resume_under_another_layout(pool4, vae_dir):
+    res = pool4.run(_reshard, vae_dir)
+    _check_reshard(res, OTHER_LAYOUTS)
     assert res[0]["dp2_cp2_u2"][2] == 2
     steps, losses = zip(*res[0]["run"])  # the logging rank's metrics of the resumed job
     assert steps == (2, 3) and all(
@@ -190,6 +274,7 @@ def _checkpoint_failures(tmp):
         out["restored"] = all(
             torch.equal(before[k], v) for k, v in t.model.state_dict().items() if k in before
         )
+        t.train_step(1)  # the step the crash lost (the sample ledger is the data state)
         t.save(2)  # the next save clears the partial one
         out["after_save"] = (ckpt.latest_step(d), (d / "iter_0000002.partial").exists())
         # a truncated tensor file
@@ -201,6 +286,7 @@ def _checkpoint_failures(tmp):
         out["truncated"] = _raises(lambda: t.load())
         # crafted pickles, with a manifest that matches them (what an attacker would write)
         sentinel = Path(tmp) / "pwned"
+        t.train_step(2)
         for name in (".metadata", "common.pt"):
             t.save(3)
             p3 = d / "iter_0000003"

@@ -127,7 +127,7 @@ def _train_on_text_embeddings(tmp, lat):
     t = Trainer(cfg, progress=False)
     try:
         w0 = t.model.text_embedder.proj.weight.detach().clone()
-        mb = t.batches.micro_batch(0, 0)
+        mb = next(t.batches.held_out().step_batches(0))
         losses = [t.train_step(s)["loss"] for s in range(4)]
         moved = not torch.equal(w0, t.model.text_embedder.proj.weight.detach())
         return dict(

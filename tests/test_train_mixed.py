@@ -261,7 +261,7 @@ def test_short_run_then_resume_at_another_dp_size(pool4, root, tmp_path):
     """DP 2 x CP 2 trains 2 steps (finite losses, saved with the ledger); resumed at DP 1 x CP 4 it
     runs to the end of the epoch: every clip exactly once."""
     from megatron_video.data.ledger import SampleLedger
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.packed import load_clip_store
 
     dp2 = dict(context_parallel_size=2, ring_size=2, ranks_per_node=2)
     cp4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
@@ -291,7 +291,7 @@ def test_short_run_then_resume_at_another_dp_size(pool4, root, tmp_path):
 def test_ledger_resume_every_clip_once(root, before, after):
     """Pure: the ledger saved after 2 steps at DP ``before`` resumes at DP ``after``: the epoch
     consumes every clip exactly once; empty micro-batches at its end run the dummy clip."""
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.packed import load_clip_store
 
     cfg = _config("video_dit", root)
     store = load_clip_store(cfg)
@@ -324,7 +324,7 @@ def test_replay_and_restart_give_the_same_draws(root):
     """Megatron-LM's entry resumes by replaying the ledger from the seed (``replay_to``) and
     restarts the evaluation draws at every evaluation (``restart``): both reproduce the
     sequential draws; replaying backwards is refused."""
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.packed import load_clip_store
 
     cfg = _config("video_dit", root)
     store = load_clip_store(cfg)
@@ -344,7 +344,7 @@ def test_middle_pipeline_stages_read_no_clip(root):
     """``need_latents=False`` (a middle pipeline stage, whose input is the previous stage's): no
     clip's latents are read, and everything the stage does use -- placement, timesteps, CFG
     drop, captions, loss mask -- equals a first stage's."""
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.packed import load_clip_store
 
     cfg = _config("wan", root)
     store = load_clip_store(cfg)
@@ -366,7 +366,7 @@ def test_middle_pipeline_stages_read_no_clip(root):
 def test_empty_micro_batches_run_the_dummy_clip(root):
     """12 clips over DP 4 x 4 micro-batches: the empty ones hold the one-token zero clip with
     loss weight 0 on every rank (the schedule is the same everywhere, nothing hangs)."""
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.packed import load_clip_store
 
     cfg = _config("video_dit", root)
     cfg.train.global_batch_size = 16
@@ -386,8 +386,8 @@ def test_lazy_shards_read_only_the_index_up_front(root, family, monkeypatch):
     micro-batches equal those of the in-memory store, each clip's tensors read from its tar
     offsets when a micro-batch needs them."""
     import megatron_video.data.shards as shards
-    from megatron_video.training.clip_source import LazyShardClipSource
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.clips import LazyShardClipSource
+    from megatron_video.training.batches.packed import load_clip_store
 
     cfg = _config(family, root)
     cfg.train.global_batch_size = 2
@@ -420,7 +420,7 @@ def test_lazy_shards_read_only_the_index_up_front(root, family, monkeypatch):
 # the planner's report, bad input
 # ---------------------------------------------------------------------------------------------
 def test_planner_decision_printed_once(root):
-    from megatron_video.training.packed_data import load_clip_store
+    from megatron_video.training.batches.packed import load_clip_store
 
     cfg = _config("video_dit", root)
     cfg.train.global_batch_size = 2
@@ -435,8 +435,8 @@ def test_planner_decision_printed_once(root):
 
 
 def test_bad_input_names_the_field(root):
+    from megatron_video.training.batches.packed import load_clip_store
     from megatron_video.training.config import validate
-    from megatron_video.training.packed_data import load_clip_store
 
     cfg = _config("video_dit", root, budget=20)
     with pytest.raises(

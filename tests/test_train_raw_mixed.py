@@ -112,7 +112,7 @@ def test_temporal_patch_2_reads_both_latent_frames_of_a_token(data):
     """``model.patch_size [2, 1, 1]``: a token reads latent frames ``2t, 2t + 1``; the grid leaves
     the image out (1 latent frame), as ``precompute`` would; each rank's latents of its tokens
     equal the full encoding."""
-    from megatron_video.training.clip_source import RawClipSource, ShardClipSource
+    from megatron_video.training.batches.clips import RawClipSource, ShardClipSource
     from megatron_video.training.vae_stage import load_vae
 
     cfg = _config("video_dit", data, **CP4)
@@ -130,7 +130,7 @@ def test_temporal_patch_2_reads_both_latent_frames_of_a_token(data):
 @pytest.mark.parametrize("family", ["video_dit", "ar_dit"])
 def test_each_cp_rank_encodes_exactly_its_latents(data, family):
     from megatron_video.layouts.vae_halo import halo_window
-    from megatron_video.training.clip_source import RawClipSource, ShardClipSource
+    from megatron_video.training.batches.clips import RawClipSource, ShardClipSource
     from megatron_video.training.vae_stage import load_vae
 
     cfg = _config(family, data, **CP4)
@@ -184,7 +184,11 @@ def test_each_cp_rank_encodes_exactly_its_latents(data, family):
 # the raw path is the shards path: clip set, grids, costs, draws; one trainer step's loss
 # ---------------------------------------------------------------------------------------------
 def test_raw_and_shards_draw_the_same_steps(data):
-    from megatron_video.training.clip_source import RawClipSource, ShardClipSource, load_clip_store
+    from megatron_video.training.batches.clips import (
+        RawClipSource,
+        ShardClipSource,
+        load_clip_store,
+    )
     from megatron_video.training.vae_stage import load_vae
 
     cfg = _config("video_dit", data)
@@ -298,7 +302,7 @@ def test_cli_trains_from_raw_clips_and_resumes(pool4, data, tmp_path):
 # bad input
 # ---------------------------------------------------------------------------------------------
 def test_raw_source_without_a_vae_is_refused():
-    from megatron_video.training.clip_source import clip_source
+    from megatron_video.training.batches.clips import clip_source
     from megatron_video.training.config import load_config
 
     cfg = load_config(str(ROOT / "examples/configs/mixed_tiny.yaml"))
@@ -345,7 +349,7 @@ def _corrupt(data, tmp_path, how):
 
 @pytest.mark.parametrize("how", ["truncated", "zeroed"])
 def test_corrupt_clip_names_the_key(data, tmp_path, how):
-    from megatron_video.training.clip_source import RawClipSource
+    from megatron_video.training.batches.clips import RawClipSource
     from megatron_video.training.vae_stage import load_vae
 
     cfg = _config("video_dit", data)

@@ -40,7 +40,6 @@ def _config(tmp, output):
 def _resume_and_repeat(tmp):
     import warnings
 
-    from megatron_video.training import checkpoint as ckpt
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
@@ -57,9 +56,7 @@ def _resume_and_repeat(tmp):
     # a fresh trainer resumes from step 2 and runs step index 2
     t = Trainer(_config(tmp, f"{tmp}/run_b"), progress=False)
     try:
-        step = ckpt.load_checkpoint(
-            f"{tmp}/run_a/checkpoints", t.model, t.optimizer, t.scheduler, step=2
-        )
+        step = t.load(f"{tmp}/run_a/checkpoints", step=2)  # model, optimizer, sample ledger
         losses["resumed"] = (step, t.train_step(step)["loss"])
         lr = t.optimizer.param_groups[0]["lr"]
     finally:

@@ -93,6 +93,7 @@ def _step(family: str, root, layout: str) -> dict:
 
     from megatron_video.parallel import comm
     from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.batches import RankCoords
     from megatron_video.training.config import validate
     from megatron_video.training.families import get_family
     from megatron_video.training.families.wan import wan_transformer_config
@@ -104,18 +105,12 @@ def _step(family: str, root, layout: str) -> dict:
     with video_parallel(U, R, tp=tp, ranks_per_node=rpn, seed=0) as groups:
         model = fam.build_model(wan_transformer_config(cfg, params_dtype=torch.float64), config=cfg)
         sample = fam.sample_layout(cfg, groups.cp_size)
+        coords = RankCoords(cp_rank=groups.cp_rank, ulysses_size=U, ring_size=R)
         batches = fam.make_batches(
-            cfg,
-            vae=None,
-            latent_scale=1.0,
-            cp_rank=groups.cp_rank,
-            cp_size=groups.cp_size,
-            dp_rank=0,
-            dp_size=1,
-            layout=sample.layout,
+            cfg, coords=coords, vae=None, latent_scale=1.0, layout=sample.layout
         )
         objective = fam.make_objective(cfg, groups, sample)
-        mb = _float64(batches.micro_batch(0, 0))
+        mb = _float64(next(batches.step_batches(0)))
         args, kwargs = objective.model_call(mb, True)
         share = objective.loss(model(*args, **kwargs), mb)
         share.backward()

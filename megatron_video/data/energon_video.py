@@ -1,12 +1,10 @@
 """Real video through megatron-energon: dataset preparation (``prepare_dataset``, ``megatron-video
-prepare``), per-rank frame-range loading of this CP rank's halo windows (``VideoWindowTaskEncoder``,
-``video_window_loader``), and the loader state as JSON (``state_to_json`` / ``state_from_json``).
+prepare``) and random access to its clips by key (``KeyedClips``), decoding only the raw frames of
+a halo window: every rank reads the clips the sample ledger names, so there is no loader state.
 """
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import io
 import json
 import logging
@@ -28,10 +26,6 @@ __all__ = [
     "dataset_records",
     "KeyedClips",
     "write_procedural_videos",
-    "VideoWindowTaskEncoder",
-    "video_window_loader",
-    "state_to_json",
-    "state_from_json",
 ]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
@@ -249,37 +243,8 @@ def write_procedural_videos(
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading: the rank's raw-frame windows only
+# Clips by key (mixed shapes): the sample ledger is the data state
 # ----------------------------------------------------------------------------------------------
-def _define_sample():
-    from megatron.energon import Sample, edataclass
-
-    @edataclass
-    class VideoWindowSample(Sample):
-        """One clip's raw windows for this CP rank (energon sample)."""
-
-        #: the rank's windows in ``[-1, 1]``, each ``[3, T_w, H, W]`` (local frame order)
-        windows: List[torch.Tensor]
-        caption: str
-        #: frames decoded from the file for this sample (sum of the windows' lengths)
-        decoded_frames: int
-        meta: dict
-
-    return VideoWindowSample
-
-
-_VWS = None
-
-
-def __getattr__(name):  # VideoWindowSample is defined lazily (energon is imported on use)
-    global _VWS
-    if name == "VideoWindowSample":
-        if _VWS is None:
-            _VWS = _define_sample()
-        return _VWS
-    raise AttributeError(name)
-
-
 def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``[T, 3, h, w]`` uint8 -> ``[3, T, H, W]`` float in [-1, 1]: short side to the target (bilinear,
     only when the size differs), centre crop."""
@@ -295,167 +260,6 @@ def _resize_crop(clip: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
 
 
-def _decode_windows(sample: dict, meta: dict, windows: Sequence[HaloWindow], num_frames: int):
-    """The raw frames of each of ``windows`` (as the decoder hands them) from a crude sample's
-    video; raises on a short or truncated video."""
-    if int(meta.get("num_frames", num_frames)) < num_frames:
-        raise ValueError(f"{meta.get('num_frames')} frames, training clips need {num_frames}")
-    ext = next((e for e in VIDEO_EXTENSIONS if e in sample), None)
-    if ext is None:
-        raise ValueError(f"no {'/'.join(VIDEO_EXTENSIONS)} video in the sample")
-    dec = sample[ext]
-    # energon's decoder hands an AVDecoder (lazy): decode the rank's frame ranges only
-    clips, _ = dec.get_video_clips(
-        [(w.raw_start, w.raw_end - 1) for w in windows], video_unit="frames"
-    )
-    if len(clips) != len(windows) or any(c.shape[0] != w.num_raw for c, w in zip(clips, windows)):
-        raise ValueError(
-            f"decoded {[int(c.shape[0]) for c in clips]} frames for windows "
-            f"{[w.window for w in windows]} (truncated file?)"
-        )
-    return clips
-
-
-def _make_task_encoder_class():
-    from megatron.energon import (
-        Cooker,
-        DefaultTaskEncoder,
-        SkipSample,
-        basic_sample_keys,
-        stateless,
-    )
-
-    VideoWindowSample = __getattr__("VideoWindowSample")
-
-    class VideoWindowTaskEncoder(DefaultTaskEncoder):
-        """Cooks crude video samples into this rank's raw windows.
-
-        ``windows``: this CP rank's ``HaloWindow`` s (``data.video_windows.rank_windows``);
-        ``num_frames``: raw frames per training clip (the first ``num_frames`` of each video are used;
-        shorter videos are skipped); ``height`` x ``width``: training frame size.
-        """
-
-        def __init__(self, windows: Sequence[HaloWindow], num_frames: int, height: int, width: int):
-            super().__init__()
-            if not windows:
-                raise ValueError("windows ([]) must hold this rank's halo windows")
-            need = max(w.raw_end for w in windows)
-            if need > num_frames:
-                raise ValueError(
-                    f"windows reach raw frame {need}; must lie in num_frames ({num_frames})"
-                )
-            self.windows, self.num_frames = list(windows), int(num_frames)
-            self.height, self.width = int(height), int(width)
-            self.skipped = 0
-            self.decoded_frames = 0
-            self.cookers = [Cooker(self.cook)]
-
-        @stateless
-        def cook(self, sample: dict):
-            meta = sample.get("json") or {}
-            if isinstance(meta, (bytes, str)):
-                meta = json.loads(meta)
-            src = meta.get("source", sample.get("__key__"))
-            key = sample.get("__key__")
-            try:
-                clips = _decode_windows(sample, meta, self.windows, self.num_frames)
-                windows = [_resize_crop(c, self.height, self.width) for c in clips]
-            except SkipSample:
-                raise
-            except Exception as e:
-                self.skipped += 1
-                log.warning(
-                    "skipped sample %s (file %s): %s: %s [%d skipped so far]",
-                    key,
-                    src,
-                    type(e).__name__,
-                    e,
-                    self.skipped,
-                )
-                raise SkipSample() from None
-            n = sum(c.shape[0] for c in clips)
-            self.decoded_frames += n
-            return VideoWindowSample(
-                **basic_sample_keys(sample),
-                windows=windows,
-                caption=str(meta.get("caption", "")),
-                decoded_frames=n,
-                meta=meta,
-            )
-
-        def batch(self, samples):
-            return list(samples)
-
-        def encode_batch(self, batch):
-            return batch
-
-    return VideoWindowTaskEncoder
-
-
-class _Lazy:
-    cls = None
-
-
-def VideoWindowTaskEncoder(*args, **kwargs):  # noqa: N802 (a class, built on first use)
-    """See ``_make_task_encoder_class`` (energon is imported on first use).
-
-    It decodes ONLY the raw frames of this rank's halo windows (``layouts.vae_halo``: its share of
-    latent frames plus the left halo) with energon's ``AVDecoder.get_video_clips`` (frame-range
-    clips, seek to the nearest key frame), resizes the short side and centre-crops to the training
-    size, and yields ``VideoWindowSample`` (windows in ``[-1, 1]``, ``[3, T_w, H, W]``;
-    ``decoded_frames`` counts what was decoded). A file that fails to decode (corrupt or truncated,
-    or too short) is skipped with a log line naming the file and counted (``skipped``).
-    """
-    if _Lazy.cls is None:
-        _Lazy.cls = _make_task_encoder_class()
-    return _Lazy.cls(*args, **kwargs)
-
-
-def video_window_loader(
-    path: Union[str, Path],
-    windows: Sequence[HaloWindow],
-    *,
-    num_frames: int,
-    height: int,
-    width: int,
-    batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int = 0,
-    shuffle_buffer_size: Optional[int] = None,
-):
-    """``(loader, task_encoder)``: energon's savable loader of this rank's windows, sharded over the
-    pure DP group (``dp_rank`` of ``dp_size``; CP ranks of a replica pass the same ``dp_rank``).
-
-    Samples shard over the pure data-parallel group (``WorkerConfig(rank=dp_rank,
-    world_size=dp_size)``), so every CP rank of a replica sees the same sample.
-    """
-    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
-
-    path = Path(path)
-    if not (path / ".nv-meta" / "dataset.yaml").is_file():
-        raise ValueError(
-            f"data.path ({str(path)!r}) must be an energon dataset (run `megatron-video "
-            f"prepare SRC {path}`)"
-        )
-    te = VideoWindowTaskEncoder(windows, num_frames, height, width)
-    wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=0, seed_offset=seed)
-    ds = get_train_dataset(
-        path,
-        worker_config=wc,
-        batch_size=batch_size,
-        shuffle_buffer_size=shuffle_buffer_size,
-        max_samples_per_sequence=None,
-        task_encoder=te,
-        repeat=True,
-    )
-    loader = get_savable_loader(ds, watchdog_timeout_seconds=None)
-    return loader, te
-
-
-# ----------------------------------------------------------------------------------------------
-# Clips by key (mixed shapes): the sample ledger is the data state
-# ----------------------------------------------------------------------------------------------
 class KeyedClips:
     """Random access to a prepared dataset's clips by key (energon's ``WebdatasetFileStore`` over
     its sqlite index), for the clips a ``data.ledger.StepSampler`` bins name. It keeps no order
@@ -513,112 +317,3 @@ def _decode_image(data: bytes) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as im:
         rgb = np.asarray(im.convert("RGB"))
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
-
-
-# ----------------------------------------------------------------------------------------------
-# Loader state <-> JSON (no pickle)
-# ----------------------------------------------------------------------------------------------
-def _enc(x):
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, torch.Tensor):
-        return {
-            "__tensor__": x.detach().cpu().tolist(),
-            "dtype": str(x.dtype).replace("torch.", ""),
-        }
-    if isinstance(x, np.ndarray):
-        return {"__ndarray__": x.tolist(), "dtype": str(x.dtype)}
-    if isinstance(x, np.generic):
-        return _enc(x.item())
-    if isinstance(x, (bytes, bytearray)):
-        return {"__bytes__": base64.b64encode(bytes(x)).decode()}
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        cls = type(x)
-        return {
-            "__dataclass__": f"{cls.__module__}:{cls.__qualname__}",
-            "fields": {f.name: _enc(getattr(x, f.name)) for f in dataclasses.fields(x)},
-        }
-    if isinstance(x, dict):
-        cls = type(x)
-        d = {"__dict__": [[_enc(k), _enc(v)] for k, v in x.items()]}
-        if cls is not dict:
-            d["type"] = f"{cls.__module__}:{cls.__qualname__}"
-        return d
-    if isinstance(x, tuple):
-        return {"__tuple__": [_enc(v) for v in x]}
-    if isinstance(x, list):
-        return [_enc(v) for v in x]
-    raise ValueError(
-        f"loader state holds a {type(x).__module__}.{type(x).__qualname__}, which has no "
-        f"JSON form (not saved)"
-    )
-
-
-def state_to_json(state) -> str:
-    """energon loader state (``save_state_rank``) -> JSON text.
-
-    Only plain values, tensors / arrays as lists, and energon's own state dataclasses (rebuilt from
-    an allowlist by ``state_from_json``; nothing is unpickled). The state travels in every
-    checkpoint (``training.checkpoint``, ``dataloader/``).
-    """
-    return json.dumps({"format": "megatron_video.energon_state/1", "state": _enc(state)})
-
-
-def _allowed(name: str):
-    """Only energon's own dataclasses / dict subclasses may be rebuilt from a saved state."""
-    import importlib
-
-    mod, _, qual = name.partition(":")
-    if not (mod == "megatron.energon" or mod.startswith("megatron.energon.")) or "<" in qual:
-        raise ValueError(
-            f"loader state names class {name!r}; only megatron.energon classes are allowed"
-        )
-    obj = importlib.import_module(mod)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type) or not (dataclasses.is_dataclass(obj) or issubclass(obj, dict)):
-        raise ValueError(f"loader state names {name!r}, which is not a state dataclass")
-    return obj
-
-
-def _dec(x):
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, list):
-        return [_dec(v) for v in x]
-    if not isinstance(x, dict):
-        raise ValueError(f"loader state: unexpected JSON value {type(x).__name__}")
-    if "__tensor__" in x:
-        return torch.tensor(x["__tensor__"], dtype=getattr(torch, x["dtype"]))
-    if "__ndarray__" in x:
-        return np.asarray(x["__ndarray__"], dtype=np.dtype(x["dtype"]))
-    if "__bytes__" in x:
-        return base64.b64decode(x["__bytes__"])
-    if "__tuple__" in x:
-        return tuple(_dec(v) for v in x["__tuple__"])
-    if "__dataclass__" in x:
-        cls = _allowed(x["__dataclass__"])
-        fields = {k: _dec(v) for k, v in x["fields"].items()}
-        init = {f.name for f in dataclasses.fields(cls) if f.init}
-        obj = cls(**{k: v for k, v in fields.items() if k in init})
-        for k, v in fields.items():
-            if k not in init:
-                object.__setattr__(obj, k, v)
-        return obj
-    if "__dict__" in x:
-        items = [(_dec(k), _dec(v)) for k, v in x["__dict__"]]
-        items = [(tuple(k) if isinstance(k, list) else k, v) for k, v in items]
-        cls = _allowed(x["type"]) if "type" in x else dict
-        return cls(items)
-    raise ValueError(f"loader state: unknown JSON object with keys {sorted(x)[:5]}")
-
-
-def state_from_json(text: str):
-    """JSON text from ``state_to_json`` -> the energon loader state (``restore_state_rank``)."""
-    try:
-        blob = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"loader state is not JSON: {e}") from None
-    if not isinstance(blob, dict) or blob.get("format") != "megatron_video.energon_state/1":
-        raise ValueError("loader state must be a megatron_video.energon_state/1 JSON document")
-    return _dec(blob["state"])

@@ -105,9 +105,14 @@ class StepSampler:
     Epoch ``e`` visits the clip ids (sorted) in the permutation seeded by ``(seed, e)``, skipping
     those the ledger's epoch already consumed. A step takes the next clips in that order while
     their tokens fit ``dp_size * num_microbatches * tokens_per_microbatch`` (and at most
-    ``max_clips``), then ``balance_clips`` them by cost; a clip that does not fit goes first into
-    the next step. The last step of an epoch takes what is left (micro-batches may stay empty
-    when it has fewer clips than ``dp_size * num_microbatches``). Every step is recorded in
+    ``max_clips``) and pack into ``dp_size * num_microbatches`` micro-batches (a clip that does
+    not fit goes first into the next step), then ``balance_clips`` them by cost over the ranks.
+    Which clips a step takes depends on ``dp_size * num_microbatches`` (the global batch), not
+    on ``dp_size``: replaying the draws from the seed gives the same ledger at any DP size.
+    The last step of an epoch takes what is left (micro-batches may stay empty
+    when it has fewer clips than ``dp_size * num_microbatches``; ``drop_last``: an epoch's
+    clips that cannot fill a whole step are left for the next epoch's permutation instead, as
+    fixed-shape batches need). Every step is recorded in
     ``ledger``: a resume with the saved ledger, at any DP size, consumes each clip exactly once
     per epoch.
     """
@@ -124,6 +129,7 @@ class StepSampler:
         seed: int = 0,
         max_clips: Optional[int] = None,
         ledger: Optional[SampleLedger] = None,
+        drop_last: bool = False,
     ):
         self.ids = _check_ids(clip_ids, tokens, costs)
         order = sorted(range(len(self.ids)), key=lambda i: self.ids[i])
@@ -141,6 +147,13 @@ class StepSampler:
             raise ValueError(
                 f"clip {over[0]!r}: tokens ({self.tokens[self.index[over[0]]]}) must be in "
                 f"[1, tokens_per_microbatch={self.budget}]"
+            )
+        self.drop_last = bool(drop_last)
+        cap = self.dp_size * self.num_microbatches * self.budget
+        if self.drop_last and sum(self.tokens) < cap:
+            raise ValueError(
+                f"the clips ({len(self.ids)}, {sum(self.tokens)} tokens) must fill one step of "
+                f"dp_size x num_microbatches x tokens_per_microbatch ({cap} tokens)"
             )
         self.ledger = ledger if ledger is not None else SampleLedger(seed=seed)
         if self.ledger.seed != seed:
@@ -162,30 +175,40 @@ class StepSampler:
 
     def next_step(self) -> StepBatch:
         """The next step's batch (recorded in the ledger)."""
-        if self.cursor == len(self.queue):
+        if self.cursor == len(self.queue) or (self.drop_last and self._short()):
             self.ledger.next_epoch()
             self._start_queue()
         take = self._take()
+        D, M = self.dp_size, self.num_microbatches
         while True:
             idx = [self.index[c] for c in take]
-            try:
-                a = balance_clips(
-                    [self.costs[i] for i in idx],
-                    [self.tokens[i] for i in idx],
-                    self.dp_size,
-                    self.num_microbatches,
-                    self.budget,
-                )
+            costs, tokens = [self.costs[i] for i in idx], [self.tokens[i] for i in idx]
+            try:  # the step's clips depend on D x M micro-batches only, never on D: any DP
+                flat = balance_clips(costs, tokens, D * M, 1, self.budget)  # size draws them
                 break
             except ValueError:
                 if len(take) == 1:
                     raise
                 take = take[:-1]  # packing failed: the last clip waits for the next step
+        try:
+            a = balance_clips(costs, tokens, D, M, self.budget)
+        except ValueError:  # the greedy pass failed at D x M: the flat packing, M bins per rank
+            a = _grouped(flat, D, M)
         step = self.ledger.next_step
         self.ledger.record(step, take)
         self.cursor += len(take)
         bins = tuple(tuple(tuple(take[i] for i in b) for b in rank) for rank in a.bins)
         return StepBatch(step, self.ledger.epoch, tuple(take), bins, a)
+
+    def _short(self) -> bool:
+        """Whether the epoch's remaining clips fall short of a whole step (``drop_last``)."""
+        cap, left = (
+            self.dp_size * self.num_microbatches * self.budget,
+            len(self.queue) - self.cursor,
+        )
+        if left >= cap:  # every clip has >= 1 token
+            return False
+        return sum(self.tokens[self.index[c]] for c in self.queue[self.cursor :]) < cap
 
     def _take(self) -> List[ClipId]:
         cap = self.dp_size * self.num_microbatches * self.budget
@@ -198,6 +221,17 @@ class StepSampler:
             take.append(c)
             total += t
         return take
+
+
+def _grouped(flat: Assignment, D: int, M: int) -> Assignment:
+    """A packing of ``D * M`` one-micro-batch ranks as ``D`` ranks of ``M`` micro-batches."""
+    bins = tuple(tuple(flat.bins[d * M + m][0] for m in range(M)) for d in range(D))
+    return Assignment(
+        bins=bins,
+        rank_cost=tuple(sum(flat.rank_cost[d * M : (d + 1) * M]) for d in range(D)),
+        bin_tokens=tuple(tuple(flat.bin_tokens[d * M + m][0] for m in range(M)) for d in range(D)),
+        tokens_per_microbatch=flat.tokens_per_microbatch,
+    )
 
 
 def _check_ids(clip_ids, tokens, costs) -> List[ClipId]:

@@ -157,18 +157,18 @@ def packed_maker(
 ):
     """A ``PackedBatchMaker`` of ``cfg`` for CP rank ``cp_rank`` of ``U x R`` (the family's packed
     kind), as the tests of packed training build it without process groups."""
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.packed import PackedBatchMaker
     from megatron_video.training.families import get_family
-    from megatron_video.training.packed_data import PackedBatchMaker
 
+    coords = RankCoords(
+        dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, ulysses_size=U, ring_size=R
+    )
     return PackedBatchMaker(
         cfg,
+        coords,
         kind=get_family(cfg.model.family).packed_kind,
         latent_scale=latent_scale,
-        cp_rank=cp_rank,
-        ulysses_size=U,
-        ring_size=R,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
         log=log,
         store=store,
         source=source,

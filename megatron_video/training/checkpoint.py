@@ -491,7 +491,7 @@ def load_checkpoint(
     layout needs. The LR scheduler counts samples, so with the global batch kept the schedule
     continues exactly. RNG states are per global rank: restored when the world size is unchanged,
     otherwise left as seeded from ``train.seed`` (the injected noise is keyed by step and sample,
-    ``training/data.py``). Only a different model shape is refused, naming the fields and tensors.
+    ``training/batches/``). Only a different model shape is refused, naming the fields and tensors.
 
     Nothing from the file runs code: every file is checked against the manifest; the common part
     is read with ``torch.load(weights_only=True)``; the tensor index (``.metadata``, a pickle of

@@ -540,7 +540,7 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
 
 
 def _check_buckets(config: Config, family) -> None:
-    """Training on mixed shapes (``data.buckets``: packed micro-batches, training/packed_data.py)."""
+    """Training on mixed shapes (``data.buckets``: packed micro-batches, training/batches/packed.py)."""
     d, t = config.data, config.train
     if family.packed_kind is None:
         family.make_packed_objective(config)  # raises, naming the family's rule

@@ -40,7 +40,7 @@ class FamilySpec(abc.ABC):
         [Any, int], None
     ]  # (Config, world_size): family rules (ValueError), called by config.validate
     model_fields: Tuple[str, ...] = ()  # the config's family-only model fields it reads
-    # data.buckets (packed micro-batches of mixed-shape clips, training/packed_data.py): the
+    # data.buckets (packed micro-batches of mixed-shape clips, training/batches/packed.py): the
     # attention kind inside a clip ("full" / "teacher_forcing"); None: refused, with the rule
     packed_kind: Optional[str] = None
     packed_refusal: str = "it has no packed micro-batch path"
@@ -102,8 +102,8 @@ class FamilySpec(abc.ABC):
 
     @abc.abstractmethod
     def make_batches(self, config, **kw):
-        """This rank's micro-batch maker (``micro_batch``, ``from_positions``, ``step_batches``,
-        ``num_microbatches``)."""
+        """This rank's micro-batch maker (``batches.BatchSource``), built with keywords
+        ``coords`` (``batches.RankCoords``), ``vae``, ``latent_scale`` and ``layout``."""
 
     @abc.abstractmethod
     def sample_layout(self, config, cp_size: int) -> SampleLayout:

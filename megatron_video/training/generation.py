@@ -20,8 +20,8 @@ import torch
 
 from megatron_video.models.vae import TEMPORAL_STRIDE
 
+from .batches.fixed import sample_generator
 from .config import Config, config_from_dict, config_to_dict, latent_shape, token_grid_of
-from .data import sample_generator
 
 __all__ = [
     "CONFIG_FILE",

@@ -15,10 +15,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from .batches import RankCoords, checked_step_batches, rank_data
 from .config import Config, load_config, validate
 from .families import get_family
 from .model_factory import build_model
-from .rank_data import rank_data
 
 __all__ = [
     "add_video_args",
@@ -186,27 +186,33 @@ class _Job:
 
             vae, scale = load_vae(ensure_vae(config, progress=False), config)
         self.first_stage = ps.is_pipeline_first_stage()
+        coords = RankCoords(
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            cp_rank=self.groups.cp_rank,
+            ulysses_size=p.ulysses_size,
+            ring_size=p.ring_size,
+            first_stage=self.first_stage,
+            last_stage=ps.is_pipeline_last_stage(),
+        )
         data = rank_data(
             config,
             family,
             self.groups,
+            coords,
             vae=vae,
             latent_scale=scale,
-            cp_rank=self.groups.cp_rank,
-            cp_size=self.groups.cp_size,
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            need_latents=self.first_stage or ps.is_pipeline_last_stage(),
             log=(lambda text: print(text, flush=True)) if dist.get_rank() == 0 else None,
         )
         self.objective = data.objective
-        self.packed = self.batches = None
-        if config.data.buckets is None:
+        self.drawn = self.batches = None
+        if hasattr(data.batches, "from_positions"):  # stateless (video_qa): Megatron's positions
             self.batches = data.batches
             return
-        # data.buckets: the trainer's packed micro-batches for training, and a second maker over
-        # the same clips, seeded data.seed + 1, for evaluation (the same draws at every one)
-        self.packed, self.eval_packed = data.batches, data.batches.held_out()
+        # the sample ledger's micro-batches (fixed or mixed shapes) for training, and a second
+        # maker over the same clips, seeded data.seed + 1, for evaluation (the same draws at
+        # every one)
+        self.drawn, self.eval_drawn = data.batches, data.batches.held_out()
         self._mbs, self._at = None, None  # this step's micro-batches, (training?, iteration)
         # forward_step runs inside the schedule: a load failure is shared by the ranks of this
         # pipeline stage (DP x CP; TP ranks read the same clips), which reach it together; a
@@ -214,28 +220,28 @@ class _Job:
         # (torchrun stops the other stages when these raise)
         self._stage_group = ps.get_data_parallel_group(with_context_parallel=True)
 
-    def packed_micro_batch(self, iteration: int, training: bool):
-        """The next packed micro-batch of training step ``iteration`` (the ledger replayed to it
+    def ledger_micro_batch(self, iteration: int, training: bool):
+        """The next micro-batch of training step ``iteration`` (the ledger replayed to it
         after a resume), or of the evaluation run at ``iteration`` (its draws from step 0)."""
         if self._at != (training, iteration):
             if training:
-                self.packed.replay_to(iteration)
-                self._mbs = self.packed.checked_step_batches(iteration, self._stage_group)
+                self.drawn.replay_to(iteration)
+                self._mbs = checked_step_batches(self.drawn, iteration, self._stage_group)
             else:
-                self.eval_packed.restart()
+                self.eval_drawn.restart()
                 self._mbs = None
             self._at = (training, iteration)
         mb = next(self._mbs, None) if self._mbs is not None else None
         if mb is None and not training:  # the next evaluation step's micro-batches
-            maker = self.eval_packed
-            self._mbs = maker.checked_step_batches(
-                maker.sampler.ledger.next_step, self._stage_group
+            maker = self.eval_drawn
+            self._mbs = checked_step_batches(
+                maker, maker.sampler.ledger.next_step, self._stage_group
             )
             mb = next(self._mbs, None)
         if mb is None:
             raise ValueError(
                 f"iteration {iteration}: more micro-batches were asked for than the step has "
-                f"({self.packed.num_microbatches}); --global-batch-size must be the config's"
+                f"({self.drawn.num_microbatches}); --global-batch-size must be the config's"
             )
         return mb
 
@@ -419,8 +425,8 @@ class MegatronLMEntry:
             if torch.cuda.is_available()
             else "cpu"
         )
-        if job.packed is not None:  # Megatron's positions only count; the ledger picks clips
-            mb = job.packed_micro_batch(step, model.training)
+        if job.drawn is not None:  # Megatron's positions only count; the ledger picks clips
+            mb = job.ledger_micro_batch(step, model.training)
         else:
             mb = job.batches.from_positions([int(p) for p in batch["position"]], step)
         for name, value in vars(mb).items():

@@ -23,7 +23,7 @@ from megatron_video.diffusion.flow_matching import fm_interpolate, fm_target
 from megatron_video.diffusion.teacher_forcing import TeacherForcingObjective
 from megatron_video.layouts.stdit import VideoGeometry
 
-from .data import MicroBatch
+from .batches.fixed import MicroBatch
 
 __all__ = [
     "EDMObjective",
@@ -160,7 +160,7 @@ def wan_to_patchify_order(output: Tensor, patch, channels: int) -> Tensor:
 
 class WanFlowObjective(FlowObjective):
     """Wan T2V: ``FlowObjective`` (``x_t = (1 - t) x0 + t eps``, velocity ``eps - x0``, t drawn
-    shifted by ``diffusion.flow_shift`` in ``data.BatchMaker``) with Wan's interface: timestep
+    shifted by ``diffusion.flow_shift`` in ``batches.fixed.FixedBatchMaker``) with Wan's interface: timestep
     ``1000 t`` (per token when ``per_token``, Wan 2.2 TI2V), the text from ``wan_text``."""
 
     def __init__(self, geometry: VideoGeometry, patch, channels: int, per_token: bool, cp: int):
@@ -201,10 +201,10 @@ class WanTeacherForcing(TeacherForcing):
 
 
 # ----------------------------------------------------------------------------------------------
-# Packed micro-batches of mixed-shape clips (data.buckets; training/packed_data.py)
+# Packed micro-batches of mixed-shape clips (data.buckets; training/batches/packed.py)
 # ----------------------------------------------------------------------------------------------
 class PackedObjective:
-    """The packed micro-batch of one CP rank (``packed_data.PackedMicroBatch``) through the
+    """The packed micro-batch of one CP rank (``batches.packed.PackedMicroBatch``) through the
     family's packed model call; the loss share ``sum over this rank's loss tokens / loss tokens
     of the global step``, times ``mb.scale`` (undoes Megatron's micro-batch / DDP averaging; 0 for
     a dummy micro-batch). ``objective``: ``flow`` / ``edm`` (full clips) or ``teacher_forcing``;

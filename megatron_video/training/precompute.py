@@ -8,13 +8,12 @@ diffusers ``AutoencoderKLWan`` (Wan's latents, normalised by its ``latents_mean 
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Callable, Tuple
 
 import torch
 
-from .config import Config, latent_shape
+from .config import Config
 
 __all__ = ["precompute_latents", "LatentShardWriter", "wan_vae_encoder"]
 
@@ -102,23 +101,6 @@ def _encoder(config: Config, progress: bool) -> Tuple[Callable, str]:
     return vae.encoder, "causal_vae"
 
 
-def _loader(config: Config, windows):
-    from megatron_video.data.energon_video import video_window_loader
-
-    d = config.data
-    return video_window_loader(
-        d.path,
-        windows,
-        num_frames=d.num_frames,
-        height=d.height,
-        width=d.width,
-        batch_size=1,
-        dp_rank=0,
-        dp_size=1,
-        seed=d.seed,
-    )
-
-
 def precompute_latents(
     config: Config,
     out_dir,
@@ -136,55 +118,19 @@ def precompute_latents(
     (``data.video_windows.encode_rank_latents``: SP-folded encoding, exact; the halo of a Wan VAE
     is probed, ``models.vae_halo_probe.probe_halo``) and concatenated; the latent means ``[z, F, h, w]``
     (unscaled; Wan's normalised) and, with a text encoder (``data.text.HFTextEncoder``, T5 or
-    UMT5), the caption embeddings ``text_emb`` / ``text_mask``. With ``data.buckets`` every clip
-    is encoded at its own bucket (``_precompute_buckets``)."""
-    from megatron_video.layouts.vae_halo import halo_windows
-    from megatron_video.models.vae_halo_probe import encoder_halo
-
+    UMT5), the caption embeddings ``text_emb`` / ``text_mask``. Every clip is encoded at its
+    bucket of ``data.buckets``, or without it at the one fixed shape (``batches.clips.clip_grid``).
+    """
     d = config.data
     if not d.path:
         raise ValueError("data.path (None) must name the energon dataset to precompute")
-    if d.buckets is not None:
-        return _precompute_buckets(
-            config, out_dir, sp_size, text_encoder, samples_per_shard, progress
-        )
-    F, _, _ = latent_shape(config)
-    if sp_size < 1 or F % sp_size:
-        raise ValueError(f"sp_size ({sp_size}) must be >= 1 and divide the latent frames ({F})")
-    encoder, kind = _encoder(config, progress)
-    windows = halo_windows(F, sp_size, encoder_halo(encoder))
-    loader, te = _loader(config, windows)
-    summary_file = Path(d.path) / ".nv-meta" / "megatron_video.json"
-    total = json.loads(summary_file.read_text())["samples"] if summary_file.is_file() else None
-    extra = dict(sp_size=sp_size, halo_latents=windows[0].halo_latents, encoder=kind)
-    with LatentShardWriter(out_dir, samples_per_shard) as writer:
-        _encode_all(loader, encoder, windows, config, text_encoder, writer, total, extra)
-    return {"samples": writer.count, "shards": writer.shards, "skipped": te.skipped}
-
-
-def _encode_all(loader, encoder, windows, config, text_encoder, writer, total, extra) -> None:
-    """One epoch of ``loader`` (it repeats: stop at the first key seen twice or at ``total``)."""
-    from megatron_video.data.video_windows import encode_rank_latents
-
-    seen, z = set(), config.vae.latent_channels
-    for batch in loader:
-        s = batch[0]
-        if s.__key__ in seen:
-            break
-        seen.add(s.__key__)
-        with torch.no_grad():
-            lat = encode_rank_latents(encoder, [w[None] for w in s.windows], windows)[0, :z]
-        tensors = {"latent": lat.float()}
-        if text_encoder is not None:
-            emb, mask = text_encoder([s.caption])
-            tensors.update(text_emb=emb[0], text_mask=mask[0])
-        writer.write(s.__key__, tensors, s.caption, dict(s.meta, **extra))
-        if total is not None and len(seen) >= total:
-            break
+    if sp_size < 1:
+        raise ValueError(f"sp_size ({sp_size}) must be >= 1")
+    return _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shard, progress)
 
 
 def _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shard, progress):
-    """Every clip of ``data.path`` at its ``data.buckets`` bucket (``config.bucket_grid``): read by
+    """Every clip of ``data.path`` at its bucket (``batches.clips.clip_grid``): read by
     key (``data.energon_video.KeyedClips``) as ``min(sp_size, F)`` near-equal halo windows of its
     ``F`` latent frames, each decoded and encoded with its halo; ``meta`` adds the bucket, latent
     shape, tokens and frame window. Clips the grid refuses or that fail to decode are skipped and
@@ -194,14 +140,12 @@ def _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shar
     from megatron_video.layouts.vae_halo import windows_for_bounds
     from megatron_video.models.vae_halo_probe import encoder_halo
 
-    from .config import bucket_grid
+    from .batches.clips import clip_grid
 
-    if sp_size < 1:
-        raise ValueError(f"sp_size ({sp_size}) must be >= 1")
     d, z = config.data, config.vae.latent_channels
     left_out: list = []
     records = {r["key"]: r for r in dataset_records(d.path)}
-    plans = bucket_grid(config).plan_many(list(records.values()), left_out)
+    plans = clip_grid(config).plan_many(list(records.values()), left_out)
     clips = KeyedClips(d.path)
     encoder, kind = _encoder(config, progress)
     halo = encoder_halo(encoder)

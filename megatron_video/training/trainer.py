@@ -32,11 +32,11 @@ from megatron_video.parallel.topology import destroy_video_parallel, init_video_
 
 from . import checkpoint as ckpt
 from . import generation
+from .batches import RankCoords, checked_step_batches, rank_data
+from .batches.fixed import MicroBatch
 from .config import Config, config_to_dict, validate
-from .data import MicroBatch
 from .families import get_family
 from .model_factory import build_model
-from .rank_data import rank_data
 from .vae_stage import ensure_vae, load_vae
 
 __all__ = ["init_distributed", "Trainer", "train", "NonFiniteError"]
@@ -99,7 +99,7 @@ class Trainer:
        DP x CP, i.e. the loss is summed over CP and averaged over DP.
 
     With ``data.buckets`` (mixed shapes) the micro-batches are packed sequences of clips
-    (``packed_data.PackedBatchMaker``: sample ledger, one placement plan per micro-batch, printed
+    (``batches.packed.PackedBatchMaker``: sample ledger, one placement plan per micro-batch, printed
     once on rank 0) and the objective is the family's ``make_packed_objective``; the ledger is
     the checkpoint's data state (``dataloader/ledger.json``).
 
@@ -152,13 +152,9 @@ class Trainer:
             config,
             self.family,
             self.groups,
+            self.coords,
             vae=self.vae,
             latent_scale=self.latent_scale,
-            cp_rank=self.cp_rank,
-            cp_size=self.cp_size,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            need_latents=self.first_stage or self.last_stage,
             log=(lambda text: print(text, flush=True)) if self.is_logger else None,
         )
         self.batches, self.objective, self.seq_length = (
@@ -229,6 +225,15 @@ class Trainer:
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.cp_rank, self.cp_size = self.groups.cp_rank, self.groups.cp_size
+        self.coords = RankCoords(
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            cp_rank=self.cp_rank,
+            ulysses_size=U,
+            ring_size=R,
+            first_stage=self.first_stage,
+            last_stage=self.last_stage,
+        )
 
     def _load_vae(self, config: Config) -> None:
         failed, error = torch.zeros(1), None
@@ -341,11 +346,7 @@ class Trainer:
         self.optimizer.zero_grad()
         losses = self.forward_backward_func(
             forward_step_func=self._forward_step,
-            data_iterator=(
-                self.batches.checked_step_batches(step)
-                if self.packed
-                else self.batches.step_batches(step)
-            ),
+            data_iterator=checked_step_batches(self.batches, step),
             model=[self.ddp],
             num_microbatches=self.num_microbatches,
             seq_length=self.seq_length,
@@ -419,12 +420,11 @@ class Trainer:
         return meta
 
     def _data_state(self, step: int):
-        """``(file name, JSON)`` of this rank's data state, or None: the energon loader's per
-        rank; the sample ledger (``data.buckets``, the same on every rank) once, by rank 0."""
-        if self.packed:
-            return ("ledger", self.batches.data_state(step)) if self.rank == 0 else None
-        state = self.batches.data_state()
-        return None if state is None else (f"rank{dist.get_rank()}", state)
+        """``(file name, JSON)`` of the data state, or None: the sample ledger (the same on every
+        rank, any DP size resumes from it) once, by rank 0; None where the batches are stateless
+        (a pure function of the step)."""
+        state = self.batches.data_state(step)
+        return ("ledger", state) if state is not None and self.rank == 0 else None
 
     def save(self, step: int) -> Path:
         return ckpt.save_checkpoint(
@@ -447,11 +447,10 @@ class Trainer:
         step = ckpt.load_checkpoint(
             directory, self.model, self.optimizer, self.scheduler, step=step, meta=self.model_meta
         )
-        if self.packed or self.config.data.source == "energon":  # the loader resumes there
+        if self.batches.data_state() is not None:  # the sample ledger: resume there
             reason = None
-            name = "ledger" if self.packed else f"rank{dist.get_rank()}"
             try:
-                self.batches.restore_data_state(ckpt.read_data_state(directory, step, name))
+                self.batches.restore_data_state(ckpt.read_data_state(directory, step, "ledger"))
             except ValueError as e:
                 reason = str(e)
             ckpt.agree_or_raise(

@@ -61,8 +61,8 @@ class VideoQABatches:
     def step_batches(self, step: int) -> Iterator[VideoQABatch]:
         return iter([self.micro_batch(step, m) for m in range(self.num_microbatches)])
 
-    def data_state(self) -> None:
-        """Stateless resume (as ``data.BatchMaker`` for the procedural source): a micro-batch is a
+    def data_state(self, step=None) -> None:
+        """Stateless resume : a micro-batch is a
         pure function of ``(data.seed, step, micro-batch, dp rank)``, so a run resumed at step
         ``k`` sees exactly the batches an uninterrupted one would; nothing to checkpoint."""
         return None

@@ -1,6 +1,6 @@
 """The video-generation families: ``video_dit``, ``stdit`` and ``ar_dit`` (VAE latents, diffusion).
 
-:class:`DiffusionFamily` holds what these share (the VAE latents of ``training.data.BatchMaker``,
+:class:`DiffusionFamily` holds what these share (the VAE latents of ``batches.FixedBatchMaker``,
 the ``VideoDiTConfig`` of ``training.model_factory``, the objectives of ``training.objectives``);
 each family adds its layer type, model class, admitted objectives and configuration rules.
 """
@@ -15,8 +15,8 @@ from megatron_video.models.ar_dit import ARVideoDiT
 from megatron_video.models.stdit import VARIANTS
 from megatron_video.models.video_dit import VideoDiT
 
+from ..batches.fixed import FixedBatchMaker
 from ..config import Config, latent_shape, token_grid_of
-from ..data import BatchMaker
 from ..family_spec import FamilySpec, SampleLayout, register_family
 from ..model_factory import transformer_config, video_transformer_config
 from ..objectives import EDMObjective, FlowObjective, PackedObjective, TeacherForcing
@@ -61,9 +61,9 @@ class DiffusionFamily(FamilySpec):
     def check_megatron_lm_args(self, config: Config, args) -> None:
         """No rules beyond the shared ones."""
 
-    def make_batches(self, config: Config, **kw) -> BatchMaker:
-        """``data.BatchMaker``: VAE latents, noise, timesteps."""
-        return BatchMaker(config, **kw)
+    def make_batches(self, config: Config, *, coords, **kw) -> FixedBatchMaker:
+        """``batches.fixed.FixedBatchMaker``: VAE latents, noise, timesteps."""
+        return FixedBatchMaker(config, coords, **kw)
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
         F, _, _ = latent_shape(config)

@@ -190,7 +190,7 @@ class VideoLLaVAFamily(FamilySpec):
         )
 
     def make_batches(self, config: Config, **kw) -> VideoQABatches:
-        return VideoQABatches(config, kw["dp_rank"], kw["dp_size"])
+        return VideoQABatches(config, kw["coords"].dp_rank, kw["coords"].dp_size)
 
 
 VIDEO_LLAVA = register_family(

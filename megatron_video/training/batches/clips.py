@@ -21,13 +21,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import TEMPORAL_STRIDE, Config, bucket_grid
+from ..config import SPATIAL_STRIDE, TEMPORAL_STRIDE, Config, bucket_grid
 
 __all__ = [
     "ClipSource",
     "ShardClipSource",
     "LazyShardClipSource",
     "RawClipSource",
+    "EncodingClipSource",
+    "SyntheticClipSource",
+    "fixed_grid",
+    "clip_grid",
     "load_clip_store",
     "clip_source",
 ]
@@ -85,7 +89,110 @@ class ShardClipSource(ClipSource):
         return self.store[key]["latent"]
 
 
-class RawClipSource(ClipSource):
+class EncodingClipSource(ClipSource):
+    """A source of raw frames, encoded per CP rank: ``raw(key, window)`` -> the window's raw
+    frames ``[3, T_w, H, W]`` in ``[-1, 1]``; ``latents(key, ranges)`` decodes only the halo
+    windows of ``ranges`` and encodes them with the halo (``encode``: one encoder call per
+    window for a whole micro-batch of same-grid clips)."""
+
+    encoder = None
+    z = halo = 0
+
+    def _init_encoder(self, encoder, z: int, halo_latents: Optional[int]) -> None:
+        from megatron_video.models.vae_halo_probe import encoder_halo
+
+        if encoder is None:
+            raise ValueError(
+                "vae (None) must be the trainer's causal VAE for raw clips: they are encoded "
+                "per CP rank"
+            )
+        self.encoder, self.z = encoder, int(z)
+        need = encoder_halo(encoder, temporal_stride=TEMPORAL_STRIDE)
+        self.halo = need if halo_latents is None else int(halo_latents)
+
+    def raw(self, key: str, window) -> torch.Tensor:
+        raise NotImplementedError
+
+    def windows(self, key: str, ranges: Ranges):
+        """One halo window per run of ``ranges`` (runs closer than the halo merge: their windows
+        would overlap)."""
+        from megatron_video.layouts.vae_halo import halo_window
+
+        runs: List[List[int]] = []
+        for a, b in sorted(ranges):
+            if runs and a - runs[-1][1] <= self.halo:
+                runs[-1][1] = max(runs[-1][1], b)
+            else:
+                runs.append([a, b])
+        return [halo_window(a, b, self.halo, TEMPORAL_STRIDE, True) for a, b in runs]
+
+    def encode(self, keys: Sequence[str], ranges: Ranges) -> torch.Tensor:
+        """``[b, z, F, h, w]`` of clips ``keys`` (one latent grid): the latent frames of
+        ``ranges`` encoded from their halo windows' raw frames only; every other frame zero."""
+        from megatron_video.data.video_windows import encode_with_halo
+
+        F, h, w = self.latent_grid(keys[0])
+        dtype = next((p.dtype for p in _parameters(self.encoder)), torch.float32)
+        out = torch.zeros(len(keys), self.z, F, h, w, dtype=dtype)
+        for win in self.windows(keys[0], ranges):
+            raw = torch.stack([self.raw(k, win) for k in keys]).to(dtype)
+            with torch.no_grad():
+                lat = encode_with_halo(self.encoder, raw, win)[:, : self.z]
+            out[:, :, win.latent_start : win.latent_end] = lat
+        return out
+
+    def latents(self, key: str, ranges: Ranges) -> torch.Tensor:
+        return self.encode([key], ranges)[0]
+
+
+class SyntheticClipSource(EncodingClipSource):
+    """The procedural clips (``data.source: synthetic``): ``data.num_samples`` clips of
+    ``data.num_frames x data.height x data.width``, ids ``0 .. num_samples - 1``, each rendered
+    when a window of it is read (the last few kept)."""
+
+    kind = "procedural clips (each CP rank encodes its own halo windows)"
+
+    def __init__(self, config: Config, encoder, halo_latents: Optional[int] = None):
+        from megatron_video.data.synthetic import ProceduralVideoDataset
+
+        d = config.data
+        self.dataset = ProceduralVideoDataset(
+            d.num_samples,
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            seed=d.seed,
+            caption_len=d.caption_len,
+        )
+        self.grid = fixed_latent_shape(config)
+        self.ids = list(range(d.num_samples))
+        self.encoder, self._recent = None, {}
+        if encoder is not None:
+            self._init_encoder(encoder, config.vae.latent_channels, halo_latents)
+
+    def latent_grid(self, key) -> Tuple[int, int, int]:
+        return self.grid
+
+    def caption(self, key) -> str:
+        from megatron_video.data.synthetic import caption_for
+
+        return caption_for(self.dataset.attributes(int(key)))
+
+    def raw(self, key, window) -> torch.Tensor:
+        from megatron_video.data.synthetic import render_video
+
+        if key not in self._recent:
+            if len(self._recent) >= 8:
+                self._recent.pop(next(iter(self._recent)))
+            ds = self.dataset
+            attrs = ds.attributes(int(key))
+            self._recent[key] = render_video(
+                attrs, num_frames=ds.num_frames, height=ds.height, width=ds.width
+            )
+        return self._recent[key][:, window.raw_start : window.raw_end]
+
+
+class RawClipSource(EncodingClipSource):
     """Raw clips of the energon dataset ``config.data.path`` at their buckets, encoded per request
     with ``encoder`` (``[B, 3, T, H, W]`` in ``[-1, 1]`` -> ``[B, >= z, F, h, w]``; channels past
     ``vae.latent_channels`` are dropped) and ``halo_latents`` (None: the encoder's temporal
@@ -97,15 +204,13 @@ class RawClipSource(ClipSource):
 
     def __init__(self, config: Config, encoder, halo_latents: Optional[int] = None):
         from megatron_video.data.energon_video import KeyedClips, dataset_records
-        from megatron_video.models.vae_halo_probe import encoder_halo
 
         d = config.data
-        self.path, self.encoder, self.z = d.path, encoder, config.vae.latent_channels
-        need = encoder_halo(encoder, temporal_stride=TEMPORAL_STRIDE)
-        self.halo = need if halo_latents is None else int(halo_latents)
+        self.path = d.path
+        self._init_encoder(encoder, config.vae.latent_channels, halo_latents)
         records = dataset_records(d.path)
         self.left_out: List[Tuple[str, str]] = []
-        plans = bucket_grid(config).plan_many(records, self.left_out)
+        plans = clip_grid(config).plan_many(records, self.left_out)
         self.plans = {p.key: p for p in plans}
         self.captions = {r["key"]: str(r.get("caption", "")) for r in records}
         if not self.plans:
@@ -131,37 +236,8 @@ class RawClipSource(ClipSource):
             )
         return out
 
-    def windows(self, key: str, ranges: Ranges):
-        """One halo window per run of ``ranges`` (runs closer than the halo merge: their windows
-        would overlap)."""
-        from megatron_video.layouts.vae_halo import halo_window
-
-        runs: List[List[int]] = []
-        for a, b in sorted(ranges):
-            if runs and a - runs[-1][1] <= self.halo:
-                runs[-1][1] = max(runs[-1][1], b)
-            else:
-                runs.append([a, b])
-        return [halo_window(a, b, self.halo, TEMPORAL_STRIDE, True) for a, b in runs]
-
-    def latents(self, key: str, ranges: Ranges) -> torch.Tensor:
-        """``[z, F, h, w]``: the latent frames of ``ranges`` encoded from their halo windows'
-        raw frames only; every other frame zero. An undecodable or truncated clip raises
-        ``ValueError`` naming the clip."""
-        from megatron_video.data.video_windows import encode_with_halo
-
-        plan = self.plans[key]
-        F, h, w = plan.latent
-        out: Optional[torch.Tensor] = None
-        dtype = next((p.dtype for p in _parameters(self.encoder)), torch.float32)
-        for win in self.windows(key, ranges):
-            raw = self._read(plan, win)
-            with torch.no_grad():
-                lat = encode_with_halo(self.encoder, raw[None].to(dtype), win)[0, : self.z]
-            if out is None:
-                out = lat.new_zeros(self.z, F, h, w)
-            out[:, win.latent_start : win.latent_end] = lat
-        return out if out is not None else torch.zeros(self.z, F, h, w, dtype=dtype)
+    def raw(self, key: str, window) -> torch.Tensor:
+        return self._read(self.plans[key], window)
 
     def _read(self, plan, win) -> torch.Tensor:
         self.reads.append((plan.key, win))
@@ -186,6 +262,15 @@ def _clip_item(config: Config, s: dict) -> dict:
     (``ShardReader``'s form), checked: ``ValueError`` names the sample and the rule."""
     d, z, key = config.data, config.vae.latent_channels, s["key"]
     lat = s.get("latent")
+    if lat is None and s.get("video") is not None and d.buckets is None:  # raw clips of one shape
+        v = s["video"].float()
+        want = (3, d.num_frames, d.height, d.width)
+        if tuple(v.shape) != want:
+            raise ValueError(
+                f"shard sample {key!r}: video shape {tuple(v.shape)} must be [3, data.num_frames="
+                f"{d.num_frames}, data.height={d.height}, data.width={d.width}]"
+            )
+        return dict(video=v, caption=s.get("caption", ""))
     if lat is None or lat.dim() != 4 or lat.shape[0] != z or min(lat.shape) < 1:
         raise ValueError(
             f"shard sample {key!r}: data.buckets trains on precomputed latents [z="
@@ -222,21 +307,25 @@ def load_clip_store(config: Config) -> Dict[str, dict]:
     return store
 
 
-class LazyShardClipSource(ClipSource):
+class LazyShardClipSource(EncodingClipSource):
     """``data.shards`` by key without holding every clip's latents: up front only the index
     (``data.shards.ShardIndex``: tar member offsets from the headers, captions, and each clip's
     latent grid from ``meta.json``'s ``latent_shape`` as ``precompute`` writes it; a sample
     without one is read once for its shape); a clip's tensors are read from its offsets
-    (weights-only, nothing unpickled) when a micro-batch needs them, the last ``cache`` kept."""
+    (weights-only, nothing unpickled) when a micro-batch needs them, the last ``cache`` kept.
+    Without ``data.buckets`` a shard may hold raw clips (``video``) instead: they are encoded per
+    CP rank with ``encoder`` as the other raw sources are."""
 
     kind = "precomputed latent shards (read lazily)"
 
-    def __init__(self, config: Config, cache: int = 32):
+    def __init__(self, config: Config, cache: int = 32, encoder=None):
         from collections import OrderedDict
 
         from megatron_video.data.shards import ShardIndex
 
         self.config, self.cache = config, cache
+        if encoder is not None:
+            self._init_encoder(encoder, config.vae.latent_channels, config.vae.halo_latents)
         self.index = ShardIndex(config.data.shards)
         self._recent: "OrderedDict[str, dict]" = OrderedDict()
         self.loads = 0
@@ -254,7 +343,10 @@ class LazyShardClipSource(ClipSource):
             shape = shape[1:]  # [z, F, h, w]
         if isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) for v in shape):
             return tuple(shape)
-        return tuple(self._item(key)["latent"].shape[1:])
+        item = self._item(key)
+        if "video" in item:
+            return fixed_latent_shape(self.config)
+        return tuple(item["latent"].shape[1:])
 
     def _item(self, key: str) -> dict:
         if key in self._recent:
@@ -263,7 +355,7 @@ class LazyShardClipSource(ClipSource):
         item = _clip_item(self.config, self.index.read(key))
         self.loads += 1
         grid = self.grids.get(key)
-        if grid is not None and tuple(item["latent"].shape[1:]) != grid:
+        if grid is not None and "latent" in item and tuple(item["latent"].shape[1:]) != grid:
             raise ValueError(
                 f"shard sample {key!r}: latent {tuple(item['latent'].shape)} must match its "
                 f"meta.json latent_shape {list(grid)} (rule: the index is the clip's grid)"
@@ -283,17 +375,71 @@ class LazyShardClipSource(ClipSource):
         item = self._item(key)
         return (item["text_emb"], item["text_mask"]) if "text_emb" in item else None
 
+    def raw(self, key: str, window) -> torch.Tensor:
+        return self._item(key)["video"][:, window.raw_start : window.raw_end]
+
+    def encode(self, keys: Sequence[str], ranges: Ranges) -> torch.Tensor:
+        items = [self._item(k) for k in keys]
+        if all("latent" in i for i in items):
+            return torch.stack([i["latent"] for i in items])
+        if self.encoder is None:
+            raise ValueError(
+                f"shard sample {keys[0]!r} holds a raw video: data.shards of raw clips need the "
+                f"trainer's causal VAE (and no data.buckets)"
+            )
+        return super().encode(keys, ranges)
+
     def latents(self, key: str, ranges: Ranges) -> torch.Tensor:
-        return self._item(key)["latent"]
+        return self.encode([key], ranges)[0]
+
+
+def fixed_latent_shape(config: Config) -> Tuple[int, int, int]:
+    """``(F, h, w)`` latent frames and size of a clip without ``data.buckets``."""
+    d = config.data
+    return (
+        1 + (d.num_frames - 1) // TEMPORAL_STRIDE,
+        d.height // SPATIAL_STRIDE,
+        d.width // SPATIAL_STRIDE,
+    )
+
+
+def fixed_grid(config: Config):
+    """A fixed shape as a grid of ONE bucket (``data.num_frames x data.height x data.width``; a
+    longer or larger clip is cropped to it, a shorter one left out), one clip per sequence."""
+    from megatron_video.data.buckets import BucketConfig, BucketGrid
+
+    d, ps = config.data, list(config.model.patch_size)
+    F, h, w = fixed_latent_shape(config)
+    tokens = (F // ps[0]) * (h // ps[1]) * (w // ps[2])
+    return BucketGrid(
+        BucketConfig(
+            area=h * w,
+            area_tolerance=0.0,
+            aspect_ratios=[w / h],
+            max_frames=d.num_frames,
+            frame_counts=[d.num_frames],
+            tokens_per_microbatch=max(tokens, 1),
+            patch_size=ps,
+            spatial_stride=SPATIAL_STRIDE,
+            temporal_stride=TEMPORAL_STRIDE,
+        )
+    )
+
+
+def clip_grid(config: Config):
+    """The grid clips are planned on: ``data.buckets``'s, else the one-bucket ``fixed_grid``."""
+    return bucket_grid(config) if config.data.buckets is not None else fixed_grid(config)
 
 
 def clip_source(config: Config, vae=None) -> ClipSource:
     """The source of ``config.data.source``: ``shards`` -> ``LazyShardClipSource``, ``energon`` ->
     ``RawClipSource`` encoding with ``vae.encoder`` (the trainer's causal VAE) and
-    ``vae.halo_latents``."""
+    ``vae.halo_latents``; without ``data.buckets`` also ``synthetic`` -> ``SyntheticClipSource``."""
     d = config.data
     if d.source == "shards":
-        return LazyShardClipSource(config)
+        return LazyShardClipSource(config, encoder=None if vae is None else vae.encoder)
+    if d.source == "synthetic" and d.buckets is None:
+        return SyntheticClipSource(config, getattr(vae, "encoder", None), config.vae.halo_latents)
     if d.source == "energon":
         if vae is None:  # (a family without a VAE is refused by config.validate)
             raise ValueError(

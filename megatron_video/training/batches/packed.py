@@ -7,7 +7,7 @@ step's clips from a seeded per-epoch permutation minus the ledger's consumed cli
 them by cost over DP ranks x micro-batches, each within ``data.buckets.tokens_per_microbatch``.
 A DP rank's micro-batch becomes one ``PackedVideo`` (padded to a multiple of ``2·CP``), placed
 over the CP group's ``U x R`` by ``plan_placement``; every CP rank keeps its tokens with the
-placement's ids. The clips come from a ``clip_source.ClipSource``: precomputed latent shards, or
+placement's ids. The clips come from a ``clips.ClipSource``: precomputed latent shards, or
 raw energon clips of which each CP rank decodes and encodes only the halo windows of the latent
 frames its tokens read (``clip_ranges``; other frames stay zero). Noise, timesteps / sigmas and
 the CFG drop are drawn per clip from generators seeded by ``(train.seed, step, clip index)`` over
@@ -33,16 +33,15 @@ import torch
 
 from megatron_video.data.ledger import SampleLedger, StepSampler
 from megatron_video.data.synthetic import CaptionTokenizer
-from megatron_video.diffusion.edm import EDMConfig, sample_sigma
-from megatron_video.diffusion.flow_matching import sample_timesteps
 from megatron_video.diffusion.packed import packed_teacher_forcing_inputs
 from megatron_video.layouts.packed_video import PackedVideo, VideoClip
 from megatron_video.layouts.placement import CostModel, Placement, PlacementPlan
 from megatron_video.models.embedders import patchify
 
-from .clip_source import ClipSource, ShardClipSource, clip_source, load_clip_store
-from .config import Config, bucket_grid
-from .data import sample_generator
+from ..config import Config, bucket_grid
+from .clips import ClipSource, ShardClipSource, clip_source, load_clip_store
+from .fixed import clip_draws
+from .protocol import RankCoords, checked_step_batches
 
 __all__ = ["PackedMicroBatch", "PackedBatchMaker", "load_clip_store"]
 
@@ -73,43 +72,38 @@ class PackedBatchMaker:
     """This rank's packed micro-batches (``step_batches(step)``) and the sample ledger (its data
     state). ``kind``: ``"full"`` (T2V) or ``"teacher_forcing"`` (the AR families). ``log``: where
     the planner's decision is printed once (rank 0), or None. The clips come from ``source``
-    (``clip_source.ClipSource``), else from ``store`` (precomputed latents in memory), else from
-    ``config.data.source`` (``clip_source.clip_source``: shards, or raw energon clips encoded with
+    (``clips.ClipSource``), else from ``store`` (precomputed latents in memory), else from
+    ``config.data.source`` (``clips.clip_source``: shards, or raw energon clips encoded with
     ``vae``, the trainer's causal VAE)."""
 
     def __init__(
         self,
         config: Config,
+        coords: RankCoords,
         *,
         kind: str,
         latent_scale: float,
-        cp_rank: int,
-        ulysses_size: int,
-        ring_size: int,
-        dp_rank: int,
-        dp_size: int,
         log: Optional[Callable[[str], None]] = None,
         store: Optional[Dict[str, dict]] = None,
         source: Optional[ClipSource] = None,
         vae=None,
-        need_latents: bool = True,
     ):
-        self.config, self.kind, self.latent_scale = config, kind, float(latent_scale)
+        self.config, self.coords, self.kind = config, coords, kind
+        self.latent_scale, self.log = float(latent_scale), log
         p = config.parallel
-        self.U, self.R, self.cp_rank = ulysses_size, ring_size, cp_rank
-        self.cp_size = ulysses_size * ring_size
-        self.dp_rank, self.dp_size, self.log = dp_rank, dp_size, log
+        self.U, self.R, self.cp_rank = coords.ulysses_size, coords.ring_size, coords.cp_rank
+        self.cp_size, self.dp_rank, self.dp_size = coords.cp_size, coords.dp_rank, coords.dp_size
         self.placement_order = p.placement
         self.patch = tuple(config.model.patch_size)
         self.fpb = config.model.frames_per_block if kind == "teacher_forcing" else 1
         t = config.train
-        gbs = t.global_batch_size or t.micro_batch_size * dp_size
-        self.num_microbatches = gbs // (t.micro_batch_size * dp_size)
+        gbs = t.global_batch_size or t.micro_batch_size * self.dp_size
+        self.num_microbatches = gbs // (t.micro_batch_size * self.dp_size)
         self.grid = bucket_grid(config)
         self.budget = self.grid.config.tokens_per_microbatch
         if source is None:
             source = ShardClipSource(store) if store is not None else clip_source(config, vae)
-        self.source, self.need_latents = source, need_latents
+        self.source, self.need_latents = source, coords.need_latents
         self.ids = list(source.ids)
         self.index = {k: i for i, k in enumerate(self.ids)}
         self.clips = {k: self._video_clip(k) for k in self.ids}
@@ -117,11 +111,6 @@ class PackedBatchMaker:
         cost = CostModel()
         self.costs = [cost.clip(self.clips[k].placement_clip()) for k in self.ids]
         self.tokenizer = CaptionTokenizer(config.data.caption_len)
-        self.edm = EDMConfig(
-            sigma_data=config.diffusion.sigma_data,
-            p_mean=config.diffusion.p_mean,
-            p_std=config.diffusion.p_std,
-        )
         self.sampler = self._sampler(None)
         self._before: Optional[str] = None  # the ledger before the last drawn step
         self.last_step_tokens = 0
@@ -133,16 +122,7 @@ class PackedBatchMaker:
         held = copy.deepcopy(self.config)
         held.data.seed += 1
         return PackedBatchMaker(
-            held,
-            kind=self.kind,
-            latent_scale=self.latent_scale,
-            cp_rank=self.cp_rank,
-            ulysses_size=self.U,
-            ring_size=self.R,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            source=self.source,
-            need_latents=self.need_latents,
+            held, self.coords, kind=self.kind, latent_scale=self.latent_scale, source=self.source
         )
 
     # -- clips ----------------------------------------------------------------------------------
@@ -208,7 +188,7 @@ class PackedBatchMaker:
 
     def replay_to(self, step: int) -> None:
         """Advance the ledger to the start of ``step`` by drawing the steps before it (no data is
-        read): a resume at the same DP size and batch sizes without a saved ledger (Megatron-LM's
+        read): a resume at the same global batch, any DP size, without a saved ledger (Megatron-LM's
         ``pretrain()`` checkpoints only its iteration). ``ValueError`` if ``step`` is behind."""
         if step < self.sampler.ledger.next_step:
             raise ValueError(
@@ -238,31 +218,8 @@ class PackedBatchMaker:
         return iter(mbs)
 
     def checked_step_batches(self, step: int, group=None) -> Iterator[PackedMicroBatch]:
-        """``step_batches``, as every entry calls it: a clip is read (raw energon clips: decoded
-        and encoded; shards: its tensors loaded) while the batches are built; a clip that fails
-        raises ``ValueError`` on every rank of ``group`` (one status all-reduce before the step's
-        first model collective; default: the world), the failing rank's naming the clip. Call it
-        where every rank of ``group`` calls it at once: the trainer before the schedule (world);
-        Megatron-LM's ``forward_step``, inside the schedule, with its pipeline stage's ranks."""
-        import torch.distributed as dist
-
-        from megatron_video.parallel import comm
-
-        group = dist.group.WORLD if group is None else group
-        failed, error, batches = torch.zeros(1), None, []
-        try:
-            batches = list(self.step_batches(step))
-        except ValueError as e:  # re-raised below, after every rank knows
-            failed[0], error = 1, e
-        comm.all_reduce(failed, group, tag="data.status")
-        if error is not None:
-            raise error
-        if failed.item():
-            raise ValueError(
-                f"step {step}: a clip failed to load on {int(failed.item())} other rank(s) (its "
-                f"ValueError names the clip)"
-            )
-        return iter(batches)
+        """``protocol.checked_step_batches`` of this maker."""
+        return checked_step_batches(self, step, group)
 
     def describe(self, batch, mbs: Sequence[PackedMicroBatch]) -> str:
         """The bucket / budget summary and the first step's placement plans (printed once)."""
@@ -304,14 +261,8 @@ class PackedBatchMaker:
             clean = patchify(lat[None], self.patch)[0]
         else:  # a middle pipeline stage: no clip is read (its input is the previous stage's)
             clean = torch.zeros(n, C)
-        g = sample_generator(cfg.train.seed, step, self.index[key])
-        noise = torch.randn(n, C, generator=g)
-        sigma = sample_sigma((1,), self.edm, generator=g)
-        flow = dict(shift=cfg.diffusion.flow_shift, distribution=cfg.diffusion.flow_distribution)
-        tf = self.kind == "teacher_forcing"
-        t = sample_timesteps((1, nb) if tf else (1,), generator=g, **flow)
-        t = t[0] if tf else t  # [blocks] per AR block, [1] per clip
-        drop = bool(torch.rand(1, generator=g) < cfg.diffusion.cfg_dropout)
+        tf = self.kind == "teacher_forcing"  # t: [blocks] per AR block, [1] per clip
+        noise, sigma, t, drop = clip_draws(cfg, step, self.index[key], n, C, nb if tf else 0)
         return clean, noise, t, sigma, drop
 
     def _captions(self, keys: Sequence[Optional[str]]):
