@@ -181,6 +181,11 @@ def _run(case_names):
                         dist.all_reduce(stats, group=ps.get_context_parallel_group())
                     out[(case, "loss")] = (float(total), _full(policy, "grad"), stats.tolist())
             out[(case, "rollouts")] = {k: (v.tokens, v.logprobs) for k, v in ro.items()}
+            try:  # a prompt that does not fit: ValueError on every rank, before any collective
+                rl.rollout(policy, visual, ids, rl.RLConfig(max_new_tokens=200), prompt_seed=0)
+                out[(case, "too_long")] = None
+            except ValueError as e:
+                out[(case, "too_long")] = str(e)
             out[(case, "calls")] = list(calls)
         finally:
             destroy_model_parallel()
@@ -238,6 +243,7 @@ def _check(per_rank, cases):
             assert any(float(g.abs().max()) > 0 for g in grads.values())
             # the embedding cache: 2 steps (greedy, sampled) -> 2 encoder calls on every rank,
             # each on this rank's share of the frames only (G x 3 passes would need 2 * G * 3)
+            assert "rl.max_new_tokens (200)" in (res[(case, "too_long")] or ""), case
             calls = res[(case, "calls")]
             cp = CASES[case][1]
             assert len(calls) == 2 and all(c in (F // cp, -(-F // cp)) for c in calls), calls

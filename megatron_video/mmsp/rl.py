@@ -289,7 +289,8 @@ def rollout(
 def response_logprobs(model, visual, prompt_ids, tokens, lengths) -> List[tuple]:
     """Per response ``g``: ``(lp [s_local], index [s_local], valid [s_local])``, this rank's
     per-token log-probs of response tokens under ``model`` (Megatron's language forward in the
-    MM-SP layout, log-softmax of the full-vocabulary logits, gradients when enabled), ``index`` the response offset of each."""
+    MM-SP layout, log-softmax of the full-vocabulary logits, gradients when enabled);
+    ``index``: the response offset of each."""
     group, _, cp = _cp(model)
     out = []
     for g in range(tokens.shape[0]):
@@ -385,4 +386,6 @@ def load_reward(spec: str) -> Callable:
     try:
         return getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"rl.reward ({spec!r}) must name an importable module:function ({e})")
+        raise ValueError(
+            f"rl.reward ({spec!r}) must name an importable module:function ({e})"
+        ) from e
