@@ -70,11 +70,12 @@ class _CommTimer:
     def __init__(self):
         from megatron_video.attention import attention_2d
         from megatron_video.parallel import comm
+        from megatron_video.parallel.comm import a2a
 
         self.seconds, self.cpu = 0.0, 0.0
         self._saved = []
         for owner, name in (
-            (comm, "all_to_all_single"),
+            (a2a, "all_to_all_single"),
             (attention_2d, "check_same_shape"),
             (comm.RingExchange, "__init__"),
             (comm.RingExchange, "wait"),

@@ -33,12 +33,9 @@ from megatron_video.layouts.balanced_sp import (  # noqa: E402
     naive_slice_global_ids,
     ring_attention_work,
 )
-from megatron_video.layouts.vae_halo import (  # noqa: E402
-    num_raw_frames,
-    temporal_receptive_field,
-    windows_for_bounds,
-)
+from megatron_video.layouts.vae_halo import num_raw_frames, windows_for_bounds  # noqa: E402
 from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
+from megatron_video.models.vae_halo_probe import temporal_receptive_field  # noqa: E402
 
 STRIDE = CausalVideoVAE.temporal_stride  # the project's VAE
 

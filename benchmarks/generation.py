@@ -6,10 +6,11 @@ every denoising step), ``cached`` = ``diffusion.streaming`` with an unbounded wi
 ``cached sink+window`` (sink 2, window 8 latent frames). Printed: seconds per block against
 the block index, the 16-block totals and their ratio, and the peak bytes of tensors alive
 (``testing.LiveTensors``). Then on a gloo pool of 4 CPU ranks, for CP 1 / 2 (U2) / 4 (U2 x R2):
-per-rank KV-cache bytes after 15 blocks and per-rank CPU time (``time.process_time``) of the
-16th block.
+per-rank KV-cache bytes before the last block and per-rank CPU time (``time.process_time``) of
+the last block (``--pool-blocks``, ``--pool-grid``: larger frames, so compute dominates). Times
+are CPU seconds (one thread), robust on shared cores.
 
-    python benchmarks/generation.py [--blocks 16 --grid 8 --steps 4]
+    python benchmarks/generation.py [--blocks 16 --grid 8 --steps 4 --pool-blocks 8 --pool-grid 24]
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ def recompute_run(model, blocks, grid, steps):
 
     def timed(x, t, c):
         out = v(x, t, c)
-        stamps.append(time.perf_counter())
+        stamps.append(time.process_time())
         return out
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with torch.no_grad():
         sample_autoregressive(timed, layout, 0, noise(blocks, grid), cond(), num_steps=steps)
     ends = [t0] + stamps[steps - 1 :: steps]
@@ -132,11 +133,13 @@ def single_process(a):
     from megatron_video.diffusion.streaming import WindowRule
     from megatron_video.testing.parallel import model_parallel
 
+    torch.set_num_threads(1)
     with model_parallel(seed=0):
         model = build(a.grid)
+        recompute_run(model, 1, a.grid, 1), cached_run(model, 2, a.grid, 1)  # warm-up
         rec = recompute_run(model, a.blocks, a.grid, a.steps)
-        cac, _, _ = cached_run(model, a.blocks, a.grid, a.steps)
-        win, _, _ = cached_run(model, a.blocks, a.grid, a.steps, rule=WindowRule(NB, 2, 8))
+        _, cac, _ = cached_run(model, a.blocks, a.grid, a.steps)
+        _, win, _ = cached_run(model, a.blocks, a.grid, a.steps, rule=WindowRule(NB, 2, 8))
         print(
             f"ar_dit {LAYERS} layers, hidden {HIDDEN}; {a.grid}x{a.grid} tokens a frame, "
             f"{NB} frames a block, {a.steps} steps, {a.blocks} blocks, float32, 1 process"
@@ -162,6 +165,8 @@ def _rank_case(blocks, grid, steps, U, R):
     from megatron_video.testing.parallel import model_parallel, video_parallel
 
     torch.set_num_threads(1)
+    with model_parallel(seed=0):
+        cached_run(build(grid), 2, grid, 1)  # warm-up
     if U * R == 1:
         with model_parallel(seed=0):
             _, cpu, nbytes = cached_run(build(grid), blocks, grid, steps)
@@ -174,12 +179,18 @@ def _rank_case(blocks, grid, steps, U, R):
 def pool_runs(a):
     from megatron_video.testing import WorkerPool
 
-    print(f"\nper rank, 4 gloo ranks on this machine ({os.cpu_count()} cores), 1 thread each")
-    print("CP         cache_bytes_after_15_blocks  cpu_s_block_16 (max over ranks)  vs CP1")
+    print(
+        f"\nper rank, 4 gloo ranks on this machine ({os.cpu_count()} cores), 1 thread each; "
+        f"{a.pool_grid}x{a.pool_grid} tokens a frame"
+    )
+    print(
+        f"CP         cache_bytes_after_{a.pool_blocks - 1}_blocks  cpu_s_block_{a.pool_blocks} "
+        f"(max over ranks)  vs CP1"
+    )
     base = None
     with WorkerPool(4, ranks_per_node=4, timeout=3600) as pool:
         for U, R in ((1, 1), (2, 1), (2, 2)):
-            res = pool.run(_rank_case, a.blocks, a.grid, a.steps, U, R)
+            res = pool.run(_rank_case, a.pool_blocks, a.pool_grid, a.steps, U, R)
             cpu, nbytes = max(r[0] for r in res), max(r[1] for r in res)
             base = base or cpu
             print(f"{U * R} (U{U}xR{R})  {nbytes:27d}  {cpu:32.3f}  {cpu / base:5.2f}x")
@@ -190,6 +201,8 @@ def main():
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--grid", type=int, default=8, help="tokens a frame: grid x grid")
     ap.add_argument("--steps", type=int, default=4, help="denoising steps a block (LongLive: 4)")
+    ap.add_argument("--pool-grid", type=int, default=24, help="tokens a frame on the pool")
+    ap.add_argument("--pool-blocks", type=int, default=8, help="blocks on the pool")
     ap.add_argument("--skip-pool", action="store_true")
     a = ap.parse_args()
     import torch.distributed as dist

@@ -1,5 +1,5 @@
 """The halo of the Wan 2.1 VAE (diffusers' ``AutoencoderKLWan``, its default = the released Wan 2.1
-configuration, RANDOM weights: the look-back is structural) derived by ``layouts.vae_halo.probe_halo``,
+configuration, RANDOM weights: the look-back is structural) derived by ``models.vae_halo_probe.probe_halo``,
 next to the 28 raw frames of history LongLive hard-codes for its windowed VAE encoding.
 
 Also measures, for the derived halo ``h`` and ``h - 1`` .. ``h - k``, the largest error of a
@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from megatron_video.layouts.vae_halo import halo_window, num_raw_frames, probe_halo  # noqa: E402
+from megatron_video.layouts.vae_halo import halo_window, num_raw_frames  # noqa: E402
+from megatron_video.models.vae_halo_probe import probe_halo  # noqa: E402
 
 LONGLIVE_RAW_FRAMES = 28
 

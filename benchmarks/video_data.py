@@ -29,8 +29,9 @@ from megatron_video.data.energon_video import (  # noqa: E402
     video_window_loader,
     write_procedural_videos,
 )
-from megatron_video.layouts.vae_halo import encoder_halo, halo_windows, num_raw_frames  # noqa: E402
+from megatron_video.layouts.vae_halo import halo_windows, num_raw_frames  # noqa: E402
 from megatron_video.models.vae import CausalVideoEncoder, CausalVideoVAE  # noqa: E402
+from megatron_video.models.vae_halo_probe import encoder_halo  # noqa: E402
 
 
 def main() -> None:

@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from megatron_video.data import (
-    VOCAB,
-    CaptionEmbedder,
     CaptionTokenizer,
     ProceduralVideoDataset,
     ShardReader,
@@ -20,7 +18,8 @@ from megatron_video.data import (
     shard_indices,
     write_shards,
 )
-from megatron_video.data.synthetic import COLORS, DIRECTIONS, SHAPES
+from megatron_video.data.synthetic import COLORS, DIRECTIONS, SHAPES, SIZES
+from megatron_video.models.embedders import VOCAB, CaptionEmbedder
 
 # ------------------------------------------------------------------------------------- synthetic
 
@@ -102,6 +101,9 @@ def test_tokenizer_and_caption_embedder():
     assert ids.shape == (12,) and int(mask.sum()) == 11 and bool((ids[~mask] == 0).all())
     assert tok.decode(ids, mask) == "a small red circle bouncing left to right, turning blue"
     assert tok.encode("a purple circle")[0][1].item() == VOCAB.index("<unk>")
+    # the models' vocabulary spells out the data's words: sizes, colours and shapes, in that order
+    assert VOCAB[-len(SIZES) - len(COLORS) - len(SHAPES) :] == (*SIZES, *COLORS, *SHAPES)
+    assert {w for d in DIRECTIONS for w in d.split()} <= set(VOCAB)
     with pytest.raises(ValueError, match=r"caption length \(13 tokens\) must be <= max_len \(12\)"):
         tok.encode(" ".join(["a"] * 13))
     ids2, mask2 = tok.encode_batch(["a red circle", "a large blue square bouncing top to bottom"])

@@ -67,5 +67,5 @@ def test_empty_and_bad_bounds():
         windows_for_bounds([(0.0, 2)], 1)
     with pytest.raises(ValueError, match=r"halo_latents \(-1\) must be a non-negative integer"):
         windows_for_bounds([(0, 2)], -1)
-    with pytest.raises(ValueError, match=r"halo_latents \(None\) needs an encoder"):
-        windows_for_bounds([(0, 2)])
+    with pytest.raises(ValueError, match=r"halo_latents \(None\) must be a non-negative integer"):
+        windows_for_bounds([(0, 2)], None)

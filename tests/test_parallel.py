@@ -427,6 +427,7 @@ def _device_only_groups_run():
     from megatron_video.attention import dist_attention, masks
     from megatron_video.layouts import shard_sequence
     from megatron_video.parallel import comm, destroy_video_parallel, init_video_parallel
+    from megatron_video.parallel.comm import groups as comm_groups
     from megatron_video.testing.oracles import attention_with_grads, max_rel_error, random_qkv
 
     if not hasattr(dist.Backend, "DEVICEONLY"):
@@ -469,12 +470,12 @@ def _device_only_groups_run():
             res["gathered"] = comm.all_gather_cat(torch.tensor([me]), ug).tolist()
             res["broadcast"] = int(comm.broadcast(torch.tensor([me]), ug, src=1))
             comm.check_same_values({"ids": torch.arange(4)}, groups.ring_group, "t")
-            res["mirrors"] = len(comm._HOST_GROUPS)
+            res["mirrors"] = len(comm_groups._HOST_GROUPS)
             res["same_mirror"] = comm.host_group(groups.cp_group) is comm.host_group(
                 groups.cp_group
             )
             destroy_video_parallel()
-            res["dropped"] = len(comm._HOST_GROUPS)
+            res["dropped"] = len(comm_groups._HOST_GROUPS)
     finally:
         dist.new_group = new_group
     return res

@@ -15,14 +15,17 @@ from megatron_video.data.video_windows import (
 )
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.layouts.vae_halo import (
-    encoder_temporal_ops,
     halo_window,
     halo_windows,
     num_raw_frames,
     temporal_lookback,
-    temporal_receptive_field,
 )
 from megatron_video.models.vae import CausalConv3d, CausalVideoVAE
+from megatron_video.models.vae_halo_probe import (
+    encoder_temporal_ops,
+    resolve_halo,
+    temporal_receptive_field,
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +96,18 @@ def test_halo_window_validation():
 # receptive field derived from the encoder
 # ---------------------------------------------------------------------------------------------
 def test_default_halo_comes_from_the_encoder(vae):
-    assert halo_windows(8, 4, encoder=vae.encoder) == halo_windows(8, 4, 2)
-    assert halo_windows(8, 4, 3, encoder=vae.encoder) == halo_windows(8, 4, 3)
+    assert resolve_halo(None, vae.encoder) == 2 and resolve_halo(3, vae.encoder) == 3
+    assert resolve_halo(1, None) == 1
     with pytest.raises(
         ValueError,
         match=r"halo_latents \(1\) must be >= the encoder's temporal receptive "
         r"field \(2 latents\)",
     ):
-        halo_windows(8, 4, 1, encoder=vae.encoder)
+        resolve_halo(1, vae.encoder)
     with pytest.raises(ValueError, match=r"halo_latents \(None\) needs an encoder"):
-        halo_windows(8, 4)
+        resolve_halo(None, None)
+    with pytest.raises(ValueError, match=r"halo_latents \(None\) must be a non-negative integer"):
+        halo_windows(8, 4, None)  # the index maps take a halo, never an encoder
     lay = BalancedSPLayout(16, 1, 2, 4, ring_size=2)
     assert rank_windows(lay, 1, encoder=vae.encoder) == rank_windows(lay, 1, 2)
 

@@ -1,4 +1,4 @@
-"""Halos derived from an encoder's behaviour (layouts.vae_halo.probe_halo): diffusers' Wan VAE at a
+"""Halos derived from an encoder's behaviour (models.vae_halo_probe.probe_halo): diffusers' Wan VAE at a
 tiny random config, undeclared copies of the project's encoder, callables, the cache, bad encoders."""
 
 import copy
@@ -8,17 +8,20 @@ import torch
 from torch import nn
 
 from megatron_video.data.video_windows import encode_rank_latents, encode_with_halo
-from megatron_video.layouts import vae_halo
 from megatron_video.layouts.vae_halo import (
-    encoder_halo,
-    encoder_temporal_ops,
+    halo_for_lookback,
     halo_windows,
     num_raw_frames,
-    probe_halo,
     temporal_lookback,
+)
+from megatron_video.models import vae_halo_probe
+from megatron_video.models.vae import CausalVideoEncoder
+from megatron_video.models.vae_halo_probe import (
+    encoder_halo,
+    encoder_temporal_ops,
+    probe_halo,
     temporal_receptive_field,
 )
-from megatron_video.models.vae import CausalVideoEncoder
 
 HW = 8  # spatial size of the probe and the clips (the Wan VAE downsamples 8x: 1x1 latents)
 
@@ -57,12 +60,12 @@ def test_wan_vae_halo_exact_and_smallest(wan):
     encoding equal the full-video encoding in float64, and one latent less does not."""
     assert wan.dtype == torch.float32
     encode = lambda x: wan.encode(x).latent_dist.mean  # noqa: E731 (the callable form users write)
-    vae_halo._HALO_CACHE.clear()
+    vae_halo_probe._HALO_CACHE.clear()
     probe = probe_halo(encode, spatial=(HW, HW))
     h = probe.halo
     assert wan.dtype == torch.float32  # the probe restored the weights' dtype
     assert probe.verified_from == h  # the gradient look-back alone was exact
-    assert h == vae_halo.halo_for_lookback(probe.lookback, 4)
+    assert h == halo_for_lookback(probe.lookback, 4)
     assert encoder_halo(encode, spatial=(HW, HW)) == h
     F = 48  # windows of ranks >= 1 start after frame 0
     x = _clip(F, 1)
@@ -137,14 +140,14 @@ def test_probe_of_a_no_grad_encoder_equals_the_gradient_probe(wan):
 
 def test_probe_cached_per_configuration_and_declared_fast_path(monkeypatch):
     calls = []
-    real = vae_halo.probe_halo
+    real = vae_halo_probe.probe_halo
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(vae_halo, "probe_halo", counting)
-    monkeypatch.setattr(vae_halo, "_HALO_CACHE", {})
+    monkeypatch.setattr(vae_halo_probe, "probe_halo", counting)
+    monkeypatch.setattr(vae_halo_probe, "_HALO_CACHE", {})
     torch.manual_seed(0)
     a, b = _undeclared(CausalVideoEncoder(3, 4, 8)), _undeclared(CausalVideoEncoder(3, 4, 8))
     assert encoder_halo(a) == encoder_halo(b) == encoder_halo(lambda x: a(x)) == 2

@@ -219,7 +219,7 @@ def _rank_case(layout: str, kind: str, dtype_name: str, drop_tp_sum: bool = Fals
 
     from megatron_video.compat import initialize_model_parallel
     from megatron_video.models.wan import from_diffusers
-    from megatron_video.models.wan import model as wan_model
+    from megatron_video.models.wan import layer as wan_layer
 
     tp, cp, comm_type, hier, _ = LAYOUTS[layout]
     initialize_model_parallel(
@@ -229,13 +229,13 @@ def _rank_case(layout: str, kind: str, dtype_name: str, drop_tp_sum: bool = Fals
     )
     model_parallel_cuda_manual_seed(0)
     if drop_tp_sum:
-        wan_model.tp_sum = lambda x, group: x
+        wan_layer.tp_sum = lambda x, group: x
     try:
         dtype = DTYPES[dtype_name]
         model = from_diffusers(diffusers_model(kind, dtype), cp_comm_type=comm_type)
         return ours(model, kind, dtype)
     finally:
-        wan_model.tp_sum = wan_model.__dict__["_tp_sum_impl"]
+        wan_layer.tp_sum = wan_layer.__dict__["_tp_sum_impl"]
 
 
 CASES = [(layout, kind, dt) for layout in LAYOUTS for kind in KINDS for dt in DTYPES]

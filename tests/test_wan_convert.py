@@ -146,9 +146,9 @@ def test_checkpoint_config_must_match_its_weights(tmp_path):
     ids=["t2v", "i2v", "flf2v", "no_cross_attn_norm"],
 )
 def test_mapping_covers_diffusers_keys_both_ways(extra):
+    from megatron_video.models.wan.config import WanConfig
     from megatron_video.models.wan.interop import full_diffusers_config
     from megatron_video.models.wan.mapping import mapping_table, to_diffusers, to_megatron
-    from megatron_video.models.wan.model import WanConfig
 
     model = _model(**extra)
     full = full_diffusers_config(dict(model.config))

@@ -240,11 +240,6 @@ def _validate(family, root, world=4, **fields):
         ),
         (
             "wan",
-            dict(train__sample=True),
-            r"train.sample \(True\) must be false for model.family 'wan'",
-        ),
-        (
-            "wan",
             dict(model__num_layers=3),
             r"its num_layers \(2\) must equal model.num_layers \(3\)",
         ),
@@ -401,7 +396,8 @@ def _pretrain_entry_step(yaml_path, seq_length):
     from megatron.core.transformer import TransformerConfig
     from torch.utils.data import default_collate
 
-    from megatron_video.models.wan.model import WanModel, gelu_tanh
+    from megatron_video.models.wan.config import gelu_tanh
+    from megatron_video.models.wan.model import WanModel
     from megatron_video.testing.configs import load_example
     from megatron_video.testing.parallel import video_parallel
 

@@ -3,8 +3,6 @@ the sample ledger of mixed-shape training."""
 
 from .shards import ShardReader, list_shards, write_shards
 from .synthetic import (
-    VOCAB,
-    CaptionEmbedder,
     CaptionTokenizer,
     ProceduralVideoDataset,
     ShapeAttributes,
@@ -18,8 +16,6 @@ __all__ = [
     "ShardReader",
     "list_shards",
     "write_shards",
-    "VOCAB",
-    "CaptionEmbedder",
     "CaptionTokenizer",
     "ProceduralVideoDataset",
     "ShapeAttributes",

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple
 
+from ..checks import check_int
 from ..layouts.placement import Clip, CostModel
-from ..layouts.zigzag import check_int
 
 __all__ = ["Assignment", "balance_clips", "clip_costs"]
 

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Sequence, Tuple, Union
 
+from ..checks import check_int
 from ..layouts.placement import Clip
 from ..layouts.vae_halo import num_raw_frames
-from ..layouts.zigzag import check_int
 
 __all__ = [
     "BucketConfig",

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..layouts.zigzag import check_int
+from ..checks import check_int
 from .balance import Assignment, balance_clips
 
 __all__ = ["SampleLedger", "StepBatch", "StepSampler"]

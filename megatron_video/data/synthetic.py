@@ -1,6 +1,6 @@
 """The embedded default data: procedural videos of a moving, bouncing, colour-changing shape, each
 fully determined by ``(seed, index)``, with captions over a small fixed vocabulary
-(``CaptionTokenizer``, ``CaptionEmbedder``; no model hub).
+(``CaptionTokenizer`` over ``models.embedders.VOCAB``; no model hub).
 """
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from ..models.embedders import PAD, UNK, VOCAB
 
 __all__ = [
     "COLORS",
     "SHAPES",
     "SIZES",
     "DIRECTIONS",
-    "VOCAB",
     "ShapeAttributes",
     "sample_attributes",
     "render_video",
     "caption_for",
     "CaptionTokenizer",
-    "CaptionEmbedder",
     "ProceduralVideoDataset",
     "shard_indices",
 ]
@@ -49,23 +49,6 @@ DIRECTIONS = {
     "top to bottom": (0.0, 1.0),
     "bottom to top": (0.0, -1.0),
 }
-PAD, UNK = "<pad>", "<unk>"
-VOCAB = (
-    PAD,
-    UNK,
-    "a",
-    ",",
-    "bouncing",
-    "turning",
-    "to",
-    "left",
-    "right",
-    "top",
-    "bottom",
-    *SIZES,
-    *COLORS,
-    *SHAPES,
-)
 _BACKGROUND = -1.0
 
 
@@ -223,55 +206,6 @@ class CaptionTokenizer:
 
     def decode(self, ids: Tensor, mask: Tensor) -> str:
         return " ".join(self.vocab[int(i)] for i, m in zip(ids, mask) if m).replace(" ,", ",")
-
-
-class CaptionEmbedder(nn.Module):
-    """Learned per-token caption embeddings ``[b, L, d_text]`` (+ mask) and a learned null caption for CFG.
-
-    Token and position tables are small ``nn.Embedding``s; padded positions are zeroed. ``null(b)``
-    returns the null caption (a learned ``[L, d_text]`` sequence, all positions valid).
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        d_text: int,
-        max_len: int,
-        *,
-        generator: Optional[torch.Generator] = None,
-    ):
-        super().__init__()
-        for name, v in (("vocab_size", vocab_size), ("d_text", d_text), ("max_len", max_len)):
-            if v < 1:
-                raise ValueError(f"{name} ({v}) must be >= 1")
-        self.max_len = max_len
-        self.tokens = nn.Embedding(vocab_size, d_text)
-        self.positions = nn.Embedding(max_len, d_text)
-        self.null_embedding = nn.Parameter(torch.empty(max_len, d_text))
-        self.reset_parameters(generator)
-
-    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
-        # Explicit generator: replicated embedders (TP / PP stages) must start identical.
-        for p in (self.tokens.weight, self.positions.weight, self.null_embedding):
-            nn.init.normal_(p, std=1.0, generator=generator)
-
-    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        if ids.dim() != 2 or ids.shape[1] != self.max_len or mask.shape != ids.shape:
-            raise ValueError(
-                f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must both be "
-                f"[b, max_len={self.max_len}]"
-            )
-        pos = torch.arange(self.max_len, device=ids.device)
-        emb = (self.tokens(ids) + self.positions(pos)[None]) * mask[..., None].to(
-            self.tokens.weight.dtype
-        )
-        return emb, mask.bool()
-
-    def null(self, batch_size: int = 1) -> tuple[Tensor, Tensor]:
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be >= 1")
-        emb = self.null_embedding[None].expand(batch_size, -1, -1)
-        return emb, torch.ones(batch_size, self.max_len, dtype=torch.bool, device=emb.device)
 
 
 class ProceduralVideoDataset(torch.utils.data.Dataset):

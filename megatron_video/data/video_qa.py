@@ -8,7 +8,8 @@ from typing import Dict
 
 import torch
 
-from .synthetic import VOCAB, render_video, sample_attributes
+from ..models.embedders import VOCAB
+from .synthetic import render_video, sample_attributes
 
 __all__ = ["IMAGE_TOKEN_INDEX", "QA_VOCAB", "QUESTIONS", "TEXT_LEN", "VideoQADataset"]
 

@@ -11,7 +11,8 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ..layouts.balanced_sp import BalancedSPLayout
-from ..layouts.vae_halo import Encoder, HaloWindow, encoder_halo, halo_window, resolve_halo
+from ..layouts.vae_halo import HaloWindow, halo_window
+from ..models.vae_halo_probe import Encoder, encoder_halo, resolve_halo
 from ..ops.halo import halo_scatter
 from ..parallel import comm
 
@@ -66,7 +67,7 @@ def rank_windows(
     encoder: Optional[Encoder] = None,
 ) -> List[HaloWindow]:
     """One halo window per contiguous frame segment of ``rank`` (in local frame order); the halo
-    is derived from ``encoder`` when ``halo_latents`` is None (see ``vae_halo.resolve_halo``)."""
+    is derived from ``encoder`` when ``halo_latents`` is None (see ``models.vae_halo_probe.resolve_halo``)."""
     h = resolve_halo(halo_latents, encoder, temporal_stride, causal_first_frame)
     return [
         halo_window(a, b, h, temporal_stride, causal_first_frame, rank=rank)
@@ -172,7 +173,8 @@ def encode_with_halo(
     """Encode a raw window and return exactly the rank's kept latents ``[ls, le)``.
 
     ``encoder``: a module or a callable (``lambda x: vae.encode(x).latent_dist.mean``); its halo
-    comes from declared causal ops or, for anything else, a cached probe (``vae_halo.encoder_halo``).
+    comes from declared causal ops or, for anything else, a cached probe
+    (``models.vae_halo_probe.encoder_halo``).
 
     Raises ``ValueError`` if ``meta.halo_latents`` is below the encoder's temporal receptive field
     (on every rank alike, whether or not its own window reaches the video start), or if the window or

@@ -44,18 +44,12 @@ from .stdit import (  # noqa: F401
     unshard_layout_a,
 )
 from .vae_halo import (  # noqa: F401
-    HaloProbe,
     HaloWindow,
-    encoder_halo,
-    encoder_temporal_ops,
     halo_for_lookback,
     halo_window,
     halo_windows,
     num_raw_frames,
-    probe_halo,
-    resolve_halo,
     temporal_lookback,
-    temporal_receptive_field,
     window_tensors,
     windows_for_bounds,
 )

@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..checks import check_positive_int, check_rank
 from ..ops.rules import CLEAN, EMPTY, FULL, NOISY, PARTIAL  # noqa: F401  (the one rule definition)
 from ..ops.rules import teacher_forcing as teacher_forcing_rule
 
@@ -24,16 +25,11 @@ __all__ = [
 ]
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
-
 def check_whole_blocks(num_latent_frames: int, frames_per_block: int) -> None:
     """The one partial-block rule of teacher forcing, for every path (single-GPU mask, Balanced SP
     layout, work accounting): a clip is whole blocks, else ``ValueError``."""
-    _positive_int("num_latent_frames", num_latent_frames)
-    _positive_int("frames_per_block", frames_per_block)
+    check_positive_int("num_latent_frames", num_latent_frames)
+    check_positive_int("frames_per_block", frames_per_block)
     if num_latent_frames % frames_per_block:
         raise ValueError(
             f"num_latent_frames ({num_latent_frames}) must be a multiple of frames_per_block "
@@ -47,7 +43,7 @@ def single_gpu_teacher_forcing_mask(
 ) -> torch.Tensor:
     """Bool ``[2FS, 2FS]`` mask in the single-GPU order ``[clean 0..F-1 ; noisy 0..F-1]``."""
     F, S, nb = num_latent_frames, tokens_per_frame, frames_per_block
-    _positive_int("tokens_per_frame", S)
+    check_positive_int("tokens_per_frame", S)
     check_whole_blocks(F, nb)
     g = torch.arange(2 * F * S)
     side, block = g // (F * S), (g % (F * S)) // S // nb
@@ -162,7 +158,7 @@ class BalancedSPLayout:
             ("sp_size", P),
             ("ring_size", R),
         ):
-            _positive_int(name, v)
+            check_positive_int(name, v)
         if F % (P * nb):  # implies check_whole_blocks (whole blocks per rank)
             raise ValueError(
                 f"num_latent_frames ({F}) must be divisible by sp_size ({P}) * "
@@ -172,17 +168,17 @@ class BalancedSPLayout:
             raise ValueError(f"ring_size ({R}) must divide sp_size ({P})")
         U = P // R
         if ulysses_size is not None:
-            _positive_int("ulysses_size", ulysses_size)
+            check_positive_int("ulysses_size", ulysses_size)
             if ulysses_size * R != P:
                 raise ValueError(
                     f"ulysses_size ({ulysses_size}) * ring_size ({R}) must equal sp_size ({P})"
                 )
         if world_size is not None:
-            _positive_int("world_size", world_size)
+            check_positive_int("world_size", world_size)
             if world_size % P:
                 raise ValueError(f"world_size ({world_size}) must be divisible by sp_size ({P})")
         if num_heads is not None:
-            _positive_int("num_heads", num_heads)
+            check_positive_int("num_heads", num_heads)
             if num_heads % U:
                 raise ValueError(f"num_heads ({num_heads}) must be divisible by ulysses_size ({U})")
         balance = (R > 1) if ring_balance is None else bool(ring_balance)
@@ -230,8 +226,7 @@ class BalancedSPLayout:
         return out
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.sp_size:
-            raise ValueError(f"rank ({rank!r}) must be an integer in [0, sp_size ({self.sp_size}))")
+        check_rank("rank", rank, self.sp_size, "sp_size")
 
     def rank_frames(self, rank: int) -> torch.Tensor:
         """Global latent frames owned by ``rank``, in local order (ascending)."""
@@ -324,8 +319,8 @@ class BalancedSPLayout:
         0 = fully masked, 1 = partial, 2 = fully visible (``N = 2FS``; tiles of arbitrary size)."""
         bq = q_block_tokens
         bk = bq if k_block_tokens is None else k_block_tokens
-        _positive_int("q_block_tokens", bq)
-        _positive_int("k_block_tokens", bk)
+        check_positive_int("q_block_tokens", bq)
+        check_positive_int("k_block_tokens", bk)
         N, ut = 2 * self.num_latent_frames * self.tokens_per_frame, self.unit_tokens
         m = self.block_mask().to(torch.int64)
         cs = torch.zeros(m.shape[0] + 1, m.shape[1] + 1, dtype=torch.int64)

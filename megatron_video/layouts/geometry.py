@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import check_positive_int
+
 __all__ = ["VideoGeometry"]
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -26,7 +23,7 @@ class VideoGeometry:
 
     def __post_init__(self):
         for name in ("frames", "height", "width"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
 
     @property
     def positions(self) -> int:

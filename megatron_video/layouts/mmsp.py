@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..checks import check_int, check_rank
 from .zigzag import shard_global_ids, shard_owner
 
 __all__ = [
@@ -24,12 +25,6 @@ __all__ = [
     "position_sources",
     "causal_work",
 ]
-
-
-def _pos_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,8 +61,7 @@ class FrameShards:
         return (u[:, None] * t + torch.arange(t)[None]).flatten()
 
     def _check_rank(self, rank):
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.cp_size:
-            raise ValueError(f"rank ({rank!r}) must be an integer in [0, cp_size = {self.cp_size})")
+        check_rank("rank", rank, self.cp_size, "cp_size")
 
 
 def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1) -> FrameShards:
@@ -85,8 +79,8 @@ def frame_shards(num_frames: Sequence[int], cp_size: int, tubelet_size: int = 1)
     one. A rank's local units are in global order (video-major), and unit ``u`` yields
     ``tokens_per_unit`` consecutive visual tokens.
     """
-    _pos_int("cp_size", cp_size)
-    _pos_int("tubelet_size", tubelet_size)
+    check_int("cp_size", cp_size, 1)
+    check_int("tubelet_size", tubelet_size, 1)
     frames = []
     for j, f in enumerate(list(num_frames)):
         if isinstance(f, torch.Tensor) and f.dim() == 0 and not f.is_floating_point():
@@ -184,7 +178,7 @@ def sequence_layout(
             f"{tuple(getattr(input_ids, 'shape', ()))}) must be an integer tensor "
             f"[batch, text_len]"
         )
-    _pos_int("cp_size", cp_size)
+    check_int("cp_size", cp_size, 1)
     ids = input_ids.detach().cpu().long()
     B, T = ids.shape
     is_img = ids == image_token_index
@@ -203,7 +197,7 @@ def sequence_layout(
     lengths = width.sum(dim=1)
     need = int(lengths.max()) if B else 0
     if seq_len is not None:
-        need = max(need, _pos_int("seq_len", seq_len, 0))
+        need = max(need, check_int("seq_len", seq_len, 0))
     S = -(-need // (2 * cp_size)) * (2 * cp_size)
     rows = torch.arange(B)[:, None].expand(B, T)
     text_mask = ~is_img
@@ -282,7 +276,7 @@ def reshard_plan(
     N = layout.cp_size
     if shards.cp_size != N:
         raise ValueError(f"shards.cp_size ({shards.cp_size}) must equal layout.cp_size ({N})")
-    _pos_int("tokens_per_unit", tokens_per_unit)
+    check_int("tokens_per_unit", tokens_per_unit, 1)
     n_vis = layout.visual_pos.numel()
     if n_vis != shards.total_units * tokens_per_unit:
         raise ValueError(

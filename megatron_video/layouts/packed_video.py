@@ -27,9 +27,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..checks import check_int
 from .geometry import VideoGeometry
 from .placement import Clip, CostModel, Placement, PlacementPlan, plan_placement
-from .zigzag import check_int as _int
 
 __all__ = ["PACKED_KINDS", "VideoClip", "PackedVideo"]
 
@@ -49,7 +49,7 @@ class VideoClip:
 
     def __post_init__(self):
         for name in ("frames", "height", "width", "frames_per_block"):
-            _int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.kind not in PACKED_KINDS:
             raise ValueError(f"kind ({self.kind!r}) must be one of {PACKED_KINDS}")
         if self.kind == "teacher_forcing" and self.frames % self.frames_per_block:
@@ -101,7 +101,7 @@ class PackedVideo:
         if not clips or not all(isinstance(c, VideoClip) for c in clips):
             raise ValueError(f"clips ({self.clips!r}) must be a non-empty sequence of VideoClip")
         total = sum(c.tokens for c in clips)
-        seq_len = total if self.seq_len is None else _int("seq_len", self.seq_len, 1)
+        seq_len = total if self.seq_len is None else check_int("seq_len", self.seq_len, 1)
         if seq_len < total:
             raise ValueError(
                 f"seq_len ({seq_len}) must be at least the clips' {total} tokens (rule: the "
@@ -131,7 +131,7 @@ class PackedVideo:
 
     def padded_to(self, multiple: int) -> "PackedVideo":
         """The same clips with ``seq_len`` rounded up to a multiple of ``multiple`` (e.g. U·R)."""
-        m = _int("multiple", multiple, 1)
+        m = check_int("multiple", multiple, 1)
         return PackedVideo(self.clips, -(-self.seq_len // m) * m)
 
     # -- sizes ----------------------------------------------------------------------------------

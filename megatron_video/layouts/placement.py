@@ -14,14 +14,16 @@ docs/architecture.md, "Capabilities" 7.
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..checks import check_int, check_rank
 from ..parallel.topology import local_groups
 from .balanced_sp import max_over_mean
-from .zigzag import Placement, check_int
+from .zigzag import SCHEMES, shard_global_ids
 
 __all__ = [
     "CLIP_KINDS",
@@ -34,6 +36,103 @@ __all__ = [
     "plan_placement",
     "ring_members",
 ]
+
+
+def _ids_digest(ids: torch.Tensor) -> str:
+    return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+class Placement:
+    """Global token ids held by each CP rank: ``ids [N, S/N]`` (row ``c`` in CP rank ``c``'s local
+    order), the rows together a permutation of ``range(S)``. Immutable and hashable by content (it
+    keys the attention plan cache); ``rank_ids`` hands out copies."""
+
+    __slots__ = ("_ids", "_key", "name")
+
+    def __init__(self, ids, name: Optional[str] = None):
+        t = torch.as_tensor(ids)
+        if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool or t.shape[0] < 1:
+            raise ValueError(
+                f"ids ({tuple(t.shape)} {t.dtype}) must be an integer tensor [cp_size, s_local]"
+            )
+        t = t.to(device="cpu", dtype=torch.long).contiguous().clone()
+        s = t.numel()
+        if not torch.equal(torch.sort(t.flatten()).values, torch.arange(s)):
+            raise ValueError(
+                f"ids must hold every global id of range({s}) exactly once (a permutation over "
+                f"{t.shape[0]} CP ranks of {t.shape[1]} tokens each)"
+            )
+        self._ids, self.name = t, name
+        self._key = (t.shape[0], t.shape[1], _ids_digest(t))
+
+    @classmethod
+    def from_scheme(cls, scheme: str, cp_size: int, seq_len: int) -> "Placement":
+        """The placement of a static scheme (``"zigzag"`` / ``"contiguous"``)."""
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES}")
+        ids = torch.stack([shard_global_ids(c, cp_size, seq_len, scheme) for c in range(cp_size)])
+        return cls(ids, name=scheme)
+
+    @property
+    def cp_size(self) -> int:
+        return self._ids.shape[0]
+
+    @property
+    def local_len(self) -> int:
+        return self._ids.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self._ids.numel()
+
+    @property
+    def digest(self) -> str:
+        """Hex digest of the ids: the same on every process (Python's ``hash`` is not)."""
+        return self._key[2]
+
+    def rank_ids(self, cp_rank: int) -> torch.Tensor:
+        """CP rank ``cp_rank``'s global ids in its local order (a copy)."""
+        check_rank("cp_rank", cp_rank, self.cp_size, "cp_size")
+        return self._ids[cp_rank].clone()
+
+    def owner(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Inverse map: ``(cp_rank, local_index)`` of every global id (``[S]`` each)."""
+        rank = torch.empty(self.seq_len, dtype=torch.long)
+        local = torch.empty(self.seq_len, dtype=torch.long)
+        flat = self._ids.flatten()
+        rank[flat] = torch.arange(self.cp_size).repeat_interleave(self.local_len)
+        local[flat] = torch.arange(self.local_len).repeat(self.cp_size)
+        return rank, local
+
+    def shard(self, x: torch.Tensor, cp_rank: int, dim: int = 1) -> torch.Tensor:
+        """CP rank ``cp_rank``'s shard of the full sequence ``x`` along ``dim``."""
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(
+                f"x.shape[{dim}] ({x.shape[dim]}) must equal the placement's seq_len "
+                f"({self.seq_len})"
+            )
+        return x.index_select(dim, self.rank_ids(cp_rank).to(x.device))
+
+    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Inverse of ``shard``: the full sequence from every CP rank's shard (in CP order)."""
+        if len(shards) != self.cp_size:
+            raise ValueError(
+                f"shards ({len(shards)}) must hold one tensor per CP rank ({self.cp_size})"
+            )
+        cat = torch.cat(list(shards), dim=dim)
+        inverse = torch.argsort(self._ids.flatten()).to(cat.device)
+        return cat.index_select(dim, inverse)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Placement) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        what = self.name or f"#{self._key[2][:8]}"
+        return f"Placement({what}, cp_size={self.cp_size}, seq_len={self.seq_len})"
+
 
 # Attention inside a clip: full (T2V), causal, block-causal (blocks of ``block_tokens``) and
 # teacher forcing (``[clean ; noisy]`` halves, blocks of ``block_tokens`` tokens per half).

@@ -10,7 +10,8 @@ from typing import Tuple
 
 import torch
 
-from .geometry import VideoGeometry, _positive_int
+from ..checks import check_positive_int, check_rank
+from .geometry import VideoGeometry
 
 __all__ = [
     "VideoGeometry",
@@ -36,8 +37,8 @@ def check_stdit_divisibility(num_frames: int, cp_size: int, batch_size: int = No
     Videos need ``num_frames % cp_size == 0``; images (``num_frames == 1``) are data-parallel over the
     CP group and need ``batch_size % cp_size == 0`` (checked when ``batch_size`` is given).
     """
-    _positive_int("num_frames", num_frames)
-    _positive_int("cp_size", cp_size)
+    check_positive_int("num_frames", num_frames)
+    check_positive_int("cp_size", cp_size)
     if num_frames == 1:
         if batch_size is not None and batch_size % cp_size:
             raise ValueError(
@@ -56,18 +57,13 @@ def frames_per_rank(num_frames: int, cp_size: int) -> int:
 
 def positions_per_rank(num_positions: int, cp_size: int) -> int:
     """``m = ceil(n/P)``: positions each rank holds in layout B, padding included."""
-    _positive_int("num_positions", num_positions)
-    _positive_int("cp_size", cp_size)
+    check_positive_int("num_positions", num_positions)
+    check_positive_int("cp_size", cp_size)
     return -(-num_positions // cp_size)
 
 
 def padded_positions(num_positions: int, cp_size: int) -> int:
     return positions_per_rank(num_positions, cp_size) * cp_size
-
-
-def _check_rank(rank: int, cp_size: int) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp_size:
-        raise ValueError(f"rank ({rank!r}) must be an integer in [0, cp_size ({cp_size}))")
 
 
 def layout_a_indices(rank: int, num_frames: int, num_positions: int, cp_size: int) -> torch.Tensor:
@@ -82,7 +78,7 @@ def layout_a_indices(rank: int, num_frames: int, num_positions: int, cp_size: in
     (``image_batch_range``: rank ``r`` holds whole samples ``[r*b/P, (r+1)*b/P)``; A and B
     coincide).
     """
-    _check_rank(rank, cp_size)
+    check_rank("rank", rank, cp_size, "cp_size")
     tl = frames_per_rank(num_frames, cp_size)
     if num_frames == 1:
         return torch.arange(num_positions)
@@ -98,7 +94,7 @@ def layout_b_indices(rank: int, num_frames: int, num_positions: int, cp_size: in
     ``n % P != 0`` positions are padded to ``P*m`` (padding sits at the end of the last ranks and is
     stripped on the way back to A); padded slots map to global index ``-1``.
     """
-    _check_rank(rank, cp_size)
+    check_rank("rank", rank, cp_size, "cp_size")
     check_stdit_divisibility(num_frames, cp_size)
     if num_frames == 1:
         return torch.arange(num_positions)
@@ -149,7 +145,7 @@ def token_thw(global_index: torch.Tensor, geometry: VideoGeometry) -> torch.Tens
 
 def image_batch_range(rank: int, batch_size: int, cp_size: int) -> range:
     """Samples held by ``rank`` when images (``t == 1``) run data-parallel over the CP group."""
-    _check_rank(rank, cp_size)
+    check_rank("rank", rank, cp_size, "cp_size")
     check_stdit_divisibility(1, cp_size, batch_size)
     k = batch_size // cp_size
     return range(rank * k, (rank + 1) * k)
@@ -162,7 +158,7 @@ def shard_layout_a(video: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor
     Images (``t == 1``) -> ``[b/P, 1, n, ...]`` (this rank's samples).
     """
     b, t = video.shape[0], video.shape[1]
-    _check_rank(rank, cp_size)
+    check_rank("rank", rank, cp_size, "cp_size")
     if t == 1:
         rb = image_batch_range(rank, b, cp_size)
         return video[rb.start : rb.stop]
@@ -181,7 +177,7 @@ def shard_layout_b(video: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor
     Images (``t == 1``) -> ``[b/P, n, 1, ...]`` (this rank's samples, transposed).
     """
     b, t, n = video.shape[:3]
-    _check_rank(rank, cp_size)
+    check_rank("rank", rank, cp_size, "cp_size")
     if t == 1:
         return shard_layout_a(video, rank, cp_size).transpose(1, 2)
     check_stdit_divisibility(t, cp_size)

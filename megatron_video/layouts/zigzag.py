@@ -1,5 +1,5 @@
 """Sequence layouts for context parallelism: zigzag (causal balance), contiguous and explicit
-``Placement``s (any token-to-rank map, e.g. packed clips placed by ``layouts.placement``), as pure,
+placements (any token-to-rank map: ``layouts.placement.Placement``, e.g. packed clips), as pure,
 rank-explicit index maps (``*_global_ids``, their inverse ``shard_owner``) and the tensor ops that
 apply them (``shard_sequence`` / ``unshard_sequence``). Design: docs/architecture.md,
 "Capabilities" 1.
@@ -7,18 +7,15 @@ apply them (``shard_sequence`` / ``unshard_sequence``). Design: docs/architectur
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..parallel.comm import check_dim
+from ..checks import check_dim, check_int
 
 __all__ = [
     "SCHEMES",
-    "Placement",
     "as_placement",
-    "check_int",
     "check_seq_len",
     "zigzag_global_ids",
     "contiguous_global_ids",
@@ -33,16 +30,16 @@ __all__ = [
 SCHEMES = ("zigzag", "contiguous")
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= minimum``, else ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return value
+# What the functions below use of an explicit layout (``layouts.placement.Placement``, which is
+# built from these schemes and so cannot be imported here).
+_EXPLICIT_LAYOUT = ("cp_size", "seq_len", "rank_ids", "owner")
 
 
 def as_placement(scheme):
-    """``scheme`` if it is a ``Placement`` (an explicit layout), else None."""
-    return scheme if isinstance(scheme, Placement) else None
+    """``scheme`` if it is an explicit layout (a ``layouts.placement.Placement``), else None."""
+    if isinstance(scheme, str):
+        return None
+    return scheme if all(hasattr(scheme, a) for a in _EXPLICIT_LAYOUT) else None
 
 
 def check_seq_len(seq_len: int, cp_size: int, scheme) -> None:
@@ -208,99 +205,3 @@ def global_token_ids(
     """
     rank, size = _rank_and_size(groups, cp_rank, cp_size)
     return shard_global_ids(rank, size, seq_len, scheme)
-
-
-def _ids_digest(ids: torch.Tensor) -> str:
-    return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).hexdigest()
-
-
-class Placement:
-    """Global token ids held by each CP rank: ``ids [N, S/N]`` (row ``c`` in CP rank ``c``'s local
-    order), the rows together a permutation of ``range(S)``. Immutable and hashable by content (it
-    keys the attention plan cache); ``rank_ids`` hands out copies."""
-
-    __slots__ = ("_ids", "_key", "name")
-
-    def __init__(self, ids, name: Optional[str] = None):
-        t = torch.as_tensor(ids)
-        if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool or t.shape[0] < 1:
-            raise ValueError(
-                f"ids ({tuple(t.shape)} {t.dtype}) must be an integer tensor [cp_size, s_local]"
-            )
-        t = t.to(device="cpu", dtype=torch.long).contiguous().clone()
-        s = t.numel()
-        if not torch.equal(torch.sort(t.flatten()).values, torch.arange(s)):
-            raise ValueError(
-                f"ids must hold every global id of range({s}) exactly once (a permutation over "
-                f"{t.shape[0]} CP ranks of {t.shape[1]} tokens each)"
-            )
-        self._ids, self.name = t, name
-        self._key = (t.shape[0], t.shape[1], _ids_digest(t))
-
-    @classmethod
-    def from_scheme(cls, scheme: str, cp_size: int, seq_len: int) -> "Placement":
-        """The placement of a static scheme (``"zigzag"`` / ``"contiguous"``)."""
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES}")
-        ids = torch.stack([shard_global_ids(c, cp_size, seq_len, scheme) for c in range(cp_size)])
-        return cls(ids, name=scheme)
-
-    @property
-    def cp_size(self) -> int:
-        return self._ids.shape[0]
-
-    @property
-    def local_len(self) -> int:
-        return self._ids.shape[1]
-
-    @property
-    def seq_len(self) -> int:
-        return self._ids.numel()
-
-    @property
-    def digest(self) -> str:
-        """Hex digest of the ids: the same on every process (Python's ``hash`` is not)."""
-        return self._key[2]
-
-    def rank_ids(self, cp_rank: int) -> torch.Tensor:
-        """CP rank ``cp_rank``'s global ids in its local order (a copy)."""
-        _check_rank(cp_rank, self.cp_size)
-        return self._ids[cp_rank].clone()
-
-    def owner(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Inverse map: ``(cp_rank, local_index)`` of every global id (``[S]`` each)."""
-        rank = torch.empty(self.seq_len, dtype=torch.long)
-        local = torch.empty(self.seq_len, dtype=torch.long)
-        flat = self._ids.flatten()
-        rank[flat] = torch.arange(self.cp_size).repeat_interleave(self.local_len)
-        local[flat] = torch.arange(self.local_len).repeat(self.cp_size)
-        return rank, local
-
-    def shard(self, x: torch.Tensor, cp_rank: int, dim: int = 1) -> torch.Tensor:
-        """CP rank ``cp_rank``'s shard of the full sequence ``x`` along ``dim``."""
-        if x.shape[dim] != self.seq_len:
-            raise ValueError(
-                f"x.shape[{dim}] ({x.shape[dim]}) must equal the placement's seq_len "
-                f"({self.seq_len})"
-            )
-        return x.index_select(dim, self.rank_ids(cp_rank).to(x.device))
-
-    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        """Inverse of ``shard``: the full sequence from every CP rank's shard (in CP order)."""
-        if len(shards) != self.cp_size:
-            raise ValueError(
-                f"shards ({len(shards)}) must hold one tensor per CP rank ({self.cp_size})"
-            )
-        cat = torch.cat(list(shards), dim=dim)
-        inverse = torch.argsort(self._ids.flatten()).to(cat.device)
-        return cat.index_select(dim, inverse)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Placement) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def __repr__(self) -> str:
-        what = self.name or f"#{self._key[2][:8]}"
-        return f"Placement({what}, cp_size={self.cp_size}, seq_len={self.seq_len})"

@@ -1,6 +1,6 @@
-"""Input / output pieces of the video DiTs: 3D patchify, patch embedding, final AdaLN layer, text
-embedder, and the tagging of pipeline-replicated conditioning embedders. Design:
-docs/architecture.md, "Megatron integration".
+"""Input / output pieces of the video DiTs: 3D patchify, patch embedding, final AdaLN layer, the
+caption vocabulary and embedders, and the tagging of pipeline-replicated conditioning embedders.
+Design: docs/architecture.md, "Megatron integration".
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 # * ``PatchEmbed``: tokens -> hidden ``D`` (first pipeline stage only).
 # * ``FinalLayer``: AdaLN shift/scale from the conditioning, LayerNorm, ``D -> C*pt*ph*pw``; the
 #   output projection is zero-initialised (the network starts by predicting 0).
-# * ``TextEmbedder``: the learned caption table of ``data.synthetic.CaptionEmbedder`` plus a
+# * ``TextEmbedder``: the learned caption table (``CaptionEmbedder``) plus a
 #   per-sample classifier-free-guidance drop that swaps in the learned null caption.
 #
 # Conditioning embedders (timestep, text) are replicated on every pipeline stage:
@@ -25,11 +25,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch import Tensor
+from torch import Tensor, nn
 
-from megatron_video.data.synthetic import CaptionEmbedder
+from megatron_video.checks import check_positive_int
 
 __all__ = [
+    "PAD",
+    "UNK",
+    "VOCAB",
+    "CaptionEmbedder",
     "patchify",
     "unpatchify",
     "token_grid",
@@ -38,6 +42,39 @@ __all__ = [
     "TextEmbedder",
     "mark_pipeline_replicated",
 ]
+
+
+# The caption vocabulary of the embedded procedural data (``data.synthetic``: its sizes, colours and
+# shapes, in that order, after the connecting words); ``len(VOCAB)`` is the DiTs' default
+# ``text_vocab_size``.
+PAD, UNK = "<pad>", "<unk>"
+VOCAB = (
+    PAD,
+    UNK,
+    "a",
+    ",",
+    "bouncing",
+    "turning",
+    "to",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "small",
+    "large",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "cyan",
+    "magenta",
+    "white",
+    "orange",
+    "circle",
+    "square",
+    "triangle",
+    "diamond",
+)
 
 
 def token_grid(latent_thw: Sequence[int], patch: Sequence[int]) -> Tuple[int, int, int]:
@@ -121,6 +158,55 @@ class FinalLayer(MegatronModule):
         return self.linear(y * (1 + scale) + shift)
 
 
+class CaptionEmbedder(nn.Module):
+    """Learned per-token caption embeddings ``[b, L, d_text]`` (+ mask) and a learned null caption for CFG.
+
+    Token and position tables are small ``nn.Embedding``s; padded positions are zeroed. ``null(b)``
+    returns the null caption (a learned ``[L, d_text]`` sequence, all positions valid).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_text: int,
+        max_len: int,
+        *,
+        generator: Optional[torch.Generator] = None,
+    ):
+        super().__init__()
+        for name, v in (("vocab_size", vocab_size), ("d_text", d_text), ("max_len", max_len)):
+            if v < 1:
+                raise ValueError(f"{name} ({v}) must be >= 1")
+        self.max_len = max_len
+        self.tokens = nn.Embedding(vocab_size, d_text)
+        self.positions = nn.Embedding(max_len, d_text)
+        self.null_embedding = nn.Parameter(torch.empty(max_len, d_text))
+        self.reset_parameters(generator)
+
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        # Explicit generator: replicated embedders (TP / PP stages) must start identical.
+        for p in (self.tokens.weight, self.positions.weight, self.null_embedding):
+            nn.init.normal_(p, std=1.0, generator=generator)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        if ids.dim() != 2 or ids.shape[1] != self.max_len or mask.shape != ids.shape:
+            raise ValueError(
+                f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must both be "
+                f"[b, max_len={self.max_len}]"
+            )
+        pos = torch.arange(self.max_len, device=ids.device)
+        emb = (self.tokens(ids) + self.positions(pos)[None]) * mask[..., None].to(
+            self.tokens.weight.dtype
+        )
+        return emb, mask.bool()
+
+    def null(self, batch_size: int = 1) -> tuple[Tensor, Tensor]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size ({batch_size}) must be >= 1")
+        emb = self.null_embedding[None].expand(batch_size, -1, -1)
+        return emb, torch.ones(batch_size, self.max_len, dtype=torch.bool, device=emb.device)
+
+
 class TextEmbedder(torch.nn.Module):
     """Caption ids -> ``([b, L, d], mask [b, L])`` with a classifier-free-guidance drop.
 
@@ -144,8 +230,7 @@ class TextEmbedder(torch.nn.Module):
         self.captions = CaptionEmbedder(vocab_size, dim, max_len, generator=g)
         self.input_dim = input_dim
         if input_dim is not None:
-            if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
-                raise ValueError(f"input_dim ({input_dim!r}) must be a positive integer")
+            check_positive_int("input_dim", input_dim)
             self.proj = torch.nn.Linear(input_dim, dim)
             torch.nn.init.normal_(self.proj.weight, std=input_dim**-0.5, generator=g)
             torch.nn.init.zeros_(self.proj.bias)

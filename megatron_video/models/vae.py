@@ -3,7 +3,7 @@
 Temporal rule (``causal_first_frame``): latent 0 <- raw frame 0, latent ``k`` <- raw frames
 ``4k-3..4k``; ``T = 1 + 4(F-1)`` raw frames <-> ``F`` latents. Every temporal op is causal (left
 zero padding of ``kernel - 1`` frames) and declares ``causal_time_op`` so that
-``megatron_video.layouts.vae_halo.temporal_receptive_field`` derives the SP halo from the network
+``megatron_video.models.vae_halo_probe.temporal_receptive_field`` derives the SP halo from the network
 itself. Nothing mixes frames except these convolutions (no temporal norms), which is what makes
 windowed encoding exact. Tensors are ``[B, C, T, H, W]``.
 """

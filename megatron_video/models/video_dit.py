@@ -19,7 +19,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention.masks import AttentionMask
-from megatron_video.data.synthetic import VOCAB
 from megatron_video.layouts.packed_video import PackedVideo
 from megatron_video.layouts.placement import Placement
 from megatron_video.layouts.stdit import VideoGeometry
@@ -38,6 +37,7 @@ from megatron_video.models.dit_layer_specs import (  # noqa: F401  (re-exported,
     layer_spec_for,
 )
 from megatron_video.models.embedders import (
+    VOCAB,
     FinalLayer,
     PatchEmbed,
     TextEmbedder,

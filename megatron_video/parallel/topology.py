@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..checks import check_positive_int
 from .comm import drop_host_groups
 
 __all__ = [
@@ -118,14 +119,9 @@ def destroy_video_parallel() -> None:
     _GROUPS = None
 
 
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-
-
 def check_ranks_per_node(ranks_per_node, world_size: int, name: str = "ranks_per_node") -> int:
     """``ranks_per_node`` checked: a positive integer that divides ``world_size`` (pure)."""
-    _check_positive_int(name, ranks_per_node)
+    check_positive_int(name, ranks_per_node)
     if world_size % ranks_per_node:
         raise ValueError(f"{name} ({ranks_per_node}) must divide the world size ({world_size})")
     return ranks_per_node
@@ -276,7 +272,7 @@ def _placement(ps, cp_group, ulysses_size, ring_size, ranks_per_node, placement)
     world = dist.get_world_size()
     if placement not in PLACEMENTS:
         raise ValueError(f"placement ({placement!r}) must be one of {PLACEMENTS}")
-    _check_positive_int("ulysses_size", ulysses_size)
+    check_positive_int("ulysses_size", ulysses_size)
     if ring_size is None:
         if cp_size % ulysses_size:
             raise ValueError(
@@ -284,7 +280,7 @@ def _placement(ps, cp_group, ulysses_size, ring_size, ranks_per_node, placement)
                 f"({cp_size}) so that ring_size = context_parallel_size / ulysses_size"
             )
         ring_size = cp_size // ulysses_size
-    _check_positive_int("ring_size", ring_size)
+    check_positive_int("ring_size", ring_size)
     if ulysses_size * ring_size != cp_size:
         raise ValueError(
             f"ulysses_size * ring_size ({ulysses_size} * {ring_size} = "

@@ -89,7 +89,7 @@ class RawClipSource(ClipSource):
     """Raw clips of the energon dataset ``config.data.path`` at their buckets, encoded per request
     with ``encoder`` (``[B, 3, T, H, W]`` in ``[-1, 1]`` -> ``[B, >= z, F, h, w]``; channels past
     ``vae.latent_channels`` are dropped) and ``halo_latents`` (None: the encoder's temporal
-    receptive field, ``layouts.vae_halo.encoder_halo``). Clips the grid refuses are left out
+    receptive field, ``models.vae_halo_probe.encoder_halo``). Clips the grid refuses are left out
     (``left_out``: ``(key, reason)``), as ``precompute`` leaves them out. ``reads`` records each
     decoded ``(key, HaloWindow)``."""
 
@@ -97,7 +97,7 @@ class RawClipSource(ClipSource):
 
     def __init__(self, config: Config, encoder, halo_latents: Optional[int] = None):
         from megatron_video.data.energon_video import KeyedClips, dataset_records
-        from megatron_video.layouts.vae_halo import encoder_halo
+        from megatron_video.models.vae_halo_probe import encoder_halo
 
         d = config.data
         self.path, self.encoder, self.z = d.path, encoder, config.vae.latent_channels

@@ -19,8 +19,9 @@ from megatron_video.data.video_windows import encode_rank_latents
 from megatron_video.diffusion.edm import EDMConfig, sample_sigma
 from megatron_video.diffusion.flow_matching import sample_timesteps
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
-from megatron_video.layouts.vae_halo import encoder_halo, halo_window
+from megatron_video.layouts.vae_halo import halo_window
 from megatron_video.models.embedders import patchify
+from megatron_video.models.vae_halo_probe import encoder_halo
 from megatron_video.ops.halo import halo_scatter
 
 from .config import Config, latent_shape, token_grid_of

@@ -98,6 +98,8 @@ class Generator:
     def t2v_tokens(self, cond, null, noise: torch.Tensor) -> torch.Tensor:
         """Full clean tokens ``[b, N, C]`` of a T2V family from the full ``noise`` (collective)."""
         from megatron_video.diffusion import cp_sampling as cps
+        from megatron_video.diffusion.ar_models import WAN_TIMESTEP_SCALE, is_wan
+        from megatron_video.diffusion.wan_sampling import _proj_out_to_patchify
 
         df, geo, model = self.config.diffusion, self.geometry, self.model
         guided = dict(
@@ -108,6 +110,10 @@ class Generator:
         )
 
         def net(x, tt, c):
+            if is_wan(model):  # Wan's contiguous CP split, timestep t * 1000
+                out = model(x, tt * WAN_TIMESTEP_SCALE, c[0], geo)
+                z = self.config.vae.latent_channels
+                return _proj_out_to_patchify(out, tuple(self.config.model.patch_size), z)
             return model(x, tt, c[0], c[1], geo, drop=c[2])
 
         local = cps.partition_tokens(noise, self.token_ids)
@@ -224,14 +230,45 @@ def _held_out(config: Config, b: int):
     return [held_out[i] for i in range(b)]
 
 
+def wan_training_sample(trainer, num_samples: int):
+    """``train.sample`` of the Wan families: the captions of the first micro-batch (precomputed
+    UMT5 embeddings; there is no text encoder in training), generated (CFG against empty text)
+    into latents ``{"latents": [b, C, F, h, w], "frames": F}`` on the logging rank (decode them
+    with the Wan VAE), None elsewhere (collective)."""
+    from megatron_video.models.embedders import unpatchify
+
+    c = trainer.config
+    mb = trainer.batches.micro_batch(0, 0)
+    text = (mb.caption_ids * mb.caption_mask.to(mb.caption_ids.dtype)[..., None])[:num_samples]
+    text = text.to(trainer.device)
+    b = text.shape[0]
+    trainer.ddp.eval()
+    try:
+        full = trainer_generator(trainer).sample_tokens(
+            (text,), (torch.zeros_like(text),), c.train.seed, b
+        )
+    finally:
+        trainer.ddp.train()
+    if not trainer.is_logger:
+        return None
+    g = trainer.geometry
+    latents = unpatchify(
+        full.cpu(), tuple(c.model.patch_size), (g.frames, g.height, g.width), c.vae.latent_channels
+    )
+    return {"latents": latents, "frames": int(latents.shape[2])}
+
+
 def training_sample(trainer, num_samples: Optional[int] = None):
     """``train.sample``: held-out captions generated and VAE-decoded: ``(generated, data, VAE
-    reconstruction, captions)`` videos on the logging rank, None elsewhere (collective)."""
+    reconstruction, captions)`` videos on the logging rank, None elsewhere (collective); the
+    Wan families: ``wan_training_sample``."""
     from megatron_video.diffusion import cp_sampling as cps
     from megatron_video.models.embedders import patchify
 
     c = trainer.config
     b = num_samples or c.train.sample_batch
+    if not trainer.family.needs_vae:
+        return wan_training_sample(trainer, b)
     items = _held_out(c, b)
     full = sample_tokens(trainer, b)
     if not trainer.is_logger:

@@ -38,7 +38,7 @@ def _free_port() -> int:
 # Frames in these files mean "waiting on other ranks" (a blocked collective or P2P wait).
 _COMM_FILES = (
     os.sep + os.path.join("torch", "distributed") + os.sep,
-    os.path.join("megatron_video", "parallel", "comm.py"),
+    os.path.join("megatron_video", "parallel", "comm") + os.sep,
     os.path.join("megatron", "core", "pipeline_parallel", "p2p_communication.py"),
 )
 

@@ -134,11 +134,12 @@ def precompute_latents(
     Every clip is decoded as the ``sp_size`` halo windows SP ranks would decode
     (``data.energon_video``), each window encoded with its left halo
     (``data.video_windows.encode_rank_latents``: SP-folded encoding, exact; the halo of a Wan VAE
-    is probed, ``layouts.vae_halo.probe_halo``) and concatenated; the latent means ``[z, F, h, w]``
+    is probed, ``models.vae_halo_probe.probe_halo``) and concatenated; the latent means ``[z, F, h, w]``
     (unscaled; Wan's normalised) and, with a text encoder (``data.text.HFTextEncoder``, T5 or
     UMT5), the caption embeddings ``text_emb`` / ``text_mask``. With ``data.buckets`` every clip
     is encoded at its own bucket (``_precompute_buckets``)."""
-    from megatron_video.layouts.vae_halo import encoder_halo, halo_windows
+    from megatron_video.layouts.vae_halo import halo_windows
+    from megatron_video.models.vae_halo_probe import encoder_halo
 
     d = config.data
     if not d.path:
@@ -190,7 +191,8 @@ def _precompute_buckets(config, out_dir, sp_size, text_encoder, samples_per_shar
     named (``left_out``)."""
     from megatron_video.data.energon_video import KeyedClips, dataset_records
     from megatron_video.data.video_windows import encode_rank_latents
-    from megatron_video.layouts.vae_halo import encoder_halo, windows_for_bounds
+    from megatron_video.layouts.vae_halo import windows_for_bounds
+    from megatron_video.models.vae_halo_probe import encoder_halo
 
     from .config import bucket_grid
 

@@ -613,7 +613,13 @@ class Trainer:
                 losses,
                 title=f"{c.model.family} (CP={self.cp_size}: U{p.ulysses_size} x R{p.ring_size})",
             )
-        if sample is not None:
+        if isinstance(sample, dict):  # the Wan families: latents (generation.wan_training_sample)
+            torch.save(sample["latents"], out_dir / "sample_latents.pt")
+            metrics["sample"] = {
+                "frames": sample["frames"],
+                "latents": str(out_dir / "sample_latents.pt"),
+            }
+        elif sample is not None:
             generated, truth, recon, captions = sample
             write_gif(
                 out_dir / "sample.gif",

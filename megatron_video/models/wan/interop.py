@@ -17,8 +17,10 @@ import torch
 
 from megatron_video.layouts.geometry import VideoGeometry
 from megatron_video.models.embedders import patchify, token_grid
+from megatron_video.models.wan.config import WanConfig
+from megatron_video.models.wan.embedders import wan_unpatchify
 from megatron_video.models.wan.mapping import to_megatron
-from megatron_video.models.wan.model import WanConfig, WanModel, wan_unpatchify
+from megatron_video.models.wan.model import WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 from megatron_video.parallel import comm
 
@@ -62,7 +64,7 @@ def wan_config(diffusers_config: dict, **overrides) -> WanConfig:
     from megatron.core import parallel_state as ps
 
     from megatron_video.compat import device_transformer_config_kwargs
-    from megatron_video.models.wan.model import wan_architecture
+    from megatron_video.models.wan.config import wan_architecture
 
     c = full_diffusers_config(diffusers_config)
     kw = device_transformer_config_kwargs(

@@ -22,7 +22,7 @@ from megatron_video.models.dit_layer_specs import (
     dit_mlp_spec,
     full_2d_attention,
 )
-from megatron_video.models.wan.model import (
+from megatron_video.models.wan.layer import (
     WanCrossAttention,
     WanCrossAttentionSubmodules,
     WanLayer,

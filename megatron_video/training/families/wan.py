@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_video.models.wan.model import WanConfig, WanModel, wan_architecture
+from megatron_video.models.wan.config import WanConfig, wan_architecture
+from megatron_video.models.wan.model import WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
 from ..config import Config, token_grid_of
@@ -220,11 +221,6 @@ def _check_common(config: Config, world_size: int) -> None:
             f"data.source ({d.source!r}) must be 'shards' with data.text_embed_dim set (got "
             f"{d.text_embed_dim!r}) for model.family {name!r}: Wan trains on precomputed "
             f"Wan-VAE latents + UMT5 embeddings (`megatron-video precompute`)"
-        )
-    if config.train.sample:
-        raise ValueError(
-            f"train.sample (True) must be false for model.family {name!r} (Wan sampling is "
-            f"not in the trainer)"
         )
     grid = token_grid_of(config)
     if max(grid) > WAN_FIXED["rope_max_seq_len"]:
