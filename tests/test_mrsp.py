@@ -256,6 +256,10 @@ def test_mrsp_exact_vs_megatron_cp1(pool4, cases):
     _check(pool4.run(_run, cases, ranks_per_node=4), cases)
 
 
+def _nan_reward(tokens, lengths):
+    return torch.full((tokens.shape[0],), float("nan"))
+
+
 def test_rl_config_bad_input():
     from megatron_video.mmsp import rl
 
@@ -269,5 +273,11 @@ def test_rl_config_bad_input():
         rl.check_rewards(torch.tensor([0.0, float("nan")]), 2, "my_reward")
     with pytest.raises(ValueError, match="rl.reward"):
         rl.load_reward("megatron_video.mmsp.rl:nope")
+    cfg = rl.RLConfig(group_size=2)
+    ro = rl.Rollout(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), torch.zeros(2, 2))
+    assert rl.score(cfg, ro, answer_id=6, format_ids=[5, 6]).tolist() == [0.1, 1.1]
+    bad = rl.RLConfig(group_size=2, reward="test_mrsp:_nan_reward")
+    with pytest.raises(ValueError, match="test_mrsp:_nan_reward.*non-finite"):
+        rl.score(bad, ro)
     r = rl.exact_match_reward(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), 5, [5, 6])
     assert r.tolist() == [1.1, 0.1]

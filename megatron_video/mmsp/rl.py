@@ -43,6 +43,8 @@ __all__ = [
     "grpo_token_terms",
     "grpo_loss",
     "check_rewards",
+    "load_reward",
+    "score",
     "exact_match_reward",
 ]
 
@@ -389,3 +391,11 @@ def load_reward(spec: str) -> Callable:
         raise ValueError(
             f"rl.reward ({spec!r}) must name an importable module:function ({e})"
         ) from e
+
+
+def score(cfg: RLConfig, ro: Rollout, **sample) -> torch.Tensor:
+    """Rewards ``[G]`` of one group: ``cfg.reward`` on ``(tokens, lengths, **sample)``, checked
+    (``check_rewards``) before anything uses them, identically on every rank."""
+    return check_rewards(
+        load_reward(cfg.reward)(ro.tokens, ro.lengths, **sample), cfg.group_size, cfg.reward
+    )
