@@ -47,9 +47,10 @@ def _ring_ids(groups, s: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return ids, ids
     key = (tuple(groups.cp_ranks), tuple(groups.ulysses_ranks), tuple(groups.ring_ranks), s)
     if key not in _IDS:
+        U, R, ug, rg = _sizes(groups)  # a size-1 group may be None: never gather over it
         mine = groups.cp_rank * s + torch.arange(s)
-        mine = comm.all_gather_cat(mine, groups.ulysses_group, tag="kv_cache.ids")
-        _IDS[key] = (mine, comm.all_gather_cat(mine, groups.ring_group, tag="kv_cache.ids"))
+        mine = comm.all_gather_cat(mine, ug, tag="kv_cache.ids") if U > 1 else mine
+        _IDS[key] = (mine, comm.all_gather_cat(mine, rg, tag="kv_cache.ids") if R > 1 else mine)
     return _IDS[key]
 
 

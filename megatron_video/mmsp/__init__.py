@@ -4,6 +4,7 @@ Stage 1 shards every video's frames over the CP group for the vision encoder + p
 re-shards the interleaved text + visual sequence into the LLM's zigzag CP layout with one autograd
 all-to-all-v (``parallel.comm.all_to_all_v``). Index maps: ``layouts.mmsp``. Megatron drop-in:
 ``mmsp.llava.MMSPLLaVAModel`` (imported lazily: it needs megatron-core's multimodal package).
+GRPO under CP (MR-SP): ``mmsp.rl``.
 """
 
 from .sharding import MMSPBatch, encode_local, global_token_loss, plan_batch, reshard_to_llm

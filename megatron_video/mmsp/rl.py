@@ -1,0 +1,401 @@
+"""MR-SP: GRPO of the video-language model with the long video prefix context-parallel.
+
+One RL step per prompt (video + question), on every CP rank of an ``MMSPLLaVAModel``:
+
+* ``encode_video``: the frames are encoded once (MM-SP stage 1: this rank's share only) and the
+  visual tokens are reused by the rollout prefill, the reference and the policy (the embedding
+  cache of MR-SP; with ``RLConfig.train_encoder`` the policy pass re-encodes with gradients).
+* ``rollout``: the combined prefix is prefilled once in the LLM's zigzag CP layout through
+  ``attention.kv_cache`` (``CacheStep``: each rank keeps its Ulysses heads / ring share of the
+  prefix keys and values), then ``G`` responses are decoded against that one shared cache: every
+  step re-runs the short response tokens (all ``G`` responses side by side, cut over the CP ranks,
+  each attending the prefix cache and its own earlier tokens); sampling is seeded per prompt and
+  response, so every layout samples the same tokens.
+* ``response_logprobs`` (policy with gradients, reference without): Megatron's language forward
+  of prompt + response in the MM-SP layout, per-token log-probs from its vocab-parallel loss.
+* ``grpo_loss``: group-normalised advantages, clipped ratio to the rollout policy, k3 KL to the
+  reference, normalised by the response tokens of the global batch. Map: docs/mmsp.md ("GRPO").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ..attention import masks
+from ..attention.kv_cache import CacheStep, KVCache
+from ..layouts.mmsp import frame_shards
+from ..layouts.zigzag import shard_global_ids
+from ..parallel import comm
+from .sharding import plan_batch, reshard_to_llm
+
+__all__ = [
+    "RLConfig",
+    "Rollout",
+    "VideoTokens",
+    "encode_video",
+    "rollout",
+    "response_logprobs",
+    "group_advantages",
+    "grpo_token_terms",
+    "grpo_loss",
+    "check_rewards",
+    "load_reward",
+    "score",
+    "exact_match_reward",
+]
+
+
+@dataclasses.dataclass
+class RLConfig:
+    """The ``rl:`` options (validated here)."""
+
+    group_size: int = 4
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    clip: float = 0.2
+    kl_coef: float = 0.04
+    eps: float = 1e-6
+    seed: int = 0
+    train_encoder: bool = False
+    reward: str = "megatron_video.mmsp.rl:exact_match_reward"
+
+    def __post_init__(self):
+        def bad(name, rule):
+            raise ValueError(f"rl.{name} ({getattr(self, name)!r}) must be {rule}")
+
+        for name in ("group_size", "max_new_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, "an integer")
+        if self.group_size < 2:
+            bad("group_size", ">= 2 (GRPO normalises rewards within a group)")
+        if self.max_new_tokens < 1:
+            bad("max_new_tokens", ">= 1")
+        if not self.temperature >= 0:
+            bad("temperature", ">= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not self.clip > 0:
+            bad("clip", "> 0")
+        if not self.kl_coef >= 0:
+            bad("kl_coef", ">= 0")
+        if not self.eps > 0:
+            bad("eps", "> 0")
+        if not isinstance(self.train_encoder, bool):
+            bad("train_encoder", "a bool")
+        if not isinstance(self.reward, str) or ":" not in self.reward:
+            bad("reward", "'module:function'")
+
+
+@dataclasses.dataclass
+class Rollout:
+    """``tokens [G, L]`` (0 past each response's end), ``lengths [G]``, ``logprobs [G, L]`` (of
+    the sampled tokens under the rollout policy, temperature 1; 0 past the end)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def _cp(model):
+    group = model.cp_group if model.cp_group is not None else model.pg_collection.cp  # CP 1: 1 rank
+    return group, group.rank(), model.context_parallel_lm
+
+
+# ----------------------------------------------------------------------------------------------
+# the embedding cache
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class VideoTokens:
+    """This CP rank's visual tokens of one video (``local [n_local * img_seq_len, h]``) and the
+    video's frame count."""
+
+    local: torch.Tensor
+    num_frames: int
+
+
+def encode_video(model, images: torch.Tensor, grad: bool = False) -> VideoTokens:
+    """One video ``images [F, 3, H, W]`` through the vision model + projector, this CP rank's
+    share of the frames only (MM-SP stage 1). Computed once per step and handed to ``rollout``
+    and ``response_logprobs``; ``grad``: keep the graph (``rl.train_encoder``)."""
+    _, rank, cp = _cp(model)
+    local = images.index_select(0, frame_shards([images.shape[0]], cp).local_units(rank))
+    with torch.set_grad_enabled(grad):
+        out = model._encode(local)
+    return VideoTokens(out.reshape(-1, out.shape[-1]), images.shape[0])
+
+
+def _llm_input(model, visual, ids):
+    """``(combined [s_local, 1, h] in the zigzag CP layout, MMSPBatch)`` of one sequence."""
+    group, rank, cp = _cp(model)
+    token = model.image_token_index
+    frames = [visual.num_frames]
+    batch = plan_batch(ids, frames, token, model.img_seq_len, rank, cp, group=group)
+    if batch.layout.seq_len > model._language_max_sequence_length:
+        raise ValueError(
+            f"prompt + response ({int(batch.layout.lengths.max())} combined tokens, padded to "
+            f"{batch.layout.seq_len}) must be <= language_max_sequence_length "
+            f"({model._language_max_sequence_length})"
+        )
+    text_ids = ids.clone()
+    text_ids[text_ids == token] = 0
+    pos = torch.arange(ids.shape[1])[None]
+    text = model.language_model.embedding(input_ids=text_ids, position_ids=pos)
+    text = text.transpose(0, 1).reshape(-1, text.shape[-1])
+    return reshard_to_llm(visual.local, text, batch, group).transpose(0, 1).contiguous(), batch
+
+
+def _rope(model, positions: torch.Tensor, length: int):
+    """Megatron's RoPE table for the given global positions ``[s, 1, 1, d]`` (no CP cut)."""
+    emb = model.language_model.rotary_pos_emb(length, packed_seq=True)
+    return emb.index_select(0, positions.to(emb.device))
+
+
+def _lm(model, hidden, mask, rope):
+    """Megatron's decoder + output layer on ``hidden [s, b, h]``: full-vocabulary logits."""
+    lm = model.language_model
+    out = lm.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
+    weight = (
+        lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
+    )
+    logits, _ = lm.output_layer(out, weight=weight, runtime_gather_output=True)
+    return logits  # [s, b, V]
+
+
+# ----------------------------------------------------------------------------------------------
+# rollouts
+# ----------------------------------------------------------------------------------------------
+def _sample(logits: torch.Tensor, gen: torch.Generator, temperature: float, top_p: float) -> int:
+    """One token from ``logits [V]`` (float64): greedy at temperature 0 (lowest index on ties),
+    else nucleus sampling with one uniform draw from ``gen``."""
+    logits = logits.double()
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    p = torch.softmax(logits / temperature, dim=-1)
+    order = torch.sort(-p, stable=True).indices
+    ps = p[order]
+    keep = (torch.cumsum(ps, 0) - ps) < top_p
+    ps = torch.where(keep, ps, torch.zeros_like(ps))
+    cdf = torch.cumsum(ps, 0)
+    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
+    return int(order[min(int(torch.searchsorted(cdf, u, right=True)), int(keep.sum()) - 1)])
+
+
+def _prefill(model, visual, prompt_ids):
+    """Prefill the prefix once: ``(cache, P, logits of the last prefix token [V])``."""
+    group, _, cp = _cp(model)
+    combined, batch = _llm_input(model, visual, prompt_ids)
+    P, seq = int(batch.layout.lengths[0]), batch.layout.seq_len
+    pos_all = torch.cat([shard_global_ids(r, cp, seq, "zigzag") for r in range(cp)])
+
+    def causal_real(qi, ki):  # new-token indices (contiguous over CP ranks) -> zigzag positions
+        return (pos_all[ki] <= pos_all[qi]) & (pos_all[ki] < P)
+
+    cache = KVCache()
+    step = CacheStep(cache, pos_all, append=True, new_mask=masks.predicate(causal_real))
+    logits = _lm(model, combined, step, _rope(model, batch.plan.positions, seq))
+    cache.keep(lambda tags: tags < P)  # padding never enters the cache
+    logits = comm.all_gather_cat(logits[:, 0].contiguous(), group, tag="rl.prefill_logits")
+    return cache, P, logits[int(torch.nonzero(pos_all == P - 1)[0, 0])]
+
+
+def _decode_logits(model, cache, P, tokens, t):
+    """Logits ``[G, V]`` of every response's token ``t - 1`` (its next-token distribution): the
+    responses' first ``t`` tokens side by side against the shared prefix cache."""
+    group, _, cp = _cp(model)
+    G = tokens.shape[0]
+    T = -(-t // cp) * cp  # per response, padded so that G * T cuts evenly over CP
+    ids = torch.zeros(G, T, dtype=torch.long)
+    ids[:, :t] = tokens[:, :t]
+    flat = ids.reshape(-1)
+    s = flat.numel() // cp
+    rank = group.rank()
+    mine = torch.arange(rank * s, (rank + 1) * s)
+
+    def own_causal(qi, ki):  # same response, earlier or same offset, not padding
+        return (qi // T == ki // T) & (ki % T <= qi % T) & (ki % T < t)
+
+    lm = model.language_model
+    hidden = lm.embedding(input_ids=flat[mine][None], position_ids=None)  # [s, 1, h]
+    rope = _rope(model, P + mine % T, P + T)
+    step = CacheStep(cache, torch.zeros(G * T), new_mask=masks.predicate(own_causal))
+    logits = _lm(model, hidden, step, rope)[:, 0].contiguous()
+    logits = comm.all_gather_cat(logits, group, tag="rl.decode_logits")  # [G * T, V]
+    return logits.view(G, T, -1)[:, t - 1]
+
+
+def _check_prompt(model, prompt_ids):
+    n_img = int((prompt_ids == model.image_token_index).sum())
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or n_img != 1:
+        raise ValueError(
+            f"prompt_ids ({tuple(prompt_ids.shape)}, {n_img} image tokens) must be [1, T] with "
+            f"one image token ({model.image_token_index})"
+        )
+
+
+@torch.no_grad()
+def rollout(
+    model,
+    visual: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    cfg: RLConfig,
+    prompt_seed: int,
+    eos_id: Optional[int] = None,
+) -> Rollout:
+    """``cfg.group_size`` responses to one prompt (``prompt_ids [1, T]``, one image token;
+    ``visual`` from ``encode_video``). Response ``g`` samples from ``torch.Generator`` seeded with
+    ``(cfg.seed, prompt_seed, g)``, so any layout draws the same tokens; a response ends at
+    ``eos_id`` (included) or after ``cfg.max_new_tokens``."""
+    _check_prompt(model, prompt_ids)
+    G, L = cfg.group_size, cfg.max_new_tokens
+    combined_len = prompt_ids.shape[1] - 1 + visual.num_frames * model.img_seq_len
+    if combined_len + L > model._language_max_sequence_length:
+        raise ValueError(
+            f"prompt ({combined_len} combined tokens) + rl.max_new_tokens ({L}) must be <= "
+            f"language_max_sequence_length ({model._language_max_sequence_length})"
+        )
+    cache, P, last = _prefill(model, visual, prompt_ids)
+    gens = [
+        torch.Generator().manual_seed(zlib.crc32(f"{cfg.seed}/{prompt_seed}/{g}".encode()))
+        for g in range(G)
+    ]
+    tokens = torch.zeros(G, L, dtype=torch.long)
+    logprobs = torch.zeros(G, L, dtype=torch.float64)
+    lengths = torch.full((G,), L, dtype=torch.long)
+    done = torch.zeros(G, dtype=torch.bool)
+    logits = last.expand(G, -1)
+    for t in range(L):
+        if t > 0:
+            logits = _decode_logits(model, cache, P, tokens, t)
+        lp = torch.log_softmax(logits.double(), dim=-1)
+        for g in range(G):
+            if done[g]:
+                continue
+            tok = _sample(logits[g], gens[g], cfg.temperature, cfg.top_p)
+            tokens[g, t], logprobs[g, t] = tok, lp[g, tok]
+            if eos_id is not None and tok == eos_id:
+                done[g], lengths[g] = True, t + 1
+        if bool(done.all()):
+            break
+    return Rollout(tokens, lengths, logprobs)
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probs and the GRPO objective
+# ----------------------------------------------------------------------------------------------
+def response_logprobs(model, visual, prompt_ids, tokens, lengths) -> List[tuple]:
+    """Per response ``g``: ``(lp [s_local], index [s_local], valid [s_local])``, this rank's
+    per-token log-probs of response tokens under ``model`` (Megatron's language forward in the
+    MM-SP layout, log-softmax of the full-vocabulary logits, gradients when enabled);
+    ``index``: the response offset of each."""
+    group, _, cp = _cp(model)
+    out = []
+    for g in range(tokens.shape[0]):
+        n = int(lengths[g])
+        ids = torch.cat([prompt_ids, tokens[g : g + 1, :n]], dim=1)
+        combined, batch = _llm_input(model, visual, ids)
+        P = int(batch.layout.lengths[0]) - n
+        seq = batch.layout.seq_len
+        labels = torch.zeros(seq, dtype=torch.long)
+        labels[P - 1 : P - 1 + n] = tokens[g, :n]
+        pos = batch.plan.positions
+        index = pos - (P - 1)
+        valid = (index >= 0) & (index < n)
+        logits = model.language_model(
+            input_ids=None,
+            position_ids=None,
+            attention_mask=None,
+            decoder_input=combined,
+            runtime_gather_output=True,
+        )  # [1, s_local, V] (Megatron's loss would cast them to float32: log-probs here instead)
+        lp = torch.log_softmax(logits[0].to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        out.append((lp.gather(1, labels[pos][:, None])[:, 0], index.clamp(0, n - 1), valid))
+    return out
+
+
+def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(r - mean_G) / (std_G + eps)``, ``std`` the unbiased sample standard deviation."""
+    r = rewards.double()
+    return (r - r.mean()) / (r.std() + eps)
+
+
+def grpo_token_terms(lp, old_lp, ref_lp, adv, clip, kl_coef):
+    """Per-token loss ``-min(ratio A, clip(ratio, 1 - c, 1 + c) A) + kl_coef * k3`` with
+    ``ratio = exp(lp - old)``, ``k3 = exp(ref - lp) - (ref - lp) - 1``; also the clipped flags."""
+    ratio = torch.exp(lp - old_lp)
+    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    d = ref_lp - lp
+    k3 = torch.exp(d) - d - 1
+    clipped = ((ratio < 1 - clip) & (adv < 0)) | ((ratio > 1 + clip) & (adv > 0))
+    return pg + kl_coef * k3, k3, clipped
+
+
+def grpo_loss(policy, reference, visual, prompt_ids, ro: Rollout, rewards, cfg, total_tokens):
+    """This rank's share of the GRPO loss of one group: the sum over this rank's response tokens
+    of ``grpo_token_terms``, divided by ``total_tokens`` (every response token of the global batch,
+    all groups and DP ranks). Summed over the CP group (as gradient reduction does) it is the
+    loss. Returns ``(loss, stats)`` (stats: this rank's sums of kl and clipped tokens)."""
+    adv = group_advantages(rewards, cfg.eps)
+    pol = response_logprobs(policy, visual, prompt_ids, ro.tokens, ro.lengths)
+    with torch.no_grad():
+        ref = response_logprobs(reference, visual, prompt_ids, ro.tokens, ro.lengths)
+    loss, kl, clipped = 0.0, 0.0, 0.0
+    for g, ((lp, idx, valid), (rlp, _, _)) in enumerate(zip(pol, ref)):
+        old = ro.logprobs[g].index_select(0, idx)
+        terms, k3, cl = grpo_token_terms(lp, old, rlp, adv[g], cfg.clip, cfg.kl_coef)
+        m = valid.to(lp.dtype)
+        loss = loss + (terms * m).sum()
+        kl += float((k3 * m).sum())
+        clipped += float((cl & valid).sum())
+    return loss / total_tokens, {"kl_sum": kl, "clipped": clipped}
+
+
+def check_rewards(rewards, group_size: int, fn_name: str) -> torch.Tensor:
+    """The reward function's output as float64 ``[G]``, or ``ValueError`` naming the function."""
+    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    if tuple(torch.as_tensor(rewards).shape) != (group_size,):
+        raise ValueError(
+            f"rl.reward function {fn_name} returned shape {tuple(torch.as_tensor(rewards).shape)}; "
+            f"it must return one reward per response ({group_size},)"
+        )
+    if not torch.isfinite(r).all():
+        raise ValueError(
+            f"rl.reward function {fn_name} returned a non-finite reward ({r.tolist()})"
+        )
+    return r
+
+
+def exact_match_reward(
+    tokens: torch.Tensor, lengths: torch.Tensor, answer_id: int, format_ids: Sequence[int] = ()
+) -> torch.Tensor:
+    """The built-in reward of the synthetic video QA: 1 when the response's first token is the
+    answer, plus 0.1 (format) when it is one of ``format_ids`` (an attribute word)."""
+    first = tokens[:, 0]
+    fmt = torch.tensor([int(t) in set(format_ids) for t in first.tolist()], dtype=torch.float64)
+    return (first == answer_id).double() + 0.1 * fmt
+
+
+def load_reward(spec: str) -> Callable:
+    """``module:function`` -> the function (``ValueError`` naming ``rl.reward`` if missing)."""
+    import importlib
+
+    mod, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"rl.reward ({spec!r}) must name an importable module:function ({e})"
+        ) from e
+
+
+def score(cfg: RLConfig, ro: Rollout, **sample) -> torch.Tensor:
+    """Rewards ``[G]`` of one group: ``cfg.reward`` on ``(tokens, lengths, **sample)``, checked
+    (``check_rewards``) before anything uses them, identically on every rank."""
+    return check_rewards(
+        load_reward(cfg.reward)(ro.tokens, ro.lengths, **sample), cfg.group_size, cfg.reward
+    )

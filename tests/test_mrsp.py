@@ -1,0 +1,283 @@
+"""MR-SP (GRPO of the video LLaVA under CP), float64, 4 gloo ranks against independent oracles.
+
+Oracle: Megatron's own CP = 1 ``LLaVAModel`` forward (its local core attention, its vision call)
+of prompt + response, with explicit float64 formulas for log-probs, advantages, ratio, clip and
+k3. Checked per layout (U2xR2, R4, U4, TP2xCP2): the rollout log-probs of every response token,
+greedy tokens = the oracle's argmax, seeded sampled tokens = the CP = 1 run's, the GRPO loss and
+every parameter gradient; the vision encoder runs once per step on each rank (its share).
+"""
+
+import zlib
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+IMG = -200
+SIZES = dict(
+    vocab_size=64,
+    max_sequence_length=128,
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=64,
+    vision_layers=1,
+    vision_hidden_size=16,
+    vision_heads=2,
+    img_size=8,
+    patch_dim=4,
+)
+CASES = {  # name -> (tp, cp, hierarchical sizes, cp_comm_type)
+    "cp1": (1, 1, None, None),
+    "u2xr2": (1, 4, [2, 2], "a2a+p2p"),
+    "r4": (1, 4, None, "p2p"),
+    "u4": (1, 4, None, "a2a"),
+    "tp2xcp2": (2, 2, None, "p2p"),
+}
+G, L, F = 4, 3, 5
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.2], dtype=torch.float64)
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 64, (1, 6), generator=g)
+    ids[0, 1] = IMG
+    images = torch.randn(F, 3, 8, 8, generator=g, dtype=torch.float64)
+    return images, ids
+
+
+def _perturb(model, salt, scale):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32((salt + name).encode()))
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _full(model, what):
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.parallel import comm
+
+    out, tp = {}, ps.get_tensor_model_parallel_world_size()
+    for name, p in model.named_parameters():
+        if what == "grad":
+            t = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            if ps.get_context_parallel_world_size() > 1:
+                comm.all_reduce(t, ps.get_context_parallel_group())
+        else:
+            t = p.detach().clone()
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            t = comm.all_gather_cat(t, ps.get_tensor_model_parallel_group(), dim=p.partition_dim)
+        out[name] = t
+    return out
+
+
+def _load(model, full):
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            v = full[name]
+            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                v = v.chunk(tp, dim=p.partition_dim)[rank]
+            p.copy_(v)
+
+
+def _oracle_lp(model, images, ids, tokens, grad=False):
+    """Megatron CP = 1 forward of prompt + each response: per-token log-probs ``[G, L]``."""
+    P = ids.shape[1] - 1 + F * model.img_seq_len
+    rows = []
+    for g in range(tokens.shape[0]):
+        full = torch.cat([ids, tokens[g : g + 1]], dim=1)
+        pos = torch.arange(full.shape[1])[None]
+        with torch.set_grad_enabled(grad):
+            logits, _ = model(
+                images, full, pos, None, num_image_tiles=torch.tensor([F], dtype=torch.int)
+            )
+            lp = torch.log_softmax(logits[0].double(), dim=-1)
+            rows.append(lp[P - 1 + torch.arange(L), tokens[g]])
+    return torch.stack(rows)
+
+
+def _oracle_loss(lp, old, ref, rewards, clip, kl):
+    """Explicit float64 GRPO: advantages, ratio, clip, k3, mean over response tokens."""
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    ratio = torch.exp(lp - old)
+    surr = torch.minimum(
+        ratio * adv[:, None], torch.clamp(ratio, 1 - clip, 1 + clip) * adv[:, None]
+    )
+    k3 = torch.exp(ref - lp) - (ref - lp) - 1
+    return (-surr + kl * k3).sum() / lp.numel()
+
+
+def _freeze_vision(model):
+    for name, p in model.named_parameters():
+        if name.startswith(("vision_model.", "vision_projection.")):
+            p.requires_grad_(False)
+
+
+def _run(case_names):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_video.compat import destroy_model_parallel
+    from megatron_video.mmsp import rl
+    from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
+
+    sizes = VideoLLaVASizes(**SIZES)
+    images, ids = _data()
+    out = {}
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(3)
+    torch.manual_seed(3)
+    base = video_llava_model(sizes, two_d_attention=False).double()
+    _perturb(base, "w0", 0.3)
+    w0 = _full(base, "param")
+    _perturb(base, "w1", 0.05)
+    w1 = _full(base, "param")
+    _load(base, w0)
+    _perturb(base, "ref", 0.1)
+    wref = _full(base, "param")
+    for w in (w1, wref):  # the encoder is frozen in RL: one encoder for policy and reference
+        w.update({k: v for k, v in w0.items() if k.startswith(("vision_model.", "vision_proj"))})
+    destroy_model_parallel()
+    cfgs = {
+        "greedy": rl.RLConfig(group_size=G, max_new_tokens=L, temperature=0.0),
+        "sampled": rl.RLConfig(group_size=G, max_new_tokens=L, temperature=1.3, top_p=0.9),
+    }
+    for case in case_names:
+        tp, cp, hier, comm_type = CASES[case]
+        kw = dict(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        if hier:
+            kw["hierarchical_context_parallel_sizes"] = hier
+        ps.initialize_model_parallel(**kw)
+        try:
+            policy = video_llava_model(sizes, tp=tp, cp=cp, cp_comm_type=comm_type).double()
+            reference = video_llava_model(sizes, tp=tp, cp=cp, cp_comm_type=comm_type).double()
+            _load(policy, w0)
+            _load(reference, wref)
+            _freeze_vision(policy)
+            calls = []
+            inner = policy.vision_model.forward
+            policy.vision_model.forward = lambda x: calls.append(x.shape[0]) or inner(x)
+            ro = {}
+            for name, cfg in cfgs.items():
+                visual = rl.encode_video(policy, images)  # once per step
+                ro[name] = rl.rollout(policy, visual, ids, cfg, prompt_seed=11)
+                if name == "sampled":
+                    _load(policy, w1)  # the policy moved since the rollout: ratios != 1
+                    policy.zero_grad(set_to_none=True)
+                    loss, stats = rl.grpo_loss(
+                        policy, reference, visual, ids, ro[name], REWARDS, cfg, G * L
+                    )
+                    loss.backward()
+                    total = loss.detach().clone()
+                    stats = torch.tensor([stats["kl_sum"], stats["clipped"]])
+                    if cp > 1:
+                        dist.all_reduce(total, group=ps.get_context_parallel_group())
+                        dist.all_reduce(stats, group=ps.get_context_parallel_group())
+                    out[(case, "loss")] = (float(total), _full(policy, "grad"), stats.tolist())
+            out[(case, "rollouts")] = {k: (v.tokens, v.logprobs) for k, v in ro.items()}
+            try:  # a prompt that does not fit: ValueError on every rank, before any collective
+                rl.rollout(policy, visual, ids, rl.RLConfig(max_new_tokens=200), prompt_seed=0)
+                out[(case, "too_long")] = None
+            except ValueError as e:
+                out[(case, "too_long")] = str(e)
+            out[(case, "calls")] = list(calls)
+        finally:
+            destroy_model_parallel()
+    # the oracle: Megatron's CP = 1 LLaVA forward
+    ps.initialize_model_parallel()
+    try:
+        oracle = video_llava_model(sizes, two_d_attention=False).double()
+        _freeze_vision(oracle)
+        for case in case_names:
+            res = {}
+            for name in cfgs:
+                tokens = out[(case, "rollouts")][name][0]
+                _load(oracle, w0)
+                old = _oracle_lp(oracle, images, ids, tokens)
+                res[name] = old
+                if name == "sampled":
+                    _load(oracle, wref)
+                    ref = _oracle_lp(oracle, images, ids, tokens)
+                    _load(oracle, w1)
+                    oracle.zero_grad(set_to_none=True)
+                    lp = _oracle_lp(oracle, images, ids, tokens, grad=True)
+                    loss = _oracle_loss(lp, old, ref, REWARDS, 0.2, 0.04)
+                    loss.backward()
+                    res["loss"] = (float(loss), _full(oracle, "grad"))
+                    res["noclip"] = float(_oracle_loss(lp, old, ref, REWARDS, 1e9, 0.04))
+                    res["ref_is_policy"] = float(_oracle_loss(lp, old, lp, REWARDS, 0.2, 0.04))
+                    ratio = torch.exp(lp - old).detach()
+                    res["ratio_range"] = (float(ratio.min()), float(ratio.max()))
+            out[(case, "oracle")] = res
+    finally:
+        destroy_model_parallel()
+    dist.barrier()
+    return out
+
+
+def _check(per_rank, cases):
+    for rank, res in enumerate(per_rank):
+        for case in cases:
+            ro, orc = res[(case, "rollouts")], res[(case, "oracle")]
+            for name in ("greedy", "sampled"):
+                tokens, lps = ro[name]
+                assert_close(lps, orc[name], rtol=0, atol=1e-10, msg=f"{case}/{name}/{rank}")
+                assert torch.equal(tokens, per_rank[0][("cp1", "rollouts")][name][0]), case
+            loss, grads, stats = res[(case, "loss")]
+            loss_ref, grads_ref = orc["loss"]
+            assert loss == pytest.approx(loss_ref, rel=1e-10, abs=1e-12), (case, rank)
+            # the test has teeth: the clip and the separate reference both change the loss
+            assert (
+                abs(orc["noclip"] - loss_ref) > 1e-4 and abs(orc["ref_is_policy"] - loss_ref) > 1e-4
+            )
+            assert stats[0] > 0 and stats[1] > 0, stats  # KL > 0, some tokens clipped
+            for k, g in grads_ref.items():
+                scale = float(g.abs().max()) + 1e-30
+                assert_close(grads[k], g, rtol=1e-8, atol=1e-10 * scale, msg=f"{case}/{rank} {k}")
+            assert any(float(g.abs().max()) > 0 for g in grads.values())
+            # the embedding cache: 2 steps (greedy, sampled) -> 2 encoder calls on every rank,
+            # each on this rank's share of the frames only (G x 3 passes would need 2 * G * 3)
+            assert "rl.max_new_tokens (200)" in (res[(case, "too_long")] or ""), case
+            calls = res[(case, "calls")]
+            cp = CASES[case][1]
+            assert len(calls) == 2 and all(c in (F // cp, -(-F // cp)) for c in calls), calls
+    greedy = per_rank[0][("cp1", "rollouts")]["greedy"][0]
+    assert greedy.unique().numel() > 1  # not a degenerate rollout
+
+
+@pytest.mark.parametrize("cases", [["cp1", "u2xr2", "tp2xcp2"], ["cp1", "r4", "u4"]])
+def test_mrsp_exact_vs_megatron_cp1(pool4, cases):
+    _check(pool4.run(_run, cases, ranks_per_node=4), cases)
+
+
+def _nan_reward(tokens, lengths):
+    return torch.full((tokens.shape[0],), float("nan"))
+
+
+def test_rl_config_bad_input():
+    from megatron_video.mmsp import rl
+
+    with pytest.raises(ValueError, match="rl.group_size"):
+        rl.RLConfig(group_size=1)
+    with pytest.raises(ValueError, match="rl.top_p"):
+        rl.RLConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="my_reward.*shape"):
+        rl.check_rewards(torch.zeros(3), 4, "my_reward")
+    with pytest.raises(ValueError, match="my_reward.*non-finite"):
+        rl.check_rewards(torch.tensor([0.0, float("nan")]), 2, "my_reward")
+    with pytest.raises(ValueError, match="rl.reward"):
+        rl.load_reward("megatron_video.mmsp.rl:nope")
+    cfg = rl.RLConfig(group_size=2)
+    ro = rl.Rollout(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), torch.zeros(2, 2))
+    assert rl.score(cfg, ro, answer_id=6, format_ids=[5, 6]).tolist() == [0.1, 1.1]
+    bad = rl.RLConfig(group_size=2, reward="test_mrsp:_nan_reward")
+    with pytest.raises(ValueError, match="test_mrsp:_nan_reward.*non-finite"):
+        rl.score(bad, ro)
+    r = rl.exact_match_reward(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), 5, [5, 6])
+    assert r.tolist() == [1.1, 0.1]
