@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_video.planner import Layout, traced_bytes
+from megatron_video.planner import Layout, step_traced_bytes, traced_bytes
 from megatron_video.testing.configs import tiny_config
 
 CASES = [  # (name, family, parallel fields, ranks per node)
@@ -73,6 +73,8 @@ def test_comm_bytes_equal_tracer(pool4, vae_dir, name, family, par, rpn):
     shape = model_shape(cfg)
     for rank, (got, m) in enumerate(per_rank):
         want = {k: v * m for k, v in traced_bytes(shape, lay, ring_rank=0).items() if v}
+        for k, v in step_traced_bytes(lay).items():
+            want[k] = want.get(k, 0) + v
         assert got == want, (name, rank, got, want)
         assert any(op != "all_reduce" for op, _ in got), "the run moved no attention data"
 

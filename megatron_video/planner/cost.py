@@ -207,6 +207,14 @@ def traced_bytes(
     return out
 
 
+def step_traced_bytes(layout: Layout) -> Dict[Tuple[str, str], int]:
+    """``{(op, direction): bytes}`` a rank sends once per step outside the micro-batches: the data
+    path's load-status flag (one float32 summed over the world before the step's first model
+    collective, ``training.batches.checked_step_batches``)."""
+    W = layout.world
+    return {("all_reduce", "fwd"): 4 * (W - 1) // W} if W > 1 else {}
+
+
 @dataclass
 class StepCost:
     """Predicted cost of one training step of ``layout`` (per rank; seconds, bytes, FLOPs)."""

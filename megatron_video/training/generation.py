@@ -231,14 +231,14 @@ def _held_out(config: Config, b: int):
 
 
 def wan_training_sample(trainer, num_samples: int):
-    """``train.sample`` of the Wan families: the captions of the first micro-batch (precomputed
+    """``train.sample`` of the Wan families: the captions of the first held-out micro-batch (precomputed
     UMT5 embeddings; there is no text encoder in training), generated (CFG against empty text)
     into latents ``{"latents": [b, C, F, h, w], "frames": F}`` on the logging rank (decode them
     with the Wan VAE), None elsewhere (collective)."""
     from megatron_video.models.embedders import unpatchify
 
     c = trainer.config
-    mb = trainer.batches.micro_batch(0, 0)
+    mb = next(iter(trainer.batches.held_out().step_batches(0)))
     text = (mb.caption_ids * mb.caption_mask.to(mb.caption_ids.dtype)[..., None])[:num_samples]
     text = text.to(trainer.device)
     b = text.shape[0]
