@@ -29,7 +29,7 @@ from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.models.embedders import patchify
 
 from ..config import Config
-from .protocol import RankCoords
+from .protocol import LedgerSteps, RankCoords
 
 __all__ = ["MicroBatch", "FixedBatchMaker", "sample_generator", "clip_draws", "rank_token_ids"]
 
@@ -81,7 +81,7 @@ class MicroBatch:
     t: Optional[torch.Tensor]  # [b] (flow, full-sequence models) or [b, blocks] (AR)
 
 
-class FixedBatchMaker:
+class FixedBatchMaker(LedgerSteps):
     """This rank's fixed-shape micro-batches (``BatchSource``). ``source``: a
     ``clips.ClipSource`` (default: ``clips.clip_source(config, vae)``); ``layout``: the Balanced
     SP layout (AR families) or None (frame order, contiguous token shares)."""
@@ -165,42 +165,8 @@ class FixedBatchMaker:
             source=self.source,
         )
 
-    def data_state(self, step: Optional[int] = None) -> str:
-        """The ledger as of the start of ``step`` (default: after the last drawn step)."""
-        ledger = self.sampler.ledger
-        if step is None or step == ledger.next_step:
-            return ledger.to_json()
-        if step == ledger.next_step - 1 and self._before is not None:
-            return self._before
-        raise ValueError(
-            f"step ({step}) must be the ledger's next step ({ledger.next_step}) or the one before"
-        )
-
-    def restore_data_state(self, text: Optional[str]) -> None:
-        if text is None:
-            raise ValueError("checkpoint holds no sample ledger; the data order cannot be resumed")
-        self.sampler = self._sampler(SampleLedger.from_json(text))
-
-    def replay_to(self, step: int) -> None:
-        """Advance the ledger to the start of ``step`` by drawing the steps before it (no data is
-        read). ``ValueError`` if ``step`` is behind."""
-        if step < self.sampler.ledger.next_step:
-            raise ValueError(
-                f"step ({step}) must not be before the sample ledger's next step "
-                f"({self.sampler.ledger.next_step})"
-            )
-        while self.sampler.ledger.next_step < step:
-            self.sampler.next_step()
-
-    def restart(self) -> None:
-        self.sampler, self._before = self._sampler(None), None
-
     def step_batches(self, step: int) -> Iterator[MicroBatch]:
-        nxt = self.sampler.ledger.next_step
-        if step != nxt:
-            raise ValueError(f"step ({step}) must be the sample ledger's next step ({nxt})")
-        self._before = self.sampler.ledger.to_json()
-        batch = self.sampler.next_step()
+        batch = self._draw(step)
         return iter([self.micro_batch(step, list(b)) for b in batch.bins[self.coords.dp_rank]])
 
     # -- the micro-batch ---------------------------------------------------------------------

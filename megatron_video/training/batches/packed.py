@@ -41,7 +41,7 @@ from megatron_video.models.embedders import patchify
 from ..config import Config, bucket_grid
 from .clips import ClipSource, ShardClipSource, clip_source, load_clip_store
 from .fixed import clip_draws
-from .protocol import RankCoords, checked_step_batches
+from .protocol import LedgerSteps, RankCoords, checked_step_batches
 
 __all__ = ["PackedMicroBatch", "PackedBatchMaker", "load_clip_store"]
 
@@ -68,7 +68,7 @@ class PackedMicroBatch:
     scale: float  # num_microbatches x dp_size (0 for a dummy micro-batch)
 
 
-class PackedBatchMaker:
+class PackedBatchMaker(LedgerSteps):
     """This rank's packed micro-batches (``step_batches(step)``) and the sample ledger (its data
     state). ``kind``: ``"full"`` (T2V) or ``"teacher_forcing"`` (the AR families). ``log``: where
     the planner's decision is printed once (rank 0), or None. The clips come from ``source``
@@ -167,48 +167,9 @@ class PackedBatchMaker:
         )
 
     # -- data state (the ledger, JSON) ----------------------------------------------------------
-    def data_state(self, step: Optional[int] = None) -> str:
-        """The ledger as of the start of ``step`` (default: after the last drawn step)."""
-        ledger = self.sampler.ledger
-        if step is None or step == ledger.next_step:
-            return ledger.to_json()
-        if step == ledger.next_step - 1 and self._before is not None:
-            return self._before
-        raise ValueError(
-            f"step ({step}) must be the ledger's next step ({ledger.next_step}) or the one before"
-        )
-
-    def restore_data_state(self, text: Optional[str]) -> None:
-        if text is None:
-            raise ValueError(
-                "checkpoint holds no sample ledger (saved without data.buckets?); the mixed-data "
-                "order cannot be resumed"
-            )
-        self.sampler = self._sampler(SampleLedger.from_json(text))
-
-    def replay_to(self, step: int) -> None:
-        """Advance the ledger to the start of ``step`` by drawing the steps before it (no data is
-        read): a resume at the same global batch, any DP size, without a saved ledger (Megatron-LM's
-        ``pretrain()`` checkpoints only its iteration). ``ValueError`` if ``step`` is behind."""
-        if step < self.sampler.ledger.next_step:
-            raise ValueError(
-                f"step ({step}) must not be before the sample ledger's next step "
-                f"({self.sampler.ledger.next_step})"
-            )
-        while self.sampler.ledger.next_step < step:
-            self.sampler.next_step()
-
-    def restart(self) -> None:
-        """Back to an empty ledger (step 0): e.g. every evaluation draws the same micro-batches."""
-        self.sampler, self._before = self._sampler(None), None
-
     # -- micro-batches --------------------------------------------------------------------------
     def step_batches(self, step: int) -> Iterator[PackedMicroBatch]:
-        nxt = self.sampler.ledger.next_step
-        if step != nxt:
-            raise ValueError(f"step ({step}) must be the sample ledger's next step ({nxt})")
-        self._before = self.sampler.ledger.to_json()
-        batch = self.sampler.next_step()
+        batch = self._draw(step)
         n_loss = sum(self.clips[k].loss_tokens for k in batch.clip_ids)
         self.last_step_tokens = sum(self.clips[k].tokens for k in batch.clip_ids)
         mbs = [self.micro_batch(step, list(b), n_loss) for b in batch.bins[self.dp_rank]]

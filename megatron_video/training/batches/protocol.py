@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol, runtime_checkable
 
 from megatron_video.checks import check_positive_int, check_rank
+from megatron_video.data.ledger import SampleLedger
 
-__all__ = ["RankCoords", "BatchSource", "checked_step_batches"]
+__all__ = ["RankCoords", "BatchSource", "LedgerSteps", "checked_step_batches"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,58 @@ class BatchSource(Protocol):
     def replay_to(self, step: int) -> None: ...
 
     def restart(self) -> None: ...
+
+
+class LedgerSteps:
+    """The sample-ledger half every batch maker shares: its data state, resume, replay and the
+    step order. A subclass builds its ``StepSampler`` in ``_sampler(ledger)`` (None: a new one)
+    and draws each step's clips through ``_draw(step)``."""
+
+    sampler = None
+    _before: Optional[str] = None
+
+    def _sampler(self, ledger):  # pragma: no cover - every maker defines it
+        raise NotImplementedError
+
+    def data_state(self, step: Optional[int] = None) -> str:
+        """The ledger as of the start of ``step`` (default: after the last drawn step)."""
+        ledger = self.sampler.ledger
+        if step is None or step == ledger.next_step:
+            return ledger.to_json()
+        if step == ledger.next_step - 1 and self._before is not None:
+            return self._before
+        raise ValueError(
+            f"step ({step}) must be the ledger's next step ({ledger.next_step}) or the one before"
+        )
+
+    def restore_data_state(self, text: Optional[str]) -> None:
+        if text is None:
+            raise ValueError("checkpoint holds no sample ledger; the data order cannot be resumed")
+        self.sampler = self._sampler(SampleLedger.from_json(text))
+
+    def replay_to(self, step: int) -> None:
+        """Advance the ledger to the start of ``step`` by drawing the steps before it (no data is
+        read): a resume at the same global batch, any DP size, without a saved ledger (Megatron-LM's
+        ``pretrain()`` checkpoints only its iteration). ``ValueError`` if ``step`` is behind."""
+        if step < self.sampler.ledger.next_step:
+            raise ValueError(
+                f"step ({step}) must not be before the sample ledger's next step "
+                f"({self.sampler.ledger.next_step})"
+            )
+        while self.sampler.ledger.next_step < step:
+            self.sampler.next_step()
+
+    def restart(self) -> None:
+        """Back to an empty ledger (step 0): e.g. every evaluation draws the same micro-batches."""
+        self.sampler, self._before = self._sampler(None), None
+
+    def _draw(self, step: int):
+        """The clips of ``step``, which must be the ledger's next step (its state kept before)."""
+        nxt = self.sampler.ledger.next_step
+        if step != nxt:
+            raise ValueError(f"step ({step}) must be the sample ledger's next step ({nxt})")
+        self._before = self.sampler.ledger.to_json()
+        return self.sampler.next_step()
 
 
 def checked_step_batches(source: BatchSource, step: int, group=None) -> Iterator:
