@@ -376,3 +376,20 @@ def test_megatron_lm_entry_calls_both_pretrain_signatures(entry):
         assert call == (version, ("CONTAINER", "ARGS"), mod.model_provider, mod.forward_step)
     assert parsed == [mod.add_video_args] * 2
     assert mod.train_valid_test_datasets_provider.is_distributed
+
+
+def test_lone_process_group_leaves_the_environment_alone():
+    """A world of one (``train`` / ``generate`` in-process) must not leave ``RANK`` / ``WORLD_SIZE``
+    / ``LOCAL_RANK`` behind: a later ``--nproc`` launch from the same process would read them as
+    torchrun's and refuse."""
+    code = (
+        "import os, torch.distributed as dist\n"
+        "from megatron_video.training.trainer import init_distributed\n"
+        "before = dict(os.environ)\n"
+        "assert init_distributed() and dist.get_world_size() == 1\n"
+        "dist.destroy_process_group()\n"
+        "assert dict(os.environ) == before, set(os.environ) ^ set(before)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -54,23 +54,26 @@ def _free_port() -> int:
 
 def init_distributed(timeout_s: float = 1800.0) -> bool:
     """Initialise ``torch.distributed`` from the environment (NCCL on GPU, gloo on CPU); a lone
-    process without ``RANK`` / ``WORLD_SIZE`` becomes a world of one. Returns whether it did."""
+    process without ``RANK`` / ``WORLD_SIZE`` becomes a world of one on a free local port, leaving
+    the environment as it was (a later ``--nproc`` launch from the same process must not look like
+    torchrun). Returns whether it did."""
     if dist.is_initialized():
         return False
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return True
 
 
