@@ -22,6 +22,7 @@ __all__ = [
     "rank_windows",
     "scatter_windows",
     "encode_with_halo",
+    "encode_window",
     "encode_rank_latents",
 ]
 
@@ -188,6 +189,14 @@ def encode_with_halo(
             f"halo_latents ({meta.halo_latents}) must be >= the encoder's temporal "
             f"receptive field ({need} latents)"
         )
+    return encode_window(encoder, window, meta, time_dim)
+
+
+def encode_window(
+    encoder: Encoder, window: torch.Tensor, meta: HaloWindow, time_dim: int = 2
+) -> torch.Tensor:
+    """``encode_with_halo`` with the halo taken as given (chosen by the caller, e.g.
+    ``training.vae_halo.choose_halo``: a user's ``vae.halo_latents``, or none needed at SP 1)."""
     if window.shape[time_dim] != meta.num_raw:
         raise ValueError(
             f"window has {window.shape[time_dim]} frames along dim {time_dim}; the meta "

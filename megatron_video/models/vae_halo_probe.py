@@ -26,6 +26,7 @@ __all__ = [
     "HaloProbe",
     "probe_halo",
     "encoder_halo",
+    "halo_error",
 ]
 
 Encoder = Union[nn.Module, Callable[[torch.Tensor], torch.Tensor]]
@@ -204,7 +205,24 @@ def _as_float64(modules: Sequence[nn.Module]):
             sub.train(mode)
 
 
+def _geometry(encoder: Encoder):
+    """The ``models.vae_geometry.VAEGeometry`` of the first module with a VAE config, or None."""
+    from .vae_geometry import module_geometry
+
+    for m in _modules_of(encoder):
+        for sub in m.modules():
+            g = module_geometry(sub)
+            if g is not None:
+                return g
+    return None
+
+
 def _in_channels(encoder: Encoder) -> int:
+    """The video's channels: a VAE config's (``in_channels`` / its patch^2: Wan 2.2 patchifies
+    inside the VAE), else the first ``in_channels`` or 3-D conv found, else 3."""
+    g = _geometry(encoder)
+    if g is not None:
+        return g.video_channels
     for m in _modules_of(encoder):
         cfg = getattr(m, "config", None)
         c = cfg.get("in_channels") if hasattr(cfg, "get") else None
@@ -310,7 +328,7 @@ def probe_halo(
     causal_first_frame: bool = True,
     *,
     in_channels: Optional[int] = None,
-    spatial: Tuple[int, int] = (16, 16),
+    spatial: Optional[Tuple[int, int]] = None,
     num_latents: int = 8,
     max_latents: int = 64,
     seed: int = 0,
@@ -334,6 +352,7 @@ def probe_halo(
         )
     st, cff = temporal_stride, causal_first_frame
     c = _in_channels(encoder) if in_channels is None else in_channels
+    spatial = _probe_spatial(encoder) if spatial is None else spatial
     g = torch.Generator().manual_seed(seed)
     N = num_latents
     with _as_float64(_modules_of(encoder)):
@@ -367,6 +386,38 @@ def probe_halo(
         )
         h = _exact_halo(encoder, x, N, L, h0, st, cff, atol)
     return HaloProbe(halo=h, lookback=L, temporal_stride=st, probe_latents=N, verified_from=h0)
+
+
+def _probe_spatial(encoder: Encoder) -> Tuple[int, int]:
+    """The probe's frame size: one latent pixel of a VAE with a known spatial stride, else 16."""
+    g = _geometry(encoder)
+    s = g.spatial_stride if g is not None else 16
+    return (s, s)
+
+
+def halo_error(
+    encoder: Encoder,
+    halo_latents: int,
+    temporal_stride: int = 4,
+    causal_first_frame: bool = True,
+    *,
+    num_latents: int,
+    seed: int = 0,
+) -> float:
+    """What a too-short halo costs: max |latent ``N - 1`` encoded from its ``halo_latents``
+    window - the same latent of the full ``num_latents``-latent clip| on a random float64 clip
+    (one latent pixel wide, ``[-1, 1]``)."""
+    check_nonneg_int("halo_latents", halo_latents)
+    N, st, cff = num_latents, temporal_stride, causal_first_frame
+    g = torch.Generator().manual_seed(seed)
+    with _as_float64(_modules_of(encoder)), torch.no_grad():
+        T = num_raw_frames(N, st, cff)
+        x = torch.rand(1, _in_channels(encoder), T, *_probe_spatial(encoder), generator=g)
+        x = (2 * x - 1).to(torch.float64)
+        full = _run(encoder, x, "encoder")[:, :, -1:]
+        win = halo_window(N - 1, N, halo_latents, st, cff)
+        got = _run(encoder, win.slice_raw(x), "encoder")[:, :, -1:]
+    return float((got - full).abs().max())
 
 
 _HALO_CACHE: Dict[str, HaloProbe] = {}

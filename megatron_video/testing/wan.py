@@ -20,6 +20,8 @@ __all__ = [
     "write_random_latent_shards",
     "save_tiny_wan_transformer",
     "save_tiny_wan_vae",
+    "tiny_wan_vae",
+    "WAN22_VAE_KEYS",
     "save_tiny_umt5",
 ]
 
@@ -211,22 +213,40 @@ def save_tiny_wan_transformer(folder, config, seed: int = 0) -> Path:
     return Path(folder)
 
 
-def save_tiny_wan_vae(folder, z_dim: int = 4, seed: int = 0) -> Path:
-    """A random tiny ``AutoencoderKLWan`` (temporal stride 4, spatial 8) under ``folder``."""
+# Wan 2.2's VAE keys (TI2V-5B): residual blocks, a 2x2 pixel patchify inside the VAE (12 input
+# channels = 3 RGB x 2 x 2), 16x spatial, 48 latent channels
+WAN22_VAE_KEYS = dict(
+    is_residual=True,
+    patch_size=2,
+    in_channels=12,
+    out_channels=12,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+)
+
+
+def tiny_wan_vae(z_dim: int = 4, seed: int = 0, wan22: bool = False):
+    """A random tiny ``AutoencoderKLWan``: temporal stride 4, spatial 8 (Wan 2.1's structure) or,
+    with ``wan22``, Wan 2.2's keys (``WAN22_VAE_KEYS``: 16x spatial; use ``z_dim`` 48)."""
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(
+    return AutoencoderKLWan(
         base_dim=8,
         z_dim=z_dim,
         dim_mult=[1, 2, 2, 2],
         num_res_blocks=1,
         attn_scales=[],
         temperal_downsample=[False, True, True],
-        latents_mean=[0.1 * i for i in range(z_dim)],
-        latents_std=[1.0 + 0.5 * i for i in range(z_dim)],
-    )
-    vae.save_pretrained(str(folder), safe_serialization=True)
+        latents_mean=[0.1 * (i % 8) for i in range(z_dim)],
+        latents_std=[1.0 + 0.5 * (i % 8) for i in range(z_dim)],
+        **(WAN22_VAE_KEYS if wan22 else {}),
+    ).eval()
+
+
+def save_tiny_wan_vae(folder, z_dim: int = 4, seed: int = 0, wan22: bool = False) -> Path:
+    """``tiny_wan_vae(z_dim, seed, wan22)`` saved under ``folder``."""
+    tiny_wan_vae(z_dim, seed, wan22).save_pretrained(str(folder), safe_serialization=True)
     return Path(folder)
 
 

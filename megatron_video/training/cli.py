@@ -440,7 +440,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 from megatron_video.data.text import HFTextEncoder
 
                 text = HFTextEncoder.from_pretrained(args.text_encoder, args.text_len)
-            r = precompute_latents(config, args.out, sp_size=args.sp_size, text_encoder=text)
+            r = precompute_latents(
+                config, args.out, sp_size=args.sp_size, text_encoder=text, progress=True
+            )
             print(
                 f"[megatron-video] {r['samples']} latent samples in {len(r['shards'])} shards "
                 f"under {args.out} "

@@ -14,6 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import yaml
 
 from ..data.buckets import BucketConfig, BucketGrid
+from ..models.vae_geometry import VAEGeometry, project_vae_geometry, wan_vae_folder_geometry
 from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
 from .family_spec import get_family
 
@@ -30,6 +31,8 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "validate",
+    "vae_geometry",
+    "vae_fits_data",
     "latent_shape",
     "token_grid_of",
     "data_parallel_size",
@@ -224,20 +227,8 @@ class DataSection:
                 "data.shards (None) must name a folder or glob of .tar shards when "
                 "data.source is 'shards'"
             )
-        _pos_int("data.num_frames", d.num_frames)
-        if (d.num_frames - 1) % TEMPORAL_STRIDE:
-            raise ValueError(
-                f"data.num_frames ({d.num_frames}) must be 1 + {TEMPORAL_STRIDE}k "
-                f"(the causal VAE maps frame 0 to latent 0 and frames 4k-3..4k to "
-                f"latent k)"
-            )
-        for name in ("height", "width"):
-            val = getattr(d, name)
-            _pos_int(f"data.{name}", val)
-            if val % SPATIAL_STRIDE:
-                raise ValueError(
-                    f"data.{name} ({val}) must be divisible by {SPATIAL_STRIDE} (VAE downsampling)"
-                )
+        for name in ("num_frames", "height", "width"):  # the VAE's strides: _vae_fits_data
+            _pos_int(f"data.{name}", getattr(d, name))
         _pos_int("data.num_samples", d.num_samples)
         _pos_int("data.caption_len", d.caption_len)
 
@@ -254,21 +245,24 @@ class VAESection:
     lr: float = 2e-3
     kl_weight: float = 1e-6
     foreground_weight: float = 4.0  # extra loss weight on the shapes' pixels
-    halo_latents: Optional[int] = None  # default: the encoder's temporal receptive field
-    diffusers: Optional[str] = None  # precompute: a local diffusers AutoencoderKLWan folder
+    # an integer >= 0 (the user's choice, as LongLive's vae_halo_latents) or "auto" (null): the
+    # smallest exact halo, probed once per VAE (training/vae_halo.py)
+    halo_latents: Any = "auto"
+    diffusers: Optional[str] = None  # a local diffusers AutoencoderKLWan folder (2.1 or 2.2)
 
     def validate(self) -> None:
         v = self
         for name in ("latent_channels", "base_channels", "train_steps", "batch_size"):
             _pos_int(f"vae.{name}", getattr(v, name), 0 if name == "train_steps" else 1)
         _positive("vae.lr", v.lr)
-        if v.halo_latents is not None:
+        if v.halo_latents is not None and v.halo_latents != "auto":
+            if isinstance(v.halo_latents, bool) or not isinstance(v.halo_latents, int):
+                raise ValueError(
+                    f"vae.halo_latents ({v.halo_latents!r}) must be 'auto' or an integer >= 0"
+                )
             _pos_int("vae.halo_latents", v.halo_latents, 0)
-        if v.diffusers is not None and not (Path(v.diffusers) / "config.json").is_file():
-            raise ValueError(
-                f"vae.diffusers ({v.diffusers!r}) must be a local diffusers AutoencoderKLWan "
-                f"folder (with config.json)"
-            )
+        if v.diffusers is not None:
+            wan_vae_folder_geometry(v.diffusers)  # ValueError naming the folder / key
         if v.weights is not None and not Path(v.weights).is_file():
             raise ValueError(
                 f"vae.weights ({v.weights!r}) must be an existing file (or null to "
@@ -466,13 +460,22 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
 # ----------------------------------------------------------------------------------------------
 # Derived quantities
 # ----------------------------------------------------------------------------------------------
+def vae_geometry(config: Config) -> VAEGeometry:
+    """The VAE's channels and strides (``models.vae_geometry``): read from ``vae.diffusers``'s
+    config (Wan 2.1: 8x spatial, Wan 2.2: 16x), else the project's causal VAE (4x / 8x)."""
+    v = config.vae
+    if v.diffusers is not None:
+        return wan_vae_folder_geometry(v.diffusers)
+    return project_vae_geometry(v.latent_channels)
+
+
 def latent_shape(config: Config) -> Tuple[int, int, int]:
-    """``(F, h, w)`` latent frames and size of a sample."""
-    d = config.data
+    """``(F, h, w)`` latent frames and size of a sample (``data.height`` / ``width`` are pixels)."""
+    d, g = config.data, vae_geometry(config)
     return (
-        1 + (d.num_frames - 1) // TEMPORAL_STRIDE,
-        d.height // SPATIAL_STRIDE,
-        d.width // SPATIAL_STRIDE,
+        1 + (d.num_frames - 1) // g.temporal_stride,
+        d.height // g.spatial_stride,
+        d.width // g.spatial_stride,
     )
 
 
@@ -487,10 +490,11 @@ def bucket_grid(config: Config) -> BucketGrid:
     """The bucket grid of ``data.buckets`` (defaults where null) at ``model.patch_size`` and the
     VAE's strides; ``ValueError`` names ``data.buckets``."""
     fields = dict(config.data.buckets or {})
+    g = vae_geometry(config)
     fields.update(
         patch_size=list(config.model.patch_size),
-        spatial_stride=SPATIAL_STRIDE,
-        temporal_stride=TEMPORAL_STRIDE,
+        spatial_stride=g.spatial_stride,
+        temporal_stride=g.temporal_stride,
     )
     cfg = BucketConfig.from_dict(fields, prefix="data.buckets.")
     try:
@@ -517,12 +521,13 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     config.parallel.validate(world_size)
     _model_fits_parallel(config)
     config.data.validate()
+    config.vae.validate()
+    vae_fits_data(config)
     _patch_fits_latents(config)
     if config.data.buckets is not None:
         _check_buckets(config, family)
     _family_fields(config, family)
     family.check(config, world_size)  # the family's own rules (training/families/)
-    config.vae.validate()
     objective = config.objective
     if objective not in OBJECTIVES:
         raise ValueError(f"diffusion.objective ({objective!r}) must be one of {OBJECTIVES}")
@@ -613,6 +618,25 @@ def _family_fields(config: Config, family) -> None:
                 f"model.{name} ({value!r}) is not a field of model.family "
                 f"{config.model.family!r} (it does not read it); leave it at "
                 f"{getattr(default, name)!r}"
+            )
+
+
+def vae_fits_data(config: Config) -> None:
+    """``data.num_frames`` / ``height`` / ``width`` (pixels) against the VAE's strides."""
+    d, g = config.data, vae_geometry(config)
+    if (d.num_frames - 1) % g.temporal_stride:
+        raise ValueError(
+            f"data.num_frames ({d.num_frames}) must be 1 + {g.temporal_stride}k (the causal "
+            f"VAE, {g.source}, maps frame 0 to latent 0 and {g.temporal_stride} frames to each "
+            f"later latent)"
+        )
+    for name in ("height", "width"):
+        val = getattr(d, name)
+        if val % g.spatial_stride:
+            raise ValueError(
+                f"data.{name} ({val}) must be divisible by the VAE's spatial stride "
+                f"{g.spatial_stride} ({g.source}; its downsampling x its patch "
+                f"{g.patch_size}): data.{name} is the clip's pixel size"
             )
 
 

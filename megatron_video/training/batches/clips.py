@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import SPATIAL_STRIDE, TEMPORAL_STRIDE, Config, bucket_grid
+from ..config import Config, bucket_grid, latent_shape, vae_geometry
 
 __all__ = [
     "ClipSource",
@@ -98,17 +98,21 @@ class EncodingClipSource(ClipSource):
     encoder = None
     z = halo = 0
 
-    def _init_encoder(self, encoder, z: int, halo_latents: Optional[int]) -> None:
-        from megatron_video.models.vae_halo_probe import encoder_halo
+    temporal_stride = 4
+
+    def _init_encoder(self, encoder, config: Config, halo_latents=None) -> None:
+        from ..vae_halo import choose_halo
 
         if encoder is None:
             raise ValueError(
                 "vae (None) must be the trainer's causal VAE for raw clips: they are encoded "
                 "per CP rank"
             )
-        self.encoder, self.z = encoder, int(z)
-        need = encoder_halo(encoder, temporal_stride=TEMPORAL_STRIDE)
-        self.halo = need if halo_latents is None else int(halo_latents)
+        self.encoder, self.z = encoder, int(config.vae.latent_channels)
+        self.temporal_stride = vae_geometry(config).temporal_stride
+        # any latent range may be asked for: the halo of any split (halo_latents overrides
+        # vae.halo_latents)
+        self.halo = choose_halo(config, encoder, None, halo_latents)
 
     def raw(self, key: str, window) -> torch.Tensor:
         raise NotImplementedError
@@ -124,12 +128,12 @@ class EncodingClipSource(ClipSource):
                 runs[-1][1] = max(runs[-1][1], b)
             else:
                 runs.append([a, b])
-        return [halo_window(a, b, self.halo, TEMPORAL_STRIDE, True) for a, b in runs]
+        return [halo_window(a, b, self.halo, self.temporal_stride, True) for a, b in runs]
 
     def encode(self, keys: Sequence[str], ranges: Ranges) -> torch.Tensor:
         """``[b, z, F, h, w]`` of clips ``keys`` (one latent grid): the latent frames of
         ``ranges`` encoded from their halo windows' raw frames only; every other frame zero."""
-        from megatron_video.data.video_windows import encode_with_halo
+        from megatron_video.data.video_windows import encode_window
 
         F, h, w = self.latent_grid(keys[0])
         dtype = next((p.dtype for p in _parameters(self.encoder)), torch.float32)
@@ -137,7 +141,7 @@ class EncodingClipSource(ClipSource):
         for win in self.windows(keys[0], ranges):
             raw = torch.stack([self.raw(k, win) for k in keys]).to(dtype)
             with torch.no_grad():
-                lat = encode_with_halo(self.encoder, raw, win)[:, : self.z]
+                lat = encode_window(self.encoder, raw, win)[:, : self.z]
             out[:, :, win.latent_start : win.latent_end] = lat
         return out
 
@@ -168,7 +172,7 @@ class SyntheticClipSource(EncodingClipSource):
         self.ids = list(range(d.num_samples))
         self.encoder, self._recent = None, {}
         if encoder is not None:
-            self._init_encoder(encoder, config.vae.latent_channels, halo_latents)
+            self._init_encoder(encoder, config, halo_latents)
 
     def latent_grid(self, key) -> Tuple[int, int, int]:
         return self.grid
@@ -207,7 +211,7 @@ class RawClipSource(EncodingClipSource):
 
         d = config.data
         self.path = d.path
-        self._init_encoder(encoder, config.vae.latent_channels, halo_latents)
+        self._init_encoder(encoder, config, halo_latents)
         records = dataset_records(d.path)
         self.left_out: List[Tuple[str, str]] = []
         plans = clip_grid(config).plan_many(records, self.left_out)
@@ -325,7 +329,7 @@ class LazyShardClipSource(EncodingClipSource):
 
         self.config, self.cache = config, cache
         if encoder is not None:
-            self._init_encoder(encoder, config.vae.latent_channels, config.vae.halo_latents)
+            self._init_encoder(encoder, config)
         self.index = ShardIndex(config.data.shards)
         self._recent: "OrderedDict[str, dict]" = OrderedDict()
         self.loads = 0
@@ -395,12 +399,7 @@ class LazyShardClipSource(EncodingClipSource):
 
 def fixed_latent_shape(config: Config) -> Tuple[int, int, int]:
     """``(F, h, w)`` latent frames and size of a clip without ``data.buckets``."""
-    d = config.data
-    return (
-        1 + (d.num_frames - 1) // TEMPORAL_STRIDE,
-        d.height // SPATIAL_STRIDE,
-        d.width // SPATIAL_STRIDE,
-    )
+    return latent_shape(config)
 
 
 def fixed_grid(config: Config):
@@ -420,8 +419,8 @@ def fixed_grid(config: Config):
             frame_counts=[d.num_frames],
             tokens_per_microbatch=max(tokens, 1),
             patch_size=ps,
-            spatial_stride=SPATIAL_STRIDE,
-            temporal_stride=TEMPORAL_STRIDE,
+            spatial_stride=vae_geometry(config).spatial_stride,
+            temporal_stride=vae_geometry(config).temporal_stride,
         )
     )
 
