@@ -92,7 +92,11 @@ AR4 = [
     "overrides, world, message",
     [
         (["data.num_frames=30"], 1, r"data.num_frames \(30\) must be 1 \+ 4k"),
-        (["data.height=36"], 1, r"data.height \(36\) must be divisible by the VAE.s spatial stride 8"),
+        (
+            ["data.height=36"],
+            1,
+            r"data.height \(36\) must be divisible by the VAE.s spatial stride 8",
+        ),
         (
             AR4[:1],
             4,

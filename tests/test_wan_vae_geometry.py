@@ -25,7 +25,12 @@ def vaes():
 def test_geometry_is_read_from_the_config(vaes):
     assert module_geometry(vaes["2.1"]) == VAEGeometry(3, 4, 8, 4, 1, "AutoencoderKLWan config")
     g = module_geometry(vaes["2.2"])
-    assert (g.video_channels, g.temporal_stride, g.spatial_stride, g.latent_channels) == (3, 4, 16, 48)
+    assert (g.video_channels, g.temporal_stride, g.spatial_stride, g.latent_channels) == (
+        3,
+        4,
+        16,
+        48,
+    )
     cfg = dict(vaes["2.2"].config)
     with pytest.raises(ValueError, match=r"scale_factor_spatial \(8\) must equal .* = 16"):
         wan_vae_geometry(dict(cfg, scale_factor_spatial=8))
@@ -102,6 +107,14 @@ def _config(root, *extra):
     )
 
 
+def _decode(path):
+    import av
+
+    with av.open(str(path)) as c:
+        x = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in c.decode(video=0)])
+    return (x.float() / 127.5 - 1).permute(3, 0, 1, 2)
+
+
 def test_precompute_wan22_end_to_end(data, monkeypatch):
     """``data.height`` / ``width`` are pixels at Wan 2.2's 16x stride: latents [48, 8, 2, 3],
     equal to the full-clip encoding; SP 1 probes nothing; ``auto`` probes once and caches the halo
@@ -119,9 +132,12 @@ def test_precompute_wan22_end_to_end(data, monkeypatch):
         r = precompute_latents(_config(data), data / "sp1", progress=True, log=logs.append)
     assert r["samples"] == 2 and r["halo"] == 0
     assert any("precompute: 2/2 clips (" in ln and "clips/s)" in ln for ln in logs), logs
-    encode = wan_vae_encoder(data / "vae", 48)
+    encode = wan_vae_encoder(data / "vae", 48)  # the oracle: diffusers' own full-clip encoding
     for s in ShardReader(str(data / "sp1")):
-        assert s["latent"].shape == (48, 8, 2, 3)
+        with torch.no_grad():
+            ref = encode(_decode(data / "src" / s["meta"]["source"])[None])[0]
+        assert s["latent"].shape == ref.shape == (48, 8, 2, 3)
+        assert torch.allclose(s["latent"], ref, atol=1e-5, rtol=0)
     vae_halo_probe._HALO_CACHE.clear()
     r = precompute_latents(_config(data), data / "sp2", sp_size=2, log=logs.append)
     cache = json.loads((data / "vae" / vae_halo.HALO_CACHE_FILE).read_text())
@@ -143,9 +159,6 @@ def test_precompute_wan22_end_to_end(data, monkeypatch):
     err = float(warned[0].split("by up to ")[1].split(" ")[0])
     assert err > 1e-6
     for s in ShardReader(str(data / "sp2")):
-        with torch.no_grad():
-            from megatron_video.data.energon_video import KeyedClips  # noqa: F401
-
         assert s["latent"].shape == (48, 8, 2, 3) and s["meta"]["halo_latents"] == entry["halo"]
     got = {s["key"]: s["latent"] for s in ShardReader(str(data / "sp2"))}
     ref = {s["key"]: s["latent"] for s in ShardReader(str(data / "sp1"))}
@@ -157,7 +170,10 @@ def test_precompute_wan22_end_to_end(data, monkeypatch):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["data.height=40"], r"data.height \(40\) must be divisible by the VAE's spatial stride 16"),
+        (
+            ["data.height=40"],
+            r"data.height \(40\) must be divisible by the VAE's spatial stride 16",
+        ),
         (["data.num_frames=30"], r"data.num_frames \(30\) must be 1 \+ 4k"),
         (["vae.halo_latents=soon"], r"vae.halo_latents \('soon'\) must be 'auto' or an integer"),
         (["vae.halo_latents=-1"], r"vae.halo_latents \(-1\) must be an integer >= 0"),
