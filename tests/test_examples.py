@@ -9,6 +9,8 @@ validated (parsed, shapes checked). The launcher's console (the logging rank onl
 is tested once through the command line.
 """
 
+import contextlib
+import io
 import math
 import re
 import subprocess
@@ -41,11 +43,14 @@ def _run(path, overrides):
             return step_fn(step, *a, **k)
 
         t.train_step = counted
+        console = io.StringIO()
         try:
-            t.run()
+            with contextlib.redirect_stdout(console):
+                t.run()
         finally:
             t.close()
-        out.append((before, ran, ckpt.latest_step(t.checkpoint_dir)))
+        said = [ln for ln in console.getvalue().splitlines() if "resumed from" in ln]
+        out.append((before, ran, ckpt.latest_step(t.checkpoint_dir), said, t.is_logger))
     return out
 
 
@@ -83,9 +88,13 @@ def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
         overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
     if cfg.data.source == "shards":
         overrides.append(f"data.shards={_latent_shards(cfg, tmp_path / 'shards')}")
+    ckpt2 = tmp_path / "run" / "checkpoints" / "iter_0000002"
     for first, second in pool4.run(_run, str(path), overrides):
-        assert first == (None, [0, 1], 2)  # trained 2 steps, saved the final checkpoint
-        assert second == (2, [2], 3)  # resumed from it, ran step 3 only, saved it
+        assert first[:4] == (None, [0, 1], 2, [])  # trained 2 steps, saved the final checkpoint
+        assert second[:3] == (2, [2], 3)  # resumed from it, ran step 3 only, saved it
+        # the console rank says where it resumed from
+        resumed = [f"[megatron-video] resumed from iteration 2 ({ckpt2})"]
+        assert second[3] == (resumed if second[4] else []), second
     if path.stem == "demo":
         _generate_as_documented(tmp_path)
 
@@ -187,10 +196,33 @@ def test_cli_console_is_one_rank_and_ranks_log_to_files(tmp_path):
     assert console.count("megatron_video CPU mode (no CUDA device)") == 1
     for p in logs.values():  # nothing hidden: each rank's own log has its warnings
         assert "megatron_video CPU mode (no CUDA device)" in p.read_text()
-    warned = [ln for ln in console.splitlines() if re.search(r"Warning: .*not installed", ln)]
-    # once, not once per rank: the launcher's imports show them; the forkserver, the ranks'
-    # spawned helpers (Megatron's async checkpoint writer) and the console rank repeat nothing
-    assert warned and all(warned.count(w) == 1 for w in warned), warned
+    assert any(re.search(r"Warning: .*not installed", p.read_text()) for p in logs.values())
+    # the console: no warning line; the known environment warnings announced in one line
+    assert _warning_lines(console) == [], console[-4000:]
+    assert console.count("known environment warnings hidden") == 1, console[-4000:]
+
+
+def _warning_lines(console: str) -> list:
+    return [ln for ln in console.splitlines() if re.search(r"Warning\b|warnings\.warn\(", ln)]
+
+
+def _validate(*extra):
+    cmd = [sys.executable, "-m", "megatron_video.training.cli", *extra]
+    cmd += ["validate", "--config", str(ROOT / "examples/configs/wan_tiny.yaml")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+def test_validate_console_is_quiet_and_assumes_the_world_size():
+    """``megatron-video validate`` without ``--nproc`` (wan_tiny.yaml: CP 4) checks world size 4
+    and says so; no warning line, the hidden ones in one line; ``--verbose`` shows them in full."""
+    quiet = _validate()
+    assert "assuming world size 4 = TP 1 x PP 1 x CP 4 x DP 1" in quiet, quiet
+    assert _warning_lines(quiet) == [] and quiet.count("warnings hidden") == 1, quiet
+    loud = _validate("--verbose")
+    assert "warnings hidden" not in loud
+    assert any("Transformer Engine and Apex are not installed" in ln for ln in _warning_lines(loud))
 
 
 def _readme_commands():

@@ -141,7 +141,12 @@ def _add_validate(sub) -> None:
         "validate", help="check a config without running it; print the resolved config"
     )
     _common(c, True)
-    c.add_argument("--nproc", type=int, default=1)
+    c.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="world size to check against (default: the one the config implies, DP 1)",
+    )
     c.add_argument("--ranks-per-node", type=int, default=None)
 
 
@@ -223,6 +228,11 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Megatron's / diffusers' known environment warnings in full (default: one line)",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
@@ -258,6 +268,19 @@ def _train(config, nproc: Optional[int], cpu: bool = False) -> int:
         raise ValueError(f"--nproc ({nproc}) must be >= 1")
     validate(config, nproc)
     return launch(config, nproc, config.parallel.ranks_per_node, cpu=cpu)
+
+
+def _implied_world_size(config) -> int:
+    """``validate`` without ``--nproc``: TP x PP x CP (data parallel 1), said on the console."""
+    p = config.parallel
+    n = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    print(
+        f"[megatron-video] validate: no --nproc; assuming world size {n} = TP "
+        f"{p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x CP "
+        f"{p.context_parallel_size} x DP 1 (the config's; --nproc N checks another)",
+        file=sys.stderr,
+    )
+    return n
 
 
 DEMO_CLIPS = 128  # procedural mp4 clips of the demo's energon dataset (it repeats over epochs)
@@ -413,6 +436,14 @@ def _generate(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import os
+
+    from .console import quiet_known_warnings
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv  # anywhere on the line, before or after the subcommand
+    argv = (["--verbose"] if verbose else []) + [a for a in argv if a != "--verbose"]
+    quiet_known_warnings(verbose, console=os.environ.get("RANK", "0") == "0")
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
@@ -466,7 +497,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _generate(args)
         if args.command == "validate":
             config = _load(args.config, args.overrides, None, args.ranks_per_node)
-            validate(config, args.nproc)
+            nproc = args.nproc
+            if nproc is None:
+                nproc = _implied_world_size(config)
+            validate(config, nproc)
             print(yaml.safe_dump(config_to_dict(config), sort_keys=False))
             return 0
     except ValueError as e:

@@ -133,6 +133,10 @@ def _worker(
     if rank != 0:  # rank 0 logs (trainer.is_logger); the others write to files
         _redirect_output(rank_log(config, rank))
     _show_own_warnings()
+    if rank == 0:  # the console: known environment warnings stay held back (console.py)
+        from .console import quiet_known_warnings
+
+        quiet_known_warnings()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

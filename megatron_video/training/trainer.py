@@ -464,7 +464,11 @@ class Trainer:
     def maybe_resume(self) -> int:
         if not self.config.train.resume or ckpt.latest_step(self.checkpoint_dir) is None:
             return 0
-        return self.load()
+        step = self.load()
+        if self.is_logger:
+            path = ckpt.checkpoint_path(self.checkpoint_dir, step)
+            print(f"[megatron-video] resumed from iteration {step} ({path})", flush=True)
+        return step
 
     # -- the job -----------------------------------------------------------------------------
     def run(self) -> Dict:

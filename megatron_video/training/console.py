@@ -1,0 +1,66 @@
+"""A quiet console: Megatron's, torch's and diffusers' known environment warnings (Transformer
+Engine / Apex missing on CPU, deprecations inside Megatron-Core and torch we cannot act on) are
+held back and announced in ONE line, on the console rank only; ``--verbose`` (or
+``MEGATRON_VIDEO_VERBOSE=1``) shows them in full. Any other warning is shown as usual; ranks
+that log to files (launch.py) keep every warning in their logs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import List
+
+__all__ = ["KNOWN_WARNINGS", "quiet_known_warnings", "hidden_warnings", "VERBOSE_ENV"]
+
+VERBOSE_ENV = "MEGATRON_VIDEO_VERBOSE"
+_ANNOUNCED_ENV = "MEGATRON_VIDEO_WARNINGS_ANNOUNCED"  # the launcher said it: its ranks do not
+
+# (message start, what it is): the one list of warnings hidden by default
+KNOWN_WARNINGS = (
+    ("Transformer Engine and Apex are not installed", "Transformer Engine / Apex not installed"),
+    ("Apex is not installed", "Transformer Engine / Apex not installed"),
+    ("full scope is deprecated", "Megatron's cuda_graph_scope deprecation"),
+    ("`load_state_dict` is deprecated", "torch.distributed.checkpoint deprecations"),
+    ("Please use DTensor instead", "torch.distributed.checkpoint deprecations"),
+)
+_hidden: List[str] = []
+
+
+def _known(message) -> bool:
+    text = str(message)
+    return any(text.startswith(start) for start, _ in KNOWN_WARNINGS)
+
+
+def hidden_warnings() -> List[str]:
+    """The warnings held back in this process so far (formatted as Python shows them)."""
+    return list(_hidden)
+
+
+def quiet_known_warnings(verbose: bool = False, console: bool = True) -> None:
+    """Hold back ``KNOWN_WARNINGS`` in this process (unless ``verbose``); on the ``console``
+    process the first one held back prints the one line saying so (once per launch)."""
+    if verbose or os.environ.get(VERBOSE_ENV) == "1":
+        os.environ[VERBOSE_ENV] = "1"  # the ranks it starts show them too
+        return
+    if getattr(warnings.showwarning, "_megatron_video", False):
+        return
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not _known(message):
+            return show(message, category, filename, lineno, file, line)
+        _hidden.append(warnings.formatwarning(message, category, filename, lineno, line))
+        if console and not os.environ.get(_ANNOUNCED_ENV):
+            os.environ[_ANNOUNCED_ENV] = "1"
+            kinds = dict.fromkeys(what for _, what in KNOWN_WARNINGS)
+            print(
+                f"[megatron-video] known environment warnings hidden ({', '.join(kinds)}); "
+                f"--verbose shows them",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    showwarning._megatron_video = True
+    warnings.showwarning = showwarning
