@@ -46,8 +46,36 @@ def _config_case(change, parallel=None):
     return run
 
 
+def _wan22_case(**change):
+    """A Wan 2.2 VAE folder (``config.json`` alone: validate reads no weights) with ``change``
+    to its keys, ``vae.latent_channels`` 48, ``data.height`` 32 unless changed."""
+
+    def run(tmp):
+        import json
+
+        from megatron_video.testing.wan import WAN22_VAE_KEYS
+        from megatron_video.training.config import validate
+
+        keys = dict(WAN22_VAE_KEYS, z_dim=48, dim_mult=[1, 2, 2, 2])
+        keys.update({k: v for k, v in change.items() if k != "height"})
+        (tmp / "vae").mkdir()
+        (tmp / "vae" / "config.json").write_text(json.dumps(keys))
+        cfg = tiny_config("ar_dit", str(tmp))
+        cfg.vae.diffusers, cfg.vae.latent_channels = str(tmp / "vae"), 48
+        cfg.data.height = cfg.data.width = change.get("height", 32)
+        validate(cfg, 4)
+
+    return run
+
+
 CP4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
 CONFIG = {
+    "halo_latents": (_config_case(("vae", "halo_latents", "soon")), "vae.halo_latents"),
+    "halo_latents_negative": (_config_case(("vae", "halo_latents", -1)), "vae.halo_latents"),
+    "wan22_height": (_wan22_case(height=40), "data.height (40)"),
+    "wan22_stride": (_wan22_case(scale_factor_spatial=8), "scale_factor_spatial (8)"),
+    "wan22_channels": (_wan22_case(in_channels=10), "in_channels (10)"),
+    "wan22_z": (_wan22_case(z_dim=16), "vae.latent_channels (48)"),
     "family": (_config_case(("model", "family", "unet")), "model.family"),
     "hidden_vs_heads": (_config_case(("model", "hidden_size", 50)), "model.hidden_size"),
     "patch_rank": (_config_case(("model", "patch_size", [1, 1])), "model.patch_size"),

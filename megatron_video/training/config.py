@@ -622,8 +622,14 @@ def _family_fields(config: Config, family) -> None:
 
 
 def vae_fits_data(config: Config) -> None:
-    """``data.num_frames`` / ``height`` / ``width`` (pixels) against the VAE's strides."""
+    """``data.num_frames`` / ``height`` / ``width`` (pixels) and ``vae.latent_channels`` against
+    the VAE (``vae_geometry``)."""
     d, g = config.data, vae_geometry(config)
+    if g.latent_channels != config.vae.latent_channels:
+        raise ValueError(
+            f"vae.latent_channels ({config.vae.latent_channels}) must equal the VAE's latent "
+            f"channels ({g.latent_channels}, {g.source}: z_dim)"
+        )
     if (d.num_frames - 1) % g.temporal_stride:
         raise ValueError(
             f"data.num_frames ({d.num_frames}) must be 1 + {g.temporal_stride}k (the causal "
