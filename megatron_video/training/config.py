@@ -451,9 +451,10 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config ({path!r}) must hold a mapping of sections")
-        weights = (data.get("vae") or {}).get("weights")
-        if weights and not Path(weights).is_absolute():  # relative to the YAML file, not the CWD
-            data["vae"]["weights"] = str((p.parent / weights).resolve())
+        for key in ("weights", "diffusers"):  # relative to the YAML file, not the CWD
+            value = (data.get("vae") or {}).get(key)
+            if value and not Path(value).is_absolute():
+                data["vae"][key] = str((p.parent / value).resolve())
     return config_from_dict(apply_overrides(data, overrides))
 
 

@@ -9,7 +9,8 @@ mixed shapes"): one small interface, ``ClipSource``, with two implementations.
   ``precompute`` uses, so token counts, costs, sampler and ledger are those of the shards path);
   ``latents(key, ranges)`` decodes ONLY the raw frames of each requested latent range's halo
   window (``layouts.vae_halo.halo_window``; ``KeyedClips.read(plan, window)``) and encodes them
-  with the halo (``data.video_windows.encode_with_halo``); other latent frames stay zero.
+  with the halo (``data.video_windows.encode_window``, the halo ``training.vae_halo.choose_halo``
+  gives); other latent frames stay zero.
 
 Every rank builds the same clip set (ids, grids) in the same order: the sampler is a pure function
 of it.
