@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -54,8 +55,10 @@ def exact_halo(config: Config, encoder, log: Callable[[str], None] = print) -> i
     h = encoder_halo(encoder, temporal_stride=st)
     probe = _HALO_CACHE.get(_config_key(encoder, st, True))
     cached[key] = dict(halo=h, lookback=None if probe is None else probe.lookback)
-    try:
-        path.write_text(json.dumps(cached, indent=1))
+    try:  # atomic: ranks probing at once leave one whole file
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
     except OSError as e:  # a read-only VAE folder: probed again next time, said so
         log(f"[megatron-video] halo probe not cached ({path}: {e})")
     log(f"[megatron-video] exact halo of {folder}: {h} latent(s)")
