@@ -1,5 +1,6 @@
 """A quiet console: Megatron's, torch's and diffusers' known environment warnings (Transformer
-Engine / Apex missing on CPU, deprecations inside Megatron-Core and torch we cannot act on) are
+Engine / Apex missing on CPU, deprecations inside Megatron-Core and torch we cannot act on; a
+few known log records, ``KNOWN_LOG_RECORDS``) are
 held back and announced in ONE line, on the console rank only; ``--verbose`` (or
 ``MEGATRON_VIDEO_VERBOSE=1``) shows them in full. Any other warning is shown as usual; ranks
 that log to files (launch.py) keep every warning in their logs.
@@ -7,12 +8,19 @@ that log to files (launch.py) keep every warning in their logs.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
 from typing import List
 
-__all__ = ["KNOWN_WARNINGS", "quiet_known_warnings", "hidden_warnings", "VERBOSE_ENV"]
+__all__ = [
+    "KNOWN_WARNINGS",
+    "KNOWN_LOG_RECORDS",
+    "quiet_known_warnings",
+    "hidden_warnings",
+    "VERBOSE_ENV",
+]
 
 VERBOSE_ENV = "MEGATRON_VIDEO_VERBOSE"
 _ANNOUNCED_ENV = "MEGATRON_VIDEO_WARNINGS_ANNOUNCED"  # the launcher said it: its ranks do not
@@ -24,6 +32,15 @@ KNOWN_WARNINGS = (
     ("full scope is deprecated", "Megatron's cuda_graph_scope deprecation"),
     ("`load_state_dict` is deprecated", "torch.distributed.checkpoint deprecations"),
     ("Please use DTensor instead", "torch.distributed.checkpoint deprecations"),
+)
+# (logger, message start, what): known log records, held back the same way
+KNOWN_LOG_RECORDS = (
+    ("torch.utils.cpp_extension", "No CUDA runtime is found", "no CUDA runtime (CPU)"),
+    (
+        "megatron.core.models.multimodal.llava_model",
+        "LLaVA is work in progress",
+        "Megatron's LLaVA work-in-progress notice",
+    ),
 )
 _hidden: List[str] = []
 
@@ -48,13 +65,13 @@ def quiet_known_warnings(verbose: bool = False, console: bool = True) -> None:
         return
     show = warnings.showwarning
 
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        if not _known(message):
-            return show(message, category, filename, lineno, file, line)
-        _hidden.append(warnings.formatwarning(message, category, filename, lineno, line))
+    def hold(text: str) -> None:
+        _hidden.append(text)
         if console and not os.environ.get(_ANNOUNCED_ENV):
             os.environ[_ANNOUNCED_ENV] = "1"
-            kinds = dict.fromkeys(what for _, what in KNOWN_WARNINGS)
+            kinds = dict.fromkeys(
+                [w for _, w in KNOWN_WARNINGS] + [r[2] for r in KNOWN_LOG_RECORDS]
+            )
             print(
                 f"[megatron-video] known environment warnings hidden ({', '.join(kinds)}); "
                 f"--verbose shows them",
@@ -62,5 +79,21 @@ def quiet_known_warnings(verbose: bool = False, console: bool = True) -> None:
                 flush=True,
             )
 
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not _known(message):
+            return show(message, category, filename, lineno, file, line)
+        hold(warnings.formatwarning(message, category, filename, lineno, line))
+
+    def record_filter(start: str):
+        def keep(record: logging.LogRecord) -> bool:
+            if str(record.getMessage()).startswith(start):
+                hold(f"{record.name}: {record.getMessage()}")
+                return False
+            return True
+
+        return keep
+
+    for name, start, _ in KNOWN_LOG_RECORDS:
+        logging.getLogger(name).addFilter(record_filter(start))
     showwarning._megatron_video = True
     warnings.showwarning = showwarning
