@@ -189,3 +189,19 @@ def test_precompute_refuses_a_mismatch(data, extra, match):
     with pytest.raises(ValueError, match=match):
         precompute_latents(_config(data, *extra), data / "bad", sp_size=2)
     assert not (data / "bad").exists()
+
+
+def test_training_reads_wan22_shards_at_the_vae_stride(data, tmp_path):
+    """Shards of the Wan 2.2 VAE: training with ``vae.diffusers`` set expects their 16x grid; a
+    config without it (8x, the project's VAE) is refused at start-up, naming ``vae.diffusers``."""
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.fixed import FixedBatchMaker
+    from megatron_video.training.precompute import precompute_latents
+
+    precompute_latents(_config(data), tmp_path / "shards")
+    shards = ["data.source=shards", f"data.shards={tmp_path / 'shards'}"]
+    bm = FixedBatchMaker(_config(data, *shards), RankCoords())
+    assert (bm.F, bm.h, bm.w) == (8, 2, 3)
+    cfg = _config(data, *shards, "vae.diffusers=null")
+    with pytest.raises(ValueError, match=r"must be \[8, 4, 6\] .*set vae.diffusers"):
+        FixedBatchMaker(cfg, RankCoords())

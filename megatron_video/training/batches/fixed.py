@@ -130,10 +130,14 @@ class FixedBatchMaker(LedgerSteps):
         for k in self.ids:
             got = tuple(self.source.latent_grid(k))
             if got != want:
-                d = self.config.data
+                from ..config import vae_geometry
+
+                d, g = self.config.data, vae_geometry(self.config)
                 raise ValueError(
                     f"clip {k!r}: latent grid {list(got)} must be {list(want)} (data.num_frames "
-                    f"{d.num_frames}, data.height {d.height}, data.width {d.width}; rule: without "
+                    f"{d.num_frames}, data.height {d.height}, data.width {d.width} in pixels over "
+                    f"the VAE's strides {g.temporal_stride} / {g.spatial_stride} of {g.source}: "
+                    f"set vae.diffusers to the VAE the shards were encoded with; rule: without "
                     f"data.buckets every clip has the one fixed shape)"
                 )
 
