@@ -3,6 +3,8 @@
 Oracles, none of them the cache code: (1) the recompute sampler ``cp_sampling.sample_autoregressive``
 (the whole ``[clean ; noisy]`` sequence at every step) for an unbounded window, with and without
 CFG, for ``ar_dit`` and ``wan_ar``; a stale cache (noisy keys / values appended) must differ.
+The text's cross-attention keys / values, memoised per prompt, equal the unmemoised run bitwise,
+and the text is projected once per prompt (positive and negative rows apart under CFG).
 (2) For sink + window and prompt switches, a no-cache recompute over exactly the frames the rule
 keeps, with a dense mask written here from the rule and the same absolute RoPE frames. (3) Under CP
 (U2xR2, U4, R4, TP2xCP2) the cached generator equals its CP = 1 run, and each rank holds 1/N of
@@ -11,6 +13,7 @@ the cache. Every case runs on the 4-rank pool (CP = 1 cases as replicas).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 
@@ -106,7 +109,45 @@ def _noise(frames=F):
     return torch.randn(B, frames * S, C_IN, generator=g, dtype=torch.float64)
 
 
-def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=(), stale=False):
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _stale():
+    """A deliberately stale cache: the last noisy input's keys / values appended, not the clean."""
+    from megatron_video.diffusion import streaming
+
+    return _patched(streaming, "_appended", lambda last_input, clean: last_input)
+
+
+def _text_uncached():
+    """The cross-attention keys / values projected at every call (no memo)."""
+    from megatron_video.attention.kv_cache import KVCache
+
+    return _patched(KVCache, "text_kv", lambda self, key, context, project: project(context))
+
+
+def _count_text_projections(model):
+    """``(calls, rows, hooks)``: lists filled by every cross-attention ``linear_kv`` call."""
+    calls, rows, hooks = [], [], []
+    for name, mod in model.named_modules():
+        if name.endswith("cross_attention.linear_kv"):
+
+            def hook(mod, args, out):
+                calls.append(1)
+                rows.append(args[0].shape[0])
+
+            hooks.append(mod.register_forward_hook(hook))
+    return calls, rows, hooks
+
+
+def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=()):
     """Every block of the cached generator concatenated ``[b, frames*S, C]``, and the cache's
     bytes on this rank after the last block."""
     from megatron_video.diffusion.ar_models import block_model
@@ -130,7 +171,6 @@ def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=
             num_steps=STEPS,
             rule=rule,
             switches=[(f, _conds(family, p)[0]) for f, p in switches],
-            stale_cache=stale,
         ):
             out.append(block)
             nbytes = cache.nbytes()
@@ -264,7 +304,8 @@ def _cp1_cases(family):
         for w in (1.0, 3.0):
             ref = _recompute(model, family, w)
             out[f"unbounded w={w}"] = _err(_cached(model, family, w=w)[0], ref)
-            out[f"stale w={w}"] = -_err(_cached(model, family, w=w, stale=True)[0], ref)
+            with _stale():
+                out[f"stale w={w}"] = -_err(_cached(model, family, w=w)[0], ref)
         rule = WindowRule(NB, sink=2, window=2)  # block 3 drops frames 2, 3
         windowed = _cached(model, family, frames=8, w=3.0, rule=rule)[0]
         out["sink2 window2"] = _err(windowed, _window_oracle(model, family, 2, 2, 3.0, frames=8))
@@ -277,6 +318,40 @@ def _cp1_cases(family):
             _cached(model, family, w=3.0, switches=[(2, 1)])[0],
             _switch_oracle(model, family, 0, F, 2, 3.0),
         )
+        out.update(_text_cache_cases(model, family))
+    return out
+
+
+def _text_cache_cases(model, family):
+    """Memoised text keys / values equal the unmemoised run: bitwise when every projection sees
+    the same rows (CFG; a prompt switch without CFG), to rounding (<= TOL) when a CFG switch
+    projects only the positive rows (a smaller matmul may sum in another order). Each layer
+    projects the text once per prompt: all 2B rows for the first, only the B positive rows at
+    the switch (the negative rows kept)."""
+    from megatron_video.diffusion.streaming import WindowRule
+
+    rule = WindowRule(NB, sink=0, window=2)
+    runs = {
+        "CFG": dict(w=3.0),
+        "switch": dict(rule=rule, switches=[(4, 1)]),
+        "CFG + switch": dict(w=3.0, rule=rule, switches=[(4, 1)]),
+    }
+    out, layers = {}, sum(n.endswith("cross_attention") for n, _ in model.named_modules())
+    for name, run in runs.items():
+        with _text_uncached():
+            plain = _cached(model, family, **run)[0]
+        calls, rows, hooks = _count_text_projections(model)
+        memo = _cached(model, family, **run)[0]
+        for h in hooks:
+            h.remove()
+        exact = name != "CFG + switch"
+        out[f"text memo == no memo, {name}"] = (
+            float(not torch.equal(memo, plain)) if exact else _err(memo, plain)
+        )
+        prompts = 1 + len(run.get("switches", ()))
+        out[f"text projections, {name}"] = abs(len(calls) - prompts * layers)
+        b = 2 * B if "w" in run else B  # the first prompt: all rows; a switch: the positive ones
+        out[f"text rows, {name}"] = abs(sum(rows) - (b + B * (prompts - 1)) * layers)
     return out
 
 

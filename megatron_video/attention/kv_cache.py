@@ -13,6 +13,9 @@ queries' ring rank, an LSE merge, the inverse all-to-all. No gradient (inference
 latent frame) so that a caller evicts by tag (``keep``); ``CacheStep`` is what a model passes as
 the attention mask of one call so that its core attention (``attention.megatron.DistAttention2D``)
 runs ``cached_attention`` on its layer's shard, appending the new keys / values when asked.
+Cross-attention (text, no CP) caches its keys / values per prompt in the same ``KVCache``
+(``text_kv``): a layer that gets a ``CacheStep`` projects the text once and reuses the keys /
+values while the text stays the same, row by row (CFG's positive and negative rows apart).
 Map: docs/attention.md ("Cached attention").
 """
 
@@ -27,7 +30,7 @@ from .kernels import attention_forward
 from .masks import AttentionMask
 from .ulysses import check_heads, heads_to_seq, prepare_kv, seq_to_heads
 
-__all__ = ["cached_attention", "KVCache", "CacheStep"]
+__all__ = ["cached_attention", "KVCache", "CacheStep", "text_kv"]
 
 
 def _sizes(groups) -> Tuple[int, int, object, object]:
@@ -149,10 +152,12 @@ class KVCache:
 
     ``shard(key) -> (k, v, tags)`` or None; ``append(key, k, v, tags)``; ``keep(fn)`` keeps the
     tokens whose tag satisfies ``fn(tags) -> bool`` in every layer; ``nbytes()`` this rank's
-    bytes. Layers are keyed by the core-attention module that owns them."""
+    bytes. Layers are keyed by the core-attention module that owns them. ``text_kv`` memoises
+    the cross-attention keys / values per prompt (``clear`` / ``keep`` leave them)."""
 
     def __init__(self):
         self._layers: Dict[object, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._text: Dict[object, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def shard(self, key):
         return self._layers.get(key)
@@ -180,7 +185,45 @@ class KVCache:
         return None if first is None else first[2]
 
     def nbytes(self) -> int:
+        """This rank's bytes of the self-attention cache (``text_nbytes``: the text's)."""
         return sum(k.nbytes + v.nbytes for k, v, _ in self._layers.values())
+
+    def text_nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for _, k, v in self._text.values())
+
+    def text_kv(self, key, context: torch.Tensor, project) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The cross-attention ``(k, v)`` of ``context [B, L, ...]`` for the layer ``key``, where
+        ``project(rows) -> (k, v)`` with leading dim ``rows.shape[0]``. A row equal to the stored
+        context's row reuses its keys / values; the other rows (a new prompt) are projected, as
+        one batch, and stored. So the text is projected once per prompt, a prompt switch
+        invalidates exactly the rows it changes, and CFG's positive and negative rows are kept
+        apart (a switch leaves the negative rows). The result is bitwise what ``project(context)``
+        gives for rows that were projected in the same batch."""
+        old = self._text.get(key)
+        if old is None or old[0].shape != context.shape or old[0].dtype != context.dtype:
+            k, v = project(context)
+        else:
+            same = (old[0] == context.to(old[0].device)).flatten(1).all(dim=1)
+            changed = torch.nonzero(~same, as_tuple=False).flatten()
+            k, v = old[1], old[2]
+            if changed.numel() == same.numel():
+                k, v = project(context)
+            elif changed.numel():
+                rows = changed.to(context.device)
+                k_new, v_new = project(context.index_select(0, rows))
+                rows = rows.to(k.device)
+                k, v = k.index_copy(0, rows, k_new), v.index_copy(0, rows, v_new)
+        self._text[key] = (context, k, v)
+        return k, v
+
+
+def text_kv(step, key, context: torch.Tensor, project) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A cross-attention layer's ``(k, v)``: ``project(context)``, memoised per prompt in the
+    cache of ``step`` when it is a ``CacheStep`` (the layer's attention mask in a generation call;
+    ``KVCache.text_kv``), computed afresh otherwise (training, no cache)."""
+    if isinstance(step, CacheStep):
+        return step.cache.text_kv(key, context, project)
+    return project(context)
 
 
 class CacheStep:

@@ -99,6 +99,12 @@ def _setup(rule, nb: int, S: int, groups):
     return rule, N, rank, slice(rank * s, (rank + 1) * s)
 
 
+def _appended(last_input: Tensor, clean: Tensor) -> Tensor:
+    """The tokens of a finished block whose keys / values enter the cache: the clean ones (not the
+    last noisy input). The tests replace it to prove that a stale cache is caught."""
+    return clean
+
+
 def stream_autoregressive(
     block_model: BlockModel,
     noise_block: Callable[[int], Tensor],
@@ -114,7 +120,6 @@ def stream_autoregressive(
     shift: float = 1.0,
     rule: Optional[WindowRule] = None,
     switches: Sequence[Tuple[int, Any]] = (),
-    stale_cache: bool = False,
     progress: bool = False,
 ) -> Iterator[Tuple[int, Tensor, KVCache]]:
     """Yield ``(j, block j's clean tokens [b, nb*S, C] (every rank), cache)`` for each block.
@@ -123,8 +128,8 @@ def stream_autoregressive(
     (each rank keeps its contiguous share). ``cond`` / ``null_cond``: the family's condition
     (classifier-free guidance with ``guidance_scale``: positive and negative caches, one batch
     ``[cond; null]``). ``switches``: ``(frame, cond)`` pairs, at a block boundary the prompt
-    changes and the kept frames are re-encoded under it. ``stale_cache`` appends the last noisy
-    input's keys / values instead of the clean ones (a deliberate defect for the tests).
+    changes and the kept frames are re-encoded under it; the text's cross-attention keys / values
+    are projected once per prompt (``KVCache.text_kv``, kept across switches row by row).
     Collective over ``groups`` (None: one process).
     """
     nb, S = frames_per_block, tokens_per_frame
@@ -164,7 +169,7 @@ def stream_autoregressive(
             last_input = x
             x = x + (ts[i + 1] - ts[i]) * run(x, ts[i], cond, step, j)
         if j + 1 < num_blocks:  # the finished block's clean keys / values
-            append(last_input if stale_cache else x, cond, j)
+            append(_appended(last_input, x), cond, j)
         done[j] = x
         full = x if N == 1 else comm.all_gather_cat(x, groups.cp_group, dim=1, tag="stream.block")
         bar.update(1)

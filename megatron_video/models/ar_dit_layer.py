@@ -78,7 +78,7 @@ class ARDiTLayer(DiTLayerBase):
                 x,
                 self.pre_cross_attn_layernorm,
                 lambda y: self.cross_attention(
-                    y.transpose(0, 1), ctx, context_mask, text_mask
+                    y.transpose(0, 1), ctx, context_mask, text_mask, params.attention_mask
                 ).transpose(0, 1),
             )
         x = branch(2, x, self.pre_mlp_layernorm, self._mlp)

@@ -38,6 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_video.attention import local_attention
+from megatron_video.attention.kv_cache import text_kv
 from megatron_video.attention.megatron import DistAttention2D
 
 __all__ = [
@@ -421,16 +422,24 @@ class DiTCrossAttention(MegatronModule):
         )
         _head_norms_and_projection(self, submodules, config, H, hd)
 
+    def _kv(self, context: torch.Tensor):
+        kv, _ = self.linear_kv(context)
+        kv = kv.view(*context.shape[:-1], self.kv_heads, 2, self.head_dim)
+        return self.k_layernorm(kv[..., 0, :]), kv[..., 1, :]
+
     def forward(
         self,
         x: torch.Tensor,
         context: torch.Tensor,
         context_mask: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        step=None,
     ) -> torch.Tensor:
         """``x [b, s, D]``, ``context [b, L, D_c]``, ``context_mask [b, L]`` (True = real text
         token); ``attention_mask`` (optional) a bool ``[b|1, 1, s, L]`` query x text mask (a
-        packed micro-batch: each clip attends its own caption), ANDed with ``context_mask``."""
+        packed micro-batch: each clip attends its own caption), ANDed with ``context_mask``.
+        ``step``: the layer's self-attention mask; a ``CacheStep`` (generation) memoises the
+        text's keys / values per prompt (``attention.kv_cache.text_kv``)."""
         if context.shape[0] != x.shape[0]:
             raise ValueError(
                 f"context batch ({context.shape[0]}) must equal the video batch "
@@ -438,9 +447,7 @@ class DiTCrossAttention(MegatronModule):
             )
         q, _ = self.linear_q(x)
         q = self.q_layernorm(q.view(*x.shape[:-1], self.heads, self.head_dim))
-        kv, _ = self.linear_kv(context)
-        kv = kv.view(*context.shape[:-1], self.kv_heads, 2, self.head_dim)
-        k, v = self.k_layernorm(kv[..., 0, :]), kv[..., 1, :]
+        k, v = text_kv(step, self, context, self._kv)
         mask = None
         if context_mask is not None:
             if tuple(context_mask.shape) != tuple(context.shape[:2]):

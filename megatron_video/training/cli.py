@@ -205,6 +205,12 @@ def _add_generate(sub) -> None:
         help="latent frames attended before a block (default: the trained length less a block)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--text-encoder", default=None, help="wan_ar: local UMT5 / T5 folder (encoder + tokenizer)"
+    )
+    g.add_argument(
+        "--vae", default=None, help="wan_ar: local AutoencoderKLWan folder (default vae.diffusers)"
+    )
     g.add_argument("--cpu", action="store_true", help=CPU_HELP)
 
 
@@ -424,6 +430,8 @@ def _generate(args) -> int:
             sink=args.sink,
             window=args.window,
             seed=args.seed,
+            text_encoder=args.text_encoder,
+            vae=args.vae,
         )
     finally:
         destroy_video_parallel()

@@ -309,45 +309,50 @@ def read_checkpoint_config(checkpoint) -> Tuple[Config, Path, int]:
     return config_from_dict(json.loads(f.read_text())), folder, step
 
 
+def _project_decoder(config: Config):
+    """``decode(latents [B, z, F, h, w]) -> video`` of the project's VAE (``ar_dit``)."""
+    from .vae_stage import ensure_vae, load_vae
+
+    vae, scale = load_vae(ensure_vae(config, progress=False), config)
+
+    def decode(latents):
+        with torch.no_grad():
+            dt = next(vae.parameters()).dtype
+            return vae.decode((latents / scale).to(dt)).clamp(-1.0, 1.0)
+
+    return decode
+
+
 class _VideoSink:
     """The logging rank's output: each finished block VAE-decoded (given all latents before it:
     the causal decoder's frames depend on them) and appended to an mp4 (libx264); a GIF at the
-    end. ``add(j, block tokens)``; ``close() -> (mp4, gif, frames written)``."""
+    end. ``decode(latents [1, z, F, h, w]) -> video [1, 3, T, H, W]`` in ``[-1, 1]``.
+    ``add(j, block tokens)``; ``close() -> (mp4, gif, frames written, tokens)``."""
 
-    def __init__(self, output: str, config: Config, vae, scale: float, prompt: str, fps: int = 8):
+    def __init__(self, output: str, config: Config, decode, prompt: str, fps: int = 8):
         import av
 
-        self.out, self.config, self.vae, self.scale, self.prompt = (
-            Path(output),
-            config,
-            vae,
-            scale,
-            prompt,
-        )
+        self.out, self.config, self.decode, self.prompt = Path(output), config, decode, prompt
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tokens, self.frames = [], []
         self._c = av.open(str(self.out.with_suffix(".mp4")), "w")
         self._st = self._c.add_stream("libx264", rate=fps)
-        self._st.width, self._st.height = config.data.width, config.data.height
         self._st.pix_fmt = "yuv420p"
 
     def add(self, j: int, block: torch.Tensor) -> None:
         import av
 
-        from megatron_video.diffusion.cp_sampling import decode_tokens
+        from megatron_video.models.embedders import unpatchify
 
         c, nb = self.config, self.config.model.frames_per_block
         _, Hp, Wp = token_grid_of(c)
         self.tokens.append(block.cpu())
-        video = decode_tokens(
-            self.vae,
-            torch.cat(self.tokens, dim=1),
-            tuple(c.model.patch_size),
-            ((j + 1) * nb, Hp, Wp),
-            c.vae.latent_channels,
-            self.scale,
-        )[0]
+        grid = ((j + 1) * nb, Hp, Wp)
+        patch, z = tuple(c.model.patch_size), c.vae.latent_channels
+        video = self.decode(unpatchify(torch.cat(self.tokens, dim=1), patch, grid, z))[0]
         video = video[:, 0 if j == 0 else 1 + TEMPORAL_STRIDE * (j * nb - 1) :]
+        if j == 0:
+            self._st.height, self._st.width = video.shape[-2:]
         v = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         for t in range(v.shape[1]):
             self.frames.append(video[:, t])
@@ -364,7 +369,10 @@ class _VideoSink:
         gif = self.out.with_suffix(".gif")
         write_gif(gif, [torch.stack(self.frames, dim=1)], labels=[self.prompt])
         return dict(
-            mp4=str(self.out.with_suffix(".mp4")), gif=str(gif), written_frames=len(self.frames)
+            mp4=str(self.out.with_suffix(".mp4")),
+            gif=str(gif),
+            written_frames=len(self.frames),
+            tokens=torch.cat(self.tokens, dim=1),
         )
 
 
@@ -375,11 +383,6 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
             f"model.family ({config.model.family!r}) is not autoregressive: `megatron-video "
             f"generate` streams the AR families (ar_dit, wan_ar); T2V families sample with "
             f"train.sample"
-        )
-    if not family.needs_vae:
-        raise ValueError(
-            f"--checkpoint: model.family ({config.model.family!r}) decodes with the Wan VAE, "
-            f"which `generate` does not load yet (stream it with Generator.ar_blocks)"
         )
     if image is not None:
         raise ValueError(
@@ -411,29 +414,43 @@ def generate(
     sink: int = 0,
     window: Optional[int] = None,
     seed: int = 0,
+    text_encoder: Optional[str] = None,
+    vae: Optional[str] = None,
     log=print,
 ) -> dict:
     """Stream ``frames`` raw frames of ``prompt`` from the newest checkpoint under ``checkpoint``
     (``switches``: ``(raw frame, prompt)`` pairs) into ``output``.mp4 / .gif. Collective over the
     initialised process group: CP over all its ranks (Ulysses over the heads that divide, ring for
-    the rest; a world of one: a single process). Returns the paths, frames and per-block times."""
+    the rest; a world of one: a single process). The Wan families read ``text_encoder`` (a local
+    UMT5 / T5 folder) and ``vae`` (a local ``AutoencoderKLWan`` folder; default the checkpoint's
+    ``vae.diffusers``). Returns the paths, frames, per-block times and (logging rank) the
+    generated ``tokens [1, F*h*w, C]``."""
     import torch.distributed as dist
 
     from megatron_video.compat import ensure_cpu_mode
 
     from .families import get_family
-    from .vae_stage import ensure_vae, load_vae
+    from .generation_wan import wan_folders, wan_text_conditions, wan_vae_decoder
 
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
     F, lat_switches = _check_request(config, family, frames, switches, image)
+    prompts = [prompt] + [p for _, p in lat_switches]
+    if family.needs_vae:
+        conds = [caption_conditions(config, [p], "cpu")[0] for p in prompts]
+        null = caption_conditions(config, [prompt], "cpu")[1]
+    else:  # the Wan families: their text encoder and VAE, checked before the model is built
+        text_encoder, vae = wan_folders(config, text_encoder, vae)
+        conds, null = wan_text_conditions(text_encoder, config, prompts, "cpu")
+        decode = wan_vae_decoder(vae, config)
     if not torch.cuda.is_available():
         ensure_cpu_mode()
     model, groups = _load_model(config, folder, step)
-    vae, scale = load_vae(ensure_vae(config, progress=False), config)
+    if family.needs_vae:
+        decode = _project_decoder(config)
     dev = next(model.parameters()).device
-    cond, null = caption_conditions(config, [prompt], dev)
-    switch_conds = [(f, caption_conditions(config, [p], dev)[0]) for f, p in lat_switches]
+    conds, null = [tuple(t.to(dev) for t in c) for c in conds], tuple(t.to(dev) for t in null)
+    cond, switch_conds = conds[0], [(f, c) for (f, _), c in zip(lat_switches, conds[1:])]
     nb = config.model.frames_per_block
     _, Hp, Wp = token_grid_of(config)
     C = config.vae.latent_channels * int(torch.tensor(config.model.patch_size).prod())
@@ -442,7 +459,7 @@ def generate(
         g = sample_generator(seed, 10**9 + 1, j)
         return torch.randn(1, nb * Hp * Wp, C, generator=g).to(dev)
 
-    writer = _VideoSink(output, config, vae, scale, prompt) if dist.get_rank() == 0 else None
+    writer = _VideoSink(output, config, decode, prompt) if dist.get_rank() == 0 else None
     blocks = Generator(model, config, family, groups).ar_blocks(
         cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds
     )

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -17,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_video.attention.kv_cache import text_kv
 from megatron_video.models.dit_blocks import attend, linear_out, parallel_linear, tp_world_size
 from megatron_video.models.dit_layer import DiTLayerBase, DiTParams
 from megatron_video.models.wan.config import IMAGE_CONTEXT_TEXT_TOKENS, island_dtype
@@ -311,9 +313,11 @@ class WanCrossAttention(MegatronModule):
         kv = _linear(linear, ctx).view(b, L, h, 2, d)
         return norm(kv[..., 0, :].reshape(b, L, h * d)).view(b, L, h, d), kv[..., 1, :]
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask=None, step=None):
         """``mask`` (optional): bool ``[b|1, 1, s, L]`` query x context mask (a packed
-        micro-batch: each clip attends its own text); not with the I2V image branch."""
+        micro-batch: each clip attends its own text); not with the I2V image branch. ``step``:
+        the layer's attention mask; a ``CacheStep`` (generation) memoises the context's keys /
+        values per prompt (``attention.kv_cache.text_kv``)."""
         b, s, _ = x.shape
         h, d = self.heads, self.head_dim
         if context.shape[0] != b:
@@ -334,10 +338,11 @@ class WanCrossAttention(MegatronModule):
                     f"(diffusers' Wan I2V)"
                 )
             img, context = context[:, :n], context[:, n:]
-        k, v = self._kv(self.linear_kv, self.k_layernorm, context)
+        k, v = text_kv(step, self, context, partial(self._kv, self.linear_kv, self.k_layernorm))
         o = attend(q, k, v, mask)
         if self.image_branch:
-            k_img, v_img = self._kv(self.linear_kv_img, self.k_img_layernorm, img)
+            project = partial(self._kv, self.linear_kv_img, self.k_img_layernorm)
+            k_img, v_img = text_kv(step, (self, "image"), img, project)
             o = o + attend(q, k_img, v_img)
         return _linear(self.linear_proj, o.reshape(b, s, h * d))
 
@@ -396,7 +401,7 @@ class WanLayer(DiTLayerBase):
         a = self.self_attention(y, cos, sin, params.attention_mask, **extra)
         x = (x.to(cd) + a * gate).to(dt)
         y = self.pre_cross_attn_layernorm(x.to(cd)).to(dt)
-        x = x + self.cross_attention(y, context.transpose(0, 1), text_mask)
+        x = x + self.cross_attention(y, context.transpose(0, 1), text_mask, params.attention_mask)
         y = (self.pre_mlp_layernorm(x.to(cd)) * (1 + c_scale) + c_shift).to(dt)
         x = (x.to(cd) + self._mlp(y).to(cd) * c_gate).to(dt)
         return x.transpose(0, 1).contiguous(), context

@@ -1,0 +1,104 @@
+"""``megatron-video generate`` on a ``wan_ar`` checkpoint: a tiny model trained one step on the
+4-rank pool (CP 2: Ulysses 2), a tiny random UMT5 (``--text-encoder``) and Wan VAE (the
+checkpoint's ``vae.diffusers``) saved here. The command, run in this process (CP 1), writes an mp4
+of the asked frames (longer than the trained 13), its latents equal the in-process streaming
+generator (``Generator.ar_blocks`` on the trainer's model, CP 2) for the same seed and prompts, and
+a missing or wrong folder is a ValueError naming ``--text-encoder`` / ``--vae``."""
+
+from __future__ import annotations
+
+import torch
+
+PROMPTS = ("a red cat on the moon", "a blue dog runs")
+FRAMES, SWITCH, SEED = 21, 13, 3  # 6 latent frames (blocks of 1); the second prompt from frame 13
+
+
+def _train_and_stream(tmp):
+    """Train 1 step, save; then stream the generate request in-process with the trainer's model."""
+    import warnings
+
+    from megatron_video.testing.wan import tiny_wan_config
+    from megatron_video.training.batches.fixed import sample_generator
+    from megatron_video.training.config import token_grid_of
+    from megatron_video.training.generation import trainer_generator
+    from megatron_video.training.generation_wan import wan_text_conditions
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = _config(tmp, tiny_wan_config)
+    t = Trainer(cfg, progress=False)
+    try:
+        t.run()
+        (cond, second), null = wan_text_conditions(f"{tmp}/umt5", cfg, PROMPTS, t.device)
+        _, Hp, Wp = token_grid_of(cfg)
+        C = cfg.vae.latent_channels * 4
+
+        def noise_block(j):  # what generate draws
+            return torch.randn(1, Hp * Wp, C, generator=sample_generator(SEED, 10**9 + 1, j))
+
+        t.ddp.eval()
+        with torch.no_grad():
+            blocks = trainer_generator(t).ar_blocks(
+                cond, null, noise_block, 6, switches=[(1 + (SWITCH - 1) // 4, second)]
+            )
+            return torch.cat([b for _, b, _ in blocks], dim=1)
+    finally:
+        t.close()
+
+
+def _config(tmp, tiny_wan_config):
+    cfg = tiny_wan_config("wan_ar", tmp, f"{tmp}/shards", context_parallel_size=2, ulysses_size=2)
+    cfg.train.steps, cfg.train.sample, cfg.train.save = 1, False, True
+    cfg.diffusion.sample_steps, cfg.diffusion.guidance_scale = 2, 2.0
+    cfg.vae.diffusers = f"{tmp}/vae"
+    return cfg
+
+
+def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
+    import contextlib
+    import io
+
+    import av
+
+    from megatron_video.testing.wan import (
+        save_tiny_umt5,
+        save_tiny_wan_vae,
+        tiny_wan_config,
+        write_random_latent_shards,
+    )
+    from megatron_video.training import generation
+    from megatron_video.training.cli import main
+
+    save_tiny_wan_vae(tmp_path / "vae")
+    save_tiny_umt5(tmp_path / "umt5", PROMPTS)
+    write_random_latent_shards(_config(tmp_path, tiny_wan_config), tmp_path / "shards")
+    ref = pool4.run(_train_and_stream, str(tmp_path), ranks_per_node=2)[0]
+
+    results = []
+    real = generation.generate
+    monkeypatch.setattr(
+        generation, "generate", lambda *a, **k: results.append(real(*a, **k)) or results[-1]
+    )
+    out = tmp_path / "gen" / "video"
+    argv = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", PROMPTS[0]]
+    argv += ["--frames", str(FRAMES), "--switch", f"{SWITCH}:{PROMPTS[1]}", "--seed", str(SEED)]
+    argv += ["--text-encoder", str(tmp_path / "umt5"), "--output", str(out), "--cpu"]
+    assert main(argv) == 0
+    with av.open(str(out.with_suffix(".mp4"))) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == FRAMES and frames[0].shape == (32, 48, 3)
+    assert out.with_suffix(".gif").is_file()
+    got = results[0]["tokens"]
+    err = float((got - ref).abs().max())
+    print(f"generate vs in-process streaming (CP 1 vs CP 2, fp32): max |diff| {err:.2e}")
+    assert got.shape == ref.shape == (1, 6 * 2 * 3, 16) and err <= 1e-4, err
+
+    i = argv.index("--text-encoder")  # bad input: named, before the model is built
+    for option, bad in {
+        "--text-encoder": argv[:i] + argv[i + 2 :],
+        "--vae": argv + ["--vae", str(tmp_path / "nowhere")],
+    }.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert main(bad) == 2, option
+        assert option in err.getvalue(), (option, err.getvalue())
