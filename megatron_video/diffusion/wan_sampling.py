@@ -1,7 +1,9 @@
 """Wan through the context-parallel sampler (``diffusion.cp_sampling``): ``sample_wan`` partitions
 the full noise with Wan's layout (a contiguous token cut per CP rank, as ``diffusers_forward``),
 integrates the flow on each rank's shard with the model as the velocity, and gathers. It equals
-single-process sampling with the same noise (tests/test_wan_io.py)."""
+single-process sampling with the same noise (tests/test_wan_io.py). ``image`` (TI2V, Wan 2.2's
+``expand_timesteps`` convention): the first latent frame is held at the image's latent with
+timestep 0 at every step (tests/test_wan_ti2v.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from typing import Optional
 import torch
 
 from megatron_video.diffusion import cp_sampling as cps
+from megatron_video.diffusion.ti2v import check_first_frame_patch
 from megatron_video.models.embedders import patchify, unpatchify
 from megatron_video.models.wan.interop import _check_inputs, _cp_group
 from megatron_video.models.wan.model import WanModel
 
-__all__ = ["sample_wan", "wan_velocity", "TIMESTEP_SCALE"]
+__all__ = ["sample_wan", "wan_velocity", "first_frame_velocity", "TIMESTEP_SCALE"]
 
 TIMESTEP_SCALE = 1000.0  # Wan's timestep is t * num_train_timesteps (1000), t in [0, 1]
 
@@ -28,9 +31,9 @@ def _proj_out_to_patchify(tokens: torch.Tensor, patch, channels: int) -> torch.T
 
 
 def wan_velocity(model: WanModel, geometry):
-    """``velocity(x_local, t [b] in [0, 1], cond)`` of the samplers on patch tokens (patchify
-    order in and out): ``cond`` is ``(text,)`` or ``(text, image)``; Wan predicts the flow
-    velocity ``noise - x0`` (diffusers' convention)."""
+    """``velocity(x_local, t [b] (or per token [b, s_local]) in [0, 1], cond)`` of the samplers on
+    patch tokens (patchify order in and out): ``cond`` is ``(text,)`` or ``(text, image)``; Wan
+    predicts the flow velocity ``noise - x0`` (diffusers' convention)."""
     cfg = model.config
     if cfg.out_channels != cfg.in_channels:
         raise ValueError(
@@ -46,12 +49,41 @@ def wan_velocity(model: WanModel, geometry):
     return velocity
 
 
+def first_frame_velocity(velocity, image_tokens: torch.Tensor, first: torch.Tensor):
+    """``velocity`` with the tokens ``first [s]`` of latent frame 0 held at ``image_tokens [b, s,
+    D]`` (their input: the image; their timestep: 0; their velocity: 0, so Euler keeps them), as
+    diffusers' ``WanImageToVideoPipeline`` with ``expand_timesteps=True``. The batch of ``x`` may
+    be a multiple of ``image_tokens``' (classifier-free guidance runs ``[x; x]``)."""
+    mask = first.to(image_tokens.device)[None, :, None]
+
+    def held(x, t, cond):
+        img = image_tokens.repeat(x.shape[0] // image_tokens.shape[0], 1, 1)
+        x = torch.where(mask, img.to(x.dtype), x)
+        t_tok = torch.where(mask[..., 0], torch.zeros_like(t)[:, None], t[:, None])
+        return torch.where(mask, torch.zeros_like(x), velocity(x, t_tok, cond))
+
+    return held
+
+
+def _check_image(image: torch.Tensor, noise: torch.Tensor, patch) -> None:
+    want = (noise.shape[0], noise.shape[1], 1, noise.shape[3], noise.shape[4])
+    if not isinstance(image, torch.Tensor) or tuple(image.shape) != want:
+        got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise ValueError(
+            f"image ({got}) must be the first frame's latent [B, C, 1, H, W] = {list(want)} "
+            f"(the VAE-encoded, normalised image, as diffusers' latent_condition; noise "
+            f"{list(noise.shape)})"
+        )
+    check_first_frame_patch(patch, "the model's patch_size")
+
+
 def sample_wan(
     model: WanModel,
     noise: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     encoder_hidden_states_image: Optional[torch.Tensor] = None,
     *,
+    image: Optional[torch.Tensor] = None,
     negative_encoder_hidden_states: Optional[torch.Tensor] = None,
     guidance_scale: float = 1.0,
     num_steps: int = 50,
@@ -62,8 +94,15 @@ def sample_wan(
     CP layout. ``noise [B, C, F, H, W]`` and the text (and image) embeddings are the full tensors,
     identical on every rank (collective); the full latents ``[B, C, F, H, W]`` come back on every
     rank. ``negative_encoder_hidden_states`` with ``guidance_scale != 1``: classifier-free
-    guidance (the image condition is kept for the negative pass, as diffusers' I2V)."""
+    guidance (the image condition is kept for the negative pass, as diffusers' I2V).
+
+    ``image [B, C, 1, H, W]`` (TI2V, Wan 2.2): the first frame's LATENT -- the image encoded by the
+    Wan VAE and normalised, ``(z - latents_mean) / latents_std`` (diffusers' ``latent_condition``);
+    the first latent frame is that latent at every step, with timestep 0 (``first_frame_velocity``),
+    and in the result. ``encoder_hidden_states_image`` is Wan 2.1 I2V's CLIP embedding instead."""
     b = noise.shape[0]
+    if image is not None:  # before _check_inputs' collective
+        _check_image(image, noise, model.config.patch_size)
     zero_t = torch.zeros(b, dtype=noise.dtype, device=noise.device)
     geometry = _check_inputs(
         model, noise, zero_t, encoder_hidden_states, encoder_hidden_states_image
@@ -72,14 +111,22 @@ def sample_wan(
     P, rank = model.cp()
     s = geometry.tokens // P
     local_ids = torch.arange(rank * s, (rank + 1) * s)
-    image = () if encoder_hidden_states_image is None else (encoder_hidden_states_image,)
-    cond = (encoder_hidden_states,) + image
+    clip_image = () if encoder_hidden_states_image is None else (encoder_hidden_states_image,)
+    cond = (encoder_hidden_states,) + clip_image
     null = None
     if negative_encoder_hidden_states is not None:
-        null = (negative_encoder_hidden_states,) + image
+        null = (negative_encoder_hidden_states,) + clip_image
+    velocity = wan_velocity(model, geometry)
+    x = cps.partition_tokens(patchify(noise, cfg.patch_size), local_ids)
+    if image is not None:
+        first = local_ids < geometry.positions
+        full = torch.cat([image, noise[:, :, 1:]], dim=2).to(noise.dtype)
+        image_tokens = cps.partition_tokens(patchify(full, cfg.patch_size), local_ids)
+        velocity = first_frame_velocity(velocity, image_tokens, first)
+        x = torch.where(first.to(x.device)[None, :, None], image_tokens, x)
     out = cps.sample_flow(
-        wan_velocity(model, geometry),
-        cps.partition_tokens(patchify(noise, cfg.patch_size), local_ids),
+        velocity,
+        x,
         cond,
         null_cond=null,
         guidance_scale=guidance_scale,

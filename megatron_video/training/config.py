@@ -192,9 +192,17 @@ class DataSection:
     # strides come from model.patch_size and the VAE); read by `megatron-video buckets`,
     # `precompute` and, with data.source shards or energon, training (packed micro-batches)
     buckets: Optional[dict] = None
+    # wan / wan_ar: the share of samples trained as I2V (first latent frame = the clean image,
+    # timestep 0, no loss; Wan 2.2 TI2V); null: training/ti2v.py's default
+    i2v_probability: Optional[float] = None
 
     def validate(self) -> None:
         d = self
+        p = d.i2v_probability
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1
+        ):
+            raise ValueError(f"data.i2v_probability ({p!r}) must be a number in [0, 1] (or null)")
         if d.buckets is not None:
             derived = (
                 sorted(set(d.buckets) & set(BUCKET_DERIVED)) if isinstance(d.buckets, dict) else []
@@ -606,19 +614,20 @@ def _model_fits_parallel(config: Config) -> None:
         )
 
 
-# model fields only some families read (FamilySpec.model_fields): refused where unread
-FAMILY_MODEL_FIELDS = ("init_from", "per_token_timesteps")
+# fields only some families read (FamilySpec.model_fields names them): refused where unread
+FAMILY_MODEL_FIELDS = ("init_from", "per_token_timesteps", "data.i2v_probability")
 
 
 def _family_fields(config: Config, family) -> None:
-    default = ModelSection()
     for name in FAMILY_MODEL_FIELDS:
-        value = getattr(config.model, name)
-        if value != getattr(default, name) and name not in family.model_fields:
+        section, key = name.split(".") if "." in name else ("model", name)
+        value = getattr(getattr(config, section), key)
+        default = getattr(getattr(Config(), section), key)
+        if value != default and name not in family.model_fields:
             raise ValueError(
-                f"model.{name} ({value!r}) is not a field of model.family "
+                f"{section}.{key} ({value!r}) is not a field of model.family "
                 f"{config.model.family!r} (it does not read it); leave it at "
-                f"{getattr(default, name)!r}"
+                f"{default!r}"
             )
 
 

@@ -21,6 +21,12 @@ from megatron_video.diffusion.edm import (
 )
 from megatron_video.diffusion.flow_matching import fm_interpolate, fm_target
 from megatron_video.diffusion.teacher_forcing import TeacherForcingObjective
+from megatron_video.diffusion.ti2v import (
+    check_first_frame_patch,
+    condition,
+    condition_inputs,
+    condition_loss_tokens,
+)
 from megatron_video.layouts.stdit import VideoGeometry
 
 from .batches.fixed import MicroBatch
@@ -159,37 +165,77 @@ def wan_to_patchify_order(output: Tensor, patch, channels: int) -> Tensor:
 
 
 class WanFlowObjective(FlowObjective):
-    """Wan T2V: ``FlowObjective`` (``x_t = (1 - t) x0 + t eps``, velocity ``eps - x0``, t drawn
-    shifted by ``diffusion.flow_shift`` in ``batches.fixed.FixedBatchMaker``) with Wan's interface: timestep
-    ``1000 t`` (per token when ``per_token``, Wan 2.2 TI2V), the text from ``wan_text``."""
+    """Wan T2V / TI2V: ``FlowObjective`` (``x_t = (1 - t) x0 + t eps``, velocity ``eps - x0``, t
+    drawn shifted by ``diffusion.flow_shift`` in ``batches.fixed.FixedBatchMaker``) with Wan's
+    interface: timestep ``1000 t`` (per token when ``per_token``, Wan 2.2 TI2V), the text from
+    ``wan_text``. ``i2v``: the micro-batch's I2V samples (``mb.i2v``) are conditioned on their
+    first latent frame (``diffusion.ti2v``: clean, timestep 0, no loss; per-token timesteps);
+    ``cp_rank`` places this rank's contiguous token share."""
 
-    def __init__(self, geometry: VideoGeometry, patch, channels: int, per_token: bool, cp: int):
+    def __init__(
+        self,
+        geometry: VideoGeometry,
+        patch,
+        channels: int,
+        per_token: bool,
+        cp: int,
+        cp_rank: int = 0,
+        i2v: bool = False,
+    ):
         super().__init__(geometry)
         self.patch, self.channels, self.per_token = tuple(patch), channels, per_token
         self.s_local = geometry.tokens // cp
+        self.first = None  # [s_local] bool: this rank's tokens of latent frame 0 (I2V)
+        if i2v:
+            check_first_frame_patch(self.patch)
+            ids = torch.arange(cp_rank * self.s_local, (cp_rank + 1) * self.s_local)
+            self.first = ids < geometry.positions
+
+    def _cond(self, mb: MicroBatch):
+        return None if self.first is None else condition(mb.i2v, self.first)
 
     def model_call(self, mb: MicroBatch, first_stage: bool) -> Tuple[tuple, dict]:
         (tokens, t, *_), _ = super().model_call(mb, first_stage)
         t = WAN_NUM_TIMESTEPS * t
-        if self.per_token:
+        if self.per_token or self.first is not None:
             t = t[:, None].expand(-1, self.s_local).contiguous()
+            tokens, t = condition_inputs(self._cond(mb), tokens, mb.clean, t)
         return (tokens, t, wan_text(mb), self.geometry), {}
 
     def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
-        return super().loss(wan_to_patchify_order(output, self.patch, self.channels), mb)
+        output = wan_to_patchify_order(output, self.patch, self.channels)
+        if self.first is None:
+            return super().loss(output, mb)
+        target = fm_target(mb.clean, mb.noise)
+        per_element = (output.to(_acc(target)) - target.to(_acc(target))) ** 2
+        n = condition_loss_tokens(mb.i2v, self.tokens_per_sample, self.geometry.positions)
+        return reduce_token_loss(per_element, ~self._cond(mb).to(output.device), n)
 
 
 class WanTeacherForcing(TeacherForcing):
     """``wan_ar``: ``TeacherForcing`` (``[clean_r ; noisy_r]`` on the Balanced SP layout,
     per-block timesteps, the teacher-forcing mask) with Wan's interface: per-token timestep
-    ``1000 t``, RoPE ids from the layout's frame positions, the mask to the 2D attention."""
+    ``1000 t``, RoPE ids from the layout's frame positions, the mask to the 2D attention.
+    ``i2v``: in the I2V samples the noisy copy of latent frame 0 (on the rank the layout gives
+    it) is the clean latent with timestep 0 and no loss (``diffusion.ti2v``)."""
 
-    def __init__(self, layout, groups, geometry: VideoGeometry, patch, channels: int):
+    def __init__(self, layout, groups, geometry: VideoGeometry, patch, channels: int, i2v=False):
         super().__init__(layout, groups, geometry)
         self.patch, self.channels = tuple(patch), channels
+        self.first = None  # [L] bool: the noisy copy's tokens of latent frame 0 (I2V)
+        if i2v:
+            check_first_frame_patch(self.patch)
+            self.first = self.tf.frame_positions == 0
+            self.first[: self.half] = False  # the clean copy: timestep 0, no loss already
+
+    def _cond(self, mb: MicroBatch):
+        return None if self.first is None else condition(mb.i2v, self.first)
 
     def model_call(self, mb: MicroBatch, first_stage: bool) -> Tuple[tuple, dict]:
         (x, t), kw = super().model_call(mb, first_stage)
+        if self.first is not None:
+            clean = None if x is None else torch.cat([mb.clean, mb.clean], dim=1)
+            x, t = condition_inputs(self._cond(mb), x, clean, t)
         g = self.geometry
         positions = kw["frame_positions"] * g.positions + kw["token_ids"] % g.positions
         return (x, WAN_NUM_TIMESTEPS * t, wan_text(mb), g), dict(
@@ -197,7 +243,16 @@ class WanTeacherForcing(TeacherForcing):
         )
 
     def loss(self, output: Tensor, mb: MicroBatch) -> Tensor:
-        return super().loss(wan_to_patchify_order(output, self.patch, self.channels), mb)
+        output = wan_to_patchify_order(output, self.patch, self.channels)
+        if self.first is None:
+            return super().loss(output, mb)
+        target = fm_target(mb.clean, mb.noise)
+        acc = _acc(target)
+        per_element = (output[:, self.half :].to(acc) - target.to(acc)) ** 2
+        keep = ~self._cond(mb)[:, self.half :].to(output.device)
+        L = self.layout
+        n = condition_loss_tokens(mb.i2v, L.num_loss_tokens, L.tokens_per_frame)
+        return reduce_token_loss(per_element, keep, n)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.models.embedders import patchify
 
 from ..config import Config
+from ..ti2v import i2v_probability_of
 from .protocol import LedgerSteps, RankCoords
 
 __all__ = ["MicroBatch", "FixedBatchMaker", "sample_generator", "clip_draws", "rank_token_ids"]
@@ -41,9 +42,10 @@ def sample_generator(*key: int) -> torch.Generator:
 
 
 def clip_draws(config: Config, step: int, index: int, tokens: int, channels: int, blocks: int):
-    """``(noise [tokens, channels], sigma [1], t, drop)`` of clip ``index`` at ``step``: ``t`` is
-    ``[blocks]`` per AR block (``blocks`` > 0) or ``[1]`` per clip. The one place both makers draw
-    them, so fixed and packed batches of a clip agree."""
+    """``(noise [tokens, channels], sigma [1], t, drop, i2v)`` of clip ``index`` at ``step``:
+    ``t`` is ``[blocks]`` per AR block (``blocks`` > 0) or ``[1]`` per clip; ``i2v`` (drawn last,
+    so the others do not depend on it) with ``ti2v.i2v_probability_of``. The one place both
+    makers draw them, so fixed and packed batches of a clip agree."""
     d = config.diffusion
     g = sample_generator(config.train.seed, step, index)
     noise = torch.randn(tokens, channels, generator=g)
@@ -53,7 +55,8 @@ def clip_draws(config: Config, step: int, index: int, tokens: int, channels: int
     t = sample_timesteps((1, blocks) if blocks else (1,), generator=g, **flow)
     t = t[0] if blocks else t
     drop = bool(torch.rand(1, generator=g) < d.cfg_dropout)
-    return noise, sigma, t, drop
+    i2v = bool(torch.rand(1, generator=g) < i2v_probability_of(config))
+    return noise, sigma, t, drop, i2v
 
 
 def rank_token_ids(
@@ -79,6 +82,7 @@ class MicroBatch:
     noise: Optional[torch.Tensor]  # like clean
     sigma: Optional[torch.Tensor]  # [b] (EDM)
     t: Optional[torch.Tensor]  # [b] (flow, full-sequence models) or [b, blocks] (AR)
+    i2v: Optional[torch.Tensor] = None  # [b] bool: first latent frame = the clean image (TI2V)
 
 
 class FixedBatchMaker(LedgerSteps):
@@ -202,6 +206,7 @@ class FixedBatchMaker(LedgerSteps):
             noise=noise,
             sigma=torch.cat([d[1] for d in draws]),
             t=torch.stack([d[2] for d in draws]) if blocks else torch.cat([d[2] for d in draws]),
+            i2v=torch.tensor([d[4] for d in draws], dtype=torch.bool),
         )
 
     def _latents(self, keys: Sequence) -> torch.Tensor:

@@ -223,7 +223,7 @@ class PackedBatchMaker(LedgerSteps):
         else:  # a middle pipeline stage: no clip is read (its input is the previous stage's)
             clean = torch.zeros(n, C)
         tf = self.kind == "teacher_forcing"  # t: [blocks] per AR block, [1] per clip
-        noise, sigma, t, drop = clip_draws(cfg, step, self.index[key], n, C, nb if tf else 0)
+        noise, sigma, t, drop, _ = clip_draws(cfg, step, self.index[key], n, C, nb if tf else 0)
         return clean, noise, t, sigma, drop
 
     def _captions(self, keys: Sequence[Optional[str]]):

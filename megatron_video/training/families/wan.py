@@ -28,6 +28,7 @@ from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 from ..config import Config, token_grid_of
 from ..family_spec import register_family
 from ..objectives import PackedObjective, WanFlowObjective, WanTeacherForcing
+from ..ti2v import i2v_probability_of
 from .diffusion import DiffusionFamily, _check_ar_dit, _whole_frames_per_cp_rank
 
 __all__ = [
@@ -50,7 +51,7 @@ WAN_FIXED = dict(
     added_kv_proj_dim=None,
 )
 WAN_ROPE_THETA = 10000.0
-_FIELDS = ("init_from", "per_token_timesteps")
+_FIELDS = ("init_from", "per_token_timesteps", "data.i2v_probability")
 _UNUSED = ("lora_rank", "stdit_variant", "stdit_full_attention_layers", "num_query_groups")
 
 
@@ -230,6 +231,24 @@ def _check_common(config: Config, world_size: int) -> None:
         )
     if m.init_from is not None:
         _check_init_from(config)
+    _check_i2v(config)
+
+
+def _check_i2v(config: Config) -> None:
+    """First-frame (I2V) conditioning: whole first-frame tokens, fixed shapes."""
+    from megatron_video.diffusion.ti2v import check_first_frame_patch
+
+    p = i2v_probability_of(config)
+    if p == 0:
+        return
+    check_first_frame_patch(config.model.patch_size)
+    if config.data.buckets is not None:
+        given = config.data.i2v_probability
+        why = "" if given is not None else ", the default for Wan 2.2's 48-channel latents"
+        raise ValueError(
+            f"data.i2v_probability ({p}{why}) must be 0 with data.buckets: packed clips take "
+            f"no first-frame conditioning; set data.i2v_probability: 0"
+        )
 
 
 def _check_wan(config: Config, world_size: int) -> None:
@@ -321,10 +340,12 @@ class WanFamily(DiffusionFamily):
 
     def make_objective(self, config: Config, groups, sample):
         patch, z = config.model.patch_size, config.vae.latent_channels
+        i2v = i2v_probability_of(config) > 0
         if self.autoregressive:
-            return WanTeacherForcing(sample.layout, groups, sample.geometry, patch, z)
-        cp = 1 if groups is None else groups.cp_size
-        return WanFlowObjective(sample.geometry, patch, z, config.model.per_token_timesteps, cp)
+            return WanTeacherForcing(sample.layout, groups, sample.geometry, patch, z, i2v)
+        cp, rank = (1, 0) if groups is None else (groups.cp_size, groups.cp_rank)
+        per_token = config.model.per_token_timesteps
+        return WanFlowObjective(sample.geometry, patch, z, per_token, cp, rank, i2v)
 
     def make_packed_objective(self, config: Config):
         """``objectives.PackedObjective`` with Wan's interface (flow; teacher forcing for AR)."""
