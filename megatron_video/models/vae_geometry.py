@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .vae import SPATIAL_STRIDE, TEMPORAL_STRIDE
+
 __all__ = [
     "VAEGeometry",
     "project_vae_geometry",
@@ -40,8 +42,6 @@ class VAEGeometry:
 
 
 def project_vae_geometry(latent_channels: int) -> VAEGeometry:
-    from .vae import SPATIAL_STRIDE, TEMPORAL_STRIDE
-
     return VAEGeometry(3, TEMPORAL_STRIDE, SPATIAL_STRIDE, int(latent_channels))
 
 

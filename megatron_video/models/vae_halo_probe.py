@@ -17,6 +17,7 @@ from torch import nn
 
 from ..checks import check_nonneg_int, check_positive_int
 from ..layouts.vae_halo import halo_for_lookback, halo_window, num_raw_frames, temporal_lookback
+from .vae_geometry import module_geometry
 
 __all__ = [
     "Encoder",
@@ -207,8 +208,6 @@ def _as_float64(modules: Sequence[nn.Module]):
 
 def _geometry(encoder: Encoder):
     """The ``models.vae_geometry.VAEGeometry`` of the first module with a VAE config, or None."""
-    from .vae_geometry import module_geometry
-
     for m in _modules_of(encoder):
         for sub in m.modules():
             g = module_geometry(sub)
