@@ -374,3 +374,83 @@ def test_mixed_pipeline_parallel_runs(mixed_run, tmp_path):
     assert sorted(run["losses"]) == list(range(1, 7))
     assert all(math.isfinite(v) for v in run["losses"].values())
     assert [i for i, final, _ in run["evals"] if not final] == [3, 6]
+
+
+@real
+def test_mixed_resume_at_another_dp_size(mixed_run, tmp_path):
+    """Saved at DP 1 x CP 4 (U2 x R2), resumed at DP 2 x CP 2 (Ulysses 2) with the same global
+    batch after "losing" half the context-parallel group: the ledger replayed to iteration 3 picks
+    the same clips (which clips a step takes depends on the global batch, not the DP size), split
+    over two DP ranks; the logged losses (the mean over the step's micro-batches, summed by
+    Megatron over DP x CP) equal the uninterrupted DP 1 run's to float32 summation order."""
+    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
+    extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3", *dp2)
+    run = _run("mixed", tmp_path / "dp2", *mixed_run["six"], *mixed_run["extra"], *extra)
+    ref, got = mixed_run["losses"], run["losses"]
+    assert sorted(got) == [4, 5, 6], got
+    assert got[4] == pytest.approx(ref[4], rel=1e-5)
+    assert got[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=1e-5)
+    assert got[6] == pytest.approx(ref[6], rel=1e-5)
+    (i, final, value), *_ = [e for e in run["evals"] if e[0] == 6]
+    assert value == pytest.approx([e for e in mixed_run["evals"] if e[0] == 6][0][2], rel=1e-5)
+
+
+@real
+def test_dit_resume_at_another_dp_size(dit_cp4, tmp_path):
+    """The fixed-shape line (a grid of one bucket, the same ledger) saved at DP 1 x CP 4 with
+    micro-batches of 2 clips, resumed at DP 2 x CP 2 with micro-batches of 1 (the same global
+    batch): iterations 11-20 log the uninterrupted run's losses (Megatron's first log after the
+    resume averages iterations 11 and 12) and the final evaluation."""
+    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
+    run = _run(
+        "dit",
+        tmp_path / "dp2",
+        "--load",
+        str(dit_cp4["out"]),
+        "--ckpt-step",
+        "10",
+        "--micro-batch-size",
+        "1",
+        *dp2,
+    )
+    ref, got = dit_cp4["losses"], run["losses"]
+    assert sorted(got) == list(range(11, 21)), got
+    assert got[12] == pytest.approx((ref[11] + ref[12]) / 2, rel=1e-5)
+    for i in [11] + list(range(13, 21)):
+        assert got[i] == pytest.approx(ref[i], rel=1e-5), (i, got[i], ref[i])
+    final = [e for e in dit_cp4["evals"] if e[0] == 20]
+    assert [e[:2] for e in run["evals"]] == [e[:2] for e in final]
+    assert [e[2] for e in run["evals"]] == pytest.approx([e[2] for e in final], rel=1e-5)
+
+
+@real
+def test_mixed_resume_with_another_global_batch_is_refused(mixed_run, tmp_path):
+    """The ledger replays with one global batch: a checkpoint that consumed 3 x 2 samples,
+    resumed with --global-batch-size 4, stops with the reason before its first step."""
+    extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3", "--global-batch-size", "4")
+    extra += ("--override-opt_param-scheduler",)  # else Megatron's own warmup check stops first
+    with pytest.raises(AssertionError, match=r"consumed 6 samples, not 3 x 4"):
+        _run("mixed", tmp_path / "gbs4", *mixed_run["six"], *mixed_run["extra"], *extra)
+
+
+def test_entry_refuses_rampup_batch_size():
+    from types import SimpleNamespace
+
+    from megatron_video.training.megatron_lm import MegatronLMEntry
+
+    path = str(ROOT / "examples/configs/mixed_tiny.yaml")
+    args = SimpleNamespace(
+        video_config=path,
+        video_override=[],
+        context_parallel_size=1,
+        hierarchical_context_parallel_sizes=None,
+        ulysses_size=None,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        ranks_per_node=1,
+        micro_batch_size=1,
+        global_batch_size=2,
+        rampup_batch_size=[1, 1, 8],
+    )
+    with pytest.raises(ValueError, match=r"--rampup-batch-size \(\[1, 1, 8\]\)"):
+        MegatronLMEntry("pretrain_video_dit.py", ("wan",)).video_config_from_args(args)

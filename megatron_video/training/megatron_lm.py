@@ -246,14 +246,29 @@ class _Job:
         return mb
 
 
+def _check_ledger_position(args, step: int) -> None:
+    """The ledger is replayed to ``step`` with this run's global batch: a checkpoint whose
+    consumed samples say another global batch was used would repeat or skip clips. Same args on
+    every rank: all raise, before the step's first collective."""
+    consumed = getattr(args, "consumed_train_samples", None)
+    if consumed is not None and consumed != step * args.global_batch_size:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}): the checkpoint of iteration {step} "
+            f"consumed {consumed} samples, not {step} x {args.global_batch_size}; the sample "
+            "ledger replays with one global batch size: resume with the one it was saved with"
+        )
+
+
 def _loss_func(job: _Job, mb, extra, output_tensor):
     from megatron_video.parallel import comm
 
     share = job.objective.loss(output_tensor, mb, *extra)
     value = share.detach().clone().float()
     comm.all_reduce(value, job.groups.cp_group, tag="loss.value")
-    # Megatron's schedule multiplies by the CP size; DDP averages over DP x CP: the CP shares sum
-    return share, {"loss": value}
+    # Megatron's schedule multiplies by the CP size; DDP averages over DP x CP: the CP shares sum.
+    # Logged as (sum, count): Megatron sums both over DP x CP and divides, so the printed loss is
+    # the mean over the step's micro-batches at every DP size (a bare value is one DP rank's)
+    return share, {"loss": torch.stack([value.reshape(()), torch.ones_like(value).reshape(())])}
 
 
 def _give_pg_collection(model, pg_collection) -> None:
@@ -355,6 +370,11 @@ class MegatronLMEntry:
         t = cfg.train
         t.micro_batch_size = int(args.micro_batch_size)
         t.global_batch_size = getattr(args, "global_batch_size", None)
+        if getattr(args, "rampup_batch_size", None):
+            raise ValueError(
+                f"--rampup-batch-size ({args.rampup_batch_size}) is not supported: each step's "
+                "clips come from the sample ledger, which takes one global batch size"
+            )
         t.seed = int(getattr(args, "seed", t.seed))
         t.bf16 = bool(getattr(args, "bf16", False))  # precision is Megatron-LM's (--bf16)
         t.sample = False  # Megatron-LM runs no sampling at the end
@@ -418,7 +438,10 @@ class MegatronLMEntry:
         if step is None:
             from megatron.training import get_args
 
-            step = int(getattr(get_args(), "curr_iteration", 0))
+            margs = get_args()
+            step = int(getattr(margs, "curr_iteration", 0))
+            if job.drawn is not None and model.training:
+                _check_ledger_position(margs, step)
         batch = next(data_iterator)
         device = (
             torch.device("cuda", torch.cuda.current_device())
