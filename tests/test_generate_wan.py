@@ -51,6 +51,7 @@ def _config(tmp, tiny_wan_config):
     cfg.train.steps, cfg.train.sample, cfg.train.save = 1, False, True
     cfg.diffusion.sample_steps, cfg.diffusion.guidance_scale = 2, 2.0
     cfg.vae.diffusers = f"{tmp}/vae"
+    cfg.data.i2v_probability = 0.5  # TI2V-trained: generate --image is allowed
     return cfg
 
 
@@ -59,6 +60,8 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     import io
 
     import av
+    from diffusers import AutoencoderKLWan
+    from PIL import Image
 
     from megatron_video.testing.wan import (
         save_tiny_umt5,
@@ -93,12 +96,49 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     print(f"generate vs in-process streaming (CP 1 vs CP 2, fp32): max |diff| {err:.2e}")
     assert got.shape == ref.shape == (1, 6 * 2 * 3, 16) and err <= 1e-4, err
 
+    # --image: latent frame 0 is the image encoded by diffusers' own VAE (normalised, patchified
+    # here), held through block 0; the later frames follow from it
+    img = torch.randint(0, 256, (32, 48, 3), generator=torch.Generator().manual_seed(5))
+    Image.fromarray(img.to(torch.uint8).numpy()).save(tmp_path / "first.png")
+    assert main(argv + ["--image", str(tmp_path / "first.png")]) == 0
+    with_image = results[1]["tokens"]
+    vae = AutoencoderKLWan.from_pretrained(str(tmp_path / "vae")).eval()
+    with torch.no_grad():
+        x = img.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0
+        mu = vae.encode(x).latent_dist.mean
+    c = vae.config
+    mu = (mu - torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1)) / torch.tensor(
+        c.latents_std
+    ).view(1, -1, 1, 1, 1)
+    tokens = mu.reshape(1, 4, 1, 1, 2, 2, 3, 2).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(1, 6, 16)
+    assert float((with_image[:, :6] - tokens).abs().max()) <= 1e-5
+    assert float((with_image[:, 6:] - got[:, 6:]).abs().max()) > 1e-3  # the image matters
+
     i = argv.index("--text-encoder")  # bad input: named, before the model is built
     for option, bad in {
         "--text-encoder": argv[:i] + argv[i + 2 :],
         "--vae": argv + ["--vae", str(tmp_path / "nowhere")],
+        "--image": argv + ["--image", str(tmp_path / "nowhere.png")],
     }.items():
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             assert main(bad) == 2, option
         assert option in err.getvalue(), (option, err.getvalue())
+
+
+def test_image_needs_a_ti2v_trained_wan_ar(tmp_path):
+    """``--image`` on ``ar_dit`` or on a ``wan_ar`` checkpoint trained without first-frame
+    conditioning (``data.i2v_probability`` 0) is a ValueError naming ``--image``."""
+    import pytest
+
+    from megatron_video.testing.wan import tiny_wan_config
+    from megatron_video.training.families import get_family
+    from megatron_video.training.generation import _check_request
+
+    cfg = tiny_wan_config("wan_ar", tmp_path, tmp_path / "shards")
+    cfg.data.i2v_probability = 0.0
+    with pytest.raises(ValueError, match=r"--image \('a.png'\): the checkpoint was trained"):
+        _check_request(cfg, get_family("wan_ar"), FRAMES, [], "a.png")
+    cfg.model.family = "ar_dit"
+    with pytest.raises(ValueError, match=r"--image \('a.png'\): model.family 'ar_dit' has no"):
+        _check_request(cfg, get_family("ar_dit"), FRAMES, [], "a.png")

@@ -147,9 +147,15 @@ def _count_text_projections(model):
     return calls, rows, hooks
 
 
-def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=()):
+def _image():
+    """The tokens of a conditioning first latent frame ``[B, S, C]`` (TI2V)."""
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(B, S, C_IN, generator=g, dtype=torch.float64)
+
+
+def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=(), image=False):
     """Every block of the cached generator concatenated ``[b, frames*S, C]``, and the cache's
-    bytes on this rank after the last block."""
+    bytes on this rank after the last block (``image``: frame 0 conditioned on ``_image()``)."""
     from megatron_video.diffusion.ar_models import block_model
     from megatron_video.diffusion.streaming import stream_autoregressive
 
@@ -171,6 +177,7 @@ def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=
             num_steps=STEPS,
             rule=rule,
             switches=[(f, _conds(family, p)[0]) for f, p in switches],
+            first_frame=_image() if image else None,
         ):
             out.append(block)
             nbytes = cache.nbytes()
@@ -205,10 +212,13 @@ def _kept_by_rule(kf, first, sink, window):
     return kf < first and (kf < sink or kf >= first - window)
 
 
-def _oracle(model, family, frames, gen_blocks, prefilled, allowed, cond, null, w, total):
+def _oracle(
+    model, family, frames, gen_blocks, prefilled, allowed, cond, null, w, total, image=None
+):
     """No-cache generation of ``gen_blocks`` (block indices) over the tokens of ``frames`` (each
     frame's clean and noisy copy, absolute RoPE frames); ``allowed(q_side, q_frame, k_side,
-    k_frame)`` is the attention rule (side 0 clean, 1 noisy); ``prefilled``: frame -> clean tokens."""
+    k_frame)`` is the attention rule (side 0 clean, 1 noisy); ``prefilled``: frame -> clean tokens.
+    ``image [B, S, C]``: frame 0's noisy copy is the image at timestep 0, never updated (TI2V)."""
     from megatron_video.attention import masks
     from megatron_video.diffusion.ar_models import sequence_velocity
     from megatron_video.diffusion.cfg import guided_denoise
@@ -237,19 +247,24 @@ def _oracle(model, family, frames, gen_blocks, prefilled, allowed, cond, null, w
     for i, f in enumerate(frames):
         if f in prefilled:
             clean[:, i * S : (i + 1) * S] = prefilled[f]
+    held = torch.zeros(n * S, dtype=torch.bool)
+    if image is not None and 0 in frames:
+        held = fr == 0
+        noisy[:, held] = image
     ts = [float(x) for x in flow_timesteps(STEPS, 1.0)]
     for j in gen_blocks:
-        mine = (fr // NB) == j
+        mine = ((fr // NB) == j) & ~held
         for i in range(STEPS):
-            tn = torch.where(mine, ts[i], 1.0).to(torch.float64).expand(B, -1)
+            tn = torch.where(mine, ts[i], 1.0).to(torch.float64)
+            tn = torch.where(held, 0.0, tn).to(torch.float64).expand(B, -1)
             t = torch.cat([torch.zeros_like(tn), tn], dim=1)
             vel = fn(torch.cat([clean, noisy], dim=1), t, cond)[:, n * S :]
             noisy = torch.where(mine[None, :, None], noisy + (ts[i + 1] - ts[i]) * vel, noisy)
-        clean = torch.where(mine[None, :, None], noisy, clean)
+        clean = torch.where((mine | (held & (j == 0)))[None, :, None], noisy, clean)
     return {f: clean[:, i * S : (i + 1) * S] for i, f in enumerate(frames)}
 
 
-def _window_oracle(model, family, sink, window, w, frames=F):
+def _window_oracle(model, family, sink, window, w, frames=F, image=None):
     cond, null = _conds(family)
 
     def allowed(qs, qf, ks, kf):
@@ -258,9 +273,8 @@ def _window_oracle(model, family, sink, window, w, frames=F):
             return qs == 1 and kb == qb
         return (qs == 0 and kb == qb) or _kept_by_rule(kf, qb * NB, sink, window)
 
-    got = _oracle(
-        model, family, list(range(frames)), range(frames // NB), {}, allowed, cond, null, w, frames
-    )
+    frame_ids, blocks = list(range(frames)), range(frames // NB)
+    got = _oracle(model, family, frame_ids, blocks, {}, allowed, cond, null, w, frames, image)
     return torch.cat([got[f] for f in range(frames)], dim=1)
 
 
@@ -319,6 +333,10 @@ def _cp1_cases(family):
             _switch_oracle(model, family, 0, F, 2, 3.0),
         )
         out.update(_text_cache_cases(model, family))
+        img = _cached(model, family, w=3.0, image=True)[0]
+        out["image w=3.0"] = _err(img, _window_oracle(model, family, 0, F, 3.0, image=_image()))
+        out["image is frame 0"] = float(not torch.equal(img[:, :S], _image()))
+        out["image matters"] = -_err(img[:, S:], _cached(model, family, w=3.0)[0][:, S:])
     return out
 
 
@@ -371,7 +389,8 @@ def test_cached_generator_equals_no_cache_oracles(pool4, family):
 DEGREES = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)]  # (U, R, TP)
 
 
-CP_RUN = dict(frames=8, w=3.0, switches=[(4, 1)])  # CFG, sink 2 + window 2, a prompt switch
+# CFG, sink 2 + window 2, a prompt switch, a conditioning first frame (TI2V)
+CP_RUN = dict(frames=8, w=3.0, switches=[(4, 1)], image=True)
 
 
 @functools.lru_cache(maxsize=None)  # per worker process: once per family for every degree

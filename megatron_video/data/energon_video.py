@@ -26,6 +26,7 @@ __all__ = [
     "dataset_records",
     "KeyedClips",
     "write_procedural_videos",
+    "read_image_frame",
 ]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
@@ -317,3 +318,13 @@ def _decode_image(data: bytes) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as im:
         rgb = np.asarray(im.convert("RGB"))
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
+
+
+def read_image_frame(path: Union[str, Path], height: int, width: int) -> torch.Tensor:
+    """An image file as one video frame ``[1, 3, 1, H, W]`` in [-1, 1], resized and centre-cropped
+    as training clips are (``ValueError`` naming ``--image`` when it cannot be read)."""
+    try:
+        frame = _decode_image(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--image ({str(path)!r}) must be a readable image file: {exc}") from None
+    return _resize_crop(frame, height, width)[None]

@@ -120,6 +120,7 @@ def stream_autoregressive(
     shift: float = 1.0,
     rule: Optional[WindowRule] = None,
     switches: Sequence[Tuple[int, Any]] = (),
+    first_frame: Optional[Tensor] = None,
     progress: bool = False,
 ) -> Iterator[Tuple[int, Tensor, KVCache]]:
     """Yield ``(j, block j's clean tokens [b, nb*S, C] (every rank), cache)`` for each block.
@@ -130,12 +131,25 @@ def stream_autoregressive(
     ``[cond; null]``). ``switches``: ``(frame, cond)`` pairs, at a block boundary the prompt
     changes and the kept frames are re-encoded under it; the text's cross-attention keys / values
     are projected once per prompt (``KVCache.text_kv``, kept across switches row by row).
+    ``first_frame [b, S, C]`` (TI2V / I2V, the same on every rank): the tokens of latent frame 0,
+    held in block 0 as in training (their input the image, timestep 0, velocity 0).
     Collective over ``groups`` (None: one process).
     """
     nb, S = frames_per_block, tokens_per_frame
     rule, N, rank, mine = _setup(rule, nb, S, groups)
     switch_at = _check_switches(switches, num_blocks, nb)
     frame_of = torch.arange(nb * S) // S  # block-relative frame of each new token
+    hold = image = None
+    if first_frame is not None:
+        if first_frame.dim() != 3 or first_frame.shape[1] != S:
+            raise ValueError(
+                f"first_frame shape ({tuple(first_frame.shape)}) must be [b, tokens_per_frame = "
+                f"{S}, C]"
+            )
+        hold = frame_of[mine] == 0  # this rank's tokens of latent frame 0 (block 0)
+        image = torch.zeros(first_frame.shape[0], nb * S, first_frame.shape[2]).to(first_frame)
+        image[:, :S] = first_frame
+        image = image[:, mine]
     ts = [float(v) for v in flow_timesteps(num_steps, shift)]
     cache, done = KVCache(), {}  # done: this rank's clean share of the blocks still kept
 
@@ -143,7 +157,12 @@ def stream_autoregressive(
         t = torch.full(x.shape[:2], t_value, dtype=x.dtype, device=x.device)
 
         def fn(xx, tt, cc):
-            return block_model(xx, tt, cc, step, j)
+            if j or hold is None or step.append:
+                return block_model(xx, tt, cc, step, j)
+            m, img = hold.to(xx.device), image.repeat(xx.shape[0] // image.shape[0], 1, 1)
+            xx = torch.where(m[None, :, None], img.to(xx.dtype), xx)
+            tt = torch.where(m[None, :], torch.zeros_like(tt), tt)
+            return torch.where(m[None, :, None], 0.0, block_model(xx, tt, cc, step, j))
 
         if null_cond is None or guidance_scale == 1.0:
             return fn(x, t, c)
@@ -164,6 +183,8 @@ def stream_autoregressive(
                 append(done[k], cond, k)
         cache.keep(lambda tags: rule.kept(tags, f0))
         x = noise_block(j)[:, mine].clone()
+        if j == 0 and hold is not None:
+            x = torch.where(hold.to(x.device)[None, :, None], image.to(x), x)
         step = CacheStep(cache, frame_of + f0)
         for i in range(num_steps):
             last_input = x

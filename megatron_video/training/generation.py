@@ -22,6 +22,7 @@ from megatron_video.models.vae import TEMPORAL_STRIDE
 
 from .batches.fixed import sample_generator
 from .config import Config, config_from_dict, config_to_dict, latent_shape, token_grid_of
+from .ti2v import i2v_probability_of
 
 __all__ = [
     "CONFIG_FILE",
@@ -135,6 +136,7 @@ class Generator:
         sink: int = 0,
         window: Optional[int] = None,
         switches: Sequence[Tuple[int, Any]] = (),
+        first_frame: Optional[torch.Tensor] = None,
     ) -> Iterator[Tuple[int, torch.Tensor, Any]]:
         """``stream_autoregressive`` with the model: ``(j, block tokens [b, nb*S, C], cache)``.
         ``window`` default: the trained latent frames less one block (the longest context the
@@ -163,6 +165,7 @@ class Generator:
             shift=df.flow_shift,
             rule=WindowRule(nb, sink, window),
             switches=switches,
+            first_frame=first_frame,
             progress=self.progress,
         )
 
@@ -384,10 +387,15 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
             f"generate` streams the AR families (ar_dit, wan_ar); T2V families sample with "
             f"train.sample"
         )
-    if image is not None:
+    if image is not None and "data.i2v_probability" not in family.model_fields:
         raise ValueError(
-            f"--image ({image!r}) is not supported by model.family {config.model.family!r} "
-            f"(no image conditioning; TI2V is a family hook)"
+            f"--image ({image!r}): model.family {config.model.family!r} has no first-frame "
+            f"conditioning (TI2V: wan_ar trained with data.i2v_probability > 0)"
+        )
+    if image is not None and i2v_probability_of(config) == 0:
+        raise ValueError(
+            f"--image ({image!r}): the checkpoint was trained without first-frame conditioning "
+            f"(data.i2v_probability 0; Wan 2.2's 48-channel latents default to 0.5)"
         )
     F = raw_frames_to_latent(frames, nb)
     out = []
@@ -430,12 +438,13 @@ def generate(
     from megatron_video.compat import ensure_cpu_mode
 
     from .families import get_family
-    from .generation_wan import wan_folders, wan_text_conditions, wan_vae_decoder
+    from .generation_wan import wan_first_frame, wan_folders, wan_text_conditions, wan_vae_decoder
 
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
     F, lat_switches = _check_request(config, family, frames, switches, image)
     prompts = [prompt] + [p for _, p in lat_switches]
+    first = None  # the TI2V first frame's tokens (wan_ar with --image)
     if family.needs_vae:
         conds = [caption_conditions(config, [p], "cpu")[0] for p in prompts]
         null = caption_conditions(config, [prompt], "cpu")[1]
@@ -443,6 +452,7 @@ def generate(
         text_encoder, vae = wan_folders(config, text_encoder, vae)
         conds, null = wan_text_conditions(text_encoder, config, prompts, "cpu")
         decode = wan_vae_decoder(vae, config)
+        first = None if image is None else wan_first_frame(vae, config, image)
     if not torch.cuda.is_available():
         ensure_cpu_mode()
     model, groups = _load_model(config, folder, step)
@@ -461,7 +471,14 @@ def generate(
 
     writer = _VideoSink(output, config, decode, prompt) if dist.get_rank() == 0 else None
     blocks = Generator(model, config, family, groups).ar_blocks(
-        cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds
+        cond,
+        null,
+        noise_block,
+        F // nb,
+        sink=sink,
+        window=window,
+        switches=switch_conds,
+        first_frame=None if first is None else first.to(dev),
     )
     times, t0 = [], time.time()
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 
 from .config import Config
 
-__all__ = ["wan_folders", "wan_text_conditions", "wan_vae_decoder"]
+__all__ = ["wan_folders", "wan_text_conditions", "wan_vae_decoder", "wan_first_frame"]
 
 
 def wan_folders(config: Config, text_encoder: Optional[str], vae: Optional[str]) -> Tuple[str, str]:
@@ -72,3 +72,18 @@ def wan_vae_decoder(folder: str, config: Config) -> Callable[[torch.Tensor], tor
         return vae.decode(z).sample.clamp(-1.0, 1.0)
 
     return decode
+
+
+def wan_first_frame(folder: str, config: Config, image: str) -> torch.Tensor:
+    """The tokens ``[1, h*w / patch, C]`` of latent frame 0 for TI2V: ``image`` resized and
+    centre-cropped to ``data.height x data.width`` pixels, encoded alone by the Wan VAE (a causal
+    VAE's first latent frame is its first raw frame) and normalised as training's latents."""
+    from megatron_video.data.energon_video import read_image_frame
+    from megatron_video.models.embedders import patchify
+
+    from .precompute import wan_vae_encoder
+
+    frame = read_image_frame(image, config.data.height, config.data.width)
+    with torch.no_grad():
+        latent = wan_vae_encoder(folder, config.vae.latent_channels)(frame)
+    return patchify(latent.float(), tuple(config.model.patch_size))
