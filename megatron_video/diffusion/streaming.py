@@ -105,6 +105,35 @@ def _appended(last_input: Tensor, clean: Tensor) -> Tensor:
     return clean
 
 
+def _hold_first_frame(block_model: BlockModel, first_frame: Optional[Tensor], mine, S, nb):
+    """``(block_model, start)`` with latent frame 0 held at ``first_frame [b, S, C]`` in block 0
+    (TI2V, as training conditions: input the image, timestep 0, velocity 0; ``start`` puts it
+    into block 0's noise); unchanged when ``first_frame`` is None. ``mine``: this rank's slice."""
+    if first_frame is None:
+        return block_model, lambda x: x
+    if first_frame.dim() != 3 or first_frame.shape[1] != S:
+        raise ValueError(
+            f"first_frame shape ({tuple(first_frame.shape)}) must be [b, tokens_per_frame = {S}, C]"
+        )
+    hold = (torch.arange(nb * S) // S)[mine] == 0  # this rank's tokens of latent frame 0
+    image = torch.zeros(first_frame.shape[0], nb * S, first_frame.shape[2]).to(first_frame)
+    image[:, :S] = first_frame
+    image = image[:, mine]
+
+    def held(x, t, cond, step, j):
+        if j or step.append:  # later blocks; the clean block 0 holds the image already
+            return block_model(x, t, cond, step, j)
+        m, img = hold.to(x.device), image.repeat(x.shape[0] // image.shape[0], 1, 1)
+        x = torch.where(m[None, :, None], img.to(x.dtype), x)
+        t = torch.where(m[None, :], torch.zeros_like(t), t)
+        return torch.where(m[None, :, None], 0.0, block_model(x, t, cond, step, j))
+
+    def start(x):
+        return torch.where(hold.to(x.device)[None, :, None], image.to(x), x)
+
+    return held, start
+
+
 def stream_autoregressive(
     block_model: BlockModel,
     noise_block: Callable[[int], Tensor],
@@ -139,17 +168,7 @@ def stream_autoregressive(
     rule, N, rank, mine = _setup(rule, nb, S, groups)
     switch_at = _check_switches(switches, num_blocks, nb)
     frame_of = torch.arange(nb * S) // S  # block-relative frame of each new token
-    hold = image = None
-    if first_frame is not None:
-        if first_frame.dim() != 3 or first_frame.shape[1] != S:
-            raise ValueError(
-                f"first_frame shape ({tuple(first_frame.shape)}) must be [b, tokens_per_frame = "
-                f"{S}, C]"
-            )
-        hold = frame_of[mine] == 0  # this rank's tokens of latent frame 0 (block 0)
-        image = torch.zeros(first_frame.shape[0], nb * S, first_frame.shape[2]).to(first_frame)
-        image[:, :S] = first_frame
-        image = image[:, mine]
+    block_model, start = _hold_first_frame(block_model, first_frame, mine, S, nb)
     ts = [float(v) for v in flow_timesteps(num_steps, shift)]
     cache, done = KVCache(), {}  # done: this rank's clean share of the blocks still kept
 
@@ -157,12 +176,7 @@ def stream_autoregressive(
         t = torch.full(x.shape[:2], t_value, dtype=x.dtype, device=x.device)
 
         def fn(xx, tt, cc):
-            if j or hold is None or step.append:
-                return block_model(xx, tt, cc, step, j)
-            m, img = hold.to(xx.device), image.repeat(xx.shape[0] // image.shape[0], 1, 1)
-            xx = torch.where(m[None, :, None], img.to(xx.dtype), xx)
-            tt = torch.where(m[None, :], torch.zeros_like(tt), tt)
-            return torch.where(m[None, :, None], 0.0, block_model(xx, tt, cc, step, j))
+            return block_model(xx, tt, cc, step, j)
 
         if null_cond is None or guidance_scale == 1.0:
             return fn(x, t, c)
@@ -183,8 +197,8 @@ def stream_autoregressive(
                 append(done[k], cond, k)
         cache.keep(lambda tags: rule.kept(tags, f0))
         x = noise_block(j)[:, mine].clone()
-        if j == 0 and hold is not None:
-            x = torch.where(hold.to(x.device)[None, :, None], image.to(x), x)
+        if j == 0:
+            x = start(x)
         step = CacheStep(cache, frame_of + f0)
         for i in range(num_steps):
             last_input = x

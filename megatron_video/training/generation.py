@@ -411,6 +411,21 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
     return F, out
 
 
+def _conditions(config: Config, family, prompts, image, text_encoder, vae):
+    """``(conds of the prompts, null, decode or None, first-frame tokens or None)``, the Wan
+    families' folders checked before the model is built (``ar_dit`` decodes with its own VAE,
+    loaded after the model)."""
+    from .generation_wan import wan_first_frame, wan_folders, wan_text_conditions, wan_vae_decoder
+
+    if family.needs_vae:
+        conds = [caption_conditions(config, [p], "cpu")[0] for p in prompts]
+        return conds, caption_conditions(config, prompts[:1], "cpu")[1], None, None
+    text_encoder, vae = wan_folders(config, text_encoder, vae)
+    conds, null = wan_text_conditions(text_encoder, config, prompts, "cpu")
+    first = None if image is None else wan_first_frame(vae, config, image)
+    return conds, null, wan_vae_decoder(vae, config), first
+
+
 def generate(
     checkpoint,
     prompt: str,
@@ -438,21 +453,12 @@ def generate(
     from megatron_video.compat import ensure_cpu_mode
 
     from .families import get_family
-    from .generation_wan import wan_first_frame, wan_folders, wan_text_conditions, wan_vae_decoder
 
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
     F, lat_switches = _check_request(config, family, frames, switches, image)
     prompts = [prompt] + [p for _, p in lat_switches]
-    first = None  # the TI2V first frame's tokens (wan_ar with --image)
-    if family.needs_vae:
-        conds = [caption_conditions(config, [p], "cpu")[0] for p in prompts]
-        null = caption_conditions(config, [prompt], "cpu")[1]
-    else:  # the Wan families: their text encoder and VAE, checked before the model is built
-        text_encoder, vae = wan_folders(config, text_encoder, vae)
-        conds, null = wan_text_conditions(text_encoder, config, prompts, "cpu")
-        decode = wan_vae_decoder(vae, config)
-        first = None if image is None else wan_first_frame(vae, config, image)
+    conds, null, decode, first = _conditions(config, family, prompts, image, text_encoder, vae)
     if not torch.cuda.is_available():
         ensure_cpu_mode()
     model, groups = _load_model(config, folder, step)
@@ -470,26 +476,20 @@ def generate(
         return torch.randn(1, nb * Hp * Wp, C, generator=g).to(dev)
 
     writer = _VideoSink(output, config, decode, prompt) if dist.get_rank() == 0 else None
+    first = None if first is None else first.to(dev)
     blocks = Generator(model, config, family, groups).ar_blocks(
-        cond,
-        null,
-        noise_block,
-        F // nb,
-        sink=sink,
-        window=window,
-        switches=switch_conds,
-        first_frame=None if first is None else first.to(dev),
-    )
+        cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds,
+        first_frame=first,
+    )  # fmt: skip
     times, t0 = [], time.time()
     with torch.no_grad():
         for j, block, _ in blocks:
             times.append(time.time() - t0)
             if writer is not None:
                 writer.add(j, block)
-                first, last = j * nb, (j + 1) * nb - 1
                 log(
-                    f"[megatron-video] block {j + 1}/{F // nb} (latent frames {first}-{last}): "
-                    f"{times[-1]:.2f} s"
+                    f"[megatron-video] block {j + 1}/{F // nb} (latent frames {j * nb}-"
+                    f"{(j + 1) * nb - 1}): {times[-1]:.2f} s"
                 )
             t0 = time.time()
     result = dict(frames=frames, latent_frames=F, block_seconds=times, step=step)
