@@ -430,7 +430,7 @@ def test_cp_layouts_equal_cp1(pool4, family, degree):
 # ---------------------------------------------------------------------------------------------
 # train.sample for the Wan families (the shared generation module)
 # ---------------------------------------------------------------------------------------------
-def _wan_train_sample(family, tmp):
+def _wan_train_sample(family, tmp, vae=None):
     import warnings
 
     from megatron_video.testing.wan import tiny_wan_config
@@ -444,6 +444,7 @@ def _wan_train_sample(family, tmp):
     cfg = tiny_wan_config(family, tmp, f"{tmp}/shards", **cp)
     cfg.train.steps, cfg.train.sample, cfg.train.save, cfg.train.sample_batch = 1, True, False, 1
     cfg.diffusion.sample_steps, cfg.diffusion.guidance_scale = 2, 2.0
+    cfg.vae.diffusers = vae  # wan: decoded into sample.gif
     t = Trainer(cfg, progress=False)
     try:
         metrics = t.run()
@@ -458,6 +459,17 @@ def test_train_sample_works_for_wan(pool4, tmp_path, family):
 
     cfg = tiny_wan_config(family, tmp_path, tmp_path / "shards")
     write_random_latent_shards(cfg, tmp_path / "shards")
-    sample = pool4.run(_wan_train_sample, family, str(tmp_path), ranks_per_node=2)[0]
+    vae = None
+    if family == "wan":
+        from megatron_video.testing.wan import save_tiny_wan_vae
+
+        vae = str(save_tiny_wan_vae(tmp_path / "vae"))
+    sample = pool4.run(_wan_train_sample, family, str(tmp_path), vae, ranks_per_node=2)[0]
     latents = torch.load(sample["latents"])
     assert tuple(latents.shape) == (1, 4, 4, 4, 6) and torch.isfinite(latents).all()
+    assert ("gif" in sample) == (family == "wan")  # wan_ar's config names no VAE here
+    if family == "wan":
+        from PIL import Image
+
+        with Image.open(sample["gif"]) as im:
+            assert im.n_frames == 13  # 1 + 4 (F - 1) raw frames of the 4 latent frames

@@ -236,8 +236,9 @@ def _held_out(config: Config, b: int):
 def wan_training_sample(trainer, num_samples: int):
     """``train.sample`` of the Wan families: the captions of the first held-out micro-batch (precomputed
     UMT5 embeddings; there is no text encoder in training), generated (CFG against empty text)
-    into latents ``{"latents": [b, C, F, h, w], "frames": F}`` on the logging rank (decode them
-    with the Wan VAE), None elsewhere (collective)."""
+    into latents ``{"latents": [b, C, F, h, w], "frames": F}`` on the logging rank, with
+    ``"video" [b, 3, T, H, W]`` decoded by ``vae.diffusers`` when the config names one; None
+    elsewhere (collective)."""
     from megatron_video.models.embedders import unpatchify
 
     c = trainer.config
@@ -258,7 +259,12 @@ def wan_training_sample(trainer, num_samples: int):
     latents = unpatchify(
         full.cpu(), tuple(c.model.patch_size), (g.frames, g.height, g.width), c.vae.latent_channels
     )
-    return {"latents": latents, "frames": int(latents.shape[2])}
+    out = {"latents": latents, "frames": int(latents.shape[2])}
+    if c.vae.diffusers:
+        from .generation_wan import wan_vae_decoder
+
+        out["video"] = wan_vae_decoder(c.vae.diffusers, c)(latents).float()
+    return out
 
 
 def training_sample(trainer, num_samples: Optional[int] = None):

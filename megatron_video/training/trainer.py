@@ -640,6 +640,9 @@ class Trainer:
                 "frames": sample["frames"],
                 "latents": str(out_dir / "sample_latents.pt"),
             }
+            if "video" in sample:  # decoded by vae.diffusers
+                write_gif(out_dir / "sample.gif", [sample["video"][0]], labels=["generated"])
+                metrics["sample"]["gif"] = str(out_dir / "sample.gif")
         elif sample is not None:
             generated, truth, recon, captions = sample
             write_gif(
