@@ -231,7 +231,7 @@ def _validate(family, root, world=4, **fields):
         (
             "wan",
             dict(data__text_embed_dim=None),
-            r"data.source \('shards'\) must be 'shards' with data.text_embed_dim set \(got None\)",
+            r"data.text_embed_dim \(None\) must be set with data.source 'shards'",
         ),
         (
             "wan",

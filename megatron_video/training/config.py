@@ -182,6 +182,7 @@ class DataSection:
         None  # shards from `precompute --text-encoder`: condition on the stored
     )
     # caption embeddings of this width (caption_len = their length)
+    text_encoder: Optional[str] = None  # wan / wan_ar raw video: a local UMT5 / T5 folder
     num_samples: int = 100000  # synthetic: dataset size
     num_frames: int = 29  # raw frames, 1 + 4k
     height: int = 32
@@ -219,11 +220,11 @@ class DataSection:
             )
         if d.text_embed_dim is not None:
             _pos_int("data.text_embed_dim", d.text_embed_dim)
-            if d.source != "shards":
+            if d.source != "shards" and d.text_encoder is None:
                 raise ValueError(
-                    f"data.text_embed_dim ({d.text_embed_dim}) needs data.source "
-                    f"'shards' (latent shards with caption embeddings from "
-                    f"`megatron-video precompute --text-encoder`); got {d.source!r}"
+                    f"data.text_encoder (None) must name a UMT5 / T5 folder with data.text_embed_dim "
+                    f"({d.text_embed_dim}) and data.source {d.source!r} (captions encoded in the "
+                    f"step), or data.source be 'shards' (embeddings from `precompute`)"
                 )
         if d.source == "energon" and not d.path:
             raise ValueError(
@@ -459,10 +460,10 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config ({path!r}) must hold a mapping of sections")
-        for key in ("weights", "diffusers"):  # relative to the YAML file, not the CWD
-            value = (data.get("vae") or {}).get(key)
+        for sec, key in (("vae", "weights"), ("vae", "diffusers"), ("data", "text_encoder")):
+            value = (data.get(sec) or {}).get(key)  # relative to the YAML file, not the CWD
             if value and not Path(value).is_absolute():
-                data["vae"][key] = str((p.parent / value).resolve())
+                data[sec][key] = str((p.parent / value).resolve())
     return config_from_dict(apply_overrides(data, overrides))
 
 
@@ -565,11 +566,10 @@ def _check_buckets(config: Config, family) -> None:
             f"(`megatron-video precompute` with data.buckets) or as raw videos of a prepared "
             f"energon dataset encoded per CP rank (the procedural source has one fixed shape)"
         )
-    if d.source == "energon" and not family.needs_vae:
+    if d.source == "energon" and not family.reads_raw_video:
         raise ValueError(
-            f"data.source ('energon') with data.buckets encodes raw clips with the causal VAE; "
-            f"model.family {config.model.family!r} has none (use data.source 'shards' from "
-            f"`megatron-video precompute`)"
+            f"data.source ('energon') with data.buckets encodes raw clips with a video VAE; "
+            f"model.family {config.model.family!r} trains on none (use data.source 'shards')"
         )
     if t.sample:
         raise ValueError(
@@ -615,7 +615,12 @@ def _model_fits_parallel(config: Config) -> None:
 
 
 # fields only some families read (FamilySpec.model_fields names them): refused where unread
-FAMILY_MODEL_FIELDS = ("init_from", "per_token_timesteps", "data.i2v_probability")
+FAMILY_MODEL_FIELDS = (
+    "init_from",
+    "per_token_timesteps",
+    "data.i2v_probability",
+    "data.text_encoder",
+)
 
 
 def _family_fields(config: Config, family) -> None:

@@ -123,6 +123,18 @@ class FamilySpec(abc.ABC):
             f"data.buckets is not supported by model.family {self.name!r}: {self.packed_refusal}"
         )
 
+    @property
+    def reads_raw_video(self) -> bool:
+        """Whether raw clips (``data.source: energon``) are encoded per CP rank in the step: with
+        the cached causal VAE (``needs_vae``) or ``raw_video_encoders``."""
+        return self.needs_vae
+
+    def raw_video_encoders(self, config):
+        """A family without the causal VAE: what encodes ``config``'s raw clips in the step (an
+        object with ``encoder`` and ``text``, as ``batches.clips.clip_source`` reads it), or None
+        (latents and caption embeddings come precomputed). None by default."""
+        return None
+
     def checkpoint_files(self, config, params_dtype) -> Dict[str, str]:
         """Extra JSON files (name -> text) each checkpoint of the trainer carries (e.g. what an
         export reads); covered by the checkpoint's manifest. None by default."""

@@ -185,6 +185,8 @@ class _Job:
             from megatron_video.training.vae_stage import ensure_vae, load_vae
 
             vae, scale = load_vae(ensure_vae(config, progress=False), config)
+        else:  # Wan: the diffusers VAE + text encoder of raw clips, or None (shards)
+            vae = family.raw_video_encoders(config)
         self.first_stage = ps.is_pipeline_first_stage()
         coords = RankCoords(
             dp_rank=ps.get_data_parallel_rank(),

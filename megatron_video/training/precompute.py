@@ -82,8 +82,9 @@ def wan_vae_encoder(path, latent_channels: int) -> Callable[[torch.Tensor], torc
             f"vae.diffusers ({str(path)!r}): latents_mean / latents_std must have z_dim "
             f"({c.z_dim}) entries (got {len(c.latents_mean)} / {len(c.latents_std)})"
         )
-    mean = torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(c.latents_std).view(1, -1, 1, 1, 1)
+    # float64 (the config's numbers), cast to the latents' dtype: exact for a float64 VAE too
+    mean = torch.tensor(c.latents_mean, dtype=torch.float64).view(1, -1, 1, 1, 1)
+    std = torch.tensor(c.latents_std, dtype=torch.float64).view(1, -1, 1, 1, 1)
 
     def encode(x: torch.Tensor) -> torch.Tensor:
         mu = vae.encode(x.to(vae.dtype)).latent_dist.mean

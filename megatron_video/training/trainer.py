@@ -147,8 +147,9 @@ class Trainer:
         # trains it if needed; its success travels in an all-reduce so no rank waits for a failure.
         if self.family.needs_vae:
             self._load_vae(config)
-        else:
-            self.vae_path, self.vae, self.latent_scale = None, None, 1.0
+        else:  # Wan: the diffusers VAE + text encoder of raw clips, or None (shards)
+            self.vae_path, self.latent_scale = None, 1.0
+            self.vae = self.family.raw_video_encoders(config)
 
         self.packed = config.data.buckets is not None  # mixed shapes: packed micro-batches
         data = rank_data(

@@ -203,15 +203,19 @@ class RawClipSource(EncodingClipSource):
     ``vae.latent_channels`` are dropped) and ``halo_latents`` (None: the encoder's temporal
     receptive field, ``models.vae_halo_probe.encoder_halo``). Clips the grid refuses are left out
     (``left_out``: ``(key, reason)``), as ``precompute`` leaves them out. ``reads`` records each
-    decoded ``(key, HaloWindow)``."""
+    decoded ``(key, HaloWindow)``. ``text_encoder`` (``data.text.HFTextEncoder``; Wan): each
+    caption encoded when a micro-batch reads it (``text``), one caption per call as ``precompute``
+    stores it."""
 
     kind = "raw energon clips (each CP rank decodes and encodes its own halo windows)"
 
-    def __init__(self, config: Config, encoder, halo_latents: Optional[int] = None):
+    def __init__(
+        self, config: Config, encoder, halo_latents: Optional[int] = None, text_encoder=None
+    ):
         from megatron_video.data.energon_video import KeyedClips, dataset_records
 
         d = config.data
-        self.path = d.path
+        self.path, self.text_encoder = d.path, text_encoder
         self._init_encoder(encoder, config, halo_latents)
         records = dataset_records(d.path)
         self.left_out: List[Tuple[str, str]] = []
@@ -232,6 +236,12 @@ class RawClipSource(EncodingClipSource):
 
     def caption(self, key: str) -> str:
         return self.captions.get(key, "")
+
+    def text(self, key: str):
+        if self.text_encoder is None:
+            return None
+        emb, mask = self.text_encoder([self.caption(key)])
+        return emb[0], mask[0]
 
     def describe(self) -> str:
         out = f"{self.kind}, halo {self.halo} latent(s)"
@@ -258,7 +268,8 @@ class RawClipSource(EncodingClipSource):
 
 
 def _parameters(encoder):
-    params = getattr(encoder, "parameters", None)
+    """The encoder's parameters (a module, or a function carrying its module as ``.vae``)."""
+    params = getattr(encoder, "parameters", getattr(getattr(encoder, "vae", None), "parameters", 0))
     return params() if callable(params) else iter(())
 
 
@@ -433,8 +444,9 @@ def clip_grid(config: Config):
 
 def clip_source(config: Config, vae=None) -> ClipSource:
     """The source of ``config.data.source``: ``shards`` -> ``LazyShardClipSource``, ``energon`` ->
-    ``RawClipSource`` encoding with ``vae.encoder`` (the trainer's causal VAE) and
-    ``vae.halo_latents``; without ``data.buckets`` also ``synthetic`` -> ``SyntheticClipSource``."""
+    ``RawClipSource`` encoding with ``vae.encoder`` (the trainer's causal VAE, or Wan's
+    ``families.wan_raw.WanRawEncoders`` with its ``text`` encoder) and ``vae.halo_latents``;
+    without ``data.buckets`` also ``synthetic`` -> ``SyntheticClipSource``."""
     d = config.data
     if d.source == "shards":
         return LazyShardClipSource(config, encoder=None if vae is None else vae.encoder)
@@ -446,7 +458,8 @@ def clip_source(config: Config, vae=None) -> ClipSource:
                 "vae (None) must be the trainer's causal VAE with data.source 'energon': raw "
                 "clips are encoded per CP rank"
             )
-        return RawClipSource(config, vae.encoder, config.vae.halo_latents)
+        text = getattr(vae, "text", None)
+        return RawClipSource(config, vae.encoder, config.vae.halo_latents, text_encoder=text)
     raise ValueError(
         f"data.source ({d.source!r}) must be 'shards' or 'energon' with data.buckets "
         f"(clips are read by key)"

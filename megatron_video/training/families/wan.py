@@ -4,8 +4,10 @@ forcing, LongLive's setting), both diffusers' ``WanTransformer3DModel`` as ``mod
 Trained with flow matching (timesteps shifted by ``diffusion.flow_shift``, Wan's ``shift``) on
 precomputed Wan-VAE latents and UMT5 caption embeddings (``data.source: shards`` with
 ``data.text_embed_dim``; ``megatron-video precompute`` with ``vae.diffusers`` and
-``--text-encoder``). ``model.init_from`` loads a diffusers folder or a converted checkpoint
-(``models.wan.convert``). Batches and layouts are ``DiffusionFamily``'s; the objectives are
+``--text-encoder``) or on raw clips encoded inside the SP partition (``data.source: energon``
+with ``vae.diffusers`` and ``data.text_encoder``; ``families.wan_raw``). ``model.init_from``
+loads a diffusers folder or a converted checkpoint (``models.wan.convert``). Batches and layouts
+are ``DiffusionFamily``'s; the objectives are
 ``training.objectives.WanFlowObjective`` / ``WanTeacherForcing``.
 """
 
@@ -30,6 +32,7 @@ from ..family_spec import register_family
 from ..objectives import PackedObjective, WanFlowObjective, WanTeacherForcing
 from ..ti2v import i2v_probability_of
 from .diffusion import DiffusionFamily, _check_ar_dit, _whole_frames_per_cp_rank
+from .wan_raw import check_raw_video, raw_encoders
 
 __all__ = [
     "WanFamily",
@@ -51,7 +54,7 @@ WAN_FIXED = dict(
     added_kv_proj_dim=None,
 )
 WAN_ROPE_THETA = 10000.0
-_FIELDS = ("init_from", "per_token_timesteps", "data.i2v_probability")
+_FIELDS = ("init_from", "per_token_timesteps", "data.i2v_probability", "data.text_encoder")
 _UNUSED = ("lora_rank", "stdit_variant", "stdit_full_attention_layers", "num_query_groups")
 
 
@@ -203,7 +206,7 @@ def _load_init_from(model: WanModel, path) -> None:
 # Rules
 # ----------------------------------------------------------------------------------------------
 def _check_common(config: Config, world_size: int) -> None:
-    m, d, default = config.model, config.data, type(config.model)()
+    m, default = config.model, type(config.model)()
     name = m.family
     for field in _UNUSED:
         if getattr(m, field) != getattr(default, field):
@@ -217,12 +220,7 @@ def _check_common(config: Config, world_size: int) -> None:
             f"model.rope_theta ({m.rope_theta!r}) must be {WAN_ROPE_THETA} for model.family "
             f"{name!r} (Wan's RoPE)"
         )
-    if d.source != "shards" or d.text_embed_dim is None:
-        raise ValueError(
-            f"data.source ({d.source!r}) must be 'shards' with data.text_embed_dim set (got "
-            f"{d.text_embed_dim!r}) for model.family {name!r}: Wan trains on precomputed "
-            f"Wan-VAE latents + UMT5 embeddings (`megatron-video precompute`)"
-        )
+    _check_source(config)
     grid = token_grid_of(config)
     if max(grid) > WAN_FIXED["rope_max_seq_len"]:
         raise ValueError(
@@ -232,6 +230,29 @@ def _check_common(config: Config, world_size: int) -> None:
     if m.init_from is not None:
         _check_init_from(config)
     _check_i2v(config)
+
+
+def _check_source(config: Config) -> None:
+    d, name = config.data, config.model.family
+    if d.source == "energon":
+        return check_raw_video(config)
+    if d.source != "shards":
+        raise ValueError(
+            f"data.source ({d.source!r}) must be 'shards' (`megatron-video precompute`) or "
+            f"'energon' (raw clips encoded in the step) for model.family {name!r}: Wan has no "
+            f"procedural source (its captions need a text encoder)"
+        )
+    if d.text_embed_dim is None:
+        raise ValueError(
+            f"data.text_embed_dim (None) must be set with data.source 'shards' for model.family "
+            f"{name!r}: Wan trains on the UMT5 embeddings `megatron-video precompute "
+            f"--text-encoder` stores"
+        )
+    if d.text_encoder is not None:
+        raise ValueError(
+            f"data.text_encoder ({d.text_encoder!r}) is read with data.source 'energon' only "
+            f"(shards hold precomputed caption embeddings); leave it null"
+        )
 
 
 def _check_i2v(config: Config) -> None:
@@ -272,10 +293,18 @@ def _check_wan_ar(config: Config, world_size: int) -> None:
 @dataclass(frozen=True, kw_only=True)
 class WanFamily(DiffusionFamily):
     """``DiffusionFamily`` (batches, layouts) with ``WanModel``, its config and objectives; no
-    project VAE (latents come precomputed)."""
+    project VAE: latents come precomputed, or from raw clips through ``vae.diffusers``."""
 
     needs_vae: bool = False
     model_fields: tuple = _FIELDS
+
+    @property
+    def reads_raw_video(self) -> bool:
+        return True
+
+    def raw_video_encoders(self, config: Config):
+        """``wan_raw.WanRawEncoders`` with ``data.source: energon``, else None (shards)."""
+        return raw_encoders(config) if config.data.source == "energon" else None
 
     def transformer_config(self, config: Config, has_gpu: bool = False) -> WanConfig:
         return wan_transformer_config(config, has_gpu)

@@ -1,0 +1,303 @@
+"""Wan (``wan`` / ``wan_ar``) trained from raw video (``data.source: energon``,
+training/families/wan_raw.py): each CP rank decodes and encodes only its own halo windows with the
+diffusers ``AutoencoderKLWan`` of ``vae.diffusers``; captions go through ``data.text_encoder``.
+
+* Oracle (float64): the latents every rank trains on at U2xR2 (contiguous frames for ``wan``,
+  Balanced SP's two copies for ``wan_ar``) equal diffusers' own full-clip encoding, sliced to the
+  rank's frames, for tiny Wan 2.1 and Wan 2.2 VAEs; a halo-0 control differs.
+* One step of the trainer at U2xR2 from raw clips equals the same step from shards that
+  ``precompute`` wrote from the same clips (the independent check of encoding in the partition),
+  with and without ``data.buckets``; train, save and resume from raw clips.
+* Wrong inputs: ``ValueError`` naming the field, its value and the rule.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from megatron_video.testing.wan import (  # noqa: E402
+    TEXT_DIM,
+    TEXT_LEN,
+    save_tiny_umt5,
+    save_tiny_wan_transformer,
+    save_tiny_wan_vae,
+    tiny_wan_config,
+)
+
+CP4 = dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2)
+# (name, count, raw frames, height, width): 125 x 16 x 16 -> 32 x 2 x 2 latents (Wan 2.1's 8x;
+# 32 x 1 x 1 at Wan 2.2's 16x): long enough that later ranks' windows start after frame 0 (the
+# tiny Wan 2.1 VAE's exact halo is 19 latents)
+CLIPS = (("a", 2, 125, 16, 16),)
+MIXED = (("long", 2, 13, 32, 48), ("tall", 2, 9, 48, 32), ("square", 2, 5, 32, 32))
+
+
+def _videos(src, clips):
+    from megatron_video.data.energon_video import write_procedural_videos
+
+    for seed, (name, n, frames, h, w) in enumerate(clips):
+        write_procedural_videos(src / name, n, num_frames=frames, height=h, width=w, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """Raw clips (one shape, and mixed shapes), tiny Wan 2.1 / 2.2 VAEs, a tiny UMT5 trained on
+    the captions, a tiny Wan transformer to start from."""
+    from megatron_video.data.energon_video import prepare_dataset
+
+    root = tmp_path_factory.mktemp("wan_raw")
+    _videos(root / "src", CLIPS)
+    _videos(root / "msrc", MIXED)
+    prepare_dataset(root / "src", root / "ds")
+    prepare_dataset(root / "msrc", root / "mds")
+    captions = [p.read_text() for p in sorted(root.glob("*src/*/*.txt"))]
+    save_tiny_umt5(root / "umt5", captions)
+    save_tiny_wan_vae(root / "vae21")
+    save_tiny_wan_vae(root / "vae22", z_dim=48, wan22=True)
+    save_tiny_wan_transformer(root / "transformer", _config(root, "wan"))
+    return root
+
+
+def _config(root, family, vae="vae21", source="energon", buckets=False, **parallel):
+    """``testing.wan.tiny_wan_config`` on the 125-frame clips (or, with ``buckets``, the mixed
+    clips on ``testing.mixed``'s Wan grid) read raw, or from ``root / shards``."""
+    from megatron_video.testing.mixed import WAN_MIXED_GRID
+
+    cfg = tiny_wan_config(family, root, root / ("mshards" if buckets else "shards"), **parallel)
+    d = cfg.data
+    d.num_frames, d.height, d.width = (13, 32, 48) if buckets else (125, 16, 16)
+    if buckets:
+        d.buckets = dict(WAN_MIXED_GRID, tokens_per_microbatch=64)
+        cfg.train.micro_batch_size = 1
+    if source == "energon":
+        d.source, d.shards = "energon", None
+        d.path, d.text_encoder = str(root / ("mds" if buckets else "ds")), str(root / "umt5")
+    cfg.vae.diffusers = str(root / vae)
+    cfg.vae.latent_channels = 48 if vae == "vae22" else 4
+    cfg.model.init_from = str(root / "transformer") if vae == "vae21" else None
+    return cfg
+
+
+def _decode(path) -> torch.Tensor:
+    """The video's frames (PyAV) in [-1, 1] as the reader rounds them (float32), then float64."""
+    import av
+
+    with av.open(str(path)) as c:
+        x = torch.stack([torch.from_numpy(f.to_ndarray(format="rgb24")) for f in c.decode(video=0)])
+    return (x.float() / 127.5 - 1).double().permute(3, 0, 1, 2)
+
+
+def _oracle(root, vae_name) -> dict:
+    """key -> diffusers' own float64 full-clip encoding, normalised as Wan's pipelines do."""
+    from diffusers import AutoencoderKLWan
+
+    from megatron_video.data.energon_video import dataset_records
+
+    vae = AutoencoderKLWan.from_pretrained(str(root / vae_name)).double().eval()
+    c = vae.config
+    mean = torch.tensor(c.latents_mean, dtype=torch.float64).view(1, -1, 1, 1, 1)
+    std = torch.tensor(c.latents_std, dtype=torch.float64).view(1, -1, 1, 1, 1)
+    out = {}
+    for r in dataset_records(root / "ds"):
+        with torch.no_grad():
+            mu = vae.encode(_decode(root / "src" / r["source"])[None]).latent_dist.mean
+        out[r["key"]] = ((mu - mean) / std)[0]
+    return out
+
+
+@pytest.mark.parametrize("vae", ["vae21", "vae22"])
+@pytest.mark.parametrize("family", ["wan", "wan_ar"])
+def test_rank_latents_equal_full_clip_encoding(root, family, vae):
+    """Float64, U2xR2: each rank's latents from raw frames (its halo windows only, the exact
+    halo) equal the full-clip encoding at its frames (<= 1e-10 relative) and are zero elsewhere;
+    the micro-batch it trains on is their patchified float32 copy; halo 0 differs."""
+    from megatron_video.models.embedders import patchify
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.fixed import FixedBatchMaker
+    from megatron_video.training.families import get_family
+
+    cfg = _config(root, family, vae)
+    cfg.model.patch_size = [1, 1, 1]  # (Wan 2.2's 1 x 1 latent)
+    fam = get_family(family)
+    enc = fam.raw_video_encoders(cfg)
+    enc.encoder.vae.double()
+    oracle = _oracle(root, vae)
+    layout = fam.sample_layout(cfg, 4).layout
+    worst, control = 0.0, 0.0
+    for halo in ("auto", 0):
+        cfg.vae.halo_latents = halo
+        for r in range(4):
+            coords = RankCoords(cp_rank=r, ulysses_size=2, ring_size=2)
+            bm = FixedBatchMaker(cfg, coords, vae=enc, layout=layout)
+            keys = bm.ids[:2]
+            full = torch.stack([oracle[k] for k in keys])
+            scale = float(full.abs().max())
+            lat = bm._latents(keys)
+            assert lat.dtype == torch.float64
+            mine = bm.frames
+            err = float((lat.index_select(2, mine) - full.index_select(2, mine)).abs().max())
+            if halo == 0:
+                control = max(control, err / scale)
+                continue
+            assert bm.source.halo > 0
+            worst = max(worst, err / scale)
+            others = sorted(set(range(full.shape[2])) - set(mine.tolist()))
+            assert float(lat[:, :, others].abs().max()) == 0.0  # not encoded on this rank
+            mb = bm.micro_batch(0, keys)
+            ref = patchify(full.index_select(2, mine).float(), (1, 1, 1))
+            assert torch.allclose(mb.clean, ref, atol=1e-5 * scale, rtol=0)
+            assert mb.caption_ids.shape == (2, TEXT_LEN, TEXT_DIM)
+            wins = [w for k in keys for w in bm.source.windows(k, [tuple(s) for s in bm.segments])]
+            if r == 3:
+                assert any(w.raw_start > 0 for w in wins)  # a later rank reads its own window
+    assert worst <= 1e-10, worst
+    assert control > 1e-6, control  # no halo: the encoding is not exact
+    print(f"{family} {vae}: rel err exact halo {worst:.1e}, halo 0 {control:.1e}")
+
+
+def test_captions_are_the_text_encoders(root):
+    """The raw source's caption embeddings are the UMT5's, as ``precompute`` stores them."""
+    from megatron_video.data.text import HFTextEncoder
+    from megatron_video.training.batches.clips import clip_source
+    from megatron_video.training.families import get_family
+
+    cfg = _config(root, "wan")
+    src = clip_source(cfg, get_family("wan").raw_video_encoders(cfg))
+    text = HFTextEncoder.from_pretrained(str(root / "umt5"), TEXT_LEN)
+    for k in src.ids:
+        emb, mask = src.text(k)
+        ref_emb, ref_mask = text([src.caption(k)])
+        assert src.caption(k) and torch.equal(mask, ref_mask[0]) and torch.equal(emb, ref_emb[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer: raw clips against precomputed shards of the same clips; resume
+# ---------------------------------------------------------------------------------------------
+def _precompute(root, buckets: bool) -> None:
+    from megatron_video.data.text import HFTextEncoder
+    from megatron_video.training.precompute import precompute_latents
+
+    out = root / ("mshards" if buckets else "shards")
+    if not out.exists():
+        text = HFTextEncoder.from_pretrained(str(root / "umt5"), TEXT_LEN)
+        cfg = _config(root, "wan", buckets=buckets)
+        precompute_latents(cfg, out, text_encoder=text)
+
+
+def _trainer_step(cfg) -> float:
+    import warnings
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    trainer = Trainer(cfg, progress=False, cpu=True)
+    try:
+        return trainer.forward_backward(0)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    "family, buckets", [("wan", False), ("wan_ar", False), ("wan", True), ("wan_ar", True)]
+)
+def test_one_step_from_raw_equals_precomputed_shards(pool4, root, family, buckets):
+    """One step at U2xR2: raw clips encoded per CP rank (halo windows) vs ``precompute``'s shards
+    of the same clips (whole clips, SP 1); the same seed, float32."""
+    from megatron_video.training.config import validate
+
+    _precompute(root, buckets)
+    losses = {}
+    for source in ("energon", "shards"):
+        cfg = _config(root, family, source=source, buckets=buckets, **CP4)
+        validate(cfg, 4)
+        losses[source] = pool4.run(_trainer_step, cfg, ranks_per_node=2)
+    assert len(set(losses["energon"])) == 1 and len(set(losses["shards"])) == 1, losses
+    raw, ref = losses["energon"][0], losses["shards"][0]
+    assert math.isfinite(raw) and abs(raw - ref) <= 1e-5 * abs(ref), losses
+    msg = (
+        f"{family} buckets={buckets}: loss raw {raw:.8f} shards {ref:.8f} |d| {abs(raw - ref):.1e}"
+    )
+    if not buckets:  # control: without the halo, the later ranks' latents (and the loss) differ
+        cfg = _config(root, family, **CP4)
+        cfg.vae.halo_latents = 0
+        bare = pool4.run(_trainer_step, cfg, ranks_per_node=2)[0]
+        assert abs(bare - ref) > 1e-4 * abs(ref), (bare, ref)
+        msg += f"; halo 0: {bare:.8f}"
+    print(msg)
+
+
+def _run(cfg, steps: int) -> None:
+    import warnings
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg.train.steps = steps
+    t = Trainer(cfg, progress=False, cpu=True)
+    try:
+        t.run()
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("family", ["wan", "wan_ar"])
+def test_train_from_raw_clips_and_resume(pool4, root, tmp_path, family):
+    """2 steps from raw clips with checkpoints, then the same run resumed to step 3: the first two
+    losses kept, every loss finite, the ledger extended."""
+    from megatron_video.training import checkpoint as ckpt
+
+    cfg = _config(root, family, **CP4)
+    cfg.output = str(tmp_path / "run")
+    cfg.train.save = cfg.train.resume = True
+    pool4.run(_run, cfg, 2, ranks_per_node=2)
+    first = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    pool4.run(_run, cfg, 3, ranks_per_node=2)
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    assert ckpt.latest_step(tmp_path / "run" / "checkpoints") == 3 and len(history) == 3
+    assert [h["loss"] for h in history[:2]] == [h["loss"] for h in first]
+    assert all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in history)
+
+
+# ---------------------------------------------------------------------------------------------
+# wrong inputs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(diffusers=None), r"vae.diffusers \(None\) must name a local diffusers"),
+        (dict(text_encoder=None), r"data.text_encoder \(None\) must name a .*UMT5 / T5 folder"),
+        (dict(text_embed_dim=16), r"data.text_embed_dim \(16\) must equal the d_model \(32\)"),
+        (dict(text_encoder="nowhere"), r"data.text_encoder \('nowhere'\) must be a local UMT5"),
+        (dict(latent_channels=8), r"vae.latent_channels \(8\) must equal the VAE's latent"),
+        (dict(source="synthetic"), r"data.source \('synthetic'\) must be 'shards' .* or 'energon'"),
+    ],
+)
+def test_wrong_inputs_name_the_field(root, change, match):
+    from megatron_video.training.config import validate
+
+    cfg = _config(root, "wan", **CP4)
+    for key, value in change.items():
+        setattr(cfg.vae if key in ("diffusers", "latent_channels") else cfg.data, key, value)
+    if change.get("source") == "synthetic":
+        cfg.data.text_embed_dim = cfg.data.text_encoder = None
+    if "latent_channels" in change:
+        cfg.model.init_from = None
+    with pytest.raises(ValueError, match=match):
+        validate(cfg, 4)
+
+
+def test_text_encoder_is_refused_where_unread(root):
+    from megatron_video.training.config import validate
+
+    cfg = _config(root, "wan", source="shards", **CP4)
+    cfg.data.text_encoder = str(root / "umt5")
+    with pytest.raises(ValueError, match=r"data.text_encoder \('.*umt5'\) is read with data"):
+        validate(cfg, 4)
+    cfg = _config(root, "video_dit", **CP4)
+    cfg.model.init_from = None
+    with pytest.raises(ValueError, match=r"data.text_encoder \('.*'\) is not a field of model"):
+        validate(cfg, 4)
