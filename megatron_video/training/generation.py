@@ -234,8 +234,8 @@ def _held_out(config: Config, b: int):
 
 
 def wan_training_sample(trainer, num_samples: int):
-    """``train.sample`` of the Wan families: the captions of the first held-out micro-batch (precomputed
-    UMT5 embeddings; there is no text encoder in training), generated (CFG against empty text)
+    """``train.sample`` of the Wan families: the captions of the first held-out micro-batch (UMT5
+    embeddings: precomputed, or by ``data.text_encoder`` for raw clips), generated (CFG against empty text)
     into latents ``{"latents": [b, C, F, h, w], "frames": F}`` on the logging rank, with
     ``"video" [b, 3, T, H, W]`` decoded by ``vae.diffusers`` when the config names one; None
     elsewhere (collective)."""
