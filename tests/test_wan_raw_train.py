@@ -301,3 +301,15 @@ def test_text_encoder_is_refused_where_unread(root):
     cfg.model.init_from = None
     with pytest.raises(ValueError, match=r"data.text_encoder \('.*'\) is not a field of model"):
         validate(cfg, 4)
+
+
+def test_yaml_paths_are_relative_to_the_file(tmp_path):
+    """``data.text_encoder`` in a YAML file is relative to that file, as ``vae.diffusers``."""
+    from megatron_video.training.config import load_config
+
+    (tmp_path / "cfg").mkdir()
+    path = tmp_path / "cfg" / "raw.yaml"
+    path.write_text("data:\n  text_encoder: umt5\nvae:\n  diffusers: ../vae\n")
+    cfg = load_config(str(path))
+    assert cfg.data.text_encoder == str(tmp_path / "cfg" / "umt5")
+    assert cfg.vae.diffusers == str(tmp_path / "vae")
