@@ -296,7 +296,9 @@ def _pretrain_entry_step(yaml_path):
         loss, logs = loss_func(out)
         loss.backward()
         grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
-        return float(logs["loss"]), grads, len(train), valid, "megatron.training" in sys.modules
+        total, count = logs["loss"].tolist()  # Megatron's (sum, count) of the logged loss
+        assert count == 1.0
+        return total, grads, len(train), valid, "megatron.training" in sys.modules
     finally:
         destroy_video_parallel()
         destroy_model_parallel()

@@ -228,7 +228,9 @@ def _entry_vs_trainer(tmp):
         assert half.vision_model.config.bf16 and half.vision_projection.config.bf16
         assert set(map(frozenset, linear_dtypes(half).values())) == {frozenset({torch.bfloat16})}
         assert set(map(frozenset, linear_dtypes(model).values())) == {frozenset({torch.float32})}
-        return trainer_loss, float(logs["loss"]), grads, len(train), valid
+        total, count = logs["loss"].tolist()  # Megatron's (sum, count) of the logged loss
+        assert count == 1.0
+        return trainer_loss, total, grads, len(train), valid
     finally:
         destroy_video_parallel()
         destroy_model_parallel()

@@ -426,7 +426,9 @@ def _pretrain_entry_step(yaml_path, seq_length):
         loss, logs = loss_func(out)
         loss.backward()
         grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
-        return float(logs["loss"]), grads
+        total, count = logs["loss"].tolist()  # Megatron's (sum, count) of the logged loss
+        assert count == 1.0
+        return total, grads
 
 
 @pytest.mark.parametrize("family, seq_length", [("wan", 24), ("wan_ar", 48)])
