@@ -139,6 +139,7 @@ def _generate_as_documented(tmp_path):
 
 # parameters of the released models (diffusers' WanTransformer3DModel of each size), to 0.5 %
 WAN_PARAMS = {"wan2.1_t2v_1.3b": 1.419e9, "wan2.1_t2v_14b": 14.289e9, "wan2.2_ti2v_5b": 4.999e9}
+WAN_PARAMS["wan22_ti2v_5b_longlive"] = WAN_PARAMS["wan2.2_ti2v_5b"]  # the same model, AR
 
 
 @pytest.mark.parametrize("path", FULL, ids=[p.stem for p in FULL])
