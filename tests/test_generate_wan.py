@@ -2,7 +2,9 @@
 4-rank pool (CP 2: Ulysses 2), a tiny random UMT5 (``--text-encoder``) and Wan VAE (the
 checkpoint's ``vae.diffusers``) saved here. The command, run in this process (CP 1), writes an mp4
 of the asked frames (longer than the trained 13), its latents equal the in-process streaming
-generator (``Generator.ar_blocks`` on the trainer's model, CP 2) for the same seed and prompts, and
+generator (``Generator.ar_blocks`` on the trainer's model, CP 2) for the same seed and prompts; the
+same command on every rank of a 2-rank pool (as under ``torchrun``: CP 2) gives the same
+latents, and on 4 ranks (a block's 6 tokens do not split) exits naming the rule on every rank;
 a missing or wrong folder is a ValueError naming ``--text-encoder`` / ``--vae``."""
 
 from __future__ import annotations
@@ -55,6 +57,26 @@ def _config(tmp, tiny_wan_config):
     return cfg
 
 
+def _generate_on_every_rank(argv):
+    """``megatron-video generate`` run by every rank of a pool, as ``torchrun`` would: the command
+    joins the initialised world (CP over all its ranks). Returns (exit status, stderr, latents)."""
+    import contextlib
+    import io
+
+    from megatron_video.training import generation
+    from megatron_video.training.cli import main
+
+    real, results = generation.generate, []
+    generation.generate = lambda *a, **k: results.append(real(*a, **k)) or results[-1]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = main(argv)
+    finally:
+        generation.generate = real
+    return rc, err.getvalue(), results[0].get("tokens") if results else None
+
+
 def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     import contextlib
     import io
@@ -63,6 +85,7 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     from diffusers import AutoencoderKLWan
     from PIL import Image
 
+    from megatron_video.testing.pool import WorkerPool
     from megatron_video.testing.wan import (
         save_tiny_umt5,
         save_tiny_wan_vae,
@@ -95,6 +118,23 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     err = float((got - ref).abs().max())
     print(f"generate vs in-process streaming (CP 1 vs CP 2, fp32): max |diff| {err:.2e}")
     assert got.shape == ref.shape == (1, 6 * 2 * 3, 16) and err <= 1e-4, err
+
+    i = argv.index("--output")  # the command under torchrun: CP over the whole world
+    cp_argv = argv[: i + 1] + [str(out) + "_cp2"] + argv[i + 2 :]
+    pool2 = WorkerPool(2, ranks_per_node=2)
+    try:
+        (rc, msg, cp2), (rc1, _, other) = pool2.run(_generate_on_every_rank, cp_argv)
+    finally:
+        pool2.close()
+    assert rc == rc1 == 0, msg
+    err2 = float((cp2 - got).abs().max())
+    print(f"generate at CP 2 (Ulysses 2) vs CP 1 (fp32): max |diff| {err2:.2e}")
+    assert cp2.shape == got.shape and err2 <= 1e-4 and other is None, err2  # rank 0 writes
+    with av.open(str(out) + "_cp2.mp4") as c:
+        assert sum(1 for _ in c.decode(video=0)) == FRAMES
+    # a world of 4 cannot split a block's 6 tokens: every rank names the rule, nothing hangs
+    for rc, msg, _ in pool4.run(_generate_on_every_rank, cp_argv):
+        assert rc == 2 and "must be divisible by the CP size (4)" in msg, msg
 
     # --image: latent frame 0 is the image encoded by diffusers' own VAE (normalised, patchified
     # here), held through block 0; the later frames follow from it
