@@ -1,15 +1,17 @@
 """The planner against measurements and published figures (docs/planner.md).
 
-(a) This machine, ``cpu`` profile: per-rank step time (forward + backward of one step, the max over
-    the 4 gloo ranks, median of ``--iters``) and peak live tensor bytes of the tiny configs at
-    several layouts, next to the planner's prediction. The profile's free constants (compute rate,
-    per-layer overhead, per-call latency) are fitted on the ``FIT`` layouts by a grid search and
-    the error is reported on the others; the predicted ranking of the layouts is compared with the
-    measured one.
+(a) This machine, ``cpu`` profile, at ``--world 2`` (a rank per core, as the planner models a
+    device per rank) and ``4`` (two ranks per core): per-rank step time (forward + backward, the
+    max over the ranks, the fastest of ``--iters``; each step's batches are made before the timer,
+    their time printed apart) and peak live tensor bytes of a tiny ``video_dit`` at several
+    layouts, next to the planner's prediction. The profile's constants come from the ``FIT``
+    layouts (``_fit``); the error on the others is what it predicts. Rankings: strict, and the
+    pairs measured apart by more than their run-to-run spread.
 (b) The NeMo video-foundation-model paper (reference/nemo-video-foundation-models.txt): ST-DiT
     7B / 12B TFLOP/s per GPU at 74k / 35k tokens and the DiT-7B layout finding, predicted by
     ``megatron-video plan`` on H100 with the model shapes written next to each row.
-Run: ``python benchmarks/planner.py [--iters 3] [--skip-measure]``.
+Run: ``python benchmarks/planner.py [--iters 7] [--world 2 4] [--save F | --load F]``; the rows
+docs/benchmarks.md reports are ``benchmarks/planner_measured.json`` (``--load`` refits them).
 """
 
 from __future__ import annotations
@@ -17,33 +19,103 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import statistics
 import time
+from pathlib import Path
 
-LAYOUTS = [  # (name, parallel fields), 4 ranks on one node
-    ("DP4", dict()),
-    ("U2 DP2", dict(context_parallel_size=2, ulysses_size=2)),
-    ("R2 DP2", dict(context_parallel_size=2, ring_size=2)),
-    ("U4", dict(context_parallel_size=4, ulysses_size=4)),
-    ("R4", dict(context_parallel_size=4, ring_size=4)),
-    ("U2 R2", dict(context_parallel_size=4, ulysses_size=2, ring_size=2)),
-    ("TP2 DP2", dict(tensor_model_parallel_size=2)),
-    ("U2 R2 rc", dict(context_parallel_size=4, ulysses_size=2, ring_size=2, recompute=True)),
-]
-FIT = ("DP4", "U4", "R4", "TP2 DP2")
+LAYOUTS = {  # world -> [(name, parallel fields)], one node
+    # one rank per core of the 2-core machine: what the planner models (a device per rank)
+    2: [
+        ("DP2", dict()),
+        ("DP2 rc", dict(recompute=True)),
+        ("DP2 x2", dict(frames=57)),  # twice the tokens (16 latent frames): the per-token rate
+        ("U2", dict(context_parallel_size=2, ulysses_size=2)),
+        ("R2", dict(context_parallel_size=2, ring_size=2)),
+        ("TP2", dict(tensor_model_parallel_size=2)),
+        ("PP2", dict(pipeline_model_parallel_size=2)),
+        ("U2 rc", dict(context_parallel_size=2, ulysses_size=2, recompute=True)),
+        ("R2 rc", dict(context_parallel_size=2, ring_size=2, recompute=True)),
+        ("TP2 rc", dict(tensor_model_parallel_size=2, recompute=True)),
+    ],
+    # two ranks per core: every collective waits for a time slice (not a device per rank)
+    4: [
+        ("DP4", dict()),
+        ("DP4 rc", dict(recompute=True)),
+        ("U2 DP2", dict(context_parallel_size=2, ulysses_size=2)),
+        ("R2 DP2", dict(context_parallel_size=2, ring_size=2)),
+        ("U4", dict(context_parallel_size=4, ulysses_size=4)),
+        ("R4", dict(context_parallel_size=4, ring_size=4)),
+        ("U2 R2", dict(context_parallel_size=4, ulysses_size=2, ring_size=2)),
+        ("TP2 DP2", dict(tensor_model_parallel_size=2)),
+        ("U2 R2 rc", dict(context_parallel_size=4, ulysses_size=2, ring_size=2, recompute=True)),
+    ],
+}
+FIT = {
+    2: ("DP2", "DP2 rc", "DP2 x2", "U2", "R2", "TP2", "U2 rc"),
+    4: ("DP4", "DP4 rc", "U4", "R4", "TP2 DP2", "U2 R2 rc"),
+}
+# the teacher-forcing AR DiT at some of the same layouts, predicted with the profile fitted on
+# video_dit (no refit: another attention mask, Balanced SP's [clean ; noisy] sequence)
+OTHER = ("ar_dit", {2: ("DP2", "U2", "R2", "TP2", "U2 rc"), 4: ("DP4", "U2 DP2", "U4", "U2 R2")})
+TMP = "runs/bench_planner"
 BENCH_MODEL = dict(num_frames=29, height=32, width=32)  # 8 latent frames of 4 x 4: 128 tokens
 
 
-def _config(tmp, family, par):
+def _config(tmp, family, par, world):
     from megatron_video.testing.configs import tiny_config
 
-    cfg = tiny_config(family, tmp, ranks_per_node=4, **par)
-    cfg.data = dataclasses.replace(cfg.data, **BENCH_MODEL)
+    par = dict(par)
+    frames = par.pop("frames", BENCH_MODEL["num_frames"])
+    cfg = tiny_config(family, tmp, ranks_per_node=world, **par)
+    cfg.data = dataclasses.replace(cfg.data, **{**BENCH_MODEL, "num_frames": frames})
     cfg.model.hidden_size, cfg.model.num_attention_heads = 96, 4
     return cfg
 
 
-def _measure(tmp, family, par, iters):
+def _tensors(x, out):
+    """Every tensor inside a micro-batch (dataclasses, sequences, dicts)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            _tensors(getattr(x, f.name), out)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, out)
+    return out
+
+
+def _prefetch(t, step, make):
+    """The step's micro-batches made now, outside the timer and the memory count: the planner
+    models the model's step; the data path (procedural clips, the per-rank VAE) is timed apart.
+    Returns (seconds it took, the batches' tensors)."""
+    t0 = time.perf_counter()
+    mbs = list(make(step))
+    t.batches.step_batches = lambda s, _m=mbs: iter(_m)
+    return time.perf_counter() - t0, _tensors(mbs, [])
+
+
+def _forward_only(t, step):
+    """The step's forward alone, with autograd recording (as a recomputed forward runs)."""
+    t.ddp.train()
+    t.forward_backward_func(
+        forward_step_func=t._forward_step,
+        data_iterator=t.batches.step_batches(step),
+        model=[t.ddp],
+        num_microbatches=t.num_microbatches,
+        seq_length=t.seq_length,
+        micro_batch_size=t.config.train.micro_batch_size,
+        forward_only=True,
+    )
+
+
+def _measure(tmp, family, par, iters, world):
     import warnings
 
     import torch.distributed as dist
@@ -52,20 +124,34 @@ def _measure(tmp, family, par, iters):
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    t = Trainer(_config(tmp, family, par), progress=False)
+    t = Trainer(_config(tmp, family, par, world), progress=False)
+    make = t.batches.step_batches
     try:
         t.forward_backward(0)
-        times = []
+        times, data, fwd = [], [], []
         for i in range(iters):
+            data.append(_prefetch(t, i + 1, make)[0])
             dist.barrier()
             t0 = time.perf_counter()
             t.forward_backward(i + 1)
             times.append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            _forward_only(t, i + 1)
+            fwd.append(time.perf_counter() - t0)
         held = tuple(t.ddp.parameters()) + tuple(_grad_buffers(t.ddp))
-        with LiveTensors(exclude=held) as live:  # what the step allocates beyond its state
+        batch = tuple(_prefetch(t, iters + 1, make)[1])
+        with LiveTensors(exclude=held + batch) as live:  # what the step allocates beyond its state
             t.forward_backward(iters + 1)
         state = sum(x.numel() * x.element_size() for x in held)
-        return statistics.median(times), live.peak, state
+        return (
+            min(times),
+            live.peak,
+            state,
+            statistics.median(data),
+            min(fwd),
+            statistics.median(times),
+        )
     finally:
         t.close()
 
@@ -74,85 +160,167 @@ def _grad_buffers(ddp):
     return [b.grad_data for b in getattr(ddp, "buffers", [])]
 
 
-def _predict(cfg, layout_fields, hw):
+def _predict(cfg, world, hw):
     from megatron_video.planner import Cluster, Layout, step_cost
     from megatron_video.training.planning import model_shape
 
     p = cfg.parallel
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    lay = Layout(tp, 1, 4 // (tp * cp), p.ulysses_size, p.ring_size, p.recompute, 1)
-    cl = Cluster(4, 4, cfg.train.global_batch_size, distributed_optimizer=False)
+    tp, cp, pp = (
+        p.tensor_model_parallel_size,
+        p.context_parallel_size,
+        p.pipeline_model_parallel_size,
+    )
+    dp = world // (tp * cp * pp)
+    lay = Layout(tp, pp, dp, p.ulysses_size, p.ring_size, p.recompute, 1)
+    cl = Cluster(world, world, cfg.train.global_batch_size, distributed_optimizer=False)
     return step_cost(model_shape(cfg), lay, cl, hw)
 
 
-def _fit(rows, hw):
-    """Grid search of the cpu profile's compute rate, per-layer overhead and per-call latency
-    minimising the squared relative step-time error on the FIT layouts."""
-    best = None
-    grid = itertools.product(
-        [10**x for x in (8.5, 9.0, 9.5, 10.0, 10.5, 11.0)],
-        [10**x for x in (-4.0, -3.5, -3.0, -2.5, -2.0)],
-        [10**x for x in (-5.0, -4.5, -4.0, -3.5, -3.0, -2.5, -2.0)],
+FREE = ("peak_flops", "layer_overhead_s", "nvlink_lat", "attn_call_overhead_s")
+
+
+def _profile(hw, x):
+    """``hw`` with the free constants ``x`` (compute time per FLOP, per-layer overhead, per-call
+    latency, per-attention-call overhead; zeros allowed)."""
+    inv_peak, over, lat, call = (float(v) for v in x)
+    return dataclasses.replace(
+        hw,
+        peak_flops=1.0 / inv_peak if inv_peak > 0 else 1e30,
+        layer_overhead_s=over,
+        nvlink_lat=lat,
+        ib_lat=lat,
+        attn_call_overhead_s=call,
     )
-    for peak, over, lat in grid:
-        h = dataclasses.replace(
-            hw, peak_flops=peak, layer_overhead_s=over, nvlink_lat=lat, ib_lat=lat
-        )
-        err = sum(
-            (_predict(r["cfg"], None, h).step_s / r["step_s"] - 1) ** 2
-            for r in rows
-            if r["name"] in FIT
-        )
+
+
+def _nnls(a, y):
+    """Non-negative least squares of ``a x = y`` (few columns: every subset, the best feasible)."""
+    import torch
+
+    best = None
+    for active in itertools.product((0, 1), repeat=a.shape[1]):
+        idx = [k for k in range(a.shape[1]) if active[k]]
+        if not idx:
+            continue
+        sol = torch.linalg.lstsq(a[:, idx], y[:, None]).solution[:, 0]
+        if (sol < 0).any():
+            continue
+        x = torch.zeros(a.shape[1], dtype=a.dtype)
+        x[idx] = sol
+        err = float(((a @ x - y) ** 2).sum())
         if best is None or err < best[0]:
-            best = (err, h)
+            best = (err, x)
+    return best
+
+
+def _fit(rows, hw, world):
+    """The cpu profile from the FIT layouts. The backward's fixed per-layer time as a multiple of
+    the forward's comes from DP over the whole world (no communication: step time over
+    forward-only time, less one). For a given recompute cost (a recomputed forward against a
+    forward) the step time is linear in the four free constants (nothing overlaps on ``cpu``):
+    non-negative least squares of the relative step-time error; the recompute cost is the best
+    of a grid."""
+    import torch
+
+    dp = rows[0]  # DP over the whole world
+    hw = dataclasses.replace(hw, backward_overhead=dp["step_s"] / dp["fwd_s"] - 1)
+    fit = [r for r in rows if r["name"] in FIT[world]]
+    meas = torch.tensor([r["step_s"] for r in fit], dtype=torch.float64)
+    best = None
+    for cost in [x / 20 for x in range(10, 41)]:  # 0.5 .. 2 forwards
+        h = dataclasses.replace(hw, recompute_cost=cost)
+
+        def pred(x, h=h):
+            return torch.tensor(
+                [_predict(r["cfg"], world, _profile(h, x)).step_s for r in fit],
+                dtype=torch.float64,
+            )
+
+        zero = pred([0] * 4)
+        basis = torch.stack([pred(u) - zero for u in torch.eye(4, dtype=torch.float64)], dim=1)
+        err, x = _nnls(basis / meas[:, None], 1 - zero / meas)
+        if best is None or err < best[0]:
+            best = (err, _profile(h, x))
     return best[1]
 
 
-def measured_table(iters: int, family: str = "video_dit"):
-    from megatron_video.planner import get_hardware
+MEASURED = ("step_s", "peak", "state", "data_s", "fwd_s", "step_median_s")
+
+
+def measure_rows(iters: int, world: int, family: str = "video_dit", names=None) -> list:
+    """``{name, step_s, peak, state, data_s, fwd_s, step_median_s}`` of the layouts ``names``
+    (default: all) of ``LAYOUTS[world]``, each the max over the ranks."""
     from megatron_video.testing import WorkerPool
     from megatron_video.training.vae_stage import ensure_vae
 
-    tmp = "runs/bench_planner"
-    ensure_vae(_config(tmp, family, {}), progress=False)
+    ensure_vae(_config(TMP, family, {}, world), progress=False)
     rows = []
-    with WorkerPool(4, ranks_per_node=4, timeout=1200) as pool:
-        for name, par in LAYOUTS:
-            per_rank = pool.run(_measure, tmp, family, par, iters)
+    with WorkerPool(world, ranks_per_node=world, timeout=1200) as pool:
+        for name, par in LAYOUTS[world]:
+            if names is not None and name not in names:
+                continue
+            per_rank = pool.run(_measure, TMP, family, par, iters, world)
             rows.append(
-                dict(
-                    name=name,
-                    cfg=_config(tmp, family, par),
-                    step_s=max(r[0] for r in per_rank),
-                    peak=max(r[1] for r in per_rank),
-                    state=max(r[2] for r in per_rank),
-                )
+                dict(name=name, **{k: max(r[i] for r in per_rank) for i, k in enumerate(MEASURED)})
             )
-    hw = _fit(rows, get_hardware("cpu"))
+    return rows
+
+
+def measured_table(saved: dict, world: int):
+    """Fit the cpu profile on ``saved["video_dit"]`` (``measure_rows``), print predicted vs
+    measured for it and, with the same profile, for ``saved[OTHER[0]]`` when there."""
+    from megatron_video.planner import get_hardware
+
+    pars = dict(LAYOUTS[world])
+    fam_rows = {
+        fam: [dict(r, cfg=_config(TMP, fam, pars[r["name"]], world)) for r in rows]
+        for fam, rows in saved.items()
+    }
+    hw = _fit(fam_rows["video_dit"], get_hardware("cpu"), world)
     print(
-        f"(a) {family}, 128 tokens, D 96, 2 layers, fp32, 4 gloo ranks (one node); cpu profile "
-        f"fitted on {', '.join(FIT)}: peak {hw.peak_flops:.3g} FLOP/s, layer overhead "
-        f"{hw.layer_overhead_s * 1e3:.3g} ms, per-call latency {hw.nvlink_lat * 1e6:.3g} us"
+        f"(a) 128 tokens, D 96, 2 layers, fp32, {world} gloo ranks on 2 cores; cpu profile fitted "
+        f"on video_dit {', '.join(FIT[world])}: peak {hw.peak_flops:.3g} FLOP/s, layer overhead "
+        f"{hw.layer_overhead_s * 1e3:.3g} ms (backward {hw.backward_overhead:.2f}x, recompute "
+        f"{hw.recompute_cost:.2f}x a forward), per attention "
+        f"call {hw.attn_call_overhead_s * 1e6:.3g} us, per-call latency {hw.nvlink_lat * 1e6:.3g} us"
     )
+    for fam, rows in fam_rows.items():
+        _print_rows(fam, rows, world, hw, FIT[world] if fam == "video_dit" else ())
+
+
+def _print_rows(family, rows, world, hw, fit):
     print(
-        f"{'layout':<10}{'fit':>4}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
-        f"{'mem meas. MiB':>15}{'mem pred. MiB':>15}{'error':>8}"
+        f"{family:<10}{'fit':>4}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
+        f"{'mem meas. MiB':>15}{'mem pred. MiB':>15}{'error':>8}{'fwd ms':>8}{'data ms':>9}"
     )
     for r in rows:
-        c = _predict(r["cfg"], None, hw)
+        c = _predict(r["cfg"], world, hw)
         r["pred"] = c.step_s
         mem_meas = r["peak"] + r["state"]
         mp = c.mem_parts
         mem_pred = mp["weights"] + mp["grads"] + mp["activations"] + mp["transient"]
         print(
-            f"{r['name']:<10}{'*' if r['name'] in FIT else '':>4}{r['step_s'] * 1e3:>13.1f}"
+            f"{r['name']:<10}{'*' if r['name'] in fit else '':>4}{r['step_s'] * 1e3:>13.1f}"
             f"{c.step_s * 1e3:>14.1f}{c.step_s / r['step_s'] - 1:>8.0%}"
             f"{mem_meas / 2**20:>15.2f}{mem_pred / 2**20:>15.2f}{mem_pred / mem_meas - 1:>8.0%}"
+            f"{r['fwd_s'] * 1e3:>8.1f}{r['data_s'] * 1e3:>9.1f}"
         )
     by_meas = [r["name"] for r in sorted(rows, key=lambda r: r["step_s"])]
     by_pred = [r["name"] for r in sorted(rows, key=lambda r: r["pred"])]
     print(f"measured ranking : {' < '.join(by_meas)}")
     print(f"predicted ranking: {' < '.join(by_pred)}  (equal: {by_meas == by_pred})")
+    # a pair is resolved when its measured gap exceeds both rows' spread (median over min)
+    resolved = wrong = 0
+    for x, y in itertools.combinations(rows, 2):
+        lo, hi = sorted((x, y), key=lambda r: r["step_s"])
+        spread = sum(r["step_median_s"] / r["step_s"] - 1 for r in (lo, hi))
+        if hi["step_s"] / lo["step_s"] - 1 > spread:
+            resolved += 1
+            wrong += lo["pred"] > hi["pred"]
+    print(
+        f"pairs measured apart by more than their spread: {resolved} of "
+        f"{len(rows) * (len(rows) - 1) // 2}, predicted in the other order: {wrong}"
+    )
 
 
 PAPER = [  # (row, family, layers, hidden, heads, latent frames, tokens, published TFLOP/s/GPU)
@@ -217,11 +385,27 @@ def paper_table(gpus: int = 64):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--skip-measure", action="store_true")
+    ap.add_argument(
+        "--world", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS),
+        help="gloo ranks (2: one per core, as the planner models; 4: two per core)",
+    )  # fmt: skip
+    ap.add_argument("--save", help="write the measured rows to this JSON file")
+    ap.add_argument("--load", help="fit and print rows a --save wrote (no measuring)")
     a = ap.parse_args()
-    if not a.skip_measure:
-        measured_table(a.iters)
+    if a.load:
+        saved = json.loads(Path(a.load).read_text())
+        for world, by_family in saved.items():
+            measured_table(by_family, int(world))
+    elif not a.skip_measure:
+        saved = {}
+        for world in a.world:
+            saved[world] = {"video_dit": measure_rows(a.iters, world)}
+            saved[world][OTHER[0]] = measure_rows(a.iters, world, OTHER[0], OTHER[1][world])
+            measured_table(saved[world], world)
+        if a.save:
+            Path(a.save).write_text(json.dumps(saved, indent=1))
     paper_table()
 
 

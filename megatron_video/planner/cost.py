@@ -24,7 +24,10 @@ __all__ = ["ModelShape", "Layout", "Cluster", "StepCost", "traced_bytes", "ring_
 # Activation elements per token and layer kept for the backward: ``D`` + (``D_tp`` + ``F_tp``
 # (per FFN width)) / TP, and ``backward_D`` in flight during a layer's backward; fitted on the tiny
 # video DiT at DP 4 with and without recompute and TP 2 (benchmarks/planner.py reports the rest).
-ACT_PER_TOKEN = dict(D=4, D_tp=9, F_tp=5, backward_D=8)
+# Per-token timesteps (AR DiT's blocks) add ``mod_D`` per token and layer (each token's modulation
+# table and modulated activations) and, once, the timestep embedding (``embed`` + 2 D per token);
+# measured on the tiny AR DiT at DP 2.
+ACT_PER_TOKEN = dict(D=4, D_tp=9, F_tp=5, backward_D=8, mod_D=12, embed=256)
 ATTENTION_KINDS = ("full", "causal", "teacher_forcing", "stdit")
 
 
@@ -49,6 +52,7 @@ class ModelShape:
     in_channels: int = 16
     dtype_bytes: int = 2
     extra_params: int = 0  # embedders, heads, vision tower (not in the layers)
+    per_token_timesteps: bool = False  # a timestep per token: a modulation table per token
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -86,6 +90,17 @@ class ModelShape:
         mlp = 2 * D * F + F + D
         mod = (D * r + r * 9 * D) if r else 6 * D
         return n_self * attn + cross + mlp + mod
+
+    def params_per_rank(self, tp: int, pp: int) -> float:
+        """Parameters on one rank: the layers' column / row-parallel matrices split by ``tp``, the
+        rest (modulation, norms, biases of the row-parallel outputs, embedders) replicated; the
+        whole split by the pipeline stages."""
+        D, F = self.hidden, self.ffn
+        kv = self.kv_heads * self.head_dim
+        n_self = 2 if self.attention == "stdit" else 1
+        split = n_self * (D * (D + 2 * kv) + D * D) + (4 * D * D if self.text_len else 0)
+        split = self.num_layers * (split + 2 * D * F + F)
+        return (split / tp + self.params - split) / pp
 
     @property
     def params(self) -> int:
@@ -282,6 +297,9 @@ def layer_flops(shape: ModelShape, layer: int) -> Tuple[float, float]:
     if shape.text_len:
         lin += 4 * S * D * D + 4 * shape.text_len * D * D
         attn += 4 * S * shape.text_len * D
+    if shape.per_token_timesteps:  # each token's modulation table (AdaLN-LoRA or full)
+        r = shape.lora_rank
+        lin += 2 * S * (D * r + r * 9 * D if r else 6 * D)
     return float(lin), float(attn)
 
 
@@ -294,7 +312,7 @@ def _link(layout: Layout, stride: int, size: int, cluster: Cluster, hw: Hardware
 def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: int):
     """``{part: bytes}`` per rank of the first pipeline stage (the one holding most in flight)."""
     e, D, F = shape.dtype_bytes, shape.hidden, shape.ffn
-    p_rank = (shape.params / layout.pp) / layout.tp
+    p_rank = shape.params_per_rank(layout.tp, layout.pp)
     shard = layout.dp * layout.cp if cluster.distributed_optimizer else 1
     weights = p_rank * e
     grads = p_rank * ASSUMPTIONS["grad_bytes_per_param"]
@@ -307,8 +325,11 @@ def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: in
     # recompute only the layer input, plus the recomputed layer while its backward runs
     a = ACT_PER_TOKEN
     per_layer = a["D"] * D + (a["D_tp"] * D + a["F_tp"] * F) / layout.tp
+    per_layer += a["mod_D"] * D if shape.per_token_timesteps else 0
     back = a["backward_D"] * D  # gradients in flight through one layer
     stored = (D if layout.recompute else per_layer) * tokens * e * layers
+    if shape.per_token_timesteps:  # the timestep embedding, once (the first stage)
+        stored += (a["embed"] + 2 * D) * tokens * e
     transient = ((per_layer if layout.recompute else 0) + back) * tokens * e
     in_flight = min(microbatches, layout.pp)
     return dict(
@@ -330,12 +351,21 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
         a, c = layer_flops(shape, layer)
         lin, attn = lin + a, attn + c
     fwd_lin, fwd_attn = b * lin / (lay.tp * N), b * attn / (lay.tp * N)
-    mult = 1 + A["backward_factor"] + (A["recompute_factor"] if lay.recompute else 0)
+    rc = A["recompute_factor"] * hw.recompute_cost if lay.recompute else 0
+    mult = 1 + A["backward_factor"] + rc
     t_attn = mult * fwd_attn / (hw.peak_flops * hw.attn_eff)
     tokens_rank = b * shape.seq / N
-    elem = 30 * tokens_rank * shape.hidden * e * len(layers) * mult / lay.tp
+    per_token = 30 + (ACT_PER_TOKEN["mod_D"] if shape.per_token_timesteps else 0)
+    elem = per_token * tokens_rank * shape.hidden * e * len(layers) * mult / lay.tp
     compute = mult * fwd_lin / (hw.peak_flops * hw.matmul_eff) + t_attn
-    compute += elem * hw.elementwise_s_per_byte + mult * len(layers) * hw.layer_overhead_s
+    over = (1 + hw.backward_overhead + rc) * len(layers) * hw.layer_overhead_s
+    # attention kernel calls: one per pattern, one per ring step where the pattern spans the CP
+    # group; the backward as many, a recomputed forward again
+    calls = sum(
+        lay.ring if pat == "full" else 1 for x in layers for pat in shape.self_attentions(x)
+    )
+    over += (2 + rc) * calls * hw.attn_call_overhead_s
+    compute += elem * hw.elementwise_s_per_byte + over
     # traced communication: Ulysses all-to-alls, ST-DiT transitions, ring P2P
     tb = traced_bytes(shape, lay)
     n_a2a = sum(
@@ -345,20 +375,28 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
     )
     size = N if shape.attention == "stdit" else lay.ulysses
     bw_a, lat_a = _link(lay, lay.tp, size, cluster, hw)
-    a2a = tb.get(("all_to_all", "fwd"), 0) + tb.get(("all_to_all", "bwd"), 0)
-    # latency per call and peer (pairwise exchanges); the recomputed forward repeats its calls
-    t_a2a = (a2a / bw_a + n_a2a * lat_a * (size - 1)) * ((4 / 3) if lay.recompute else 1)
+    # latency per call and peer (pairwise exchanges); a recomputed forward repeats the forward's
+    # calls and bytes (half the calls: as many backward as forward)
+    a2a_f = tb.get(("all_to_all", "fwd"), 0)
+    a2a = a2a_f + tb.get(("all_to_all", "bwd"), 0) + rc * a2a_f
+    t_a2a = a2a / bw_a + n_a2a * (1 + rc / 2) * lat_a * (size - 1)
     bw_r, lat_r = _link(lay, lay.tp * lay.ulysses, lay.ring, cluster, hw)
-    ring_b = tb.get(("send", "fwd"), 0) + tb.get(("send", "bwd"), 0)
-    t_ring = ring_b / bw_r + 3 * (lay.ring - 1) * len(layers) * lat_r
-    t_ring = max(0.0, t_ring - A["ring_overlap"] * t_attn)
+    ring_f = tb.get(("send", "fwd"), 0)  # hops: R - 1 forward, 2 (R - 1) backward (K / V, dK / dV)
+    ring_b = ring_f + tb.get(("send", "bwd"), 0) + rc * ring_f
+    t_ring = ring_b / bw_r + (3 + rc) * (lay.ring - 1) * len(layers) * lat_r
+    t_ring = max(0.0, t_ring - A["ring_overlap"] * t_attn * hw.overlaps)
     # tensor parallel: a reduction per sub-layer (attention, cross-attention, MLP) of the
-    # [s, b, D] activations forward, as many backward, and again in a recomputed forward
+    # [s, b, D] activations forward, as many backward (the column-parallel inputs' gradients) plus
+    # the text keys / values' input gradient [text, b, D], again forward in a recomputed forward
     t_tp = 0.0
     if lay.tp > 1:
         bw_t, lat_t = _link(lay, 1, lay.tp, cluster, hw)
-        n = (3 if shape.text_len else 2) * len(layers) * (2 + lay.recompute)
-        t_tp = n * (2 * tokens_rank * shape.hidden * e * (lay.tp - 1) / lay.tp / bw_t + lat_t)
+        ring_v = 2 * shape.hidden * e * (lay.tp - 1) / lay.tp / bw_t  # per reduced token
+        n = (3 if shape.text_len else 2) * (2 + rc)
+        t_tp = n * (tokens_rank * ring_v + lat_t)
+        if shape.text_len:
+            t_tp += b * shape.text_len * ring_v + lat_t
+        t_tp *= len(layers)
     t_pp = 0.0
     if lay.pp > 1:  # activations forward, their gradients backward
         bw_p, lat_p = _link(lay, lay.tp * N * lay.dp, lay.pp, cluster, hw)
@@ -387,10 +425,10 @@ def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware)
     t_dp, g = 0.0, lay.dp * lay.cp
     if g > 1:
         bw_d, lat_d = _link(lay, lay.tp, g, cluster, hw)
-        p_rank = shape.params / lay.pp / lay.tp
+        p_rank = shape.params_per_rank(lay.tp, lay.pp)
         total = 2 * p_rank * shape.dtype_bytes * (g - 1) / g / bw_d
         total += 2 * lat_d * (shape.num_layers // lay.pp)
-        t_dp = max(0.0, total - ASSUMPTIONS["dp_overlap"] * t["bwd"])
+        t_dp = max(0.0, total - ASSUMPTIONS["dp_overlap"] * t["bwd"] * hw.overlaps)
     parts = {k: m * t[k] for k in keys}
     parts.update(bubble=(lay.pp - 1) * t_mb, dp=t_dp)
     mem = memory(shape, lay, cluster, m)

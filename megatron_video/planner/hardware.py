@@ -32,6 +32,10 @@ class Hardware:
     layer_overhead_s: float = (
         0.0  # fixed time per layer and micro-batch, forward (launches, Python)
     )
+    backward_overhead: float = 2.0  # a layer's fixed backward time, as a multiple of its forward's
+    attn_call_overhead_s: float = 0.0  # fixed time per attention kernel call (a ring step each)
+    recompute_cost: float = 1.0  # a recomputed forward's time, as a multiple of a forward's
+    overlaps: bool = True  # communication hides behind compute (ASSUMPTIONS' *_overlap shares)
 
     def link(self, intra: bool):
         """``(bandwidth, latency)`` of an intra- or inter-node link."""
@@ -76,19 +80,25 @@ PROFILES: Dict[str, Hardware] = {
         15e-6,
         elementwise_s_per_byte=1 / (5.6e12),
     ),
-    # fitted on this project's 2-core CI machine by benchmarks/planner.py (fp32, gloo loopback)
+    # fitted on this project's 2-core CI machine by benchmarks/planner.py (fp32, gloo loopback, a
+    # rank per core; docs/benchmarks.md#planner): compute rate, fixed costs, latency, recompute
     "cpu": Hardware(
         "cpu",
-        60e9,
+        8.01e10,
         1.0,
         0.35,
         24,
         1.5 * GB,
-        60e-6,
+        1.19e-3,
         1.5 * GB,
-        60e-6,
+        1.19e-3,
         usable_mem=0.5,
         elementwise_s_per_byte=1 / (4e9),
+        layer_overhead_s=0.715e-3,
+        backward_overhead=1.20,
+        attn_call_overhead_s=2.49e-3,
+        recompute_cost=0.90,
+        overlaps=False,  # gloo runs on the cores that compute: nothing hides behind compute
     ),
 }
 

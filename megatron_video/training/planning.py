@@ -48,6 +48,7 @@ def model_shape(config: Config) -> ModelShape:
         text_dim=d.text_embed_dim or m.hidden_size,
         lora_rank=0 if fam.startswith("wan") else m.lora_rank,
         dtype_bytes=2 if config.train.bf16 else 4,
+        per_token_timesteps=fam in ("ar_dit", "wan_ar") or m.per_token_timesteps,
     )
 
 
