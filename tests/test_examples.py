@@ -78,12 +78,37 @@ def _latent_shards(cfg, folder: Path) -> str:
     return write_random_latent_shards(cfg, folder, num_samples=8)
 
 
+def _train_once(path, overrides):
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    t = Trainer(load_config(path, overrides), progress=False)
+    try:
+        t.run()
+    finally:
+        t.close()
+
+
+def _start_run(path: Path) -> Path:
+    """The run a config starts from (``model.init_from``): the other config its comment trains
+    first (examples/configs/video_llava_grpo.yaml: video_llava.yaml)."""
+    names = re.findall(r"megatron-video train --config examples/configs/(\S+)", path.read_text())
+    return ROOT / "examples" / "configs" / next(n for n in names if n != path.name)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
     from megatron_video.training.config import load_config
 
     overrides = [f"output={tmp_path / 'run'}"]
     cfg = load_config(path)
+    if cfg.model.init_from is not None:  # GRPO: from a short run of the supervised config
+        start = [f"output={tmp_path / 'start'}", "train.steps=1", "train.sample=false"]
+        pool4.run(_train_once, str(_start_run(path)), start)
+        overrides.append(f"model.init_from={tmp_path / 'start'}")
     if cfg.data.source == "energon":
         overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
     if cfg.data.source == "shards":
@@ -270,6 +295,12 @@ def test_readme_commands_parse_and_their_configs_validate(tokens):
     world = getattr(args, "nproc", None) or (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
+    earlier = README_COMMANDS[: README_COMMANDS.index(tokens)]
+    outputs = {
+        load_config(str(ROOT / t[3])).output for t in earlier if t[1:3] == ["train", "--config"]
+    }
+    if cfg.model.init_from in outputs:  # the run an earlier line trains (in order: test above)
+        cfg.model.init_from = None
     validate(cfg, world)
 
 

@@ -10,9 +10,16 @@ import torch
 
 from ..checks import check_positive_int
 from ..models.captions import VOCAB
-from .synthetic import render_video, sample_attributes
+from .synthetic import COLORS, SHAPES, render_video, sample_attributes
 
-__all__ = ["IMAGE_TOKEN_INDEX", "QA_VOCAB", "QUESTIONS", "TEXT_LEN", "VideoQADataset"]
+__all__ = [
+    "ANSWER_IDS",
+    "IMAGE_TOKEN_INDEX",
+    "QA_VOCAB",
+    "QUESTIONS",
+    "TEXT_LEN",
+    "VideoQADataset",
+]
 
 IMAGE_TOKEN_INDEX = -200
 QA_VOCAB = tuple(VOCAB) + ("what", "colour", "is", "the", "shape", "at", "end", "start", "it", "?")
@@ -21,6 +28,7 @@ QUESTIONS = (
     ("what colour is the shape at the start ?", "color_start"),
     ("what shape is it ?", "shape"),
 )
+ANSWER_IDS = tuple(QA_VOCAB.index(w) for w in (*COLORS, *SHAPES))  # the answer words' ids
 TEXT_LEN = 1 + max(
     len(q.split()) for q, _ in QUESTIONS
 )  # image token + question (answer = last label)

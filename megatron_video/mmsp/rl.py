@@ -30,6 +30,7 @@ from ..attention.kv_cache import CacheStep, KVCache
 from ..layouts.mmsp import frame_shards
 from ..layouts.zigzag import shard_global_ids
 from ..parallel import comm
+from .rl_config import RLConfig
 from .sharding import plan_batch, reshard_to_llm
 
 __all__ = [
@@ -47,49 +48,6 @@ __all__ = [
     "score",
     "exact_match_reward",
 ]
-
-
-@dataclasses.dataclass
-class RLConfig:
-    """The ``rl:`` options (validated here)."""
-
-    group_size: int = 4
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    clip: float = 0.2
-    kl_coef: float = 0.04
-    eps: float = 1e-6
-    seed: int = 0
-    train_encoder: bool = False
-    reward: str = "megatron_video.mmsp.rl:exact_match_reward"
-
-    def __post_init__(self):
-        def bad(name, rule):
-            raise ValueError(f"rl.{name} ({getattr(self, name)!r}) must be {rule}")
-
-        for name in ("group_size", "max_new_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                bad(name, "an integer")
-        if self.group_size < 2:
-            bad("group_size", ">= 2 (GRPO normalises rewards within a group)")
-        if self.max_new_tokens < 1:
-            bad("max_new_tokens", ">= 1")
-        if not self.temperature >= 0:
-            bad("temperature", ">= 0 (0: greedy)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1]")
-        if not self.clip > 0:
-            bad("clip", "> 0")
-        if not self.kl_coef >= 0:
-            bad("kl_coef", ">= 0")
-        if not self.eps > 0:
-            bad("eps", "> 0")
-        if not isinstance(self.train_encoder, bool):
-            bad("train_encoder", "a bool")
-        if not isinstance(self.reward, str) or ":" not in self.reward:
-            bad("reward", "'module:function'")
 
 
 @dataclasses.dataclass
@@ -335,22 +293,27 @@ def grpo_token_terms(lp, old_lp, ref_lp, adv, clip, kl_coef):
     return pg + kl_coef * k3, k3, clipped
 
 
-def grpo_loss(policy, reference, visual, prompt_ids, ro: Rollout, rewards, cfg, total_tokens):
+def grpo_loss(
+    policy, reference, visual, prompt_ids, ro: Rollout, rewards, cfg, total_tokens, ref_visual=None
+):
     """This rank's share of the GRPO loss of one group: the sum over this rank's response tokens
     of ``grpo_token_terms``, divided by ``total_tokens`` (every response token of the global batch,
     all groups and DP ranks). Summed over the CP group (as gradient reduction does) it is the
-    loss. Returns ``(loss, stats)`` (stats: this rank's sums of kl and clipped tokens)."""
+    loss. ``visual`` feeds the policy; ``ref_visual`` (default ``visual``) the reference: its own
+    encoding when the encoder trains (``rl.train_encoder``). Returns ``(loss, stats)`` (stats:
+    this rank's sums of kl and clipped tokens)."""
     adv = group_advantages(rewards, cfg.eps)
     pol = response_logprobs(policy, visual, prompt_ids, ro.tokens, ro.lengths)
     with torch.no_grad():
-        ref = response_logprobs(reference, visual, prompt_ids, ro.tokens, ro.lengths)
+        ref_visual = visual if ref_visual is None else ref_visual
+        ref = response_logprobs(reference, ref_visual, prompt_ids, ro.tokens, ro.lengths)
     loss, kl, clipped = 0.0, 0.0, 0.0
     for g, ((lp, idx, valid), (rlp, _, _)) in enumerate(zip(pol, ref)):
         old = ro.logprobs[g].index_select(0, idx)
         terms, k3, cl = grpo_token_terms(lp, old, rlp, adv[g], cfg.clip, cfg.kl_coef)
         m = valid.to(lp.dtype)
         loss = loss + (terms * m).sum()
-        kl += float((k3 * m).sum())
+        kl += float((k3 * m).sum().detach())
         clipped += float((cl & valid).sum())
     return loss / total_tokens, {"kl_sum": kl, "clipped": clipped}
 

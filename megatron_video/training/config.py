@@ -14,6 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import yaml
 
 from ..data.buckets import BucketConfig, BucketGrid
+from ..mmsp.rl_config import RLConfig
 from ..models.vae_geometry import VAEGeometry, project_vae_geometry, wan_vae_folder_geometry
 from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
 from .family_spec import get_family
@@ -335,6 +336,7 @@ class TrainSection:
     nonfinite_policy: str = "stop"  # non-finite loss / grad norm: skip (count, no update) | stop
     max_skipped_steps: int = 10  # policy skip: stop after this many skipped steps in a row
     rank_timeout_s: float = 300.0  # a rank that makes no progress this long ends the job
+    objective: str = "supervised"  # supervised | grpo (video_llava: RL with the rl section)
 
     def validate(self, has_gpu: bool = False) -> None:
         """Every field but the global batch (against the data-parallel size: top-level)."""
@@ -362,6 +364,8 @@ class TrainSection:
             )
         _pos_int("train.max_skipped_steps", t.max_skipped_steps)
         _positive("train.rank_timeout_s", t.rank_timeout_s)
+        if t.objective not in ("supervised", "grpo"):
+            raise ValueError(f"train.objective ({t.objective!r}) must be 'supervised' or 'grpo'")
         if t.bf16 and not has_gpu:
             raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
 
@@ -374,6 +378,7 @@ class Config:
     vae: VAESection = field(default_factory=VAESection)
     diffusion: DiffusionSection = field(default_factory=DiffusionSection)
     train: TrainSection = field(default_factory=TrainSection)
+    rl: RLConfig = field(default_factory=RLConfig)  # train.objective grpo (mmsp.rl_config)
     output: str = "runs/train"
 
     @property
@@ -544,6 +549,8 @@ def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
     family.check_objective(objective)
     config.diffusion.validate()
     config.train.validate(has_gpu)
+    if config.train.objective == "grpo" or config.rl != RLConfig():
+        family.check_rl(config)  # the family's RL rules; the others refuse both
     _global_batch_fits(config, world_size)
     PP = config.parallel.pipeline_model_parallel_size
     if config.train.sample and PP > 1:

@@ -44,6 +44,8 @@ class FamilySpec(abc.ABC):
     # attention kind inside a clip ("full" / "teacher_forcing"); None: refused, with the rule
     packed_kind: Optional[str] = None
     packed_refusal: str = "it has no packed micro-batch path"
+    # train.objective values beyond "supervised" -> "module:Class" of their Trainer subclass
+    trainers: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -79,6 +81,23 @@ class FamilySpec(abc.ABC):
                 f"diffusion.objective ({objective!r}) must be {allowed} for "
                 f"model.family {self.name!r}" + self.objective_note
             )
+
+    def trainer_class(self, config):
+        """The ``Trainer`` subclass of ``train.objective`` (``trainers``: "module:Class", loaded
+        on use like the built-in families), or None: ``Trainer`` itself (supervised)."""
+        spec = dict(self.trainers).get(config.train.objective)
+        if spec is None:
+            return None
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def check_rl(self, config) -> None:
+        """``train.objective: grpo`` / the ``rl:`` section: the family's rules (``ValueError``);
+        families without RL refuse both."""
+        raise ValueError(
+            f"train.objective ({config.train.objective!r}) and the rl section are for model.family "
+            f"'video_llava' (GRPO of a video-language model); {self.name!r} trains supervised"
+        )
 
     @abc.abstractmethod
     def transformer_config(self, config, has_gpu: bool = False):

@@ -377,6 +377,11 @@ class MegatronLMEntry:
                 f"--rampup-batch-size ({args.rampup_batch_size}) is not supported: each step's "
                 "clips come from the sample ledger, which takes one global batch size"
             )
+        if t.objective != "supervised":
+            raise ValueError(
+                f"train.objective ({t.objective!r}) runs in `megatron-video train` (GRPO: "
+                f"training/grpo.py); the Megatron-LM entry trains supervised"
+            )
         t.seed = int(getattr(args, "seed", t.seed))
         t.bf16 = bool(getattr(args, "bf16", False))  # precision is Megatron-LM's (--bf16)
         t.sample = False  # Megatron-LM runs no sampling at the end

@@ -23,7 +23,11 @@ def write_metrics(path, metrics: Dict) -> Path:
 
 
 def plot_loss(
-    path, steps: Sequence[int], losses: Sequence[float], title: str = "training loss"
+    path,
+    steps: Sequence[int],
+    losses: Sequence[float],
+    title: str = "training loss",
+    quantity: str = "loss",
 ) -> Path:
     import matplotlib
 
@@ -31,13 +35,13 @@ def plot_loss(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label=quantity)
     if len(losses) >= 10:  # a moving average shows the trend through the noise of tiny batches
         k = max(5, len(losses) // 20)
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
         ax.plot(list(steps)[k - 1 :], smooth, lw=2, label=f"mean of {k}")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(quantity)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

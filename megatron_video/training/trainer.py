@@ -117,6 +117,11 @@ class Trainer:
     metrics) and continues, up to ``train.max_skipped_steps`` in a row; ``stop`` saves the state
     from before the step and raises ``NonFiniteError`` naming the step."""
 
+    def __new__(cls, config: Config, *args, **kwargs):
+        if cls is Trainer:  # a family may train with another step (video_llava's GRPO)
+            cls = get_family(config.model.family).trainer_class(config) or cls
+        return super().__new__(cls)
+
     def __init__(
         self,
         config: Config,
@@ -161,11 +166,8 @@ class Trainer:
             latent_scale=self.latent_scale,
             log=(lambda text: print(text, flush=True)) if self.is_logger else None,
         )
-        self.batches, self.objective, self.seq_length = (
-            data.batches,
-            data.objective,
-            data.seq_length,
-        )
+        self.batches, self.objective = data.batches, data.objective
+        self.seq_length = data.seq_length
         self.layout, self.geometry = data.layout, data.geometry
         self.num_microbatches = self.batches.num_microbatches
         self.global_batch = self.num_microbatches * config.train.micro_batch_size * self.dp_size
@@ -270,12 +272,11 @@ class Trainer:
         if c.parallel.pipeline_model_parallel_size > 1:
             # Megatron-LM's default: a stage's output is freed once sent (it must be viewless)
             self.tcfg.deallocate_pipeline_outputs = True
-        torch.manual_seed(
-            t.seed
-        )  # CPU initialisation: the same full weights on every rank / layout
+        torch.manual_seed(t.seed)  # CPU initialisation: the same full weights on every layout
         model = build_model(c, self.tcfg, self.first_stage, self.last_stage)
         if self.has_gpu:
             model.cuda()
+        self._prepare_model(model)  # before DDP and the optimizer see its trainable parameters
         self.model = model  # unwrapped: checkpoints and parameter access
         if t.bf16:  # Megatron's mixed precision: bf16 module, fp32 inputs / outputs at its edges
             from megatron.core.transformer.module import Float16Module
@@ -324,6 +325,9 @@ class Trainer:
         if t.bf16:
             self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self.forward_backward_func = get_forward_backward_func()
+
+    def _prepare_model(self, model) -> None:
+        """Hook on the built model (``training.grpo``: the frozen encoder and the reference)."""
 
     # -- one step ----------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -522,8 +526,7 @@ class Trainer:
         if t.save and t.steps > 0 and last_saved != t.steps:
             self.save(t.steps)
         self._beat(t.steps)
-        sample = None
-        sample_wall = 0.0
+        sample, sample_wall = None, 0.0
         if t.sample:
             s0 = time.time()
             sample = generation.training_sample(self)
@@ -548,15 +551,18 @@ class Trainer:
     def _log_step(self, rec: Dict, step: int, bar, writer) -> None:
         """The logging rank's progress bar and, every ``train.log_interval`` steps, TensorBoard."""
         bar.update(1)
-        bar.set_postfix(
-            loss=f"{rec['loss']:.4f}",
-            tok_s=f"{rec['tokens_per_s']:.0f}",
-            step_s=f"{rec['step_time']:.2f}",
-        )
+        bar.set_postfix(self._postfix(rec))
         if writer is not None and step % self.config.train.log_interval == 0:
             for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time", "skipped_total"):
                 if rec.get(k) is not None:
                     writer.add_scalar(f"train/{k}", rec[k], step)
+
+    def _postfix(self, rec: Dict) -> Dict[str, str]:
+        return {
+            "loss": f"{rec['loss']:.4f}",
+            "tok_s": f"{rec['tokens_per_s']:.0f}",
+            "step_s": f"{rec['step_time']:.2f}",
+        }
 
     def _beat(self, step: int) -> None:
         if self.heartbeat is not None:

@@ -6,7 +6,7 @@ tokens (``mmsp.global_token_loss``). The family itself: ``training/families/vide
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -23,6 +23,7 @@ class VideoQABatch:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     num_image_tiles: torch.Tensor  # [b] frames per video
+    sample_ids: Optional[torch.Tensor] = None  # [b] positions in the sample stream (GRPO seeds)
 
 
 class VideoQABatches:
@@ -56,6 +57,7 @@ class VideoQABatches:
             labels=torch.stack([x["labels"] for x in items]),
             loss_mask=torch.stack([x["loss_mask"] for x in items]),
             num_image_tiles=torch.tensor([x["frames"].shape[0] for x in items], dtype=torch.int),
+            sample_ids=torch.tensor([int(i) for i in positions]),
         )
 
     def step_batches(self, step: int) -> Iterator[VideoQABatch]:

@@ -20,6 +20,12 @@ from ..vlm import LanguageModelObjective, VideoQABatches
 __all__ = ["VideoLLaVAFamily", "VIDEO_LLAVA"]
 
 
+# the vocabulary padded as Megatron-LM pads it (--make-vocab-size-divisible-by): the vocab-parallel
+# embedding and output layer split it over any TP up to 64, and its size does not depend on the
+# layout (a checkpoint moves between layouts); padded ids are never targets
+VOCAB_PAD = 64
+
+
 def _sizes(config: Config) -> VideoLLaVASizes:
     m, d, p = config.model, config.data, config.parallel
     patch = _patch(config)
@@ -27,7 +33,7 @@ def _sizes(config: Config) -> VideoLLaVASizes:
     need = TEXT_LEN - 1 + d.num_frames * tokens_per_frame
     step = 2 * p.context_parallel_size
     return VideoLLaVASizes(
-        vocab_size=len(QA_VOCAB),
+        vocab_size=-(-len(QA_VOCAB) // VOCAB_PAD) * VOCAB_PAD,
         max_sequence_length=-(-need // step) * step,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -87,6 +93,39 @@ def _check(config: Config, world_size: int) -> None:
         raise ValueError(
             f"data.source ({d.source!r}) must be 'synthetic' for model.family 'video_llava'"
         )
+    if m.init_from is not None:
+        _init_from_dir(m.init_from)
+
+
+def _init_from_dir(path):
+    """``model.init_from``: a ``megatron-video train`` run folder or its ``checkpoints`` folder
+    (the newest checkpoint's weights start the model; ``ValueError`` when it holds none)."""
+    from pathlib import Path
+
+    from ..checkpoint import latest_step
+
+    folder = Path(path) / "checkpoints" if (Path(path) / "checkpoints").is_dir() else Path(path)
+    if latest_step(folder) is None:
+        raise ValueError(
+            f"model.init_from ({str(path)!r}) must be a megatron-video train run folder or its "
+            f"checkpoints folder holding a complete checkpoint (e.g. of "
+            f"examples/configs/video_llava.yaml)"
+        )
+    return folder
+
+
+def _check_rl(config: Config) -> None:
+    t, p = config.train, config.parallel
+    if t.objective != "grpo":
+        raise ValueError(
+            f"the rl section is read with train.objective 'grpo' (it is {t.objective!r}): set "
+            f"train.objective=grpo or leave rl at its defaults"
+        )
+    if p.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
+            f"with train.objective 'grpo' (rollouts decode on one stage)"
+        )
 
 
 # precision of the vision encoder and projector: Megatron-LM's (--bf16 / --fp16) via the LLM config
@@ -133,7 +172,7 @@ class VideoLLaVAFamily(FamilySpec):
     ):
         """``tcfg`` is the LLM's config; the vision encoder and projector take their sizes from
         ``config`` and their precision from ``tcfg``."""
-        return video_llava_model(
+        model = video_llava_model(
             _sizes(config),
             **_layout_kwargs(config),
             pre_process=pre_process,
@@ -141,6 +180,14 @@ class VideoLLaVAFamily(FamilySpec):
             language_config=tcfg,
             **{k: getattr(tcfg, k) for k in _PRECISION},
         )
+        if config is not None and config.model.init_from is not None:  # collective
+            from ..checkpoint import load_model_weights
+
+            load_model_weights(_init_from_dir(config.model.init_from), model)
+        return model
+
+    def check_rl(self, config: Config) -> None:
+        _check_rl(config)
 
     def megatron_lm_config(self, base, config: Config):
         """The LLM's config is Megatron-LM's own (``base``) unchanged, once its sizes and
@@ -198,6 +245,8 @@ VIDEO_LLAVA = register_family(
         name="video_llava",
         objectives=("lm",),
         check=_check,
+        model_fields=("init_from",),
+        trainers=(("grpo", "megatron_video.training.grpo:GRPOTrainer"),),
         summary="video-language model (LLaVA) with MM-SP: frames sharded for the encoder, one "
         "all-to-all-v into the LLM's 2D attention",
     )

@@ -1,0 +1,184 @@
+"""``train.objective: grpo`` (training/grpo.py): GRPO of video_llava in ``megatron-video train``,
+on the 4-rank pool, from examples/configs/video_llava_grpo.yaml at 2 steps.
+
+The GRPO math itself (rollouts, log-probs, loss and gradients under every CP layout against
+Megatron's own CP = 1 forward and explicit float64 formulas) is tests/test_mrsp.py. Here: the
+trainer around it. The same global batch gives the same rewards, KL and losses at U2xR2, DP4 and
+TP2xCP2 (DP ranks own whole groups; the loss is normalised over the global batch); a resumed run
+repeats the uninterrupted one (the rollout seeds are the samples' positions); the encoder runs
+once per prompt on each rank with its share of the frames and stays frozen, or, with
+``rl.train_encoder``, three times and trains; ``model.init_from`` starts policy and reference from
+a supervised checkpoint (KL 0 at the first step); bad input names the field."""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = str(ROOT / "examples" / "configs" / "video_llava_grpo.yaml")
+SFT = str(ROOT / "examples" / "configs" / "video_llava.yaml")
+LAYOUTS = {
+    "u2xr2": [],
+    "dp4": ["parallel.context_parallel_size=1", "parallel.ulysses_size=1",
+            "parallel.ring_size=1", "train.micro_batch_size=1"],
+    "tp2xcp2": ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2",
+                "parallel.ring_size=1", "parallel.ranks_per_node=4"],
+}  # fmt: skip
+BASE = ["model.init_from=null", "train.global_batch_size=4", "train.tensorboard=false"]
+
+
+def _run(path, overrides, steps=(2,)):
+    """Train to each of ``steps`` in turn (resuming); per step the records, the encoder calls
+    (frames each) and whether the encoder's weights moved."""
+    import warnings
+
+    import torch
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    out = []
+    for n in steps:
+        t = Trainer(load_config(path, list(overrides) + [f"train.steps={n}"]), progress=False)
+        calls, enc = [], t.model.vision_model
+        inner = enc.forward
+        enc.forward = lambda x: calls.append(x.shape[0]) or inner(x)
+        before = [p.detach().clone() for p in enc.parameters()]
+        try:
+            metrics = t.run()
+            history = [
+                {
+                    k: h.get(k)
+                    for k in ("step", "loss", "reward_mean", "kl", "clip_frac", "grad_norm")
+                }
+                for h in metrics.get("history", [])
+            ]
+            moved = any(not torch.equal(a, p) for a, p in zip(before, enc.parameters()))
+            out.append(dict(history=history, calls=calls, moved=moved, logger=t.is_logger))
+            if metrics:
+                out[-1]["files"] = sorted(p.name for p in Path(t.config.output).iterdir())
+        finally:
+            t.close()
+    return out
+
+
+def _logged(per_rank):
+    return next(r for r in per_rank if r[-1]["logger"])
+
+
+def _close(a, b, rel=1e-5):
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b):
+        for k in ("loss", "reward_mean", "kl", "clip_frac", "grad_norm"):
+            assert x[k] == pytest.approx(y[k], rel=rel, abs=1e-7), (k, x, y)
+
+
+def _same_step0(a, b):
+    """The first step of two layouts: the same rollouts and rewards, KL 0, the same gradient
+    norm (the GRPO gradient of the global batch). Later steps are not compared this tightly:
+    Adam's first update turns fp32 noise in near-zero gradients (output rows of tokens nobody
+    sampled) into differences of a fraction of the learning rate."""
+    x, y = a[0], b[0]
+    assert x["reward_mean"] == y["reward_mean"] and x["kl"] == y["kl"] == 0, (x, y)
+    assert x["clip_frac"] == y["clip_frac"] and abs(x["loss"] - y["loss"]) < 1e-6, (x, y)
+    assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5), (x, y)
+    assert a[1]["reward_mean"] == b[1]["reward_mean"], (a[1], b[1])
+    assert a[1]["loss"] == pytest.approx(b[1]["loss"], rel=0.15), (a[1], b[1])
+
+
+def test_grpo_layouts_resume_and_embedding_cache(pool4, tmp_path):
+    runs = {}
+    for name, extra in LAYOUTS.items():
+        over = BASE + extra + [f"output={tmp_path / name}"]
+        runs[name] = pool4.run(_run, GRPO, over, (2,) if name != "u2xr2" else (1, 2))
+    over = BASE + [f"output={tmp_path / 'whole'}"]
+    whole = _logged(pool4.run(_run, GRPO, over, (2,)))[-1]["history"]
+    ref = _logged(runs["u2xr2"])[-1]  # resumed at step 1 (the first run saved it)
+    _close(ref["history"], whole, rel=1e-6)  # = the uninterrupted run
+    assert ref["files"] == ["checkpoints", "loss.png", "metrics.json", "reward.png"]
+    assert [h["step"] for h in ref["history"]] == [0, 1]
+    for name in ("dp4", "tp2xcp2"):
+        _same_step0(_logged(runs[name])[-1]["history"], ref["history"])
+    # the first step's reference is the policy (KL 0), the second's is not; some reward
+    assert ref["history"][0]["kl"] == 0 and ref["history"][1]["kl"] > 0
+    assert 0 < max(h["reward_mean"] for h in ref["history"])
+    # the embedding cache: one encoder call per prompt and step on every rank, on its share of
+    # the 9 frames (CP 4: 2 or 3 frames; DP 4: its own prompt, all 9); the encoder stays frozen
+    for rank, res in enumerate(runs["u2xr2"]):
+        assert len(res[-1]["calls"]) == 4 and set(res[-1]["calls"]) <= {2, 3}, (rank, res)
+        assert not res[-1]["moved"]
+    for res in runs["dp4"]:
+        assert res[-1]["calls"] == [9, 9] and not res[-1]["moved"]
+
+
+def test_train_encoder_and_init_from(pool4, tmp_path):
+    """``rl.train_encoder``: the policy re-encodes with gradients (2 calls of its encoder per
+    prompt; the reference encodes with its own), and the encoder trains. ``model.init_from``: policy and
+    reference start from the supervised checkpoint (KL 0 at the first step, the SFT weights)."""
+    sft = tmp_path / "sft"
+    pool4.run(_run, SFT, [f"output={sft}", "train.tensorboard=false"], (1,))
+    over = BASE[1:] + LAYOUTS["dp4"] + [f"model.init_from={sft}", "rl.train_encoder=true"]
+    res = pool4.run(_run, GRPO, over + [f"output={tmp_path / 'enc'}"], (1,))
+    for r in res:
+        assert r[-1]["calls"] == [9, 9] and r[-1]["moved"], r  # the reference: its own encoder
+    assert _logged(res)[-1]["history"][0]["kl"] == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["model.family=video_dit", *LAYOUTS["dp4"]],
+            r"train.objective \('grpo'\) and the rl section are for model.family 'video_llava'",
+        ),
+        (["train.objective=supervised"], r"the rl section is read with train.objective 'grpo'"),
+        (["train.objective=ppo"], r"train.objective \('ppo'\) must be 'supervised' or 'grpo'"),
+        (["rl.group_size=1"], r"rl.group_size \(1\) must be >= 2"),
+        (
+            ["parallel.pipeline_model_parallel_size=2", *LAYOUTS["dp4"]],
+            r"must be 1 with train.objective 'grpo'",
+        ),
+        (["model.init_from=/nowhere"], r"model.init_from \('/nowhere'\) must be a megatron-video"),
+    ],
+)
+def test_bad_grpo_config_names_the_field(overrides, match):
+    from megatron_video.training.config import load_config, validate
+
+    with pytest.raises(ValueError, match=match):
+        validate(load_config(GRPO, ["model.init_from=null"] + overrides), 4)
+
+
+def half_nan_reward(tokens, lengths, answer_id, format_ids):
+    """Non-finite for odd answer ids only: some DP ranks' prompts fail, the others' do not."""
+    import torch
+
+    return torch.full((tokens.shape[0],), float("nan") if answer_id % 2 else 0.0)
+
+
+def _bad_reward_step(overrides):
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    t = Trainer(load_config(GRPO, overrides), progress=False)
+    try:
+        t.forward_backward(0)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        t.close()
+
+
+def test_a_bad_reward_on_some_dp_ranks_stops_every_rank(pool4, tmp_path):
+    """A reward function failing on some DP ranks' prompts: every rank raises, naming the
+    function where it failed, and none waits in a later collective."""
+    over = (
+        BASE + LAYOUTS["dp4"] + [f"output={tmp_path}", "rl.reward=test_grpo_train:half_nan_reward"]
+    )
+    errors = pool4.run(_bad_reward_step, over)
+    assert all(e and e.startswith("GRPO step 0") for e in errors), errors
+    assert any("test_grpo_train:half_nan_reward returned a non-finite" in e for e in errors), errors
