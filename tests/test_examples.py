@@ -11,12 +11,14 @@ is tested once through the command line.
 
 import contextlib
 import io
+import json
 import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,18 +101,34 @@ def _start_run(path: Path) -> Path:
     return ROOT / "examples" / "configs" / next(n for n in names if n != path.name)
 
 
+def _tiny_wan22_folders(cfg, folder: Path) -> list:
+    """Wan from raw video reads a diffusers VAE, a UMT5 and starts from a transformer: the README
+    walkthrough's ``python -m megatron_video.testing.tiny_wan22`` makes them (and the clips)."""
+    from megatron_video.testing.tiny_wan22 import make_tiny_wan22
+
+    made = make_tiny_wan22(cfg, folder)
+    return [
+        f"data.path={made['data']}",
+        f"data.text_encoder={made['umt5']}",
+        f"vae.diffusers={made['vae']}",
+        f"model.init_from={made['transformer']}",
+    ]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
     from megatron_video.training.config import load_config
 
     overrides = [f"output={tmp_path / 'run'}"]
     cfg = load_config(path)
-    if cfg.model.init_from is not None:  # GRPO: from a short run of the supervised config
+    if cfg.vae.diffusers is not None:  # Wan from raw video (wan22_ti2v_tiny.yaml)
+        overrides += _tiny_wan22_folders(cfg, tmp_path / "wan22")
+    elif cfg.data.source == "energon":
+        overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
+    if cfg.train.objective == "grpo":  # from a short run of the supervised config
         start = [f"output={tmp_path / 'start'}", "train.steps=1", "train.sample=false"]
         pool4.run(_train_once, str(_start_run(path)), start)
         overrides.append(f"model.init_from={tmp_path / 'start'}")
-    if cfg.data.source == "energon":
-        overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
     if cfg.data.source == "shards":
         overrides.append(f"data.shards={_latent_shards(cfg, tmp_path / 'shards')}")
     ckpt2 = tmp_path / "run" / "checkpoints" / "iter_0000002"
@@ -274,6 +292,7 @@ def _readme_commands():
 
 
 README_COMMANDS = _readme_commands()
+WALKTHROUGH_CONFIG = "examples/configs/wan22_ti2v_tiny.yaml"
 
 
 @pytest.mark.parametrize("tokens", README_COMMANDS, ids=[" ".join(t[1:3]) for t in README_COMMANDS])
@@ -288,6 +307,8 @@ def test_readme_commands_parse_and_their_configs_validate(tokens):
     args = cli._parser().parse_args(tokens[1:])
     config = getattr(args, "config", None)
     if tokens[1] != "train" or config == "my.yaml":  # precompute: tests/test_wan_train.py
+        return
+    if config == WALKTHROUGH_CONFIG:  # its folders are made and it runs in the walkthrough test
         return
     assert (ROOT / config).is_file(), config
     cfg = load_config(str(ROOT / config), list(getattr(args, "overrides", []) or []))
@@ -306,3 +327,80 @@ def test_readme_commands_parse_and_their_configs_validate(tokens):
 
 def test_readme_lists_commands():
     assert {t[1] for t in README_COMMANDS} >= {"train", "validate", "convert", "precompute"}
+
+
+@pytest.mark.process_launch
+def test_readme_wan_walkthrough(tmp_path):
+    """The README's "Train Wan" block run as written, line by line, in a folder holding a copy of
+    its config (each command a process of its own): tiny Wan 2.2 TI2V folders -> convert in ->
+    train ``wan_ar`` from raw video at U2xR2 with TI2V (2 steps) -> resume (step 3) -> export;
+    the export then runs a denoising step in diffusers' ``WanImageToVideoPipeline`` (Wan 2.2
+    TI2V's ``expand_timesteps``) with the walkthrough's VAE and UMT5."""
+    import os
+    import shutil
+
+    from megatron_video.testing.doc_blocks import launch_lines
+
+    lines = launch_lines((ROOT / "README.md").read_text())["wan-walkthrough"]
+    (tmp_path / Path(WALKTHROUGH_CONFIG).parent).mkdir(parents=True)
+    shutil.copy(ROOT / WALKTHROUGH_CONFIG, tmp_path / WALKTHROUGH_CONFIG)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    consoles = []
+    for tokens in lines:
+        assert tokens[0] in ("python", "megatron-video"), tokens
+        cmd = [sys.executable, *tokens[1:]] if tokens[0] == "python" else [sys.executable, "-m"]
+        if tokens[0] == "megatron-video":
+            cmd += ["megatron_video.training.cli", *tokens[1:]]
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        consoles.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, (tokens, consoles[-1][-4000:])
+    for tokens, console in zip(lines, consoles):  # the known warnings in one line, none shown
+        assert _warning_lines(console) == [], (tokens, console[-4000:])
+    trains = [c for t, c in zip(lines, consoles) if t[1] == "train"]
+    assert len(trains) == 2 and "resumed from iteration 2" in trains[1], trains[1][-4000:]
+    run = tmp_path / "runs" / "wan22_tiny" / "run"
+    history = json.loads((run / "metrics.json").read_text())["history"]
+    assert len(history) == 3 and all(math.isfinite(h["loss"]) for h in history), history
+    _export_runs_in_diffusers(tmp_path / "runs" / "wan22_tiny")
+
+
+def _export_runs_in_diffusers(root: Path) -> None:
+    """One TI2V denoising step of ``WanImageToVideoPipeline`` (``expand_timesteps=True``) with the
+    exported transformer at the trained size: 5 frames of 64 x 64, finite."""
+    import torch
+    import transformers
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from PIL import Image
+
+    from megatron_video.models.wan.convert import load_wan_transformer
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "umt5"))
+    enc = transformers.UMT5EncoderModel.from_pretrained(str(root / "umt5")).eval()
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tok,
+        text_encoder=enc,
+        vae=AutoencoderKLWan.from_pretrained(str(root / "vae")).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        transformer=load_wan_transformer(str(root / "export")).eval(),
+        expand_timesteps=True,
+    )
+    ids = tok(["a red cat"], padding="max_length", max_length=16, return_tensors="pt")
+    with torch.no_grad():  # the prompt encoded here: diffusers' own prompt cleaning needs ftfy
+        emb = enc(ids.input_ids, attention_mask=ids.attention_mask).last_hidden_state
+    frames = pipe(
+        image=Image.new("RGB", (64, 64), (200, 30, 30)),
+        prompt_embeds=emb,
+        guidance_scale=1.0,
+        height=64,
+        width=64,
+        num_frames=5,
+        num_inference_steps=1,
+        max_sequence_length=16,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
+    assert frames.shape == (1, 5, 64, 64, 3) and bool(np.isfinite(frames).all())
