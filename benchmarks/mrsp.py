@@ -36,9 +36,9 @@ SIZES = dict(
     num_attention_heads=4,
     num_query_groups=2,
     ffn_hidden_size=128,
-    vision_layers=2,
-    vision_hidden_size=64,
-    vision_heads=2,
+    vision_layers=4,  # a vision tower heavier than the LLM, as SigLIP is next to a small LLM
+    vision_hidden_size=256,
+    vision_heads=4,
     img_size=16,
     patch_dim=8,
 )
