@@ -28,6 +28,10 @@ __all__ = ["ModelShape", "Layout", "Cluster", "StepCost", "traced_bytes", "ring_
 # table and modulated activations) and, once, the timestep embedding (``embed`` + 2 D per token);
 # measured on the tiny AR DiT at DP 2.
 ACT_PER_TOKEN = dict(D=4, D_tp=9, F_tp=5, backward_D=8, mod_D=12, embed=256)
+# Element-wise traffic per token and layer, in hidden-size elements: ``layer`` for a layer's
+# norms, modulation, activations and residuals, ``per_token_timesteps`` more where each token has
+# its own modulation table (fitted with ``hardware.elementwise_s_per_byte``: benchmarks/planner.py).
+ELEMENTWISE_PER_TOKEN = dict(layer=30, per_token_timesteps=12)
 ATTENTION_KINDS = ("full", "causal", "teacher_forcing", "stdit")
 
 
@@ -120,6 +124,7 @@ class Layout:
     ring: int = 1
     recompute: bool = False
     micro_batch_size: int = 1
+    fsdp: bool = False  # ZeRO-3 over DP x CP (parallel.fsdp)
 
     @property
     def cp(self) -> int:
@@ -137,7 +142,8 @@ class Layout:
             f"PP{self.pp}",
             f"DP{self.dp}",
         ]
-        return "x".join(parts) + (" rc" if self.recompute else "") + f" mb{self.micro_batch_size}"
+        flags = (" rc" if self.recompute else "") + (" fsdp" if self.fsdp else "")
+        return "x".join(parts) + flags + f" mb{self.micro_batch_size}"
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,7 @@ class StepCost:
             ulysses=lay.ulysses,
             ring=lay.ring,
             recompute=lay.recompute,
+            fsdp=lay.fsdp,
             micro_batch_size=lay.micro_batch_size,
             step_s=self.step_s,
             tokens_per_s_per_gpu=self.tokens_per_s_per_gpu,
@@ -313,9 +320,15 @@ def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: in
     """``{part: bytes}`` per rank of the first pipeline stage (the one holding most in flight)."""
     e, D, F = shape.dtype_bytes, shape.hidden, shape.ffn
     p_rank = shape.params_per_rank(layout.tp, layout.pp)
-    shard = layout.dp * layout.cp if cluster.distributed_optimizer else 1
+    g = layout.dp * layout.cp
+    shard = g if cluster.distributed_optimizer or layout.fsdp else 1
     weights = p_rank * e
     grads = p_rank * ASSUMPTIONS["grad_bytes_per_param"]
+    gathered = 0.0
+    if layout.fsdp:  # every state sharded; a layer gathered and the next prefetched, its gradients
+        weights, grads = weights / g, grads / g
+        layer = shape.layer_params() / layout.tp
+        gathered = layer * (2 * e + ASSUMPTIONS["grad_bytes_per_param"])
     opt_bytes = ASSUMPTIONS["optimizer_bytes_per_param"] - (4 if e == 4 else 0)
     optim = p_rank * opt_bytes / shard
     tokens = layout.micro_batch_size * shape.seq / layout.cp
@@ -330,7 +343,7 @@ def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: in
     stored = (D if layout.recompute else per_layer) * tokens * e * layers
     if shape.per_token_timesteps:  # the timestep embedding, once (the first stage)
         stored += (a["embed"] + 2 * D) * tokens * e
-    transient = ((per_layer if layout.recompute else 0) + back) * tokens * e
+    transient = ((per_layer if layout.recompute else 0) + back) * tokens * e + gathered
     in_flight = min(microbatches, layout.pp)
     return dict(
         weights=weights,
@@ -355,7 +368,8 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
     mult = 1 + A["backward_factor"] + rc
     t_attn = mult * fwd_attn / (hw.peak_flops * hw.attn_eff)
     tokens_rank = b * shape.seq / N
-    per_token = 30 + (ACT_PER_TOKEN["mod_D"] if shape.per_token_timesteps else 0)
+    w = ELEMENTWISE_PER_TOKEN
+    per_token = w["layer"] + (w["per_token_timesteps"] if shape.per_token_timesteps else 0)
     elem = per_token * tokens_rank * shape.hidden * e * len(layers) * mult / lay.tp
     compute = mult * fwd_lin / (hw.peak_flops * hw.matmul_eff) + t_attn
     over = (1 + hw.backward_overhead + rc) * len(layers) * hw.layer_overhead_s
@@ -415,7 +429,8 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
 def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware) -> StepCost:
     """Predicted step time, memory and FLOPs of ``layout`` on ``cluster`` of ``hw``: ``m``
     micro-batches through a 1F1B pipeline (bubble ``(pp - 1)`` micro-batch times), then the
-    DP x CP gradient reduce-scatter / parameter all-gather behind the last backward."""
+    DP x CP gradient reduce-scatter / parameter all-gather behind the last backward (with FSDP:
+    the gathers and reductions of every micro-batch, behind its compute)."""
     lay = layout
     gbs = cluster.global_batch or lay.micro_batch_size * lay.dp
     m = max(1, gbs // (lay.micro_batch_size * lay.dp))  # micro-batches per DP rank
@@ -426,9 +441,16 @@ def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware)
     if g > 1:
         bw_d, lat_d = _link(lay, lay.tp, g, cluster, hw)
         p_rank = shape.params_per_rank(lay.tp, lay.pp)
-        total = 2 * p_rank * shape.dtype_bytes * (g - 1) / g / bw_d
-        total += 2 * lat_d * (shape.num_layers // lay.pp)
-        t_dp = max(0.0, total - ASSUMPTIONS["dp_overlap"] * t["bwd"] * hw.overlaps)
+        n_layers = shape.num_layers // lay.pp
+        if lay.fsdp:  # per micro-batch: weights gathered forward and backward, fp32 gradients
+            # reduce-scattered, each layer's prefetched behind the previous layer's compute
+            e, f = shape.dtype_bytes, ASSUMPTIONS["grad_bytes_per_param"]
+            total = p_rank * (2 * e + f) * (g - 1) / g / bw_d + 3 * n_layers * lat_d
+            hidden = ASSUMPTIONS["fsdp_overlap"] * t["compute"] * hw.overlaps
+            t_dp = m * max(0.0, total - hidden)
+        else:  # gradient reduce-scatter / weight all-gather behind the last backward
+            total = 2 * p_rank * shape.dtype_bytes * (g - 1) / g / bw_d + 2 * lat_d * n_layers
+            t_dp = max(0.0, total - ASSUMPTIONS["dp_overlap"] * t["bwd"] * hw.overlaps)
     parts = {k: m * t[k] for k in keys}
     parts.update(bubble=(lay.pp - 1) * t_mb, dp=t_dp)
     mem = memory(shape, lay, cluster, m)

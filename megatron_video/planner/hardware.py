@@ -106,6 +106,7 @@ PROFILES: Dict[str, Hardware] = {
 ASSUMPTIONS = dict(
     ring_overlap=1.0,  # ring P2P hidden behind the attention of the block in flight, up to its time
     dp_overlap=0.8,  # share of the backward that the DP gradient reduce-scatter can hide behind
+    fsdp_overlap=0.8,  # share of a micro-batch's compute that FSDP's gathers / reductions hide behind
     a2a_overlap=0.0,  # Ulysses all-to-alls are on the critical path
     tp_overlap=0.0,  # TP all-reduces / reduce-scatters are on the critical path
     backward_factor=2.0,  # backward FLOPs = 2 x forward

@@ -20,10 +20,11 @@ def _divisors(n: int) -> List[int]:
 
 
 def candidate_layouts(
-    gpus: int, gpus_per_node: int, num_layers: int, micro_batch_sizes=(1, 2, 4)
+    gpus: int, gpus_per_node: int, num_layers: int, micro_batch_sizes=(1, 2, 4), fsdp=(False, True)
 ) -> Iterator[Layout]:
-    """Every TP x PP x (Ulysses x ring) x DP x recompute x micro-batch size whose product is
-    ``gpus``; TP and Ulysses stay inside a node."""
+    """Every TP x PP x (Ulysses x ring) x DP x recompute x micro-batch size x FSDP (``fsdp``: the
+    choices; only where DP x CP > 1) whose product is ``gpus``; TP and Ulysses stay inside a
+    node."""
     for tp in _divisors(min(gpus, gpus_per_node)):
         if gpus % tp:
             continue
@@ -35,9 +36,11 @@ def candidate_layouts(
                 for u in _divisors(cp):
                     if tp * u > gpus_per_node:
                         continue
+                    shards = [f for f in fsdp if rest > 1 or not f]
                     for rc in (False, True):
                         for mb in micro_batch_sizes:
-                            yield Layout(tp, pp, rest // cp, u, cp // u, rc, mb)
+                            for f in shards:
+                                yield Layout(tp, pp, rest // cp, u, cp // u, rc, mb, f)
 
 
 @dataclass
@@ -58,10 +61,11 @@ def search(
     hw: Hardware,
     legal: Callable[[Layout], Optional[str]],
     micro_batch_sizes=(1, 2, 4),
+    fsdp=(False, True),
 ) -> Plan:
     costs, illegal = [], []
     for lay in candidate_layouts(
-        cluster.gpus, cluster.gpus_per_node, shape.num_layers, micro_batch_sizes
+        cluster.gpus, cluster.gpus_per_node, shape.num_layers, micro_batch_sizes, fsdp
     ):
         why = legal(lay)
         if why is not None:
@@ -88,13 +92,13 @@ def why_slower(best: StepCost, other: StepCost) -> str:
 
 def format_table(costs: List[StepCost], top: int = 5) -> str:
     head = (
-        f"{'layout':<30}{'step s':>9}{'tok/s/GPU':>11}{'TFLOP/s/GPU':>13}{'MFU':>7}"
+        f"{'layout':<34}{'step s':>9}{'tok/s/GPU':>11}{'TFLOP/s/GPU':>13}{'MFU':>7}"
         f"{'mem GiB':>9}  dominant"
     )
     rows = [head]
     for c in costs[:top]:
         rows.append(
-            f"{c.layout.name():<30}{c.step_s:>9.3g}{c.tokens_per_s_per_gpu:>11.4g}"
+            f"{c.layout.name():<34}{c.step_s:>9.3g}{c.tokens_per_s_per_gpu:>11.4g}"
             f"{c.tflops_per_gpu:>13.4g}{c.mfu:>7.1%}{c.mem_gib:>9.1f}  {c.dominant}"
         )
     return "\n".join(rows)

@@ -26,6 +26,7 @@ from ..compat.manifest import MANIFEST_FILE, write_manifest
 from ..compat.manifest import manifest_files as _files
 from ..compat.manifest import sha256_file as _sha256
 from ..parallel import comm
+from ..parallel.fsdp import load_model_state, load_optimizer_state, optimizer_state_ids
 
 __all__ = [
     "TRACKER_FILE",
@@ -172,14 +173,17 @@ def _sharded(
         "model_meta": dict(meta or {}),
         "step": step,
         "model": model_sd,
-        "optimizer": _without_objects(
-            optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-        ),
+        "optimizer": _without_objects(_optimizer_sharded(optimizer, model_sd, is_loading)),
         "scheduler": scheduler.state_dict(),
     }
     if with_rng:
         sd["rng"] = _rng_sharded(dist.get_world_size(), dist.get_rank())
     return sd
+
+
+def _optimizer_sharded(optimizer, model_sd, is_loading: bool) -> dict:
+    with optimizer_state_ids():  # FSDP's DTensor parameters (parallel.fsdp)
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
 
 
 def _sharded_tensors(sd) -> Dict[str, tuple]:
@@ -527,8 +531,8 @@ def load_checkpoint(
     for key, value in model.state_dict().items():  # TE extra state is not checkpointed: keep it
         if key.endswith("_extra_state") and key not in state:
             state[key] = value
-    model.load_state_dict(state)
-    optimizer.load_state_dict(loaded["optimizer"])
+    load_model_state(model, state)  # FSDP: into each parameter's shard
+    load_optimizer_state(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         set_rng_state(loaded["rng"])

@@ -124,6 +124,7 @@ class ParallelSection:
         None  # ar_dit: zigzag frame pairing over the ring (default R > 1)
     )
     recompute: bool = False  # activation checkpointing of every layer (composes with SP)
+    fsdp: bool = False  # ZeRO-3: weights, gradients, optimizer state sharded over DP x CP
     auto: bool = False  # `parallel: auto`: the planner picks the layout (training/planning.py)
 
     def validate(self, world_size: int) -> None:
@@ -170,8 +171,13 @@ class ParallelSection:
                 tp_size=TP,
                 prefix="parallel.",
             )
-        if p.recompute and not isinstance(p.recompute, bool):
-            raise ValueError(f"parallel.recompute ({p.recompute!r}) must be true or false")
+        for name in ("recompute", "fsdp"):
+            if not isinstance(getattr(p, name), bool):
+                raise ValueError(f"parallel.{name} ({getattr(p, name)!r}) must be true or false")
+        if p.fsdp and PP > 1:  # Megatron's schedule syncs the stages' embedders in DDP buffers
+            raise ValueError(f"parallel.fsdp (True) needs parallel.pipeline_model_parallel_size 1 "
+                             f"(got {PP}): the pipeline schedule reduces the replicated embedders' "
+                             "gradients in DDP's buffers")  # fmt: skip
 
 
 @dataclass

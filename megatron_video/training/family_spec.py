@@ -94,9 +94,10 @@ class FamilySpec(abc.ABC):
     def check_rl(self, config) -> None:
         """``train.objective: grpo`` / the ``rl:`` section: the family's rules (``ValueError``);
         families without RL refuse both."""
+        rl = [n for n in family_names() if dict(get_family(n).trainers).get("grpo")]
         raise ValueError(
             f"train.objective ({config.train.objective!r}) and the rl section are for model.family "
-            f"'video_llava' (GRPO of a video-language model); {self.name!r} trains supervised"
+            f"in {rl} (the families whose trainers include 'grpo'); {self.name!r} trains supervised"
         )
 
     @abc.abstractmethod

@@ -71,10 +71,13 @@ class GRPOTrainer(Trainer):
             p.requires_grad_(False)
         self.reference = ref.eval()
 
+    def _build(self) -> None:
+        super()._build()
+        self.reference.to(next(self.model.parameters()).dtype)  # bf16 under Float16Module
+
     def forward_backward(self, step: int) -> float:
         cfg, policy = self.config.rl, self.model
         dtype = next(policy.parameters()).dtype  # bf16 under Float16Module
-        self.reference.to(dtype)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()

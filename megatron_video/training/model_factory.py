@@ -118,3 +118,23 @@ def build_model(
     return get_family(config.model.family).build_model(
         tcfg, pre_process, post_process, vp_stage, config=config
     )
+
+
+def wrap_data_parallel(tcfg, model, fsdp: bool, has_gpu: bool):
+    """Megatron's DDP (with its distributed optimizer, ZeRO-1, on GPUs) or, with
+    ``parallel.fsdp``, FSDP (ZeRO-3), both over DP x CP. Gradients reduce in
+    fp32; the wrapper's ``ddp_config`` tells the optimizer whether it shards its state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from ..parallel.fsdp import FullyShardedDataParallel
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=has_gpu and not fsdp,
+    )
+    if fsdp:
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        return FullyShardedDataParallel(tcfg, ddp_config, model, group)
+    return DistributedDataParallel(tcfg, ddp_config, model)

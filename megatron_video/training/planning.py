@@ -63,6 +63,7 @@ def apply_layout(config: Config, layout: Layout, ranks_per_node: Optional[int]) 
         ulysses_size=layout.ulysses,
         ring_size=layout.ring,
         recompute=layout.recompute,
+        fsdp=layout.fsdp,
         ranks_per_node=ranks_per_node,
         auto=False,
     )
@@ -74,16 +75,20 @@ def _legal(config: Config, gpus: int, rpn: int, has_gpu: bool):
     node_rule = {}  # the node-placement check depends on the parallel degrees only: once each
 
     def legal(layout: Layout) -> Optional[str]:
-        key = (layout.tp, layout.pp, layout.ulysses, layout.ring)
-        try:
-            if key not in node_rule:
-                node_rule[key] = None
+        key = (layout.tp, layout.pp, layout.ulysses, layout.ring, layout.fsdp)
+        if key not in node_rule:
+            try:
                 apply_layout(config, layout, rpn).parallel.validate(gpus)
+                node_rule[key] = None
+            except ValueError as e:
+                node_rule[key] = str(e)
+        if node_rule[key]:
+            return node_rule[key]
+        try:  # the rest may depend on the recompute flag and micro-batch size: every layout
             validate(apply_layout(config, layout, None), gpus, has_gpu)
         except ValueError as e:
-            node_rule[key] = node_rule[key] or str(e)
             return str(e)
-        return node_rule[key]
+        return None
 
     return legal
 
@@ -95,6 +100,7 @@ def plan_config(
     hardware: str = "h100",
     global_batch: Optional[int] = None,
     micro_batch_sizes=(1, 2, 4),
+    fsdp=(False, True),
 ) -> Plan:
     """Every legal layout of ``config`` on ``gpus`` devices, costed and ranked. ``PlanError``
     (exit status 2 on the command line) when none is legal or none fits, naming the smallest
@@ -114,7 +120,8 @@ def plan_config(
     cfg.train = dataclasses.replace(config.train, global_batch_size=gbs)
     shape = model_shape(cfg)
     cluster = Cluster(gpus, rpn, gbs, distributed_optimizer=hardware != "cpu")
-    plan = search(shape, cluster, hw, _legal(cfg, gpus, rpn, hardware != "cpu"), micro_batch_sizes)
+    legal = _legal(cfg, gpus, rpn, hardware != "cpu")
+    plan = search(shape, cluster, hw, legal, micro_batch_sizes, fsdp)
     if not plan.costs:
         reason = plan.illegal[0][1] if plan.illegal else "no candidate layout"
         more = _smallest(lambda n: _any_legal(cfg, n, gpus_per_node, hardware), gpus)
@@ -258,7 +265,8 @@ def plan_entry(argv: List[str], script: str) -> int:
         if gpus is None:
             raise PlanError("--plan-gpus (None) must be given (or WORLD_SIZE set)")
         cfg = load_config(args.video_config, args.video_override)
-        plan = plan_config(cfg, gpus, args.plan_gpus_per_node, args.plan_hardware)
+        # the entry wraps the model in Megatron's DDP: FSDP layouts are megatron-video train's
+        plan = plan_config(cfg, gpus, args.plan_gpus_per_node, args.plan_hardware, fsdp=(False,))
     except ValueError as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from .batches import RankCoords, checked_step_batches, rank_data
 from .batches.fixed import MicroBatch
 from .config import Config, config_to_dict, validate
 from .families import get_family
-from .model_factory import build_model
+from .model_factory import build_model, wrap_data_parallel
 from .vae_stage import ensure_vae, load_vae
 
 __all__ = ["init_distributed", "Trainer", "train", "NonFiniteError"]
@@ -258,11 +258,7 @@ class Trainer:
 
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -282,14 +278,8 @@ class Trainer:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(self.tcfg, model)
-        gpu = self.has_gpu
-        self.ddp = DistributedDataParallel(
-            config=self.tcfg,
-            module=model,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=gpu
-            ),
-        )
+        self.ddp = wrap_data_parallel(self.tcfg, model, c.parallel.fsdp, self.has_gpu)
+        gpu = self.ddp.ddp_config.use_distributed_optimizer
         dtype = torch.bfloat16 if t.bf16 else torch.float32
         opt_cfg = OptimizerConfig(
             **cpu_optimizer_config_kwargs(
@@ -402,14 +392,15 @@ class Trainer:
         if self.rank == self.world - 1:  # always a last-stage rank
             verdict[1] = loss
         # one reduction per gradient buffer (Megatron DDP keeps them contiguous), no host sync here
-        buffers = getattr(self.ddp, "buffers", []) + getattr(
-            self.ddp, "expert_parallel_buffers", []
-        )
+        expert = getattr(self.ddp, "expert_parallel_buffers", None)  # FSDP: no buffers
+        buffers = [] if expert is None else self.ddp.buffers + expert
         grads = [b.grad_data for b in buffers] or [
             getattr(p, "main_grad", p.grad) for p in self.ddp.parameters()
         ]
-        for g in grads:
-            if g is not None and g.numel():
+        from ..parallel.fsdp import local_tensor
+
+        for g in map(local_tensor, filter(None.__ne__, grads)):  # FSDP: this rank's shard
+            if g.numel():
                 verdict[0] += (~torch.isfinite(g)).any().to(verdict.dtype)
         dist.all_reduce(verdict)
         flag, loss = verdict.tolist()
