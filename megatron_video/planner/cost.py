@@ -316,6 +316,17 @@ def _link(layout: Layout, stride: int, size: int, cluster: Cluster, hw: Hardware
     return hw.link(stride * size <= cluster.gpus_per_node)
 
 
+def _collective_link(layout: Layout, stride: int, size: int, cluster: Cluster, hw: Hardware):
+    """``_link`` for a ring all-gather / reduce-scatter (DP, FSDP): across nodes NCCL runs one
+    ring per rail, so a group with ``k`` ranks on each node moves its inter-node bytes over ``k``
+    NICs — ``k`` times a NIC's bandwidth, up to NVLink's."""
+    bw, lat = _link(layout, stride, size, cluster, hw)
+    if stride * size > cluster.gpus_per_node:
+        k = max(1, min(size, cluster.gpus_per_node // stride))
+        bw = min(k * hw.ib_bw, hw.nvlink_bw)
+    return bw, lat
+
+
 def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: int):
     """``{part: bytes}`` per rank of the first pipeline stage (the one holding most in flight)."""
     e, D, F = shape.dtype_bytes, shape.hidden, shape.ffn
@@ -325,10 +336,12 @@ def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: in
     weights = p_rank * e
     grads = p_rank * ASSUMPTIONS["grad_bytes_per_param"]
     gathered = 0.0
-    if layout.fsdp:  # every state sharded; a layer gathered and the next prefetched, its gradients
+    if layout.fsdp:  # every state sharded; gathered layers transient
         weights, grads = weights / g, grads / g
+        # in a layer's backward: it and the next gathered, its unsharded gradients and their
+        # fp32 copy for the reduce-scatter
         layer = shape.layer_params() / layout.tp
-        gathered = layer * (2 * e + ASSUMPTIONS["grad_bytes_per_param"])
+        gathered = layer * (3 * e + ASSUMPTIONS["grad_bytes_per_param"])
     opt_bytes = ASSUMPTIONS["optimizer_bytes_per_param"] - (4 if e == 4 else 0)
     optim = p_rank * opt_bytes / shard
     tokens = layout.micro_batch_size * shape.seq / layout.cp
@@ -439,13 +452,14 @@ def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware)
     t_mb = sum(t[k] for k in keys)
     t_dp, g = 0.0, lay.dp * lay.cp
     if g > 1:
-        bw_d, lat_d = _link(lay, lay.tp, g, cluster, hw)
+        bw_d, lat_d = _collective_link(lay, lay.tp, g, cluster, hw)
         p_rank = shape.params_per_rank(lay.tp, lay.pp)
         n_layers = shape.num_layers // lay.pp
         if lay.fsdp:  # per micro-batch: weights gathered forward and backward, fp32 gradients
             # reduce-scattered, each layer's prefetched behind the previous layer's compute
             e, f = shape.dtype_bytes, ASSUMPTIONS["grad_bytes_per_param"]
-            total = p_rank * (2 * e + f) * (g - 1) / g / bw_d + 3 * n_layers * lat_d
+            total = p_rank * (2 * e + f) * (g - 1) / g / bw_d
+            total += 3 * (n_layers + 1) * (lat_d + hw.fsdp_call_overhead_s)  # units: + the root
             hidden = ASSUMPTIONS["fsdp_overlap"] * t["compute"] * hw.overlaps
             t_dp = m * max(0.0, total - hidden)
         else:  # gradient reduce-scatter / weight all-gather behind the last backward

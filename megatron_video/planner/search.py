@@ -73,7 +73,20 @@ def search(
             continue
         costs.append(step_cost(shape, lay, cluster, hw))
     costs.sort(key=lambda c: (not c.fits, -c.tokens_per_s_per_gpu, c.mem_bytes))
+    # a tie within TIE of the best: fewer model-parallel ranks (TP x CP x PP) first, then memory —
+    # the same predicted speed with less communication whose fixed costs the model leaves out
+    if costs and costs[0].fits:
+        top = costs[0].tokens_per_s_per_gpu * (1 - TIE)
+        n = sum(1 for c in costs if c.fits and c.tokens_per_s_per_gpu >= top)
+        costs[:n] = sorted(costs[:n], key=lambda c: (_model_parallel(c.layout), c.mem_bytes))
     return Plan(costs, illegal)
+
+
+TIE = 0.01
+
+
+def _model_parallel(lay: Layout) -> int:
+    return lay.tp * lay.cp * lay.pp
 
 
 def why_slower(best: StepCost, other: StepCost) -> str:
