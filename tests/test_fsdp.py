@@ -1,9 +1,11 @@
 """``parallel.fsdp`` (ZeRO-3 with FSDP2) in the trainer, on 4 ranks.
 
 * The oracle is Megatron's DDP at the same layout: FSDP's losses and gradient norms equal it for
-  3 steps (fp32; the gradients are the same sums, reduce-scattered instead of all-reduced), at
+  2 steps (fp32; the gradients are the same sums, reduce-scattered instead of all-reduced), at
   DP 4, with CP (U 2 x DP 2, the shard group is DP x CP) and with TP 2. PP is refused.
-* Each rank holds a quarter of the weights (DTensor shards of the DP x CP group).
+* Each rank holds a quarter of the weights (DTensor shards of the DP x CP group). Parameters whose
+  first dimension the group does not split (Wan's modulation tables) stay replicated; the
+  gradient norm counts them once (``wan_ar`` at U 2 x DP 2 equals DDP).
 * A checkpoint saved under FSDP resumes under DDP at another layout and the reverse: the next
   step's loss equals the uninterrupted run's.
 """
@@ -37,7 +39,7 @@ def _steps(tmp, layout):
     for fsdp in (False, True):
         t = Trainer(_config(tmp, f"{layout}_{fsdp}", fsdp, layout), progress=False)
         try:
-            recs = [t.train_step(s) for s in range(3)]
+            recs = [t.train_step(s) for s in range(2)]
             out[fsdp] = [(r["loss"], r["grad_norm"]) for r in recs]
             local = sum(local_tensor(p).numel() for p in t.model.parameters())
             full = sum(p.numel() for p in t.model.parameters())
@@ -45,6 +47,52 @@ def _steps(tmp, layout):
         finally:
             t.close()
     return out
+
+
+def _wan_steps(root):
+    import warnings
+    from pathlib import Path
+
+    from megatron_video.testing.wan import tiny_wan_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for fsdp in (False, True):
+        cfg = tiny_wan_config(
+            "wan_ar",
+            root,
+            Path(root) / "shards",
+            context_parallel_size=2,
+            ulysses_size=2,
+            fsdp=fsdp,
+        )
+        cfg.model.init_from, cfg.output = f"{root}/transformer", f"{root}/run_{fsdp}"
+        t = Trainer(cfg, progress=False)
+        try:
+            out[fsdp] = [(r["loss"], r["grad_norm"]) for r in (t.train_step(s) for s in range(2))]
+            out[f"replicated_{fsdp}"] = len(getattr(t.ddp, "replicated", []))
+        finally:
+            t.close()
+    return out
+
+
+def test_fsdp_wan_with_replicated_parameters(pool4, tmp_path):
+    """Wan's modulation tables ([1, 6, D]) stay replicated: their gradients count once in the
+    gradient norm (Megatron sums the norm over the shard group once a gradient is a DTensor)."""
+    from megatron_video.testing.wan import (
+        save_tiny_wan_transformer,
+        tiny_wan_config,
+        write_random_latent_shards,
+    )
+
+    cfg = tiny_wan_config("wan", tmp_path, tmp_path / "shards")
+    write_random_latent_shards(cfg, tmp_path / "shards")
+    save_tiny_wan_transformer(tmp_path / "transformer", cfg)
+    r = pool4.run(_wan_steps, str(tmp_path))[0]
+    assert r["replicated_True"] > 0
+    for (l0, g0), (l1, g1) in zip(r[False], r[True]):
+        assert abs(l1 - l0) <= 1e-5 * abs(l0) and abs(g1 - g0) <= 1e-5 * abs(g0), r
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

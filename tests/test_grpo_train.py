@@ -138,6 +138,7 @@ def test_train_encoder_and_init_from(pool4, tmp_path):
         ),
         (["train.objective=supervised"], r"the rl section is read with train.objective 'grpo'"),
         (["train.objective=ppo"], r"train.objective \('ppo'\) must be 'supervised' or 'grpo'"),
+        (["parallel.fsdp=true"], r"parallel.fsdp \(True\) must be false with train.objective"),
         (["rl.group_size=1"], r"rl.group_size \(1\) must be >= 2"),
         (
             ["parallel.pipeline_model_parallel_size=2", *LAYOUTS["dp4"]],

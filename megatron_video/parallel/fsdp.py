@@ -147,6 +147,12 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 setattr(p, key, value)
             if hasattr(p, "to_local"):  # Megatron's mark of an FSDP2 shard (its checkpoint offsets)
                 p.is_torch_fsdp2_param = True
+        # Megatron's gradient norm sums every rank's part over the group once any gradient is a
+        # DTensor: a replicated gradient counts on the group's first rank only ("shared": counted
+        # elsewhere, as Megatron marks its tied embeddings)
+        if group.rank() > 0 and len(self.replicated) < sum(1 for _ in module.parameters()):
+            for p in self.replicated:
+                p.shared = True
 
     def finish_grad_sync(self, *args, **kwargs) -> None:
         """Average the replicated parameters' gradients (in fp32); FSDP reduce-scattered the

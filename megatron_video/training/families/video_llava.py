@@ -126,6 +126,11 @@ def _check_rl(config: Config) -> None:
             f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
             f"with train.objective 'grpo' (rollouts decode on one stage)"
         )
+    if p.fsdp:
+        raise ValueError(
+            "parallel.fsdp (True) must be false with train.objective 'grpo' (rollouts and the "
+            "frame encoding call the model's parts outside FSDP's wrapped forward)"
+        )
 
 
 # precision of the vision encoder and projector: Megatron-LM's (--bf16 / --fp16) via the LLM config
