@@ -82,11 +82,12 @@ def _mesh(group, device: str):
 
     key = (device, tuple(get_process_group_ranks(group)))
     mesh = _MESHES.get(key)
-    if mesh is None:
+    if mesh is None or not hasattr(mesh, "_dim_group_names"):  # a torch without these fields
         mesh = _MESHES[key] = DeviceMesh.from_group(group, device)
     else:
         mesh._dim_group_names = [group.group_name]
-        mesh._pg_registry[group.group_name] = group
+        if isinstance(getattr(mesh, "_pg_registry", None), dict):
+            mesh._pg_registry[group.group_name] = group
     return mesh
 
 
