@@ -63,6 +63,8 @@ FIT = {
 # the teacher-forcing AR DiT at some of the same layouts, predicted with the profile fitted on
 # video_dit (no refit: another attention mask, Balanced SP's [clean ; noisy] sequence)
 OTHER = ("ar_dit", {2: ("DP2", "U2", "R2", "TP2", "U2 rc"), 4: ("DP4", "U2 DP2", "U4", "U2 R2")})
+# the one constant the AR DiT adds (its attention mask's cost per query-key element), fitted here
+OTHER_FIT = {2: "DP2", 4: "DP4"}
 TMP = "runs/bench_planner"
 BENCH_MODEL = dict(num_frames=29, height=32, width=32)  # 8 latent frames of 4 x 4: 128 tokens
 
@@ -292,16 +294,31 @@ def measured_table(saved: dict, world: int):
         for fam, rows in saved.items()
     }
     hw = _fit(fam_rows["video_dit"], get_hardware("cpu"), world)
+    if OTHER[0] in fam_rows:
+        hw = _fit_masked(fam_rows[OTHER[0]], hw, world)
     print(
         f"(a) 128 tokens, D 96, 2 layers, fp32, {world} gloo ranks on 2 cores; cpu profile fitted "
         f"on video_dit {', '.join(FIT[world])}: peak {hw.peak_flops:.3g} FLOP/s, layer overhead "
         f"{hw.layer_overhead_s * 1e3:.3g} ms (backward {hw.backward_overhead:.2f}x, recompute "
         f"{hw.recompute_cost:.2f}x a forward), per attention "
         f"call {hw.attn_call_overhead_s * 1e6:.3g} us, per-call latency {hw.nvlink_lat * 1e6:.3g} us, "
-        f"per FSDP gather / reduction {hw.fsdp_call_overhead_s * 1e6:.3g} us"
+        f"per FSDP gather / reduction {hw.fsdp_call_overhead_s * 1e6:.3g} us; on {OTHER[0]} "
+        f"{OTHER_FIT[world]}: attention mask {hw.mask_s_per_element * 1e9:.3g} ns per element"
     )
     for fam, rows in fam_rows.items():
-        _print_rows(fam, rows, world, hw, FIT[world] if fam == "video_dit" else ())
+        _print_rows(fam, rows, world, hw, FIT[world] if fam == "video_dit" else (OTHER_FIT[world],))
+
+
+def _fit_masked(rows, hw, world):
+    """``hw`` with the attention mask's cost per element that makes ``OTHER_FIT``'s predicted step
+    time the measured one (the step time is linear in it; at least 0)."""
+    row = next(r for r in rows if r["name"] == OTHER_FIT[world])
+    at = [
+        _predict(row["cfg"], world, dataclasses.replace(hw, mask_s_per_element=x)).step_s
+        for x in (0.0, 1.0)
+    ]
+    x = max(0.0, (row["step_s"] - at[0]) / (at[1] - at[0]))
+    return dataclasses.replace(hw, mask_s_per_element=x)
 
 
 def _print_rows(family, rows, world, hw, fit):

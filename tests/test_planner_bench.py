@@ -1,9 +1,10 @@
 """benchmarks/planner.py does not rot: ``--load`` refits the cpu profile on the measured rows
 docs/benchmarks.md reports (``benchmarks/planner_measured.json``) and prints both tables (a rank
-per core and two; video_dit fitted, ar_dit predicted), the rankings and the NeMo paper rows; the
-fit reproduces the profile the ``cpu`` entry of ``planner.hardware`` holds (taken from this file):
-its compute rate and FSDP cost per gather / reduction; and the ``h100`` fractions fitted on one paper
-row are the ones its profile holds."""
+per core and two; video_dit fitted, ar_dit fitted on one row and predicted on the others), the
+rankings and the NeMo paper rows; the fit reproduces the profile the ``cpu`` entry of
+``planner.hardware`` holds (taken from this file): its compute rate, FSDP cost per gather /
+reduction and (on the AR DiT) mask cost per element; and the ``h100`` fractions fitted on one
+paper row are the ones its profile holds."""
 
 import re
 
@@ -29,6 +30,9 @@ def test_planner_benchmark_refits_the_recorded_rows():
     fsdp = re.search(r"2 gloo ranks on 2 cores;.*?per FSDP gather / reduction ([\d.e+]+) us", out)
     cpu_fsdp = get_hardware("cpu").fsdp_call_overhead_s * 1e6
     assert fsdp and float(fsdp[1]) == pytest.approx(cpu_fsdp, rel=0.01)
+    mask = re.search(r"2 gloo ranks on 2 cores;.*?attention mask ([\d.e+]+) ns per element", out)
+    cpu_mask = get_hardware("cpu").mask_s_per_element * 1e9
+    assert mask and float(mask[1]) == pytest.approx(cpu_mask, rel=0.01)
     h100 = re.search(r"= matmul ([\d.]+), attention ([\d.]+) \(the profile holds", out)
     fitted_h100 = (float(h100[1]), float(h100[2])) if h100 else None
     h = get_hardware("h100")

@@ -392,6 +392,10 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
         lay.ring if pat == "full" else 1 for x in layers for pat in shape.self_attentions(x)
     )
     over += (2 + rc) * calls * hw.attn_call_overhead_s
+    if shape.attention in ("causal", "teacher_forcing"):  # a mask and bias over each call's
+        # query x key block, built forward and backward: S x S / R elements a rank (Ulysses gathers
+        # the sequence, heads share the mask)
+        over += (2 + rc) * len(layers) * shape.seq**2 / lay.ring * hw.mask_s_per_element
     compute += elem * hw.elementwise_s_per_byte + over
     # traced communication: Ulysses all-to-alls, ST-DiT transitions, ring P2P
     tb = traced_bytes(shape, lay)

@@ -34,6 +34,7 @@ class Hardware:
     )
     backward_overhead: float = 2.0  # a layer's fixed backward time, as a multiple of its forward's
     attn_call_overhead_s: float = 0.0  # fixed time per attention kernel call (a ring step each)
+    mask_s_per_element: float = 0.0  # a masked attention's mask and bias, per query-key element
     recompute_cost: float = 1.0  # a recomputed forward's time, as a multiple of a forward's
     fsdp_call_overhead_s: float = 0.0  # fixed time per FSDP gather / reduction of a unit (hooks)
     overlaps: bool = True  # communication hides behind compute (ASSUMPTIONS' *_overlap shares)
@@ -104,6 +105,7 @@ PROFILES: Dict[str, Hardware] = {
         attn_call_overhead_s=2.49e-3,
         recompute_cost=0.90,
         fsdp_call_overhead_s=2.62e-3,
+        mask_s_per_element=25.5e-9,  # fitted on the AR DiT (teacher forcing) at DP 2
         overlaps=False,  # gloo runs on the cores that compute: nothing hides behind compute
     ),
 }
