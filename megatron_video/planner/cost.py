@@ -327,8 +327,11 @@ def _collective_link(layout: Layout, stride: int, size: int, cluster: Cluster, h
     return bw, lat
 
 
-def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: int):
-    """``{part: bytes}`` per rank of the first pipeline stage (the one holding most in flight)."""
+def memory(
+    shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: int, prefetch: bool = True
+):
+    """``{part: bytes}`` per rank of the first pipeline stage (the one holding most in flight);
+    ``prefetch``: FSDP gathers the next layer during this one (where communication overlaps)."""
     e, D, F = shape.dtype_bytes, shape.hidden, shape.ffn
     p_rank = shape.params_per_rank(layout.tp, layout.pp)
     g = layout.dp * layout.cp
@@ -338,10 +341,10 @@ def memory(shape: ModelShape, layout: Layout, cluster: Cluster, microbatches: in
     gathered = 0.0
     if layout.fsdp:  # every state sharded; gathered layers transient
         weights, grads = weights / g, grads / g
-        # in a layer's backward: it and the next gathered, its unsharded gradients and their
-        # fp32 copy for the reduce-scatter
-        layer = shape.layer_params() / layout.tp
-        gathered = layer * (3 * e + ASSUMPTIONS["grad_bytes_per_param"])
+        # in a layer's backward: it (and the next, prefetched) gathered, its unsharded gradients
+        # and, when they are not fp32, their fp32 copy for the reduce-scatter
+        layer, f = shape.layer_params() / layout.tp, ASSUMPTIONS["grad_bytes_per_param"]
+        gathered = layer * ((2 if prefetch else 1) * e + e + (f if e != f else 0))
     opt_bytes = ASSUMPTIONS["optimizer_bytes_per_param"] - (4 if e == 4 else 0)
     optim = p_rank * opt_bytes / shard
     tokens = layout.micro_batch_size * shape.seq / layout.cp
@@ -471,7 +474,7 @@ def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware)
             t_dp = max(0.0, total - ASSUMPTIONS["dp_overlap"] * t["bwd"] * hw.overlaps)
     parts = {k: m * t[k] for k in keys}
     parts.update(bubble=(lay.pp - 1) * t_mb, dp=t_dp)
-    mem = memory(shape, lay, cluster, m)
+    mem = memory(shape, lay, cluster, m, prefetch=hw.overlaps)
     total = sum(mem.values())
     return StepCost(
         layout=lay,

@@ -54,10 +54,20 @@ class LiveTensors(TorchDispatchMode):
             if key and key not in self.live:
                 self.live[key] = (StorageWeakRef(st), st.nbytes(), f"{func.__name__} @ {_where()}")
                 self.current += st.nbytes()
-        if self.current > self.peak:
-            self.peak = self.current
-            self.held = sorted(
-                ((n, label) for ref, n, label in self.live.values() if n and not ref.expired()),
-                reverse=True,
-            )
+        if self.current > self.peak:  # ``current`` may overcount (below): the exact bytes then
+            exact, held = self._exact()
+            if exact > self.peak:
+                self.peak, self.held = exact, held
         return out
+
+    def _exact(self) -> Tuple[int, List[Tuple[int, str]]]:
+        """Bytes of the live storages at their current sizes, each once. A storage freed and
+        re-allocated in place (``resize_``, as FSDP does with gathered weights: no op reports it)
+        keeps its entry, and its new data pointer makes another."""
+        sizes: Dict[int, Tuple[int, str]] = {}
+        for ref, n, label in self.live.values():
+            if n and not ref.expired() and ref.cdata not in sizes:
+                now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                sizes[ref.cdata] = (now, label)
+        held = sorted(((n, label) for n, label in sizes.values() if n), reverse=True)
+        return sum(n for n, _ in held), held
