@@ -149,7 +149,8 @@ def _measure(tmp, family, par, iters, world):
         params = tuple(getattr(p, "_local_tensor", p) for p in t.ddp.parameters())  # FSDP: shards
         held = params + tuple(_grad_buffers(t.ddp))
         batch = tuple(_prefetch(t, iters + 1, make)[1])
-        with LiveTensors(exclude=held + batch) as live:  # what the step allocates beyond its state
+        fsdp = t.config.parallel.fsdp  # FSDP frees and re-allocates gathered weights in place
+        with LiveTensors(exclude=held + batch, resized=fsdp) as live:  # the step's own allocations
             t.forward_backward(iters + 1)
         state = sum(x.numel() * x.element_size() for x in held)
         return (

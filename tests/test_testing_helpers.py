@@ -137,3 +137,28 @@ def test_no_test_module_imports_another_and_only_testing_imports_testing():
         if m == "megatron_video.testing" or m.startswith("megatron_video.testing.")
     ]
     assert not users, f"library modules import megatron_video.testing: {users}"
+
+
+def test_live_tensors_counts_a_storage_resized_in_place_once():
+    """FSDP frees a gathered weight's storage with ``resize_(0)`` and re-allocates it in place (a
+    new data pointer, no op reporting either): with ``resized`` the peak is the exact one."""
+    import torch
+
+    from megatron_video.testing.live_memory import LiveTensors
+
+    def step():
+        w = torch.empty(1000)  # 4,000 bytes, "gathered"
+        st = w.untyped_storage()
+        st.resize_(0)  # freed in place
+        z = torch.zeros(1000)  # 4,000 bytes, perhaps where w was
+        st.resize_(4000)  # gathered again: a new pointer
+        w.fill_(1.0)  # an op returns it: seen again
+        x = torch.ones(250)  # 1,000 bytes
+        return w, z, x
+
+    with LiveTensors(resized=True) as exact:
+        step()
+    with LiveTensors() as plain:
+        step()
+    assert exact.peak == 9000
+    assert plain.peak >= exact.peak  # the default may count a re-allocated storage twice

@@ -29,8 +29,9 @@ class LiveTensors(TorchDispatchMode):
     e.g. the inputs, are not counted): ``peak`` bytes alive at once, ``held`` = ``[(bytes, label)]``
     at the peak (label: the op and the innermost ``megatron_video`` frames that allocated it)."""
 
-    def __init__(self, exclude: Tuple[torch.Tensor, ...] = ()):
+    def __init__(self, exclude: Tuple[torch.Tensor, ...] = (), resized: bool = False):
         super().__init__()
+        self.resized = resized  # storages may be freed / re-allocated in place: exact peaks
         self.live: Dict[int, tuple] = {}
         self.current = 0
         self.peak = 0
@@ -54,16 +55,23 @@ class LiveTensors(TorchDispatchMode):
             if key and key not in self.live:
                 self.live[key] = (StorageWeakRef(st), st.nbytes(), f"{func.__name__} @ {_where()}")
                 self.current += st.nbytes()
-        if self.current > self.peak:  # ``current`` may overcount (below): the exact bytes then
-            exact, held = self._exact()
-            if exact > self.peak:
-                self.peak, self.held = exact, held
+        if self.current > self.peak:
+            if self.resized:  # ``current`` may overcount (``_exact``): the exact bytes then
+                exact, held = self._exact()
+                if exact > self.peak:
+                    self.peak, self.held = exact, held
+            else:
+                self.peak = self.current
+                self.held = sorted(
+                    ((n, label) for ref, n, label in self.live.values() if n and not ref.expired()),
+                    reverse=True,
+                )
         return out
 
     def _exact(self) -> Tuple[int, List[Tuple[int, str]]]:
-        """Bytes of the live storages at their current sizes, each once. A storage freed and
-        re-allocated in place (``resize_``, as FSDP does with gathered weights: no op reports it)
-        keeps its entry, and its new data pointer makes another."""
+        """Bytes of the live storages at their current sizes, each once (``resized``: a storage
+        freed and re-allocated in place, ``resize_`` as FSDP does with gathered weights, which no
+        op reports, keeps its entry, and its new data pointer makes another). O(live storages)."""
         sizes: Dict[int, Tuple[int, str]] = {}
         for ref, n, label in self.live.values():
             if n and not ref.expired() and ref.cdata not in sizes:
