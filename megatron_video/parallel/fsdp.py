@@ -17,6 +17,9 @@ from contextlib import contextmanager
 import torch
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import to_local_if_dtensor
+
+local_tensor = to_local_if_dtensor  # this rank's shard of a DTensor: Megatron's helper
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -25,11 +28,6 @@ __all__ = [
     "local_tensor",
     "optimizer_state_ids",
 ]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP's parameters and gradients); other tensors as they are."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def load_model_state(model: torch.nn.Module, state: dict) -> None:
@@ -70,25 +68,14 @@ def load_optimizer_state(optimizer, state: dict) -> None:
                         )
 
 
-_MESHES = {}
-
-
 def _mesh(group, device: str):
-    """The device mesh of ``group``: one object per device and rank set in this process. Torch's
-    DTensor caches treat meshes of equal ranks as equal and hand back the first such object, so
-    after a group is destroyed and made again (a second trainer in one process) that object is
-    pointed at the live group instead of a new one made beside it."""
-    from torch.distributed import DeviceMesh, get_process_group_ranks
+    """The device mesh of ``group``. Torch's DTensor caches compare meshes by ranks, device and
+    dimension names, and would hand a later trainer's DTensors the mesh of an earlier, destroyed
+    group of the same ranks (a second trainer in one process); the dimension is named after the
+    group (torch names each new group uniquely), so a mesh equals only the meshes of its group."""
+    from torch.distributed import DeviceMesh
 
-    key = (device, tuple(get_process_group_ranks(group)))
-    mesh = _MESHES.get(key)
-    if mesh is None or not hasattr(mesh, "_dim_group_names"):  # a torch without these fields
-        mesh = _MESHES[key] = DeviceMesh.from_group(group, device)
-    else:
-        mesh._dim_group_names = [group.group_name]
-        if isinstance(getattr(mesh, "_pg_registry", None), dict):
-            mesh._pg_registry[group.group_name] = group
-    return mesh
+    return DeviceMesh.from_group(group, device, mesh_dim_names=(f"fsdp_{group.group_name}",))
 
 
 @contextmanager
@@ -161,11 +148,14 @@ class FullyShardedDataParallel(_BaseDataParallel):
         does not take.)"""
         from .comm import all_reduce
 
-        for p in self.replicated:
-            if p.grad is not None:
-                g = p.grad.float()
-                all_reduce(g, self.process_group, tag="fsdp.replicated_grads")
-                p.grad.copy_(g / self.process_group.size())
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.float().reshape(-1) for g in grads])  # one collective for all
+        all_reduce(flat, self.process_group, tag="fsdp.replicated_grads")
+        flat /= self.process_group.size()
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
