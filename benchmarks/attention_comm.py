@@ -99,6 +99,12 @@ def main():
     from megatron_video.testing import WorkerPool
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -312,5 +318,8 @@ def _density(seq, heads, dim, tile):
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     torch.set_num_threads(1)
     main()

@@ -176,6 +176,12 @@ def main():
     from megatron_video.testing import WorkerPool
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=32)
@@ -203,5 +209,8 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     torch.set_num_threads(1)
     main()

@@ -316,6 +316,12 @@ def main():
     from megatron_video.testing import WorkerPool
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--seqs", default="2048,8192,32768")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=32)
@@ -367,4 +373,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -197,6 +197,11 @@ def measure(a):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     p.add_argument("--frames", type=int, default=32)
     p.add_argument("--tokens-per-frame", type=int, default=1560)
     p.add_argument("--frames-per-block", type=int, default=2)
@@ -230,4 +235,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -198,6 +198,11 @@ def pool_runs(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--grid", type=int, default=8, help="tokens a frame: grid x grid")
     ap.add_argument("--steps", type=int, default=4, help="denoising steps a block (LongLive: 4)")
@@ -217,4 +222,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -791,6 +791,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument(
         "--small", action="store_true", help="tiny sizes (CPU-friendly); also for a quick GPU run"
@@ -921,6 +926,9 @@ def _run(args, t_start: float) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     try:
         sys.exit(main())
     except SystemExit:

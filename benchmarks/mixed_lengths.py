@@ -208,6 +208,12 @@ def main():
     from megatron_video.testing import WorkerPool
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--clips", type=int, default=32)
     ap.add_argument("--budget", type=int, default=8192, help="tokens per packed micro-batch")
     ap.add_argument("--heads", type=int, default=4)
@@ -262,4 +268,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

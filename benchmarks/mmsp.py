@@ -188,6 +188,12 @@ def main():
     from megatron_video.testing import WorkerPool
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--frames", type=int, nargs="+", default=[64, 61])
     ap.add_argument("--text", type=int, default=48)
     a = ap.parse_args()
@@ -247,4 +253,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -153,6 +153,11 @@ def _memory_case(frames_list, cp):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--frames", type=int, default=32)
     ap.add_argument("--group", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mem-frames", type=int, nargs="+", default=[16, 32, 64])
@@ -183,4 +188,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -257,6 +257,11 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16", "float64"]
@@ -301,4 +306,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

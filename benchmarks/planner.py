@@ -482,6 +482,11 @@ def paper_table(gpus: int = 64):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--skip-measure", action="store_true")
     ap.add_argument(
@@ -507,4 +512,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -171,6 +171,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     p.add_argument(
         "--ulysses", type=int, default=None, help="U of the 2D attention (default world/2)"
@@ -198,4 +203,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -28,6 +28,11 @@ LONGLIVE_RAW_FRAMES = 28
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--hw", type=int, default=16, help="probe frame size (pixels)")
     ap.add_argument(
         "--tiny", action="store_true", help="the tiny config of tests/test_vae_halo_probe.py"
@@ -78,4 +83,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

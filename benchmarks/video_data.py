@@ -38,6 +38,11 @@ from megatron_video.models.vae_halo_probe import encoder_halo  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--latents", type=int, default=32)
     ap.add_argument("--hw", type=int, default=64)
     ap.add_argument("--clips", type=int, default=6)
@@ -107,4 +112,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     main()

@@ -266,6 +266,12 @@ def main():
     from megatron_video.models.wan.convert import _one_process
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the known environment warnings (held back in one line by default)",
+    )
     ap.add_argument("--seqs", default="4096,16384")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-table", action="store_true")
@@ -287,6 +293,9 @@ def main():
 
 
 if __name__ == "__main__":
+    from megatron_video.training.console import quiet_script
+
+    quiet_script()  # known environment warnings held back in one line; --verbose shows them
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # see attention_memory.main
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable] + sys.argv)

@@ -223,6 +223,7 @@ class WorkerPool:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(
             [
+                "megatron_video.testing.quiet_workers",  # first: before Megatron's import warnings
                 "torch",
                 "torch.distributed",
                 "megatron.core.parallel_state",

@@ -20,10 +20,13 @@ __all__ = [
     "quiet_known_warnings",
     "hidden_warnings",
     "VERBOSE_ENV",
+    "QUIET_ENV",
+    "quiet_script",
 ]
 
 VERBOSE_ENV = "MEGATRON_VIDEO_VERBOSE"
 _ANNOUNCED_ENV = "MEGATRON_VIDEO_WARNINGS_ANNOUNCED"  # the launcher said it: its ranks do not
+QUIET_ENV = "MEGATRON_VIDEO_QUIET"  # set by quiet_known_warnings: worker pools started later agree
 
 # (message start, what it is): the one list of warnings hidden by default
 KNOWN_WARNINGS = (
@@ -63,6 +66,7 @@ def quiet_known_warnings(verbose: bool = False, console: bool = True) -> None:
         return
     if getattr(warnings.showwarning, "_megatron_video", False):
         return
+    os.environ[QUIET_ENV] = "1"  # WorkerPool's forkserver reads it (testing/quiet_workers.py)
     show = warnings.showwarning
 
     def hold(text: str) -> None:
@@ -97,3 +101,11 @@ def quiet_known_warnings(verbose: bool = False, console: bool = True) -> None:
         logging.getLogger(name).addFilter(record_filter(start))
     showwarning._megatron_video = True
     warnings.showwarning = showwarning
+
+
+def quiet_script(argv=None) -> bool:
+    """A script's first call (``benchmarks/*.py``): hold back the known warnings unless
+    ``--verbose`` is among its arguments (each script's parser documents the flag); returns it."""
+    verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
+    quiet_known_warnings(verbose)
+    return verbose
