@@ -12,6 +12,8 @@ import torch
 
 from megatron_video.testing import WorkerPool
 
+pytest_plugins = ["megatron_video.testing.env_split"]  # the one_env mark and --no-megatron
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -43,3 +45,30 @@ def extension():
             )
         raise AssertionError(f"megatron_video._C is not importable: {exc}") from exc
     return ext
+
+
+def _train_video_llava(path: str, output: str) -> None:
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    over = [f"output={output}", "train.steps=1", "train.sample=false", "train.tensorboard=false"]
+    t = Trainer(load_config(path, over), progress=False)
+    try:
+        t.run()
+    finally:
+        t.close()
+
+
+@pytest.fixture(scope="session")
+def video_llava_sft(pool4, tmp_path_factory):
+    """One supervised step of ``examples/configs/video_llava.yaml`` (U2xR2 on ``pool4``), trained
+    once per test run: the checkpoint the GRPO tests start from (``model.init_from``)."""
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("video_llava_sft") / "run"
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "video_llava.yaml"
+    pool4.run(_train_video_llava, str(config), str(out))
+    return out

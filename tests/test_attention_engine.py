@@ -21,6 +21,8 @@ from megatron_video.testing.oracles import output_and_grads as grads
 from megatron_video.testing.oracles import random_qkv
 from megatron_video.testing.oracles import softmax_attention as oracle
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 F64, F32 = torch.float64, torch.float32
 CU = [0, 5, 13, 14, 30, 41]  # packed documents; tokens past 41 are padding
 

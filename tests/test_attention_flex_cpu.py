@@ -21,7 +21,10 @@ from megatron_video.testing import masks as mask_oracles
 from megatron_video.testing.oracles import random_qkv, rel_max_errors
 from megatron_video.testing.oracles import softmax_attention as oracle
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.one_env,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+]
 
 S = 200  # ragged: not a multiple of the 128 / 512 tiles
 CU = [0, 1, 1, 60, 61, 190]  # a one-token document, an empty one; tokens past 190 are padding

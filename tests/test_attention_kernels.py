@@ -16,6 +16,8 @@ from megatron_video.attention import (
 )
 from megatron_video.testing.oracles import softmax_attention
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 # float64 explicit softmax; returns (out, lse); rows without keys give 0 and -inf
 oracle = functools.partial(softmax_attention, return_lse=True)
 

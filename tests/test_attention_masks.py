@@ -6,6 +6,8 @@ import torch
 from megatron_video.attention import masks
 from megatron_video.attention.masks import EMPTY, FULL, PARTIAL
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 
 def _brute(fn, q, k):
     rows = [[bool(fn(int(a), int(b))) for b in k] for a in q]

@@ -16,6 +16,8 @@ from megatron_video.layouts.balanced_sp import (
 )
 from megatron_video.testing.masks import teacher_forcing_oracle, tile_status_oracle
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 # the single-GPU [clean; noisy] mask written out from the rules, token by token
 oracle_mask = functools.lru_cache(maxsize=None)(teacher_forcing_oracle)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 SCRIPTS = sorted(
     p
     for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")

@@ -4,6 +4,10 @@ over 700 lines, read from the source (AST / line counts), no imports."""
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 ROOT = Path(__file__).resolve().parents[1] / "megatron_video"
 MAX_LINES = 80
 MAX_FILE_LINES = 700

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))

@@ -21,6 +21,8 @@ from megatron_video.data import (
 from megatron_video.data.synthetic import COLORS, DIRECTIONS, SHAPES, SIZES
 from megatron_video.models.captions import VOCAB, CaptionEmbedder
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 # ------------------------------------------------------------------------------------- synthetic
 
 

@@ -28,6 +28,8 @@ from megatron_video.diffusion import (
     shift_timesteps,
 )
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 S_DATA = 0.5  # data ~ N(0, S_DATA^2) elementwise; equals EDM's default sigma_data
 F64 = torch.float64
 

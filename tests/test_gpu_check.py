@@ -14,6 +14,8 @@ import pytest
 
 from megatron_video.testing.doc_blocks import launch_blocks
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SECTION_LIMIT_S = 240  # a command on the GPU machine may run ~4 minutes
 

@@ -116,13 +116,12 @@ def test_grpo_layouts_resume_and_embedding_cache(pool4, tmp_path):
         assert res[-1]["calls"] == [9, 9] and not res[-1]["moved"]
 
 
-def test_train_encoder_and_init_from(pool4, tmp_path):
+def test_train_encoder_and_init_from(pool4, video_llava_sft, tmp_path):
     """``rl.train_encoder``: the policy re-encodes with gradients (2 calls of its encoder per
     prompt; the reference encodes with its own), and the encoder trains. ``model.init_from``: policy and
     reference start from the supervised checkpoint (KL 0 at the first step, the SFT weights)."""
-    sft = tmp_path / "sft"
-    pool4.run(_run, SFT, [f"output={sft}", "train.tensorboard=false"], (1,))
-    over = BASE[1:] + LAYOUTS["dp4"] + [f"model.init_from={sft}", "rl.train_encoder=true"]
+    over = BASE[1:] + LAYOUTS["dp4"]
+    over += [f"model.init_from={video_llava_sft}", "rl.train_encoder=true"]
     res = pool4.run(_run, GRPO, over + [f"output={tmp_path / 'enc'}"], (1,))
     for r in res:
         assert r[-1]["calls"] == [9, 9] and r[-1]["moved"], r  # the reference: its own encoder

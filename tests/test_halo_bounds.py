@@ -13,6 +13,8 @@ from megatron_video.layouts.vae_halo import (
 )
 from megatron_video.ops import halo_gather, halo_scatter
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 
 @pytest.mark.parametrize("stride", [1, 2, 4, 8])
 @pytest.mark.parametrize("first", [True, False])

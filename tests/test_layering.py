@@ -5,6 +5,10 @@ between packages. Read from the source (AST), no imports."""
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 ROOT = Path(__file__).resolve().parents[1] / "megatron_video"
 ORDER = [
     "checks",  # megatron_video/checks.py: the ground floor (imports nothing of megatron_video)

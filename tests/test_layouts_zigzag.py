@@ -16,6 +16,8 @@ from megatron_video.layouts import (
 )
 from megatron_video.parallel.topology import local_groups
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 
 @pytest.mark.parametrize("scheme", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("N", [1, 2, 3, 4, 8])

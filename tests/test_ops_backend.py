@@ -11,6 +11,8 @@ import torch
 from megatron_video import ops
 from megatron_video.ops import ENV_VAR, TokenIds, active_backend
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 
 def _has_extension() -> bool:
     try:

@@ -15,7 +15,7 @@ from megatron_video.ops import (
 from megatron_video.testing.strategies import DTYPES, LAYOUTS, bits, halo_case
 from megatron_video.testing.strategies import halo_windows as _halo_windows
 
-pytestmark = pytest.mark.usefixtures("extension")
+pytestmark = [pytest.mark.one_env, pytest.mark.usefixtures("extension")]
 
 SETTINGS = settings(max_examples=12, deadline=None, database=None)
 

@@ -22,7 +22,7 @@ from megatron_video.testing.masks import rank_major_teacher_forcing_ids
 from megatron_video.testing.masks import tile_status_oracle as status_oracle
 from megatron_video.testing.strategies import mask_case
 
-pytestmark = pytest.mark.usefixtures("extension")
+pytestmark = [pytest.mark.one_env, pytest.mark.usefixtures("extension")]
 
 SETTINGS = settings(max_examples=40, deadline=None, database=None)
 

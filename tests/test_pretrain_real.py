@@ -4,7 +4,7 @@ The launch lines are read from docs/launch.md (its ``<!-- launch:NAME -->`` bloc
 written under torchrun (4 gloo ranks), with only the documented "CPU" and "Scaled down" flags
 appended; ``megatron_video/testing/megatron_training_cpu.py`` fakes megatron.training's CUDA
 assumptions. Asserted: the loss falls, iteration 1 equals our trainer's first step (same batches,
-same weights), save at 10 -> resume equals the uninterrupted run, TP2 x CP2 equals CP 4,
+same weights), save at 4 -> resume equals the uninterrupted run, TP2 x CP2 equals CP 4,
 evaluation runs. The documented lines' required flags and the model's ``pg_collection`` are
 checked in every environment.
 """
@@ -212,14 +212,14 @@ def _falls(losses: dict, n: int) -> None:
 
 @real
 def test_dit_cp4_trains_and_evaluates(dit_cp4):
-    """Every iteration logged; the validation loss at 20 is below the one at 10: every
+    """Every iteration logged; the validation loss at 8 is below the one at 4: every
     evaluation draws the same held-out micro-batches (its ledger restarts), so the two measure
     the same clips and noise (the training losses vary step to step with the drawn noise level)."""
-    assert sorted(dit_cp4["losses"]) == list(range(1, 21))
+    assert sorted(dit_cp4["losses"]) == list(range(1, 9))
     evals = dit_cp4["evals"]
-    assert [i for i, final, _ in evals if not final] == [10, 20]  # --eval-interval 10
+    assert [i for i, final, _ in evals if not final] == [4, 8]  # --eval-interval 4
     at = {i: v for i, final, v in evals if not final}
-    assert at[20] < at[10], evals
+    assert at[8] < at[4], evals
     assert sum(final for _, final, _ in evals) == 2  # validation and test sets
 
 
@@ -249,22 +249,22 @@ def test_dit_first_loss_equals_our_trainer(dit_cp4, pool4, tmp_path):
 
 @real
 def test_dit_resume_equals_uninterrupted(dit_cp4, tmp_path):
-    """Megatron's checkpoint of iteration 10, resumed in a fresh job to 20: every iteration's loss
+    """Megatron's checkpoint of iteration 4, resumed in a fresh job to 8: every iteration's loss
     and the final validation / test losses equal the uninterrupted run's. Megatron's first log
-    after a resume (iteration 12 here) averages iterations 11 and 12; that is what it prints."""
-    run = _run("dit", tmp_path / "resumed", "--load", str(dit_cp4["out"]), "--ckpt-step", "10")
+    after a resume (iteration 6 here) averages iterations 5 and 6; that is what it prints."""
+    run = _run("dit", tmp_path / "resumed", "--load", str(dit_cp4["out"]), "--ckpt-step", "4")
     ref, got = dit_cp4["losses"], run["losses"]
-    assert sorted(got) == list(range(11, 21))
-    for i in [11] + list(range(13, 21)):
+    assert sorted(got) == list(range(5, 9))
+    for i in [5, 7, 8]:
         assert got[i] == ref[i], i
-    assert got[12] == pytest.approx((ref[11] + ref[12]) / 2, rel=2e-6)
-    assert run["evals"] == [e for e in dit_cp4["evals"] if e[0] == 20]
+    assert got[6] == pytest.approx((ref[5] + ref[6]) / 2, rel=2e-6)
+    assert run["evals"] == [e for e in dit_cp4["evals"] if e[0] == 8]
 
 
 @real
 def test_dit_tp2cp2_equals_cp4(dit_cp4, tmp_path):
     tp = _run("tp2cp2", tmp_path / "run")
-    assert sorted(tp["losses"]) == list(range(1, 21))
+    assert sorted(tp["losses"]) == list(range(1, 9))
     for i, loss in dit_cp4["losses"].items():
         assert tp["losses"][i] == pytest.approx(loss, rel=1e-4, abs=1e-5), i
 
@@ -272,7 +272,7 @@ def test_dit_tp2cp2_equals_cp4(dit_cp4, tmp_path):
 @real
 def test_llava_cp4_trains_and_evaluates(tmp_path):
     run = _run("llava", tmp_path / "run")
-    _falls(run["losses"], 20)
+    _falls(run["losses"], 8)
     assert sum(final for _, final, _ in run["evals"]) == 2
 
 
@@ -283,14 +283,14 @@ def test_other_dit_families(family, tmp_path):
 
 
 def _five_iterations_train_and_evaluate(family: str, tmp_path, *extra: str) -> None:
-    """The family's documented line, 5 iterations, evaluated after each: the validation loss after
-    5 is below the one after 1 (every evaluation draws the same held-out micro-batches; the
+    """The family's documented line, 4 iterations, evaluated after 2 and 4: the validation loss
+    after 4 is below the one after 2 (every evaluation draws the same held-out micro-batches; the
     training losses vary step to step with the drawn noise level); validation and test run."""
-    five = ("--train-iters", "5", "--save-interval", "5", "--eval-interval", "1")
-    run = _run(family, tmp_path / "run", *five, *extra)
-    assert sorted(run["losses"]) == list(range(1, 6))
+    four = ("--train-iters", "4", "--save-interval", "4", "--eval-interval", "2")
+    run = _run(family, tmp_path / "run", *four, *extra)
+    assert sorted(run["losses"]) == list(range(1, 5))
     at = {i: v for i, final, v in run["evals"] if not final}
-    assert sorted(at) == list(range(1, 6)) and at[5] < at[1], run["evals"]
+    assert sorted(at) == [2, 4] and at[4] < at[2], run["evals"]
     assert sum(final for _, final, _ in run["evals"]) == 2
 
 
@@ -399,8 +399,8 @@ def test_mixed_resume_at_another_dp_size(mixed_run, tmp_path):
 def test_dit_resume_at_another_dp_size(dit_cp4, tmp_path):
     """The fixed-shape line (a grid of one bucket, the same ledger) saved at DP 1 x CP 4 with
     micro-batches of 2 clips, resumed at DP 2 x CP 2 with micro-batches of 1 (the same global
-    batch): iterations 11-20 log the uninterrupted run's losses (Megatron's first log after the
-    resume averages iterations 11 and 12) and the final evaluation."""
+    batch): iterations 5-8 log the uninterrupted run's losses (Megatron's first log after the
+    resume averages iterations 5 and 6) and the final evaluation."""
     dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
     run = _run(
         "dit",
@@ -408,17 +408,17 @@ def test_dit_resume_at_another_dp_size(dit_cp4, tmp_path):
         "--load",
         str(dit_cp4["out"]),
         "--ckpt-step",
-        "10",
+        "4",
         "--micro-batch-size",
         "1",
         *dp2,
     )
     ref, got = dit_cp4["losses"], run["losses"]
-    assert sorted(got) == list(range(11, 21)), got
-    assert got[12] == pytest.approx((ref[11] + ref[12]) / 2, rel=1e-5)
-    for i in [11] + list(range(13, 21)):
+    assert sorted(got) == list(range(5, 9)), got
+    assert got[6] == pytest.approx((ref[5] + ref[6]) / 2, rel=1e-5)
+    for i in [5, 7, 8]:
         assert got[i] == pytest.approx(ref[i], rel=1e-5), (i, got[i], ref[i])
-    final = [e for e in dit_cp4["evals"] if e[0] == 20]
+    final = [e for e in dit_cp4["evals"] if e[0] == 8]
     assert [e[:2] for e in run["evals"]] == [e[:2] for e in final]
     assert [e[2] for e in run["evals"]] == pytest.approx([e[2] for e in final], rel=1e-5)
 

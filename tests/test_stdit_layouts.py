@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from megatron_video.layouts import stdit as L
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 
 # ---------------------------------------------------------------------------------------------
 # Pure index maps

@@ -23,6 +23,8 @@ from megatron_video.models.vae_halo_probe import (
     temporal_receptive_field,
 )
 
+pytestmark = pytest.mark.one_env  # no Megatron: CI's first environment only
+
 HW = 8  # spatial size of the probe and the clips (the Wan VAE downsamples 8x: 1x1 latents)
 
 

@@ -11,6 +11,7 @@ diffusers ``AutoencoderKLWan`` of ``vae.diffusers``; captions go through ``data.
 * Wrong inputs: ``ValueError`` naming the field, its value and the rule.
 """
 
+import functools
 import json
 import math
 
@@ -91,6 +92,7 @@ def _decode(path) -> torch.Tensor:
     return (x.float() / 127.5 - 1).double().permute(3, 0, 1, 2)
 
 
+@functools.lru_cache(maxsize=2)  # one per VAE, shared by both families' tests
 def _oracle(root, vae_name) -> dict:
     """key -> diffusers' own float64 full-clip encoding, normalised as Wan's pipelines do."""
     from diffusers import AutoencoderKLWan

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib.util
 import itertools
 import os
 import queue as queue_mod
@@ -218,6 +219,8 @@ class WorkerPool:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
+        # the ranks import Megatron: a process that refuses it (env_split.py) refuses the pool
+        importlib.util.find_spec("megatron")
         # forkserver with torch + megatron preloaded: workers fork from a process that already
         # imported them (seconds saved per worker); the server itself has started no threads.
         ctx = mp.get_context("forkserver")
