@@ -6,6 +6,7 @@ computes in float32 even for float64 input, which caps agreement at ~1e-7; it is
 in the input dtype (``_float64_rmsnorm``). The M-RoPE frequencies are float32 in both models.
 """
 
+import json
 import zlib
 
 import pytest
@@ -326,3 +327,47 @@ def test_mmsp_equals_cp1(pool4):
 
 def test_mmsp_ulysses4_equals_cp1(pool4):
     _check_mmsp(pool4.run(_mmsp_run, ["u4"], ranks_per_node=4), ["u4"])
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-video convert --from-hf / --to-hf
+# ---------------------------------------------------------------------------------------------
+def _hf_folder(path, cfg, processor=None):
+    hf = hf_model(cfg).float()
+    hf.save_pretrained(str(path))  # transformers writes the older on-disk names (model.layers.*)
+    (path / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    proc = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, **(processor or {})}
+    (path / "preprocessor_config.json").write_text(json.dumps(proc))
+    return hf
+
+
+def test_convert_cli_round_trip(tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron_video.training.cli import main
+
+    cfg = qcfg.tiny_hf_config(tie_word_embeddings=True)
+    hf = _hf_folder(tmp_path / "hf", cfg)
+    assert (
+        main(["convert", "--from-hf", str(tmp_path / "hf"), "--output", str(tmp_path / "c")]) == 0
+    )
+    assert main(["convert", "--to-hf", str(tmp_path / "c"), "--output", str(tmp_path / "o")]) == 0
+    back = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "o")).state_dict()
+    want = hf.state_dict()
+    assert set(back) == set(want) and all(torch.equal(back[k], want[k]) for k in want)
+    for name in ("tokenizer_config.json", "preprocessor_config.json", "generation_config.json"):
+        assert (tmp_path / "o" / name).read_text() == (tmp_path / "hf" / name).read_text()
+
+
+def test_convert_refuses_other_folders(tmp_path):
+    from megatron_video.models.qwen_vl.convert import read_hf_folder
+
+    cfg = qcfg.tiny_hf_config()
+    _hf_folder(tmp_path / "bad_proc", cfg, {"patch_size": 14})
+    with pytest.raises(ValueError, match=r"patch_size \(14\).*vision_config.patch_size \(4\)"):
+        read_hf_folder(tmp_path / "bad_proc")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": []}))
+    with pytest.raises(ValueError, match=r"model_type \('qwen2'\)"):
+        read_hf_folder(other)

@@ -173,12 +173,14 @@ def to_megatron(hf_state: Dict[str, torch.Tensor], hf_config) -> Dict[str, torch
     _check_keys(have, want, "HF")
     out = {}
     for e in table:
+        if e.kind == "tied":  # the word embeddings' copy: not read
+            continue
         src = [hf_state[k] for k in e.hf]
         if e.kind == "qkv":
             out[e.ours] = _fuse_qkv(*src, hf_config)
         elif e.kind == "glu":
             out[e.ours] = torch.cat(src, dim=0)
-        elif e.kind == "copy":
+        else:
             out[e.ours] = src[0].clone()
     return out
 
