@@ -118,7 +118,7 @@ class QwenVLModel(MegatronModule):
     def _encode_units(self, units: torch.Tensor, grid_hw) -> torch.Tensor:
         """``units [n, h*w, C*2*p*p]`` (temporal patches) -> ``[n, h*w/4, hidden]``."""
         n = units.shape[0]
-        grid = torch.tensor([[1, grid_hw[0], grid_hw[1]]], dtype=torch.long).repeat(n, 1)
+        grid = torch.tensor([[1, grid_hw[0], grid_hw[1]]], device=units.device).repeat(n, 1)
         out = self.encode_videos(units.reshape(-1, units.shape[-1]), grid)
         return out.reshape(n, -1, out.shape[-1])
 
