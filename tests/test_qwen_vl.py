@@ -48,8 +48,12 @@ def sample(kind: str, cfg):
     """(input_ids, pixel_values_videos, video_grid_thw, labels): the processor's layout (placeholders
     expanded, ``<vision_start> video <vision_end>``). ``one``: one video of 3 temporal patches (odd)
     on a 6 x 4 patch grid; ``two``: two rows, videos of 3 (6 x 4) and 2 (4 x 4) temporal patches;
-    ``cp``: two rows, videos of 5 and 4 temporal patches on one 6 x 4 grid (>= CP = 4)."""
+    ``cp``: two rows, videos of 5 and 4 temporal patches on one 6 x 4 grid (>= CP = 4);
+    ``text``: no video."""
     g = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+    if kind == "text":  # ``text``: two rows of text only (no video in the batch)
+        ids = torch.randint(3, 90, (2, 13), generator=g)
+        return ids, None, None, torch.randint(3, 90, ids.shape, generator=g)
     grids = {"one": [[3, 6, 4]], "two": [[3, 6, 4], [2, 4, 4]], "cp": [[5, 6, 4], [4, 6, 4]]}[kind]
     rows, lens = [], []
     for t, h, w in grids:
@@ -250,7 +254,7 @@ def _mmsp_step(model, data, cp_group):
     return float(total), grads
 
 
-def _mmsp_run(case_names):
+def _mmsp_run(case_names, with_text=False):
     from megatron.core import parallel_state as ps
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
 
@@ -275,6 +279,8 @@ def _mmsp_run(case_names):
                     for name, p in model.named_parameters():
                         p.copy_(W.tp_shard(name, full[name], p, tp, rank))
                 group = ps.get_context_parallel_group() if cp > 1 else None
+                if with_text:  # a batch without video through the same model first
+                    out[(case, "text")] = _mmsp_step(model, sample("text", cfg), group)
                 loss, grads = _mmsp_step(model, data, group)
                 units, error = 0, None
                 if group is not None:
@@ -301,6 +307,15 @@ def _short_video_error(model, cfg, cp):
 
 
 def _check_mmsp(per_rank, cases):
+    for case in cases:  # a batch without video (only where the run had one)
+        for res in per_rank:
+            if (case, "text") in res:
+                (loss, grads), (want, want_g) = res[(case, "text")], res[("reference", "text")]
+                assert abs(loss - want) <= 1e-10 * want, (case, loss, want)
+                for k, g in want_g.items():
+                    assert float((grads[k] - g).abs().max()) <= 1e-10 * (
+                        float(g.abs().max()) + 1e-30
+                    ), (case, k)
     loss_ref, grads_ref = per_rank[0]["reference"][:2]
     assert loss_ref > 0
     groups = ("visual.blocks.", "visual.merger.", "visual.patch_embed.", "language_model.")
@@ -326,7 +341,9 @@ def test_mmsp_equals_cp1(pool4):
 
 
 def test_mmsp_ulysses4_equals_cp1(pool4):
-    _check_mmsp(pool4.run(_mmsp_run, ["u4"], ranks_per_node=4), ["u4"])
+    per_rank = pool4.run(_mmsp_run, ["u4"], True, ranks_per_node=4)
+    assert all(("u4", "text") in res for res in per_rank)
+    _check_mmsp(per_rank, ["u4"])
 
 
 # ---------------------------------------------------------------------------------------------
