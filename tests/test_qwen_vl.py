@@ -148,6 +148,10 @@ def test_bad_hf_config_and_grid():
         mrope_position_ids(ids, cfg, torch.tensor([[4, 6, 4]]))
     with pytest.raises(ValueError, match="video_grid_thw"):
         mrope_position_ids(ids, cfg, torch.cat([grid, grid]))
+    from megatron_video.models.qwen_vl import QwenVLModel, language_config
+
+    with pytest.raises(ValueError, match=r"context_parallel_size \(4\).*MMSPQwenVLModel"):
+        QwenVLModel(cfg, language_config(cfg, cp=4))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,17 @@ class QwenVLModel(MegatronModule):
         check_hf_config(hf_config)
         if getattr(config, "sequence_parallel", False):
             raise ValueError("sequence_parallel (True) must be False for QwenVLModel")
+        if config.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_model_parallel_size ({config.pipeline_model_parallel_size}) must be 1 "
+                f"for QwenVLModel (pipeline stages: not implemented yet)"
+            )
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1 and not self.supports_context_parallel:
+            raise ValueError(
+                f"context_parallel_size ({self.cp_size}) > 1 needs MM-SP: use "
+                f"megatron_video.mmsp.qwen_vl.MMSPQwenVLModel (QwenVLModel runs CP = 1)"
+            )
         self.hf_config = hf_config
         text = hf_config.text_config
         self.pre_process, self.post_process = pre_process, post_process
@@ -93,12 +104,6 @@ class QwenVLModel(MegatronModule):
         )
         # M-RoPE ids are cut to each rank's zigzag positions here, not by the embedding.
         self.language_model.rotary_pos_emb.cp_group = None
-        self.cp_size = config.context_parallel_size
-        if self.cp_size > 1 and not self.supports_context_parallel:
-            raise ValueError(
-                f"context_parallel_size ({self.cp_size}) > 1 needs MM-SP: use "
-                f"megatron_video.mmsp.qwen_vl.MMSPQwenVLModel (QwenVLModel runs CP = 1)"
-            )
 
     supports_context_parallel = False
 
