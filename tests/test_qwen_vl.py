@@ -206,9 +206,9 @@ def test_cp1_equals_transformers(float64_rmsnorm):
                     err = float((p.grad - want_g[k]).abs().max())
                     assert err <= 1e-8 * (float(want_g[k].abs().max()) + 1e-30), (kind, k, err)
                 # Megatron's own per-token loss (fp32 cross-entropy) is the same loss
-                per_token = ours(ids, pv, grid, labels=labels)
-                lab = ours.local_labels(labels)
-                mean = (per_token * (lab != -100)).sum() / (lab != -100).sum()
+                per_token, mask = ours(ids, pv, grid, labels=labels)
+                assert torch.equal(mask, (ours.local_labels(labels) != -100).double())
+                mean = (per_token * mask).sum() / mask.sum()
                 assert float(abs(mean - want_loss)) <= 1e-5 * float(want_loss)
     # without M-RoPE (1-D positions) the logits differ: the comparison above sees positions
     pos1d = torch.arange(ids.shape[1]).expand(3, *ids.shape)

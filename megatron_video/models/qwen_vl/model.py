@@ -58,8 +58,8 @@ def _vision_tower(hf_config, dtype):
 class QwenVLModel(MegatronModule):
     """Qwen2.5-VL (``hf_config``: a ``Qwen2_5_VLConfig``) with ``config`` from
     ``qwen_vl.config.language_config``. ``forward`` returns the logits ``[b, s_local, vocab]``,
-    or with ``labels`` (HF convention, unshifted) Megatron's per-token loss ``[b, s_local]``;
-    ``local_labels`` gives the matching shifted, CP-cut labels."""
+    or with ``labels`` (HF convention, unshifted) Megatron's per-token loss and the loss mask of
+    this rank's positions; ``local_labels`` gives the matching shifted, CP-cut labels."""
 
     def __init__(
         self,
@@ -181,10 +181,10 @@ class QwenVLModel(MegatronModule):
         position_ids: Optional[torch.Tensor] = None,
         runtime_gather_output: Optional[bool] = None,
     ):
-        """Logits ``[b, s_local, vocab]`` (``labels`` None) or Megatron's per-token loss
-        ``[b, s_local]`` on this rank's positions (all of them here; under MM-SP the zigzag
-        shard of the padded sequence). Right padding only.
-        ``position_ids [3, b, T]``: precomputed global M-RoPE ids (default:
+        """Logits ``[b, s_local, vocab]`` (``labels`` None) or, as ``LLaVAModel`` returns it,
+        ``(Megatron's per-token loss, loss mask)``, both ``[b, s_local]``, on this rank's
+        positions (all of them here; under MM-SP the zigzag shard of the padded sequence).
+        Right padding only. ``position_ids [3, b, T]``: precomputed global M-RoPE ids (default:
         ``mrope_position_ids``)."""
         if video_grid_thw is not None:
             video_grid_thw = torch.as_tensor(video_grid_thw, dtype=torch.long).reshape(-1, 3)
@@ -197,11 +197,13 @@ class QwenVLModel(MegatronModule):
         decoder_input, position_ids = self.decoder_input(
             input_ids, pixel_values_videos, video_grid_thw, position_ids
         )
-        return self.language_model(
+        local = None if labels is None else self.local_labels(labels)
+        out = self.language_model(
             input_ids=None,
             position_ids=position_ids,
             attention_mask=None,
             decoder_input=decoder_input,
-            labels=None if labels is None else self.local_labels(labels),
+            labels=local,
             runtime_gather_output=runtime_gather_output,
         )
+        return out if local is None else (out, (local != IGNORE_INDEX).to(out.dtype))
