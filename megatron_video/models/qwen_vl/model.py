@@ -104,6 +104,9 @@ class QwenVLModel(MegatronModule):
         )
         # M-RoPE ids are cut to each rank's zigzag positions here, not by the embedding.
         self.language_model.rotary_pos_emb.cp_group = None
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read
 
     supports_context_parallel = False
 
