@@ -71,3 +71,25 @@ def test_qwen_vl_trains_with_falling_loss(pool4, tmp_path):
     assert metrics["parallel"]["cp"] == 4 and metrics["vae"] is None
     # stage 1: the micro-batch's temporal patches (4 videos x 5) split over the 4 CP ranks
     assert sum(r[1] for r in res) == res[0][2] == 20 and max(r[1] for r in res) < 20
+
+
+def test_patch_order_is_the_hf_processors():
+    """transformers' own ``Qwen2VLImageProcessor`` (no resize / rescale / normalisation) on one
+    frame: it repeats the frame to the temporal patch, as ``patchify`` does for an odd count."""
+    from transformers import Qwen2VLImageProcessor
+
+    from megatron_video.training.families.qwen_vl import patchify
+
+    frame = torch.rand(1, 3, 16, 8, generator=torch.Generator().manual_seed(0))
+    proc = Qwen2VLImageProcessor(
+        patch_size=4,
+        temporal_patch_size=2,
+        merge_size=2,
+        do_resize=False,
+        do_rescale=False,
+        do_normalize=False,
+        do_convert_rgb=False,
+    )
+    out = proc(images=[frame[0].numpy()], return_tensors="pt", input_data_format="channels_first")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 2]]
+    assert torch.allclose(out["pixel_values"].float(), patchify(frame), atol=1e-6)
