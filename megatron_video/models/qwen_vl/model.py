@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
 from .config import check_hf_config, rope_theta, tie_word_embeddings
@@ -104,8 +105,6 @@ class QwenVLModel(MegatronModule):
         )
         # M-RoPE ids are cut to each rank's zigzag positions here, not by the embedding.
         self.language_model.rotary_pos_emb.cp_group = None
-        from megatron.core.enums import ModelType
-
         self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read
 
     supports_context_parallel = False
