@@ -8,6 +8,7 @@ in the input dtype (``_float64_rmsnorm``). The M-RoPE frequencies are float32 in
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -392,3 +393,38 @@ def test_convert_refuses_other_folders(tmp_path):
     (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": []}))
     with pytest.raises(ValueError, match=r"model_type \('qwen2'\)"):
         read_hf_folder(other)
+
+
+def _load_converted(path, full):
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from transformers import Qwen2_5_VLConfig
+
+    from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
+    from megatron_video.models.qwen_vl import language_config
+    from megatron_video.testing.parallel import model_parallel
+
+    meta = json.loads((Path(path) / "iter_0000000" / "qwen_vl_config.json").read_text())
+    cfg = Qwen2_5_VLConfig.from_dict(meta["hf_config"])
+    with model_parallel(tp=2, cp=2):
+        model = MMSPQwenVLModel(cfg, language_config(cfg, 2, 2, "p2p"))
+        loaded = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, str(Path(path) / "iter_0000000")
+        )
+        model.load_state_dict(loaded["model"], strict=True)
+        rank = ps.get_tensor_model_parallel_rank()
+        return [
+            name
+            for name, p in model.named_parameters()
+            if not torch.equal(p.detach(), W.tp_shard(name, full[name], p, 2, rank))
+        ]
+
+
+def test_converted_checkpoint_loads_under_tp2_cp2(pool4, tmp_path):
+    from megatron_video.models.qwen_vl.convert import hf_to_checkpoint
+
+    cfg = qcfg.tiny_hf_config()
+    hf = _hf_folder(tmp_path / "hf", cfg)
+    hf_to_checkpoint(tmp_path / "hf", tmp_path / "c")
+    full = W.to_megatron(hf.state_dict(), cfg)
+    assert pool4.run(_load_converted, str(tmp_path / "c"), full) == [[]] * 4
