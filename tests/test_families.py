@@ -19,7 +19,7 @@ from megatron_video.training.families import (
 )
 from megatron_video.training.model_factory import transformer_config
 
-BUILT_IN = ("video_dit", "stdit", "ar_dit", "video_llava", "wan", "wan_ar")
+BUILT_IN = ("video_dit", "stdit", "ar_dit", "qwen_vl", "video_llava", "wan", "wan_ar")
 
 
 def test_built_in_families_are_registered():
@@ -37,10 +37,18 @@ def test_built_in_families_are_registered():
         "wan_ar",
     }
     # each family supplies its defaults: the objective, and whether it needs the VAE
-    objectives = ["edm", "edm", "flow", "lm", "flow", "flow"]
+    objectives = ["edm", "edm", "flow", "lm", "lm", "flow", "flow"]
     assert [get_family(n).default_objective for n in BUILT_IN] == objectives
     # Wan trains on precomputed Wan-VAE latents: not the project's VAE
-    assert [get_family(n).needs_vae for n in BUILT_IN] == [True, True, True, False, False, False]
+    assert [get_family(n).needs_vae for n in BUILT_IN] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
     assert get_family("stdit").layer_type == "stdit" and get_family("ar_dit").autoregressive
 
 
@@ -48,7 +56,7 @@ def test_unknown_family_names_it_and_the_registered_ones():
     with pytest.raises(
         ValueError,
         match=r"model.family \('unet'\) must be one of \('video_dit', "
-        r"'stdit', 'ar_dit', 'video_llava', 'wan', 'wan_ar'\)",
+        r"'stdit', 'ar_dit', 'qwen_vl', 'video_llava', 'wan', 'wan_ar'\)",
     ):
         get_family("unet")
     with pytest.raises(ValueError, match=r"model.family \(\['ar_dit'\]\) must be one of"):

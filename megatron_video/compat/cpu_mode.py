@@ -101,7 +101,8 @@ MODULES_USING_CUDA: Tuple[Tuple[str, str], ...] = (
     ("megatron.core.pipeline_parallel.schedules", "token counter with device='cuda'"),
     (
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
-        "inv_freq moved to current_device() on first forward",
+        "inv_freq moved to current_device() on first forward; MultimodalRotaryEmbedding "
+        "(M-RoPE, models.qwen_vl) allocates inv_freq on current_device() when built",
     ),
     (
         "megatron.core.dist_checkpointing.strategies.filesystem_async",

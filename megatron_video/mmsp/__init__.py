@@ -5,6 +5,7 @@ re-shards the interleaved text + visual sequence into the LLM's zigzag CP layout
 all-to-all-v (``parallel.comm.all_to_all_v``). Index maps: ``layouts.mmsp``. Megatron drop-in:
 ``mmsp.llava.MMSPLLaVAModel`` (imported lazily: it needs megatron-core's multimodal package).
 GRPO under CP (MR-SP): ``mmsp.rl``.
+Qwen2.5-VL with MM-SP: ``mmsp.qwen_vl.MMSPQwenVLModel`` (imported lazily, like ``llava``).
 """
 
 from .sharding import MMSPBatch, encode_local, global_token_loss, plan_batch, reshard_to_llm

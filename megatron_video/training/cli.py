@@ -152,7 +152,9 @@ def _add_validate(sub) -> None:
 
 def _add_convert(sub) -> None:
     cv = sub.add_parser(
-        "convert", help="Wan weights: diffusers folder <-> Megatron dist-checkpoint (docs/wan.md)"
+        "convert",
+        help="Wan weights: diffusers folder <-> Megatron dist-checkpoint (docs/wan.md); "
+        "Qwen2.5-VL: Hugging Face folder <-> checkpoint (docs/mmsp.md)",
     )
     way = cv.add_mutually_exclusive_group(required=True)
     way.add_argument(
@@ -161,6 +163,10 @@ def _add_convert(sub) -> None:
     way.add_argument(
         "--to-diffusers", metavar="CKPT", help="checkpoint written by convert --from-diffusers"
     )
+    way.add_argument(
+        "--from-hf", metavar="DIR", help="Qwen2.5-VL Hugging Face folder (safetensors)"
+    )
+    way.add_argument("--to-hf", metavar="CKPT", help="checkpoint written by convert --from-hf")
     cv.add_argument("--output", required=True, help="checkpoint folder, or diffusers folder")
     for name in ("tensor", "pipeline"):
         cv.add_argument(
@@ -384,8 +390,29 @@ def _buckets(args) -> int:
     return 0
 
 
+def _convert_qwen_vl(args) -> int:
+    from megatron_video.models.qwen_vl.convert import checkpoint_to_hf, hf_to_checkpoint
+
+    given = [k for k in ("tensor", "pipeline") if getattr(args, f"{k}_model_parallel_size")]
+    if given:
+        raise ValueError(
+            f"--{given[0]}-model-parallel-size applies to --from-diffusers only (a qwen_vl "
+            f"checkpoint loads under any layout)"
+        )
+    if args.to_hf is not None:
+        out = checkpoint_to_hf(args.to_hf, args.output)
+        print(f"[megatron-video] Hugging Face Qwen2.5-VL folder written to {out}")
+    else:
+        out = hf_to_checkpoint(args.from_hf, args.output)
+        print(f"[megatron-video] Megatron dist-checkpoint written to {out}")
+    return 0
+
+
 def _convert(args) -> int:
     from megatron_video.models.wan.convert import checkpoint_to_diffusers, diffusers_to_checkpoint
+
+    if args.from_hf is not None or args.to_hf is not None:
+        return _convert_qwen_vl(args)
 
     sizes = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

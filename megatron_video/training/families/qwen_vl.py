@@ -1,0 +1,245 @@
+"""The ``qwen_vl`` family: a tiny random Qwen2.5-VL trained with MM-SP on video questions.
+
+``mmsp.qwen_vl.MMSPQwenVLModel`` (Megatron ``GPTModel`` with M-RoPE + transformers' vision tower)
+on ``data.video_qa``, no VAE. Sizes: the LLM from the ``model`` section; the vision tower depth 2,
+width ``hidden_size / 2``, 4-pixel patches, temporal patch 2, 2x2 merger. Each sample is written
+as the HF processor writes it (``to_qwen_sample``): ``<vision_start>``, the expanded video
+placeholders, ``<vision_end>``, the question; the frames patchified in the processor's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from megatron_video.data.video_qa import QA_VOCAB, TEXT_LEN
+
+from ..config import Config
+from ..family_spec import FamilySpec, SampleLayout, register_family
+from ..vlm import LanguageModelObjective, VideoQABatches
+
+__all__ = ["QwenVLFamily", "QWEN_VL", "hf_config_of", "to_qwen_sample"]
+
+VOCAB_PAD = 64
+PATCH, TEMPORAL, MERGE = 4, 2, 2
+# special tokens after the QA words: image, video, vision start, vision end
+IMAGE_ID, VIDEO_ID, START_ID, END_ID = (len(QA_VOCAB) + i for i in range(4))
+
+
+def hf_config_of(config: Config):
+    """The ``Qwen2_5_VLConfig`` of a ``qwen_vl`` training config."""
+    from transformers import Qwen2_5_VLConfig
+
+    m = config.model
+    half = m.hidden_size // m.num_attention_heads // 2
+    t = half // 4
+    section = [t, (half - t) // 2, half - t - (half - t) // 2]
+    text = dict(
+        vocab_size=-(-(len(QA_VOCAB) + 4) // VOCAB_PAD) * VOCAB_PAD,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=section),
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=m.init_std,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=m.hidden_size // 2,
+        intermediate_size=m.hidden_size,
+        num_heads=2,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        window_size=4 * PATCH * MERGE,
+        out_hidden_size=m.hidden_size,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+        initializer_range=m.init_std,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_ID,
+        video_token_id=VIDEO_ID,
+        vision_start_token_id=START_ID,
+        vision_end_token_id=END_ID,
+        tie_word_embeddings=False,
+    )
+
+
+def patchify(frames: torch.Tensor) -> torch.Tensor:
+    """``[T, C, H, W]`` -> ``[ceil(T/2) * H/4 * W/4, C*2*4*4]`` in the Qwen2-VL processor's order
+    (temporal patch, merged row, merged column, row and column inside the 2x2 block)."""
+    if frames.shape[0] % TEMPORAL:  # as the processor: the last frame repeated
+        frames = torch.cat([frames, frames[-1:].expand(TEMPORAL - 1, *frames.shape[1:])])
+    T, C, H, W = frames.shape
+    gt, gh, gw = T // TEMPORAL, H // PATCH, W // PATCH
+    x = frames.reshape(gt, TEMPORAL, C, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, C * TEMPORAL * PATCH * PATCH)
+
+
+def to_qwen_sample(item: dict):
+    """A ``video_qa`` item -> ``(input_ids, pixel_values, grid_thw, hf_labels)``: the image token
+    becomes ``<start> video*n <end>``; labels in HF's unshifted convention (one trailing slot)."""
+    T, _, H, W = item["frames"].shape
+    grid = [-(-T // TEMPORAL), H // PATCH, W // PATCH]
+    n = grid[0] * grid[1] * grid[2] // MERGE**2
+    text = item["input_ids"][1:]
+    ids = torch.cat(
+        [torch.tensor([START_ID] + [VIDEO_ID] * n + [END_ID]), text, torch.zeros(1).long()]
+    )
+    labels = torch.full_like(ids, -100)
+    off = n + 2  # position of input token i (>= 1) is i - 1 + off; its target sits one later
+    mask = item["loss_mask"] > 0
+    for i in torch.nonzero(mask).flatten().tolist():
+        labels[i - 1 + off + 1] = int(item["labels"][i])
+    return ids, patchify(item["frames"]), torch.tensor(grid), labels
+
+
+@dataclass
+class QwenVLBatch:
+    input_ids: torch.Tensor  # [b, L] placeholders expanded
+    pixel_values_videos: torch.Tensor  # [b * t*h*w, C*2*p*p]
+    video_grid_thw: torch.Tensor  # [b, 3]
+    labels: torch.Tensor  # [b, L] HF convention
+    sample_ids: Optional[torch.Tensor] = None
+
+
+class QwenVLBatches(VideoQABatches):
+    """``VideoQABatches`` written as the Qwen2.5-VL processor writes samples."""
+
+    def from_positions(self, positions: List[int], step: int = 0) -> QwenVLBatch:
+        items = [self.dataset[int(i) % len(self.dataset)] for i in positions]
+        parts = [to_qwen_sample(x) for x in items]
+        return QwenVLBatch(
+            input_ids=torch.stack([p[0] for p in parts]),
+            pixel_values_videos=torch.cat([p[1] for p in parts]),
+            video_grid_thw=torch.stack([p[2] for p in parts]),
+            labels=torch.stack([p[3] for p in parts]),
+            sample_ids=torch.tensor([int(i) for i in positions]),
+        )
+
+
+class QwenVLObjective(LanguageModelObjective):
+    """Cross-entropy on the answer token; the model returns ``(per-token loss, loss mask)``."""
+
+    def model_call(self, mb: QwenVLBatch, first_stage: bool):
+        return (mb.input_ids, mb.pixel_values_videos, mb.video_grid_thw), dict(labels=mb.labels)
+
+
+def _seq_length(config: Config) -> int:
+    d, cp = config.data, config.parallel.context_parallel_size
+    n = -(-d.num_frames // TEMPORAL) * (d.height // PATCH) * (d.width // PATCH) // MERGE**2
+    need = TEXT_LEN - 1 + n + 2 + 1
+    return -(-need // (2 * cp)) * (2 * cp)
+
+
+def _cp_comm_type(config: Config) -> str:
+    p = config.parallel
+    if p.ulysses_size > 1:
+        return "a2a+p2p" if p.ring_size > 1 else "a2a"
+    return "p2p"
+
+
+def _check(config: Config, world_size: int) -> None:
+    m, d, p, t = config.model, config.data, config.parallel, config.train
+    if -(-d.num_frames // TEMPORAL) < p.context_parallel_size:
+        raise ValueError(
+            f"data.num_frames ({d.num_frames}) must give >= parallel.context_parallel_size "
+            f"({p.context_parallel_size}) temporal patches of {TEMPORAL} frames (an odd count "
+            f"repeats the last frame) for model.family 'qwen_vl'"
+        )
+    for name, side in (("height", d.height), ("width", d.width)):
+        if side % (PATCH * MERGE):
+            raise ValueError(
+                f"data.{name} ({side}) must be divisible by {PATCH * MERGE} for model.family "
+                f"'qwen_vl' (4-pixel patches merged 2x2)"
+            )
+    head = m.hidden_size // m.num_attention_heads
+    if head % 2 or head // 2 < 3 or (m.hidden_size // 2) % 2:
+        raise ValueError(
+            f"model.hidden_size ({m.hidden_size}) / num_attention_heads ({m.num_attention_heads}) "
+            f"must be an even head size >= 6 (M-RoPE sections) and hidden_size divisible by 4 "
+            f"for model.family 'qwen_vl'"
+        )
+    if p.pipeline_model_parallel_size > 1 or p.fsdp:
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
+            f"and parallel.fsdp ({p.fsdp}) false for model.family 'qwen_vl'"
+        )
+    if t.sample or d.source != "synthetic" or m.init_from is not None:
+        raise ValueError(
+            f"train.sample ({t.sample}) must be false, data.source ({d.source!r}) 'synthetic' and "
+            f"model.init_from ({m.init_from!r}) unset for model.family 'qwen_vl'"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class QwenVLFamily(FamilySpec):
+    """``qwen_vl``: no VAE; the trainer's supervised step only (no Megatron-LM entry yet)."""
+
+    needs_vae: bool = False
+
+    def transformer_config(self, config: Config, has_gpu: bool = False):
+        from megatron_video.models.qwen_vl import language_config
+
+        p = config.parallel
+        return language_config(
+            hf_config_of(config),
+            tp=p.tensor_model_parallel_size,
+            cp=p.context_parallel_size,
+            cp_comm_type=_cp_comm_type(config),
+            init_method_std=config.model.init_std,
+        )
+
+    def build_model(
+        self, tcfg, pre_process=True, post_process=True, vp_stage=None, config: Config = None
+    ):
+        from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
+
+        return MMSPQwenVLModel(hf_config_of(config), tcfg, max_sequence_length=_seq_length(config))
+
+    def megatron_lm_config(self, base, config: Config):
+        raise ValueError(
+            "model.family 'qwen_vl' has no Megatron-LM entry yet (megatron-video train)"
+        )
+
+    def check_megatron_lm_args(self, config: Config, args) -> None:
+        raise ValueError(
+            "model.family 'qwen_vl' has no Megatron-LM entry yet (megatron-video train)"
+        )
+
+    def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
+        return SampleLayout(None, None, _seq_length(config))
+
+    def seq_length(self, config: Config) -> int:
+        return _seq_length(config)
+
+    def make_objective(self, config: Config, groups, sample: SampleLayout):
+        return QwenVLObjective(
+            groups.cp_group if groups is not None and groups.cp_size > 1 else None
+        )
+
+    def make_batches(self, config: Config, **kw) -> QwenVLBatches:
+        return QwenVLBatches(config, kw["coords"].dp_rank, kw["coords"].dp_size)
+
+
+QWEN_VL = register_family(
+    QwenVLFamily(
+        name="qwen_vl",
+        objectives=("lm",),
+        check=_check,
+        summary="Qwen2.5-VL (GPTModel with M-RoPE + transformers' vision tower) with MM-SP: "
+        "temporal patches sharded for the vision tower, one all-to-all-v into the 2D attention",
+    )
+)
