@@ -134,9 +134,16 @@ AR4 = [
             r"\(1\) must be <= parallel.ranks_per_node \(1\)",
         ),
         (
-            ["model.family=video_dit", "data.num_frames=25"] + AR4,
+            ["model.family=stdit", "data.num_frames=25"] + AR4,
             4,
-            r"data.num_frames \(25 raw -> 7 latent -> 7 token frames",
+            r"data.num_frames \(25 raw -> 7 latent -> 7 token frames.*ST-DiT's spatial attention "
+            r"\(layout A: whole frames per rank\) and temporal attention \(layout B",
+        ),
+        (
+            ["model.family=video_dit", "data.num_frames=1", "data.height=8", "data.width=8"] + AR4,
+            4,
+            r"parallel.context_parallel_size \(4\) must be at most the tokens of a clip \(1 = "
+            r"1 x 1 x 1",
         ),
         (
             ["model.family=stdit", "model.stdit_full_attention_layers=[9]"],
@@ -184,3 +191,8 @@ def test_validation_names_the_field(overrides, world, message):
 
 def test_defaults_validate():
     validate(Config(), 1)
+
+
+def test_full_attention_takes_any_cp():
+    """7 token frames at CP 4: video_dit places by token (training/batches/placed.py)."""
+    validate(load_config(None, ["model.family=video_dit", "data.num_frames=25"] + AR4), 4)

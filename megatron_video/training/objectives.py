@@ -291,6 +291,9 @@ class PackedObjective:
 
             t_tok = per_clip_to_tokens(mb.t.to(mb.x.dtype), clip)[None]
             x, t = fm_interpolate(mb.x, mb.noise, t_tok), mb.t
+            cond = getattr(mb, "condition", None)  # I2V first frames (batches.placed)
+            if cond is not None:
+                x, t = condition_inputs(cond.to(mb.x.device), x, mb.x, t_tok)
         x = x if first_stage else None
         if self.wan is not None:
             return (x, WAN_NUM_TIMESTEPS * t, wan_text(mb), mb.packed), dict(placement=mb.placement)

@@ -16,6 +16,7 @@ from megatron_video.models.stdit import VARIANTS
 from megatron_video.models.video_dit import VideoDiT
 
 from ..batches.fixed import FixedBatchMaker
+from ..batches.placed import PlacedBatchMaker, tokens_placed
 from ..config import Config, latent_shape, token_grid_of
 from ..family_spec import FamilySpec, SampleLayout, register_family
 from ..model_factory import transformer_config, video_transformer_config
@@ -62,7 +63,10 @@ class DiffusionFamily(FamilySpec):
         """No rules beyond the shared ones."""
 
     def make_batches(self, config: Config, *, coords, **kw) -> FixedBatchMaker:
-        """``batches.fixed.FixedBatchMaker``: VAE latents, noise, timesteps."""
+        """``batches.fixed.FixedBatchMaker``: VAE latents, noise, timesteps; at a CP size that
+        does not divide the token frames, ``batches.placed.PlacedBatchMaker`` (by token)."""
+        if tokens_placed(config, self):
+            return PlacedBatchMaker(config, coords, **kw)
         return FixedBatchMaker(config, coords, **kw)
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
@@ -86,6 +90,8 @@ class DiffusionFamily(FamilySpec):
         return (2 if self.autoregressive else 1) * T * Hp * Wp
 
     def make_objective(self, config: Config, groups, sample: SampleLayout):
+        if tokens_placed(config, self):  # batches.placed: packed micro-batches of one shape
+            return self.make_packed_objective(config)
         if self.autoregressive:
             return TeacherForcing(sample.layout, groups, sample.geometry)
         if config.objective == "edm":
@@ -104,6 +110,7 @@ class DiffusionFamily(FamilySpec):
 # Family-specific rules
 # ----------------------------------------------------------------------------------------------
 def _whole_frames_per_cp_rank(config: Config, world_size: int) -> None:
+    """ST-DiT: each CP rank holds whole frames (its spatial / temporal layouts A / B)."""
     d, p = config.data, config.parallel
     F, _, _ = latent_shape(config)
     pt = config.model.patch_size[0]
@@ -112,8 +119,25 @@ def _whole_frames_per_cp_rank(config: Config, world_size: int) -> None:
         raise ValueError(
             f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token "
             f"frames with patch {pt}) must give token frames divisible by "
-            f"parallel.context_parallel_size ({p.context_parallel_size}): each CP "
-            f"rank holds whole frames"
+            f"parallel.context_parallel_size ({p.context_parallel_size}) for model.family "
+            f"{config.model.family!r}: ST-DiT's spatial attention (layout A: whole frames per "
+            f"rank) and temporal attention (layout B: whole frame columns) need whole frames on "
+            f"every CP rank; the full-attention families (video_dit, wan) place by token"
+        )
+
+
+def _tokens_per_cp_rank(config: Config, world_size: int) -> None:
+    """Full attention places by token (``batches.placed``): any clip length at any CP size of at
+    most the clip's tokens (a rank of padding only would hold no work)."""
+    d, p = config.data, config.parallel
+    T, Hp, Wp = token_grid_of(config)
+    if p.context_parallel_size > T * Hp * Wp:
+        raise ValueError(
+            f"parallel.context_parallel_size ({p.context_parallel_size}) must be at most the "
+            f"tokens of a clip ({T * Hp * Wp} = {T} x {Hp} x {Wp} from data.num_frames "
+            f"{d.num_frames}, data.height {d.height}, data.width {d.width} over "
+            f"model.patch_size {list(config.model.patch_size)}): every CP rank holds at least "
+            f"one real token"
         )
 
 
@@ -180,7 +204,7 @@ VIDEO_DIT = register_family(
         layer_type="full",
         autoregressive=False,
         model=VideoDiT,
-        check=_whole_frames_per_cp_rank,
+        check=_tokens_per_cp_rank,
         packed_kind="full",
     )
 )

@@ -1,0 +1,214 @@
+"""Any length at any CP (DESIGN.md capability 11; training/batches/placed.py), float64.
+
+Wan's standard clip: 81 raw frames = 21 latent frames (here 21 x 1 x 3 tokens, a micro-batch of
+two clips: 126 tokens, padded to 128). One step of the family's own pieces (``make_batches``,
+``make_objective``, the model) for ``wan`` (T2V), ``wan`` with I2V first-frame conditioning (TI2V)
+and ``video_dit`` at U2xR2, U4, R4, TP2xCP2 (4 ranks) and U4xR2, U2xR4 (8 ranks), none of which
+divides 21 frames: the loss and every parameter gradient equal CP = 1 (the contiguous fixed-shape
+path) to 1e-10. Config rules: a CP size over a clip's tokens, ST-DiT's whole frames.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from megatron_video.testing.wan import (  # noqa: E402
+    save_tiny_wan_transformer,
+    tiny_wan_config,
+    write_random_latent_shards,
+)
+
+LAYOUTS = {  # (TP, U, R, ranks per simulated node)
+    "reference": (1, 1, 1, 4),
+    "u2xr2": (1, 2, 2, 2),
+    "u4": (1, 4, 1, 4),
+    "r4": (1, 1, 4, 2),
+    "tp2xcp2": (2, 1, 2, 2),
+    "u4xr2": (1, 4, 2, 4),
+    "u2xr4": (1, 2, 4, 2),
+}
+FOUR, EIGHT = ("u2xr2", "u4", "r4", "tp2xcp2"), ("u4xr2", "u2xr4")
+KINDS = ("wan", "wan_ti2v", "video_dit")
+GEOMETRY = dict(num_frames=81, height=16, width=48)  # latent 21 x 2 x 6 -> tokens 21 x 1 x 3
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("any_cp")
+    cfg = _config("wan", root, "reference")
+    write_random_latent_shards(cfg, root / "shards")
+    save_tiny_wan_transformer(root / "transformer", cfg)
+    return root
+
+
+def _config(kind: str, root, layout: str):
+    tp, U, R, rpn = LAYOUTS[layout]
+    family = "video_dit" if kind == "video_dit" else "wan"
+    cfg = tiny_wan_config(
+        "wan",
+        root,
+        root / "shards",
+        tensor_model_parallel_size=tp,
+        context_parallel_size=U * R,
+        ulysses_size=U,
+        ring_size=R,
+        ranks_per_node=rpn,
+    )
+    for k, v in GEOMETRY.items():
+        setattr(cfg.data, k, v)
+    cfg.train.seed = 7  # step 0: one clip CFG-dropped, one I2V (TI2V), the other not
+    if kind == "wan_ti2v":
+        cfg.data.i2v_probability = 0.5
+    if family == "wan":
+        cfg.model.init_from = str(root / "transformer")
+    else:
+        cfg.model.family = "video_dit"
+        cfg.diffusion.objective = "edm"
+        cfg.model.rope_theta = 100.0
+    return cfg
+
+
+def _float64(mb):
+    for k, v in vars(mb).items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            setattr(mb, k, v.double())
+    return mb
+
+
+def _perturb(model, tp_rank: int, tp: int) -> None:
+    """video_dit: deterministic random full weights, whatever the layout's initialisation drew
+    (AdaLN-zero would leave most gradients 0); this rank's TP shard of them."""
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            shape = list(p.shape)
+            sharded = getattr(p, "tensor_model_parallel", False) and tp > 1
+            if sharded:
+                shape[p.partition_dim] *= tp
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            full = 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
+            if "norm" in name and name.endswith("weight"):
+                full += 1.0
+            if sharded:
+                full = full.chunk(tp, dim=p.partition_dim)[tp_rank]
+            p.copy_(full)
+
+
+def _full_grads(model, groups) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.parallel import comm
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        if groups.cp_size > 1:
+            comm.all_reduce(g, groups.cp_group, tag="test.grad")
+        tp = ps.get_tensor_model_parallel_world_size() > 1
+        if tp and getattr(p, "tensor_model_parallel", False) and p.partition_dim >= 0:
+            g = comm.all_gather_cat(g, ps.get_tensor_model_parallel_group(), dim=p.partition_dim)
+        elif tp and ("q_layernorm" in name or "k_layernorm" in name):  # as finalize_model_grads
+            comm.all_reduce(g, ps.get_tensor_model_parallel_group(), tag="test.qk_norm")
+        out[name] = g
+    return out
+
+
+def _build(kind, fam, cfg):
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.training.families.wan import wan_transformer_config
+
+    if kind != "video_dit":
+        return fam.build_model(wan_transformer_config(cfg, params_dtype=torch.float64), config=cfg)
+    model = fam.build_model(fam.transformer_config(cfg), config=cfg).double()
+    tp = cfg.parallel.tensor_model_parallel_size
+    _perturb(model, ps.get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+    return model
+
+
+def _step(kind: str, root, layout: str, break_it=None) -> dict:
+    """Rank side: one float64 step of the family's pieces under ``layout``."""
+    import torch.distributed as dist
+
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.config import validate
+    from megatron_video.training.families import get_family
+
+    cfg = _config(kind, root, layout)
+    validate(cfg, dist.get_world_size())
+    tp, U, R, rpn = LAYOUTS[layout]
+    fam = get_family(cfg.model.family)
+    with video_parallel(U, R, tp=tp, ranks_per_node=rpn, seed=0) as groups:
+        model = _build(kind, fam, cfg)
+        sample = fam.sample_layout(cfg, groups.cp_size)
+        coords = RankCoords(cp_rank=groups.cp_rank, ulysses_size=U, ring_size=R)
+        batches = fam.make_batches(
+            cfg, coords=coords, vae=None, latent_scale=1.0, layout=sample.layout
+        )
+        objective = fam.make_objective(cfg, groups, sample)
+        mb = _float64(next(batches.step_batches(0)))
+        if break_it is not None:
+            break_it(mb)
+        args, kwargs = objective.model_call(mb, True)
+        share = objective.loss(model(*args, **kwargs), mb)
+        share.backward()
+        loss = share.detach().clone()
+        if groups.cp_size > 1:
+            comm.all_reduce(loss, groups.cp_group, tag="test.loss")
+        placed = type(batches).__name__ == "PlacedBatchMaker"
+        i2v = getattr(mb, "i2v", None)
+        return dict(
+            loss=float(loss), grads=_full_grads(model, groups), placed=placed, drop=mb.drop, i2v=i2v
+        )
+
+
+def _compare(ref, per_rank, label) -> float:
+    worst = 0.0
+    for rank, got in enumerate(per_rank):
+        assert got["placed"], (label, "token placement must be in use")
+        assert abs(got["loss"] - ref["loss"]) <= 1e-10 * ref["loss"], (label, rank, got["loss"])
+        assert got["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            err = float((got["grads"][name] - g).abs().max()) / (float(g.abs().max()) + 1e-30)
+            assert err <= 1e-10, (label, rank, name, err)
+            worst = max(worst, err)
+    return worst
+
+
+_REFERENCE = {}
+
+
+def _reference(pool4, kind, root) -> dict:
+    if kind not in _REFERENCE:
+        ref = pool4.run(_step, kind, root, "reference")[0]
+        assert not ref["placed"] and ref["loss"] > 0
+        nonzero = [n for n, g in ref["grads"].items() if float(g.abs().max()) > 0]
+        assert len(nonzero) > 0.9 * len(ref["grads"]), "most parameters must receive a gradient"
+        _REFERENCE[kind] = ref
+    return _REFERENCE[kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_21_frames_on_4_ranks_match_cp1(pool4, root, kind):
+    ref = _reference(pool4, kind, root)
+    assert ref["drop"].tolist() == [True, False]  # the text path gets gradients
+    if kind == "wan_ti2v":  # the micro-batch holds one I2V and one T2V clip
+        assert ref["i2v"].tolist() == [False, True]
+    for layout in FOUR:
+        per_rank = pool4.run(_step, kind, root, layout, ranks_per_node=LAYOUTS[layout][3])
+        worst = _compare(ref, per_rank, f"{kind}/{layout}")
+        if kind == "wan_ti2v":
+            assert per_rank[0]["i2v"].tolist() == ref["i2v"].tolist()
+        print(f"{kind}/{layout}: max grad rel diff {worst:.1e}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_21_frames_on_8_ranks_match_cp1(pool4, pool8, root, kind):
+    ref = _reference(pool4, kind, root)
+    for layout in EIGHT:
+        per_rank = pool8.run(_step, kind, root, layout, ranks_per_node=LAYOUTS[layout][3])
+        print(f"{kind}/{layout}: max grad rel diff {_compare(ref, per_rank, kind + layout):.1e}")
