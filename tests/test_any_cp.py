@@ -161,9 +161,36 @@ def _step(kind: str, root, layout: str, break_it=None) -> dict:
             comm.all_reduce(loss, groups.cp_group, tag="test.loss")
         placed = type(batches).__name__ == "PlacedBatchMaker"
         i2v = getattr(mb, "i2v", None)
-        return dict(
-            loss=float(loss), grads=_full_grads(model, groups), placed=placed, drop=mb.drop, i2v=i2v
+        out = dict(loss=float(loss), grads=_full_grads(model, groups), placed=placed)
+        out.update(
+            drop=mb.drop, i2v=i2v, sample=_sample(kind, cfg, fam, model, groups, batches, mb)
         )
+        return out
+
+
+def _sample(kind, cfg, fam, model, groups, batches, mb):
+    """``train.sample``'s CP sampler (``training.generation.Generator.t2v_tokens``): 2 guided
+    steps from one noise on this layout's placement."""
+    from megatron_video.training.batches.fixed import sample_generator
+    from megatron_video.training.config import token_grid_of
+    from megatron_video.training.generation import Generator
+    from megatron_video.training.objectives import wan_text
+
+    cfg.diffusion.sample_steps = 2
+    T, Hp, Wp = token_grid_of(cfg)
+    noise = torch.randn(1, T * Hp * Wp, 16, generator=sample_generator(9), dtype=torch.float64)
+    if kind == "video_dit":
+        emb, mask = mb.caption_ids[1:], mb.caption_mask[1:]
+        cond, null = (emb, mask, torch.zeros(1, dtype=torch.bool)), (emb, mask, torch.ones(1) > 0)
+    else:
+        mb.drop = torch.zeros_like(mb.drop)
+        cond = (wan_text(mb)[1:],)
+        null = (torch.zeros_like(cond[0]),)
+    placed = batches.placed(1) if hasattr(batches, "placed") else None
+    geometry = fam.sample_layout(cfg, groups.cp_size).geometry
+    gen = Generator(model, cfg, fam, groups, geometry, None, batches.token_ids, placed=placed)
+    with torch.no_grad():
+        return gen.t2v_tokens(cond, null, noise)
 
 
 def _compare(ref, per_rank, label) -> float:
@@ -176,6 +203,8 @@ def _compare(ref, per_rank, label) -> float:
             err = float((got["grads"][name] - g).abs().max()) / (float(g.abs().max()) + 1e-30)
             assert err <= 1e-10, (label, rank, name, err)
             worst = max(worst, err)
+        err = float((got["sample"] - ref["sample"]).abs().max() / ref["sample"].abs().max())
+        assert err <= 1e-10, (label, rank, "sample", err)
     return worst
 
 
