@@ -171,7 +171,6 @@ AR4 = [
             1,
             r"train.global_batch_size \(3\) must be divisible by train.micro_batch_size \(2\)",
         ),
-        (["train.bf16=true"], 1, r"train.bf16 \(True\) needs a GPU"),
         (
             ["model.hidden_size=42"],
             1,
@@ -191,6 +190,35 @@ def test_validation_names_the_field(overrides, world, message):
 
 def test_defaults_validate():
     validate(Config(), 1)
+
+
+def test_bf16_needs_a_gpu_where_the_run_has_none():
+    """The device rule is the run's (it passes has_gpu); ``validate`` alone checks the config."""
+    cfg = load_config(None, ["train.bf16=true"])
+    with pytest.raises(ValueError, match=r"train.bf16 \(True\) needs a GPU"):
+        validate(cfg, 1, has_gpu=False)
+    validate(cfg, 1)  # has_gpu None: the machines it will run on are not this one
+    validate(cfg, 1, has_gpu=True)
+
+
+WAN14B = ["--config", "examples/configs/full/wan2.1_t2v_14b.yaml", "--nproc", "128"]
+BRIDGE = ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4"]
+BRIDGE += ["parallel.ulysses_size=1", "parallel.ring_size=4"]
+
+
+@pytest.mark.parametrize("layout", [[], BRIDGE], ids=["u8xr2", "tp2xcp4"])
+def test_validate_wan14b_on_a_cpu_machine(layout, capsys, monkeypatch):
+    """``megatron-video validate`` of the shipped bf16 14B config (720p x 81 frames: 21 token
+    frames) on this CPU machine at 128 ranks: Wan's U8xR2 (TP 1) and Bridge's TP2 x CP4."""
+    from megatron_video.testing.configs import REPO_ROOT
+    from megatron_video.training.cli import main
+
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["validate", *WAN14B, *layout]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "bf16: true" in out and "num_frames: 81" in out and "height: 720" in out
+    want = "context_parallel_size: 4" if layout else "ulysses_size: 8\n  ring_size: 2"
+    assert want in out, out
 
 
 def test_full_attention_takes_any_cp():

@@ -433,7 +433,25 @@ class _VideoSink:
         )
 
 
-def _check_request(config: Config, family, frames: int, switches, image) -> Tuple[int, list]:
+def _check_window(nb: int, sink, window) -> None:
+    """``--sink`` / ``--window``: whole blocks (``streaming.WindowRule``'s rule, named as the
+    options), checked before the model is built."""
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0 or sink % nb:
+        raise ValueError(
+            f"--sink ({sink!r}) must be a non-negative multiple of model.frames_per_block ({nb}) "
+            f"latent frames (the sink is whole blocks)"
+        )
+    bad = isinstance(window, bool) or not isinstance(window, int) or window < 0 or window % nb
+    if window is not None and bad:
+        raise ValueError(
+            f"--window ({window!r}) must be a non-negative multiple of model.frames_per_block "
+            f"({nb}) latent frames (the window is whole blocks), or unset (the trained length)"
+        )
+
+
+def _check_request(
+    config: Config, family, frames: int, switches, image, sink=0, window=None
+) -> Tuple[int, list]:
     nb = config.model.frames_per_block
     if not family.autoregressive:
         raise ValueError(
@@ -452,6 +470,7 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
             f"(data.i2v_probability 0; Wan 2.2's 48-channel latents default to 0.5)"
         )
     F = raw_frames_to_latent(frames, nb)
+    _check_window(nb, sink, window)
     out = []
     for raw, prompt in switches:
         lat, rest = divmod(raw - 1, TEMPORAL_STRIDE)
@@ -510,7 +529,7 @@ def generate(
 
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
-    F, lat_switches = _check_request(config, family, frames, switches, image)
+    F, lat_switches = _check_request(config, family, frames, switches, image, sink, window)
     prompts = [prompt] + [p for _, p in lat_switches]
     conds, null, decode, first = _conditions(config, family, prompts, image, text_encoder, vae)
     if not torch.cuda.is_available():
