@@ -241,3 +241,52 @@ def test_21_frames_on_8_ranks_match_cp1(pool4, pool8, root, kind):
     for layout in EIGHT:
         per_rank = pool8.run(_step, kind, root, layout, ranks_per_node=LAYOUTS[layout][3])
         print(f"{kind}/{layout}: max grad rel diff {_compare(ref, per_rank, kind + layout):.1e}")
+
+
+def _trainer_step(root, parallel: dict) -> dict:
+    """Rank side: the trainer's forward-backward of step 0, fp32."""
+    import warnings
+
+    from megatron_video.models.wan.interop import global_param_name
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = _config("wan", root, "reference")
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    # the step's 4 clips: reference DP 4 x 1 clip; PP2 x CP2 (DP 1): 2 micro-batches of 2 clips
+    cfg.train.global_batch_size = 4
+    cfg.train.micro_batch_size = 2 if parallel else 1
+    trainer = Trainer(cfg, progress=False)
+    try:
+        loss = trainer.forward_backward(0)
+        grads = {
+            global_param_name(trainer.model, n): p.main_grad.detach().clone()
+            for n, p in trainer.model.named_parameters()
+        }
+        return dict(loss=loss, grads=grads, placed=type(trainer.batches).__name__)
+    finally:
+        trainer.close()
+
+
+def test_trainer_pp2xcp2_at_21_frames(pool4, root):
+    """Through ``Trainer`` (Megatron's schedule, DDP): PP 2 x CP 2 at 21 frames (placed by token;
+    the stages exchange the packed shape) equals the single rank (fp32)."""
+    from torch.testing import assert_close
+
+    ref = pool4.run(_trainer_step, root, {})[0]
+    pp = dict(
+        pipeline_model_parallel_size=2, context_parallel_size=2, ulysses_size=2, ranks_per_node=4
+    )
+    per_rank = pool4.run(_trainer_step, root, pp, ranks_per_node=4)
+    stages = set()
+    for rank, got in enumerate(per_rank):
+        assert got["placed"] == "PlacedBatchMaker", got["placed"]
+        assert ref["placed"] == "FixedBatchMaker"
+        if got["loss"] is not None:
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), rank
+        stages.add(frozenset(got["grads"]))
+        for name, g in got["grads"].items():
+            scale = float(ref["grads"][name].abs().max()) + 1e-8
+            assert_close(g, ref["grads"][name], rtol=2e-4, atol=2e-5 * scale, msg=name)
+    assert len(stages) == 2 and set().union(*stages) == set(ref["grads"])
