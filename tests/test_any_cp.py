@@ -290,3 +290,58 @@ def test_trainer_pp2xcp2_at_21_frames(pool4, root):
             scale = float(ref["grads"][name].abs().max()) + 1e-8
             assert_close(g, ref["grads"][name], rtol=2e-4, atol=2e-5 * scale, msg=name)
     assert len(stages) == 2 and set().union(*stages) == set(ref["grads"])
+
+
+class _RecordingSource:
+    """A clip source that encodes only the latent frames asked for (as a raw source decodes and
+    encodes only their halo windows) and records what each rank asked for."""
+
+    def __init__(self, grid, text_dim: int, text_len: int):
+        self.ids, self.grid, self.asked = ["a", "b", "c", "d"], grid, []
+        self.full = {
+            k: torch.randn(4, *grid, generator=torch.Generator().manual_seed(i))
+            for i, k in enumerate(self.ids)
+        }
+        self.emb = (torch.zeros(text_len, text_dim), torch.ones(text_len, dtype=torch.bool))
+
+    def latent_grid(self, key):
+        return self.grid
+
+    def text(self, key):
+        return self.emb
+
+    def caption(self, key):
+        return key
+
+    def encode(self, keys, ranges):
+        self.asked += [(k, f) for k in keys for a, b in ranges for f in range(a, b)]
+        out = torch.zeros(len(keys), 4, *self.grid)
+        for a, b in ranges:
+            out[:, :, a:b] = torch.stack([self.full[k][:, a:b] for k in keys])
+        return out
+
+
+def test_each_rank_reads_only_the_frames_of_its_tokens(tmp_path):
+    """CP 4 (U2xR2) at 21 latent frames, 2 clips: each rank asks its source (raw video: decode
+    and encode with the halo) only for the (clip, frame)s its placed tokens lie on -- at most
+    32 / 3 + 2 frames for its 32 tokens, a frame cut between ranks read by both -- and its tokens
+    equal the full clips' at their global ids."""
+    from megatron_video.models.embedders import patchify
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.placed import PlacedBatchMaker
+
+    cfg = _config("wan", tmp_path, "u2xr2")
+    counts = {}
+    for rank in range(4):
+        src = _RecordingSource((21, 2, 6), cfg.data.text_embed_dim, cfg.data.caption_len)
+        coords = RankCoords(cp_rank=rank, ulysses_size=2, ring_size=2)
+        mb = next(PlacedBatchMaker(cfg, coords, latent_scale=1.0, source=src).step_batches(0))
+        real = mb.packed.clip_of(mb.local)
+        thw = mb.packed.token_thw(mb.local)
+        mine = {(mb.clip_ids[c], f) for c, f in zip(real.tolist(), thw[:, 0].tolist()) if c >= 0}
+        assert set(src.asked) == mine and len(src.asked) == len(mine) <= 12, (rank, src.asked)
+        full = mb.packed.pack([patchify(src.full[k][None], (1, 2, 2))[0] for k in mb.clip_ids])
+        assert torch.equal(mb.x[0], full[mb.local]), rank
+        for key in mine:
+            counts[key] = counts.get(key, 0) + 1
+    assert len(counts) == 42 and sum(counts.values()) <= 42 + 4, counts  # 2 clips x 21 frames
