@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_video.layouts.balanced_sp import BalancedSPLayout
+from megatron_video.layouts.balanced_sp import BalancedSPLayout, check_whole_blocks
 from megatron_video.layouts.geometry import VideoGeometry
 from megatron_video.models.ar_dit import ARVideoDiT
 from megatron_video.models.stdit import VARIANTS
@@ -18,7 +18,7 @@ from megatron_video.models.video_dit import VideoDiT
 from ..batches.fixed import FixedBatchMaker
 from ..batches.placed import PlacedBatchMaker, tokens_placed
 from ..config import Config, latent_shape, token_grid_of
-from ..family_spec import FamilySpec, SampleLayout, register_family
+from ..family_spec import FamilySpec, SampleLayout, get_family, register_family
 from ..model_factory import transformer_config, video_transformer_config
 from ..objectives import EDMObjective, FlowObjective, PackedObjective, TeacherForcing
 
@@ -65,13 +65,16 @@ class DiffusionFamily(FamilySpec):
     def make_batches(self, config: Config, *, coords, **kw) -> FixedBatchMaker:
         """``batches.fixed.FixedBatchMaker``: VAE latents, noise, timesteps; at a CP size that
         does not divide the token frames, ``batches.placed.PlacedBatchMaker`` (by token)."""
+        log = kw.pop("log", None)  # the console rank's printer (the placement, once)
         if tokens_placed(config, self):
-            return PlacedBatchMaker(config, coords, **kw)
+            return PlacedBatchMaker(config, coords, self.packed_kind, log=log, **kw)
         return FixedBatchMaker(config, coords, **kw)
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
         F, _, _ = latent_shape(config)
         T, Hp, Wp = token_grid_of(config)
+        if self.autoregressive and tokens_placed(config, self):  # batches.placed, by token
+            return SampleLayout(None, VideoGeometry(F, Hp, Wp), 2 * F * Hp * Wp)
         if self.autoregressive:
             p = config.parallel
             layout = BalancedSPLayout(
@@ -177,6 +180,8 @@ def _check_ar_dit(config: Config, world_size: int) -> None:
             f"parallel.placement 'ulysses_inner' for model.family {m.family!r}; set "
             "parallel.ring_balance: false to use 'ring_inner'"
         )
+    if tokens_placed(config, get_family(m.family)):  # uneven blocks: placed by token
+        return _check_placed_blocks(config)
     try:
         BalancedSPLayout(
             F,
@@ -194,6 +199,20 @@ def _check_ar_dit(config: Config, world_size: int) -> None:
             f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
             f"model.frames_per_block ({m.frames_per_block}) / parallel: {e}"
         ) from None
+
+
+def _check_placed_blocks(config: Config) -> None:
+    """AR clips placed by token (``batches.placed``; Balanced SP needs latent frames a multiple
+    of CP x frames_per_block): whole blocks, a CP size of at most a clip's tokens."""
+    m, d = config.model, config.data
+    F, _, _ = latent_shape(config)
+    try:
+        check_whole_blocks(F, m.frames_per_block)
+    except ValueError as e:
+        raise ValueError(
+            f"data.num_frames ({d.num_frames} raw -> {F} latent frames): {e}"
+        ) from None
+    _tokens_per_cp_rank(config, 0)
 
 
 VIDEO_DIT = register_family(
