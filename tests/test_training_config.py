@@ -121,10 +121,9 @@ AR4 = [
             r"by parallel.ulysses_size \(2\)",
         ),
         (
-            AR4 + ["model.frames_per_block=4"],
+            AR4 + ["model.frames_per_block=3"],
             4,
-            r"num_latent_frames \(8\) must be divisible by sp_size \(4\) "
-            r"\* frames_per_block \(4\)",
+            r"num_latent_frames \(8\) must be a multiple of frames_per_block \(3\)",
         ),
         (AR4, 6, r"world size \(6\) must be divisible"),
         (
@@ -144,6 +143,14 @@ AR4 = [
             4,
             r"parallel.context_parallel_size \(4\) must be at most the tokens of a clip \(1 = "
             r"1 x 1 x 1",
+        ),
+        (
+            AR4
+            + ["model.family=ar_dit", "model.frames_per_block=1", "data.num_frames=25"]
+            + ["data.height=8", "data.width=24"],
+            4,
+            r"train.sample \(True\) streams blocks of 3 tokens .* which "
+            r"parallel.context_parallel_size \(4\) must divide",
         ),
         (
             ["model.family=stdit", "model.stdit_full_attention_layers=[9]"],
@@ -219,6 +226,11 @@ def test_validate_wan14b_on_a_cpu_machine(layout, capsys, monkeypatch):
     assert "bf16: true" in out and "num_frames: 81" in out and "height: 720" in out
     want = "context_parallel_size: 4" if layout else "ulysses_size: 8\n  ring_size: 2"
     assert want in out, out
+
+
+def test_ar_blocks_that_do_not_split_evenly_are_placed_by_token():
+    """8 latent frames in blocks of 4 at CP 4 (Balanced SP needs 16): placed by token."""
+    validate(load_config(None, AR4 + ["model.frames_per_block=4", "train.sample=false"]), 4)
 
 
 def test_full_attention_takes_any_cp():

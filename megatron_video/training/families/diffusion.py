@@ -213,6 +213,15 @@ def _check_placed_blocks(config: Config) -> None:
             f"data.num_frames ({d.num_frames} raw -> {F} latent frames): {e}"
         ) from None
     _tokens_per_cp_rank(config, 0)
+    _, Hp, Wp = token_grid_of(config)
+    block, cp = m.frames_per_block * Hp * Wp, config.parallel.context_parallel_size
+    if config.train.sample and block % cp:
+        raise ValueError(
+            f"train.sample (True) streams blocks of {block} tokens (model.frames_per_block "
+            f"{m.frames_per_block} x {Hp * Wp}), which parallel.context_parallel_size ({cp}) "
+            f"must divide (diffusion/streaming.py cuts each block contiguously); set "
+            f"train.sample=false"
+        )
 
 
 VIDEO_DIT = register_family(
