@@ -1,6 +1,8 @@
 """Fixed-shape micro-batches placed by token (DESIGN.md capability 11, "Any length at any CP"):
 the full-attention families (``video_dit``, ``wan`` T2V / TI2V) at a CP size that does not divide
-the clip's token frames (Wan's 21 latent frames at CP 2, 4, 8, 16).
+the clip's token frames (Wan's 21 latent frames at CP 2, 4, 8, 16), and the AR families
+(``ar_dit``, ``wan_ar``: teacher-forcing clips ``[clean ; noisy]``) where Balanced SP does not
+divide (latent frames not a multiple of CP x ``frames_per_block``: LongLive's 7 blocks of 3).
 
 The micro-batch's ``b`` clips (one fixed shape) become ONE packed sequence (``PackedVideo``,
 batch 1: each clip its own attention document and caption), padded to a multiple of ``2·CP`` and
