@@ -182,3 +182,29 @@ def test_image_needs_a_ti2v_trained_wan_ar(tmp_path):
     cfg.model.family = "ar_dit"
     with pytest.raises(ValueError, match=r"--image \('a.png'\): model.family 'ar_dit' has no"):
         _check_request(cfg, get_family("ar_dit"), FRAMES, [], "a.png")
+
+
+def test_bad_window_or_sink_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """``--sink`` / ``--window`` not whole blocks: a ValueError naming the option, raised before
+    the text encoder, the VAE or the model is touched."""
+    import pytest
+
+    from megatron_video.testing.wan import tiny_wan_config
+    from megatron_video.training import generation
+
+    cfg = tiny_wan_config("wan_ar", tmp_path, tmp_path / "shards")
+    cfg.model.frames_per_block = 2
+    monkeypatch.setattr(generation, "read_checkpoint_config", lambda c: (cfg, tmp_path, 1))
+
+    def built(*a, **k):
+        raise AssertionError("checked too late: the model / encoders were loaded")
+
+    monkeypatch.setattr(generation, "_conditions", built)
+    monkeypatch.setattr(generation, "_load_model", built)
+    for kw, needle in [
+        (dict(sink=1), r"--sink \(1\) must be a non-negative multiple of model.frames_per_block"),
+        (dict(window=3), r"--window \(3\) must be a non-negative multiple"),
+        (dict(window=-2), r"--window \(-2\)"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            generation.generate(tmp_path, "a prompt", 29, **kw)

@@ -172,11 +172,16 @@ def test_plan_json_every_legal_layout(capsys):
     assert rows and all(keys <= set(r) for r in rows)
     assert all(r["tp"] * r["pp"] * r["dp"] * r["ulysses"] * r["ring"] == 64 for r in rows)
     assert any(r["fits"] for r in rows) and any(not r["fits"] for r in rows)
-    # 21 latent frames: a CP that does not divide them is never listed (the family's rule)
-    assert all(21 % (r["ulysses"] * r["ring"]) == 0 for r in rows)
+    # 21 latent frames: CP sizes that do not divide them are legal too (placed by token,
+    # training/batches/placed.py), e.g. Wan's own U8 x R2
+    assert any(21 % (r["ulysses"] * r["ring"]) for r in rows)
+    assert any((r["ulysses"], r["ring"], r["tp"]) == (8, 2, 1) for r in rows)
     # ranked: fitting layouts first, by tokens/s/GPU
     fit = [r["tokens_per_s_per_gpu"] for r in rows if r["fits"]]
-    assert fit == sorted(fit, reverse=True)
+    from megatron_video.planner.search import TIE
+
+    n = sum(f >= max(fit) * (1 - TIE) for f in fit)  # ties with the best: fewer MP ranks first
+    assert min(fit[:n]) >= max(fit) * (1 - TIE) and fit[n:] == sorted(fit[n:], reverse=True)
 
 
 @pytest.mark.parametrize(

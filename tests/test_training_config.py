@@ -121,10 +121,9 @@ AR4 = [
             r"by parallel.ulysses_size \(2\)",
         ),
         (
-            AR4 + ["model.frames_per_block=4"],
+            AR4 + ["model.frames_per_block=3"],
             4,
-            r"num_latent_frames \(8\) must be divisible by sp_size \(4\) "
-            r"\* frames_per_block \(4\)",
+            r"num_latent_frames \(8\) must be a multiple of frames_per_block \(3\)",
         ),
         (AR4, 6, r"world size \(6\) must be divisible"),
         (
@@ -134,9 +133,24 @@ AR4 = [
             r"\(1\) must be <= parallel.ranks_per_node \(1\)",
         ),
         (
-            ["model.family=video_dit", "data.num_frames=25"] + AR4,
+            ["model.family=stdit", "data.num_frames=25"] + AR4,
             4,
-            r"data.num_frames \(25 raw -> 7 latent -> 7 token frames",
+            r"data.num_frames \(25 raw -> 7 latent -> 7 token frames.*ST-DiT's spatial attention "
+            r"\(layout A: whole frames per rank\) and temporal attention \(layout B",
+        ),
+        (
+            ["model.family=video_dit", "data.num_frames=1", "data.height=8", "data.width=8"] + AR4,
+            4,
+            r"parallel.context_parallel_size \(4\) must be at most the tokens of a clip \(1 = "
+            r"1 x 1 x 1",
+        ),
+        (
+            AR4
+            + ["model.family=ar_dit", "model.frames_per_block=1", "data.num_frames=25"]
+            + ["data.height=8", "data.width=24"],
+            4,
+            r"train.sample \(True\) streams blocks of 3 tokens .* which "
+            r"parallel.context_parallel_size \(4\) must divide",
         ),
         (
             ["model.family=stdit", "model.stdit_full_attention_layers=[9]"],
@@ -164,7 +178,6 @@ AR4 = [
             1,
             r"train.global_batch_size \(3\) must be divisible by train.micro_batch_size \(2\)",
         ),
-        (["train.bf16=true"], 1, r"train.bf16 \(True\) needs a GPU"),
         (
             ["model.hidden_size=42"],
             1,
@@ -184,3 +197,42 @@ def test_validation_names_the_field(overrides, world, message):
 
 def test_defaults_validate():
     validate(Config(), 1)
+
+
+def test_bf16_needs_a_gpu_where_the_run_has_none():
+    """The device rule is the run's (it passes has_gpu); ``validate`` alone checks the config."""
+    cfg = load_config(None, ["train.bf16=true"])
+    with pytest.raises(ValueError, match=r"train.bf16 \(True\) needs a GPU"):
+        validate(cfg, 1, has_gpu=False)
+    validate(cfg, 1)  # has_gpu None: the machines it will run on are not this one
+    validate(cfg, 1, has_gpu=True)
+
+
+WAN14B = ["--config", "examples/configs/full/wan2.1_t2v_14b.yaml", "--nproc", "128"]
+BRIDGE = ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4"]
+BRIDGE += ["parallel.ulysses_size=1", "parallel.ring_size=4"]
+
+
+@pytest.mark.parametrize("layout", [[], BRIDGE], ids=["u8xr2", "tp2xcp4"])
+def test_validate_wan14b_on_a_cpu_machine(layout, capsys, monkeypatch):
+    """``megatron-video validate`` of the shipped bf16 14B config (720p x 81 frames: 21 token
+    frames) on this CPU machine at 128 ranks: Wan's U8xR2 (TP 1) and Bridge's TP2 x CP4."""
+    from megatron_video.testing.configs import REPO_ROOT
+    from megatron_video.training.cli import main
+
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["validate", *WAN14B, *layout]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "bf16: true" in out and "num_frames: 81" in out and "height: 720" in out
+    want = "context_parallel_size: 4" if layout else "ulysses_size: 8\n  ring_size: 2"
+    assert want in out, out
+
+
+def test_ar_blocks_that_do_not_split_evenly_are_placed_by_token():
+    """8 latent frames in blocks of 4 at CP 4 (Balanced SP needs 16): placed by token."""
+    validate(load_config(None, AR4 + ["model.frames_per_block=4", "train.sample=false"]), 4)
+
+
+def test_full_attention_takes_any_cp():
+    """7 token frames at CP 4: video_dit places by token (training/batches/placed.py)."""
+    validate(load_config(None, ["model.family=video_dit", "data.num_frames=25"] + AR4), 4)

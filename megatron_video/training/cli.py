@@ -278,7 +278,9 @@ def _train(config, nproc: Optional[int], cpu: bool = False) -> int:
     nproc = 1 if nproc is None else nproc
     if nproc < 1:
         raise ValueError(f"--nproc ({nproc}) must be >= 1")
-    validate(config, nproc)
+    import torch
+
+    validate(config, nproc, torch.cuda.is_available())  # the run: this machine's device rules
     return launch(config, nproc, config.parallel.ranks_per_node, cpu=cpu)
 
 
@@ -535,7 +537,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             nproc = args.nproc
             if nproc is None:
                 nproc = _implied_world_size(config)
-            validate(config, nproc)
+            validate(config, nproc)  # for the machines it will run on: no device rule here
             print(yaml.safe_dump(config_to_dict(config), sort_keys=False))
             return 0
     except ValueError as e:

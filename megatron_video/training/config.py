@@ -344,8 +344,9 @@ class TrainSection:
     rank_timeout_s: float = 300.0  # a rank that makes no progress this long ends the job
     objective: str = "supervised"  # supervised | grpo (video_llava: RL with the rl section)
 
-    def validate(self, has_gpu: bool = False) -> None:
-        """Every field but the global batch (against the data-parallel size: top-level)."""
+    def validate(self, has_gpu: Optional[bool] = None) -> None:
+        """Every field but the global batch (against the data-parallel size: top-level);
+        ``has_gpu`` None (the machine the run will use is not this one): no device rule."""
         t = self
         _pos_int("train.steps", t.steps, 0)
         _pos_int("train.micro_batch_size", t.micro_batch_size)
@@ -372,8 +373,11 @@ class TrainSection:
         _positive("train.rank_timeout_s", t.rank_timeout_s)
         if t.objective not in ("supervised", "grpo"):
             raise ValueError(f"train.objective ({t.objective!r}) must be 'supervised' or 'grpo'")
-        if t.bf16 and not has_gpu:
-            raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
+        if t.bf16 and has_gpu is False:
+            raise ValueError(
+                "train.bf16 (True) needs a GPU; CPU runs train in fp32 (set train.bf16=false "
+                "to run here)"
+            )
 
 
 @dataclass
@@ -534,8 +538,11 @@ def data_parallel_size(config: Config, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Validation: each section's own fields, then the rules between sections and the family's
 # ----------------------------------------------------------------------------------------------
-def validate(config: Config, world_size: int, has_gpu: bool = False) -> None:
-    """Raise ``ValueError`` (naming the field) for any configuration that cannot run."""
+def validate(config: Config, world_size: int, has_gpu: Optional[bool] = None) -> None:
+    """Raise ``ValueError`` (naming the field) for any configuration that cannot run on
+    ``world_size`` ranks. ``has_gpu``: whether the run's ranks have a GPU (the run itself passes
+    it); None, as ``megatron-video validate`` (checking a config for the machines it will run
+    on, often not this one): the device rules (``train.bf16`` needs a GPU) are left to the run."""
     _pos_int("world_size", world_size)
     family = get_family(config.model.family)  # ValueError naming model.family
     config.model.validate()

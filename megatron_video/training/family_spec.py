@@ -123,7 +123,8 @@ class FamilySpec(abc.ABC):
     @abc.abstractmethod
     def make_batches(self, config, **kw):
         """This rank's micro-batch maker (``batches.BatchSource``), built with keywords
-        ``coords`` (``batches.RankCoords``), ``vae``, ``latent_scale`` and ``layout``."""
+        ``coords`` (``batches.RankCoords``), ``vae``, ``latent_scale``, ``layout`` and ``log``
+        (the console rank's printer, or None; a family may ignore it)."""
 
     @abc.abstractmethod
     def sample_layout(self, config, cp_size: int) -> SampleLayout:

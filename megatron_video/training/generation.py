@@ -91,6 +91,7 @@ class Generator:
     layout: Any = None
     token_ids: Optional[torch.Tensor] = None
     progress: bool = False
+    placed: Any = None  # batches.placed: (PackedVideo of one clip, its PlacementPlan, local ids)
 
     @property
     def device(self):
@@ -111,12 +112,16 @@ class Generator:
         )
 
         def net(x, tt, c):
+            if self.placed is not None:
+                return self._placed_net(x, tt, c)
             if is_wan(model):  # Wan's contiguous CP split, timestep t * 1000
                 out = model(x, tt * WAN_TIMESTEP_SCALE, c[0], geo)
                 z = self.config.vae.latent_channels
                 return _proj_out_to_patchify(out, tuple(self.config.model.patch_size), z)
             return model(x, tt, c[0], c[1], geo, drop=c[2])
 
+        if self.placed is not None:
+            return self._placed_tokens(cps, net, noise, cond, guided)
         local = cps.partition_tokens(noise, self.token_ids)
         if self.config.diffusion.objective == "edm":
             out = cps.sample_edm(
@@ -125,6 +130,48 @@ class Generator:
         else:
             out = cps.sample_flow(net, local, cond, shift=df.flow_shift, **guided)
         return cps.gather_tokens(out, self.token_ids, self.groups.cp_group, noise.shape[1])
+
+    def _placed_net(self, x, tt, c):
+        """The model on a token-placed batch (``batches.placed``): each sample its own packed
+        sequence of one clip (padding attends nothing and is dropped after the gather)."""
+        from megatron_video.diffusion.ar_models import WAN_TIMESTEP_SCALE, is_wan
+        from megatron_video.diffusion.wan_sampling import _proj_out_to_patchify
+
+        packed, plan, _ = self.placed
+        B, model = x.shape[0], self.model
+        tt = tt.reshape(-1).expand(B)
+        outs = []
+        for j in range(B):  # one collective model call per sample, the same count on every rank
+            cj = [t[j : j + 1] for t in c]
+            if is_wan(model):
+                out = model(
+                    x[j : j + 1], tt[j : j + 1] * WAN_TIMESTEP_SCALE, cj[0], packed,
+                    placement=plan.placement,
+                )  # fmt: skip
+                z = self.config.vae.latent_channels
+                out = _proj_out_to_patchify(out, tuple(self.config.model.patch_size), z)
+            else:
+                out = model(
+                    x[j : j + 1], tt[j : j + 1], cj[0], cj[1], packed, drop=cj[2],
+                    placement=plan.placement,
+                )  # fmt: skip
+            outs.append(out)
+        return torch.cat(outs)
+
+    def _placed_tokens(self, cps, net, noise, cond, guided):
+        """``t2v_tokens`` of a token-placed batch: noise padded to the packed length, this
+        rank's ids sampled, gathered, padding dropped."""
+        packed, _, local = self.placed
+        df, N = self.config.diffusion, noise.shape[1]
+        pad = noise.new_zeros(noise.shape[0], packed.seq_len - N, noise.shape[2])
+        x = cps.partition_tokens(torch.cat([noise, pad], dim=1), local)
+        if df.objective == "edm":
+            out = cps.sample_edm(
+                net, x, cond, sigma_data=df.sigma_data, sampler=df.sampler, **guided
+            )
+        else:
+            out = cps.sample_flow(net, x, cond, shift=df.flow_shift, **guided)
+        return cps.gather_tokens(out, local, self.groups.cp_group, packed.seq_len)[:, :N]
 
     def ar_blocks(
         self,
@@ -203,6 +250,7 @@ def trainer_generator(trainer) -> Generator:
         layout=trainer.layout,
         token_ids=trainer.batches.token_ids,
         progress=trainer.progress,
+        placed=trainer.batches.placed(1) if hasattr(trainer.batches, "placed") else None,
     )
 
 
@@ -385,7 +433,25 @@ class _VideoSink:
         )
 
 
-def _check_request(config: Config, family, frames: int, switches, image) -> Tuple[int, list]:
+def _check_window(nb: int, sink, window) -> None:
+    """``--sink`` / ``--window``: whole blocks (``streaming.WindowRule``'s rule, named as the
+    options), checked before the model is built."""
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0 or sink % nb:
+        raise ValueError(
+            f"--sink ({sink!r}) must be a non-negative multiple of model.frames_per_block ({nb}) "
+            f"latent frames (the sink is whole blocks)"
+        )
+    bad = isinstance(window, bool) or not isinstance(window, int) or window < 0 or window % nb
+    if window is not None and bad:
+        raise ValueError(
+            f"--window ({window!r}) must be a non-negative multiple of model.frames_per_block "
+            f"({nb}) latent frames (the window is whole blocks), or unset (the trained length)"
+        )
+
+
+def _check_request(
+    config: Config, family, frames: int, switches, image, sink=0, window=None
+) -> Tuple[int, list]:
     nb = config.model.frames_per_block
     if not family.autoregressive:
         raise ValueError(
@@ -404,6 +470,7 @@ def _check_request(config: Config, family, frames: int, switches, image) -> Tupl
             f"(data.i2v_probability 0; Wan 2.2's 48-channel latents default to 0.5)"
         )
     F = raw_frames_to_latent(frames, nb)
+    _check_window(nb, sink, window)
     out = []
     for raw, prompt in switches:
         lat, rest = divmod(raw - 1, TEMPORAL_STRIDE)
@@ -462,7 +529,7 @@ def generate(
 
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
-    F, lat_switches = _check_request(config, family, frames, switches, image)
+    F, lat_switches = _check_request(config, family, frames, switches, image, sink, window)
     prompts = [prompt] + [p for _, p in lat_switches]
     conds, null, decode, first = _conditions(config, family, prompts, image, text_encoder, vae)
     if not torch.cuda.is_available():

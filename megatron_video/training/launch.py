@@ -281,7 +281,10 @@ def launch(
     reads."""
     if ranks_per_node is None:
         ranks_per_node = config.parallel.ranks_per_node or nproc
-    validate(config, nproc)  # again here: launch() is also a library entry
+    import torch
+
+    # again here (launch() is also a library entry), with this machine's device rules
+    validate(config, nproc, torch.cuda.is_available())
     if nproc % ranks_per_node:
         raise ValueError(f"--ranks-per-node ({ranks_per_node}) must divide --nproc ({nproc})")
     from .vae_stage import ensure_vae

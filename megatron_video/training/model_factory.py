@@ -111,9 +111,14 @@ def build_model(
     vp_stage=None,
 ):
     """The model of ``config.model.family`` for this pipeline stage (``family_spec.FamilySpec``).
-    With ``data.buckets`` and PP > 1 it sets ``tcfg.variable_seq_lengths`` (the one home of that
+    With packed micro-batches (``data.buckets``, or fixed shapes placed by token:
+    ``batches.placed``) and PP > 1 it sets ``tcfg.variable_seq_lengths`` (the one home of that
     rule for both entries): packed micro-batches vary in length, so the stages exchange shapes."""
-    if config.data.buckets is not None and config.parallel.pipeline_model_parallel_size > 1:
+    from .batches.placed import tokens_placed
+
+    family = get_family(config.model.family)
+    packed = config.data.buckets is not None or tokens_placed(config, family)
+    if packed and config.parallel.pipeline_model_parallel_size > 1:
         tcfg.variable_seq_lengths = True
     return get_family(config.model.family).build_model(
         tcfg, pre_process, post_process, vp_stage, config=config

@@ -282,6 +282,8 @@ class PackedObjective:
     def model_call(self, mb, first_stage: bool) -> Tuple[tuple, dict]:
         if self.objective == "teacher_forcing":
             x, t = mb.x, mb.t
+            if getattr(mb, "tf_mix", False):  # batches.placed: mixed here, in the model's dtype
+                x = fm_interpolate(mb.x, mb.noise, mb.t.to(mb.x.dtype))
         elif self.objective == "edm":
             x_noisy, _, _, c_in, _ = self._noisy_edm(mb)
             x, t = c_in * x_noisy, edm_scalings(mb.sigma.double(), self.sigma_data)[3].float()
@@ -291,6 +293,9 @@ class PackedObjective:
 
             t_tok = per_clip_to_tokens(mb.t.to(mb.x.dtype), clip)[None]
             x, t = fm_interpolate(mb.x, mb.noise, t_tok), mb.t
+            cond = getattr(mb, "condition", None)  # I2V first frames (batches.placed)
+            if cond is not None:
+                x, t = condition_inputs(cond.to(mb.x.device), x, mb.x, t_tok)
         x = x if first_stage else None
         if self.wan is not None:
             return (x, WAN_NUM_TIMESTEPS * t, wan_text(mb), mb.packed), dict(placement=mb.placement)
@@ -309,6 +314,8 @@ class PackedObjective:
         weight = None
         if self.objective == "teacher_forcing":
             pred, target = output, mb.target
+            if getattr(mb, "tf_mix", False):  # the velocity on the noisy copy (loss_mask: only it)
+                target = fm_target(mb.x, mb.noise)
         elif self.objective == "edm":
             x_noisy, c_skip, c_out, _, weight = self._noisy_edm(mb)
             pred, target = c_skip * x_noisy + c_out * output.to(x_noisy.dtype), mb.x

@@ -47,8 +47,7 @@ def rank_data(
         # (Megatron's variable_seq_lengths: packed micro-batches vary in length)
         return RankData(maker, family.make_packed_objective(config), maker.budget)
     sample = family.sample_layout(config, coords.cp_size)
-    batches = family.make_batches(
-        config, coords=coords, vae=vae, latent_scale=latent_scale, layout=sample.layout
-    )
+    kw = dict(vae=vae, latent_scale=latent_scale, layout=sample.layout, log=log)
+    batches = family.make_batches(config, coords=coords, **kw)  # log: token placement, once
     objective = family.make_objective(config, groups, sample)
     return RankData(batches, objective, sample.seq_length, sample.layout, sample.geometry)

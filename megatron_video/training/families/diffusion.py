@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_video.layouts.balanced_sp import BalancedSPLayout
+from megatron_video.layouts.balanced_sp import BalancedSPLayout, check_whole_blocks
 from megatron_video.layouts.geometry import VideoGeometry
 from megatron_video.models.ar_dit import ARVideoDiT
 from megatron_video.models.stdit import VARIANTS
 from megatron_video.models.video_dit import VideoDiT
 
 from ..batches.fixed import FixedBatchMaker
+from ..batches.placed import PlacedBatchMaker, tokens_placed
 from ..config import Config, latent_shape, token_grid_of
-from ..family_spec import FamilySpec, SampleLayout, register_family
+from ..family_spec import FamilySpec, SampleLayout, get_family, register_family
 from ..model_factory import transformer_config, video_transformer_config
 from ..objectives import EDMObjective, FlowObjective, PackedObjective, TeacherForcing
 
@@ -62,12 +63,18 @@ class DiffusionFamily(FamilySpec):
         """No rules beyond the shared ones."""
 
     def make_batches(self, config: Config, *, coords, **kw) -> FixedBatchMaker:
-        """``batches.fixed.FixedBatchMaker``: VAE latents, noise, timesteps."""
+        """``batches.fixed.FixedBatchMaker``: VAE latents, noise, timesteps; at a CP size that
+        does not divide the token frames, ``batches.placed.PlacedBatchMaker`` (by token)."""
+        log = kw.pop("log", None)  # the console rank's printer (the placement, once)
+        if tokens_placed(config, self):
+            return PlacedBatchMaker(config, coords, self.packed_kind, log=log, **kw)
         return FixedBatchMaker(config, coords, **kw)
 
     def sample_layout(self, config: Config, cp_size: int) -> SampleLayout:
         F, _, _ = latent_shape(config)
         T, Hp, Wp = token_grid_of(config)
+        if self.autoregressive and tokens_placed(config, self):  # batches.placed, by token
+            return SampleLayout(None, VideoGeometry(F, Hp, Wp), 2 * F * Hp * Wp)
         if self.autoregressive:
             p = config.parallel
             layout = BalancedSPLayout(
@@ -86,6 +93,8 @@ class DiffusionFamily(FamilySpec):
         return (2 if self.autoregressive else 1) * T * Hp * Wp
 
     def make_objective(self, config: Config, groups, sample: SampleLayout):
+        if tokens_placed(config, self):  # batches.placed: packed micro-batches of one shape
+            return self.make_packed_objective(config)
         if self.autoregressive:
             return TeacherForcing(sample.layout, groups, sample.geometry)
         if config.objective == "edm":
@@ -104,6 +113,7 @@ class DiffusionFamily(FamilySpec):
 # Family-specific rules
 # ----------------------------------------------------------------------------------------------
 def _whole_frames_per_cp_rank(config: Config, world_size: int) -> None:
+    """ST-DiT: each CP rank holds whole frames (its spatial / temporal layouts A / B)."""
     d, p = config.data, config.parallel
     F, _, _ = latent_shape(config)
     pt = config.model.patch_size[0]
@@ -112,8 +122,25 @@ def _whole_frames_per_cp_rank(config: Config, world_size: int) -> None:
         raise ValueError(
             f"data.num_frames ({d.num_frames} raw -> {F} latent -> {T_tok} token "
             f"frames with patch {pt}) must give token frames divisible by "
-            f"parallel.context_parallel_size ({p.context_parallel_size}): each CP "
-            f"rank holds whole frames"
+            f"parallel.context_parallel_size ({p.context_parallel_size}) for model.family "
+            f"{config.model.family!r}: ST-DiT's spatial attention (layout A: whole frames per "
+            f"rank) and temporal attention (layout B: whole frame columns) need whole frames on "
+            f"every CP rank; the full-attention families (video_dit, wan) place by token"
+        )
+
+
+def _tokens_per_cp_rank(config: Config, world_size: int) -> None:
+    """Full attention places by token (``batches.placed``): any clip length at any CP size of at
+    most the clip's tokens (a rank of padding only would hold no work)."""
+    d, p = config.data, config.parallel
+    T, Hp, Wp = token_grid_of(config)
+    if p.context_parallel_size > T * Hp * Wp:
+        raise ValueError(
+            f"parallel.context_parallel_size ({p.context_parallel_size}) must be at most the "
+            f"tokens of a clip ({T * Hp * Wp} = {T} x {Hp} x {Wp} from data.num_frames "
+            f"{d.num_frames}, data.height {d.height}, data.width {d.width} over "
+            f"model.patch_size {list(config.model.patch_size)}): every CP rank holds at least "
+            f"one real token"
         )
 
 
@@ -153,6 +180,8 @@ def _check_ar_dit(config: Config, world_size: int) -> None:
             f"parallel.placement 'ulysses_inner' for model.family {m.family!r}; set "
             "parallel.ring_balance: false to use 'ring_inner'"
         )
+    if tokens_placed(config, get_family(m.family)):  # uneven blocks: placed by token
+        return _check_placed_blocks(config)
     try:
         BalancedSPLayout(
             F,
@@ -172,6 +201,29 @@ def _check_ar_dit(config: Config, world_size: int) -> None:
         ) from None
 
 
+def _check_placed_blocks(config: Config) -> None:
+    """AR clips placed by token (``batches.placed``; Balanced SP needs latent frames a multiple
+    of CP x frames_per_block): whole blocks, a CP size of at most a clip's tokens."""
+    m, d = config.model, config.data
+    F, _, _ = latent_shape(config)
+    try:
+        check_whole_blocks(F, m.frames_per_block)
+    except ValueError as e:
+        raise ValueError(
+            f"data.num_frames ({d.num_frames} raw -> {F} latent frames): {e}"
+        ) from None
+    _tokens_per_cp_rank(config, 0)
+    _, Hp, Wp = token_grid_of(config)
+    block, cp = m.frames_per_block * Hp * Wp, config.parallel.context_parallel_size
+    if config.train.sample and block % cp:
+        raise ValueError(
+            f"train.sample (True) streams blocks of {block} tokens (model.frames_per_block "
+            f"{m.frames_per_block} x {Hp * Wp}), which parallel.context_parallel_size ({cp}) "
+            f"must divide (diffusion/streaming.py cuts each block contiguously); set "
+            f"train.sample=false"
+        )
+
+
 VIDEO_DIT = register_family(
     DiffusionFamily(
         name="video_dit",
@@ -180,7 +232,7 @@ VIDEO_DIT = register_family(
         layer_type="full",
         autoregressive=False,
         model=VideoDiT,
-        check=_whole_frames_per_cp_rank,
+        check=_tokens_per_cp_rank,
         packed_kind="full",
     )
 )

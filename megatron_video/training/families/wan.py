@@ -27,11 +27,12 @@ from megatron_video.models.wan.config import WanConfig, wan_architecture
 from megatron_video.models.wan.model import WanModel
 from megatron_video.models.wan.wan_layer_specs import get_wan_layer_spec
 
+from ..batches.placed import tokens_placed
 from ..config import Config, token_grid_of
 from ..family_spec import register_family
 from ..objectives import PackedObjective, WanFlowObjective, WanTeacherForcing
 from ..ti2v import i2v_probability_of
-from .diffusion import DiffusionFamily, _check_ar_dit, _whole_frames_per_cp_rank
+from .diffusion import DiffusionFamily, _check_ar_dit, _tokens_per_cp_rank
 from .wan_raw import check_raw_video, raw_encoders
 
 __all__ = [
@@ -274,7 +275,7 @@ def _check_i2v(config: Config) -> None:
 
 def _check_wan(config: Config, world_size: int) -> None:
     _check_common(config, world_size)
-    _whole_frames_per_cp_rank(config, world_size)
+    _tokens_per_cp_rank(config, world_size)
 
 
 def _check_wan_ar(config: Config, world_size: int) -> None:
@@ -368,6 +369,8 @@ class WanFamily(DiffusionFamily):
             )
 
     def make_objective(self, config: Config, groups, sample):
+        if tokens_placed(config, self):  # batches.placed: packed micro-batches of one shape
+            return self.make_packed_objective(config)
         patch, z = config.model.patch_size, config.vae.latent_channels
         i2v = i2v_probability_of(config) > 0
         if self.autoregressive:
