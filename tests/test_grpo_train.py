@@ -153,6 +153,24 @@ def test_bad_grpo_config_names_the_field(overrides, match):
         validate(load_config(GRPO, ["model.init_from=null"] + overrides), 4)
 
 
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("rl.clip=1.5", r"rl.clip \(1.5\) must be a finite number in \(0, 1\)"),
+        ("rl.clip=inf", r"rl.clip \(inf\) must be a finite number in \(0, 1\)"),
+        ("rl.eps=inf", r"rl.eps \(inf\) must be a finite number > 0"),
+        ("rl.seed=abc", r"rl.seed \('abc'\) must be an integer"),
+    ],
+)
+def test_rl_section_refuses_bad_values(override, match):
+    """The ``rl:`` section as the command line passes it (YAML scalars; ``inf`` is a string that
+    the loader reads as a float for float fields): refused where it is declared."""
+    from megatron_video.training.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
 def half_nan_reward(tokens, lengths, answer_id, format_ids):
     """Non-finite for odd answer ids only: some DP ranks' prompts fail, the others' do not."""
     import torch

@@ -281,3 +281,16 @@ def test_rl_config_bad_input():
         rl.score(bad, ro)
     r = rl.exact_match_reward(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), 5, [5, 6])
     assert r.tolist() == [1.1, 0.1]
+
+
+def test_a_group_of_one_response_is_refused():
+    """G = 1: no standard deviation, so no advantage; a named ValueError, never NaN."""
+    from megatron_video.mmsp import rl
+
+    with pytest.raises(ValueError, match=r"group size \(1\) must be >= 2"):
+        rl.group_advantages(torch.tensor([1.0]), 1e-6)
+    ro = rl.Rollout(torch.tensor([[5, 1]]), torch.tensor([2]), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"group size \(1\) must be >= 2"):  # before the model
+        rl.grpo_loss(None, None, None, None, ro, torch.tensor([1.0]), rl.RLConfig(), 2)
+    adv = rl.group_advantages(torch.tensor([0.5, 0.5]), 1e-6)  # equal rewards: 0, not NaN
+    assert adv.tolist() == [0.0, 0.0]

@@ -277,7 +277,15 @@ def response_logprobs(model, visual, prompt_ids, tokens, lengths) -> List[tuple]
 
 
 def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(r - mean_G) / (std_G + eps)``, ``std`` the unbiased sample standard deviation."""
+    """``(r - mean_G) / (std_G + eps)``, ``std`` the unbiased sample standard deviation.
+    ``ValueError`` for fewer than 2 rewards (a group of one has no standard deviation)."""
+    if rewards.dim() != 1:
+        raise ValueError(f"group_advantages: rewards ({tuple(rewards.shape)}) must be [G]")
+    if rewards.numel() < 2:
+        raise ValueError(
+            f"group_advantages: the group size ({rewards.numel()}) must be >= 2 (rl.group_size: "
+            f"the standard deviation of one reward is undefined)"
+        )
     r = rewards.double()
     return (r - r.mean()) / (r.std() + eps)
 
