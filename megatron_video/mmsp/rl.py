@@ -328,10 +328,16 @@ def grpo_loss(
 
 def check_rewards(rewards, group_size: int, fn_name: str) -> torch.Tensor:
     """The reward function's output as float64 ``[G]``, or ``ValueError`` naming the function."""
-    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    if tuple(torch.as_tensor(rewards).shape) != (group_size,):
+    try:
+        shape = tuple(torch.as_tensor(rewards).shape)
+        r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(
-            f"rl.reward function {fn_name} returned shape {tuple(torch.as_tensor(rewards).shape)}; "
+            f"rl.reward function {fn_name} returned {type(rewards).__name__}, not numbers ({e})"
+        ) from e
+    if shape != (group_size,):
+        raise ValueError(
+            f"rl.reward function {fn_name} returned shape {shape}; "
             f"it must return one reward per response ({group_size},)"
         )
     if not torch.isfinite(r).all():
@@ -366,7 +372,12 @@ def load_reward(spec: str) -> Callable:
 
 def score(cfg: RLConfig, ro: Rollout, **sample) -> torch.Tensor:
     """Rewards ``[G]`` of one group: ``cfg.reward`` on ``(tokens, lengths, **sample)``, checked
-    (``check_rewards``) before anything uses them, identically on every rank."""
-    return check_rewards(
-        load_reward(cfg.reward)(ro.tokens, ro.lengths, **sample), cfg.group_size, cfg.reward
-    )
+    (``check_rewards``) before anything uses them, identically on every rank. Any exception of
+    the function becomes a ``ValueError`` naming it and the exception's type and message (the
+    trainer's agree-then-raise path: every rank raises, none waits in a collective)."""
+    fn = load_reward(cfg.reward)
+    try:
+        rewards = fn(ro.tokens, ro.lengths, **sample)
+    except Exception as e:
+        raise ValueError(f"rl.reward function {cfg.reward} raised {type(e).__name__}: {e}") from e
+    return check_rewards(rewards, cfg.group_size, cfg.reward)
