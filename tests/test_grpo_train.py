@@ -153,6 +153,24 @@ def test_bad_grpo_config_names_the_field(overrides, match):
         validate(load_config(GRPO, ["model.init_from=null"] + overrides), 4)
 
 
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("rl.clip=1.5", r"rl.clip \(1.5\) must be a finite number in \(0, 1\)"),
+        ("rl.clip=inf", r"rl.clip \(inf\) must be a finite number in \(0, 1\)"),
+        ("rl.eps=inf", r"rl.eps \(inf\) must be a finite number > 0"),
+        ("rl.seed=abc", r"rl.seed \('abc'\) must be an integer"),
+    ],
+)
+def test_rl_section_refuses_bad_values(override, match):
+    """The ``rl:`` section as the command line passes it (YAML scalars; ``inf`` is a string that
+    the loader reads as a float for float fields): refused where it is declared."""
+    from megatron_video.training.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
 def half_nan_reward(tokens, lengths, answer_id, format_ids):
     """Non-finite for odd answer ids only: some DP ranks' prompts fail, the others' do not."""
     import torch
@@ -160,7 +178,16 @@ def half_nan_reward(tokens, lengths, answer_id, format_ids):
     return torch.full((tokens.shape[0],), float("nan") if answer_id % 2 else 0.0)
 
 
-def _bad_reward_step(overrides):
+def half_raising_reward(tokens, lengths, answer_id, format_ids):
+    """Raises a ``RuntimeError`` (not a ``ValueError``) for odd answer ids only."""
+    if answer_id % 2:
+        raise RuntimeError("reward server unreachable")
+    return tokens.new_zeros(tokens.shape[0], dtype=float)
+
+
+def _bad_reward_steps(overrides, rewards):
+    """Step ``i`` with ``rl.reward`` ``rewards[i]`` in one trainer: each step's error (or None)."""
+    import dataclasses
     import warnings
 
     from megatron_video.training.config import load_config
@@ -168,21 +195,31 @@ def _bad_reward_step(overrides):
 
     warnings.filterwarnings("ignore")
     t = Trainer(load_config(GRPO, overrides), progress=False)
+    out = []
     try:
-        t.forward_backward(0)
-        return None
-    except ValueError as e:
-        return str(e)
+        for step, reward in enumerate(rewards):
+            t.config.rl = dataclasses.replace(t.config.rl, reward=reward)
+            try:
+                t.forward_backward(step)
+                out.append(None)
+            except ValueError as e:
+                out.append(str(e))
+        return out
     finally:
         t.close()
 
 
 def test_a_bad_reward_on_some_dp_ranks_stops_every_rank(pool4, tmp_path):
-    """A reward function failing on some DP ranks' prompts: every rank raises, naming the
-    function where it failed, and none waits in a later collective."""
-    over = (
-        BASE + LAYOUTS["dp4"] + [f"output={tmp_path}", "rl.reward=test_grpo_train:half_nan_reward"]
-    )
-    errors = pool4.run(_bad_reward_step, over)
-    assert all(e and e.startswith("GRPO step 0") for e in errors), errors
-    assert any("test_grpo_train:half_nan_reward returned a non-finite" in e for e in errors), errors
+    """A reward function failing on some DP ranks' prompts (a non-finite reward, or any
+    exception): every rank raises, each naming the function and the failure, and none waits in
+    a later collective."""
+    over = BASE + LAYOUTS["dp4"] + [f"output={tmp_path}"]
+    rewards = ["test_grpo_train:half_nan_reward", "test_grpo_train:half_raising_reward"]
+    res = pool4.run(_bad_reward_steps, over, rewards)
+    for step, what in enumerate(
+        ["returned a non-finite", "raised RuntimeError: reward server unreachable"]
+    ):
+        errors = [r[step] for r in res]
+        assert all(e and e.startswith(f"GRPO step {step}") for e in errors), errors
+        assert all(f"{rewards[step]} {what}" in e for e in errors), errors
+        assert any("refused on another rank (rank " in e for e in errors), errors

@@ -281,3 +281,61 @@ def test_rl_config_bad_input():
         rl.score(bad, ro)
     r = rl.exact_match_reward(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), 5, [5, 6])
     assert r.tolist() == [1.1, 0.1]
+
+
+def test_a_group_of_one_response_is_refused():
+    """G = 1: no standard deviation, so no advantage; a named ValueError, never NaN."""
+    from megatron_video.mmsp import rl
+
+    with pytest.raises(ValueError, match=r"group size \(1\) must be >= 2"):
+        rl.group_advantages(torch.tensor([1.0]), 1e-6)
+    ro = rl.Rollout(torch.tensor([[5, 1]]), torch.tensor([2]), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"group size \(1\) must be >= 2"):  # before the model
+        rl.grpo_loss(None, None, None, None, ro, torch.tensor([1.0]), rl.RLConfig(), 2)
+    adv = rl.group_advantages(torch.tensor([0.5, 0.5]), 1e-6)  # equal rewards: 0, not NaN
+    assert adv.tolist() == [0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def megatron_one_rank():
+    """One-process gloo group (torn down if created here) + Megatron parallel state (TP = 1)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from megatron_video.testing.parallel import model_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    with model_parallel(tp=1, seed=0):
+        yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_frame_vit_one_frame_gradients_accumulate(megatron_one_rank):
+    """A CP rank that encodes one frame (``rl.train_encoder``): two backward passes accumulated
+    in ``.grad`` (plain autograd, no DDP) equal the float64 sum of the two separate gradients;
+    ``class_token`` and ``position_embeddings`` never share a gradient buffer."""
+    from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
+
+    torch.manual_seed(0)
+    model = video_llava_model(VideoLLaVASizes(), params_dtype=torch.float32)
+    vit = model.vision_model
+    frames = [torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    w = torch.randn(vit(frames[0]).shape, generator=torch.Generator().manual_seed(3))
+    params = dict(vit.named_parameters())
+    single = []
+    for x in frames:  # each pass alone
+        vit.zero_grad(set_to_none=True)
+        (vit(x) * w).sum().backward()
+        single.append({n: p.grad.double().clone() for n, p in params.items()})
+    vit.zero_grad(set_to_none=True)
+    for x in frames:  # accumulated
+        (vit(x) * w).sum().backward()
+    for n, p in params.items():
+        assert_close(p.grad.double(), single[0][n] + single[1][n], rtol=1e-6, atol=1e-7, msg=n)

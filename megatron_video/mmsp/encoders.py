@@ -54,6 +54,12 @@ class FrameViT(MegatronModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv1(x.to(self.conv1.weight.dtype)).flatten(2).transpose(1, 2)  # [n, patches, h]
         x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + self.position_embeddings.weight[None]
+        # the positions by lookup, not ``weight[None]``: that view's gradient would be the sum's
+        # incoming gradient itself, of which (one frame) the class token's is a slice, so the two
+        # ``.grad`` would share a buffer and plain autograd accumulation would count it twice
+        pos = self.position_embeddings(
+            torch.arange(self.position_embeddings.num_embeddings, device=x.device)
+        )
+        x = x + pos[None]
         x = self.decoder(x.transpose(0, 1).contiguous(), attention_mask=None)  # [s, n, h]
         return x.transpose(0, 1).contiguous()

@@ -277,7 +277,15 @@ def response_logprobs(model, visual, prompt_ids, tokens, lengths) -> List[tuple]
 
 
 def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(r - mean_G) / (std_G + eps)``, ``std`` the unbiased sample standard deviation."""
+    """``(r - mean_G) / (std_G + eps)``, ``std`` the unbiased sample standard deviation.
+    ``ValueError`` for fewer than 2 rewards (a group of one has no standard deviation)."""
+    if rewards.dim() != 1:
+        raise ValueError(f"group_advantages: rewards ({tuple(rewards.shape)}) must be [G]")
+    if rewards.numel() < 2:
+        raise ValueError(
+            f"group_advantages: the group size ({rewards.numel()}) must be >= 2 (rl.group_size: "
+            f"the standard deviation of one reward is undefined)"
+        )
     r = rewards.double()
     return (r - r.mean()) / (r.std() + eps)
 
@@ -320,10 +328,16 @@ def grpo_loss(
 
 def check_rewards(rewards, group_size: int, fn_name: str) -> torch.Tensor:
     """The reward function's output as float64 ``[G]``, or ``ValueError`` naming the function."""
-    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    if tuple(torch.as_tensor(rewards).shape) != (group_size,):
+    try:
+        shape = tuple(torch.as_tensor(rewards).shape)
+        r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(
-            f"rl.reward function {fn_name} returned shape {tuple(torch.as_tensor(rewards).shape)}; "
+            f"rl.reward function {fn_name} returned {type(rewards).__name__}, not numbers ({e})"
+        ) from e
+    if shape != (group_size,):
+        raise ValueError(
+            f"rl.reward function {fn_name} returned shape {shape}; "
             f"it must return one reward per response ({group_size},)"
         )
     if not torch.isfinite(r).all():
@@ -358,7 +372,12 @@ def load_reward(spec: str) -> Callable:
 
 def score(cfg: RLConfig, ro: Rollout, **sample) -> torch.Tensor:
     """Rewards ``[G]`` of one group: ``cfg.reward`` on ``(tokens, lengths, **sample)``, checked
-    (``check_rewards``) before anything uses them, identically on every rank."""
-    return check_rewards(
-        load_reward(cfg.reward)(ro.tokens, ro.lengths, **sample), cfg.group_size, cfg.reward
-    )
+    (``check_rewards``) before anything uses them, identically on every rank. Any exception of
+    the function becomes a ``ValueError`` naming it and the exception's type and message (the
+    trainer's agree-then-raise path: every rank raises, none waits in a collective)."""
+    fn = load_reward(cfg.reward)
+    try:
+        rewards = fn(ro.tokens, ro.lengths, **sample)
+    except Exception as e:
+        raise ValueError(f"rl.reward function {cfg.reward} raised {type(e).__name__}: {e}") from e
+    return check_rewards(rewards, cfg.group_size, cfg.reward)

@@ -5,6 +5,7 @@ validated where declared; no torch, so the config and the command line stay ligh
 from __future__ import annotations
 
 import dataclasses
+import math
 
 __all__ = ["RLConfig"]
 
@@ -28,25 +29,35 @@ class RLConfig:
         def bad(name, rule):
             raise ValueError(f"rl.{name} ({getattr(self, name)!r}) must be {rule}")
 
-        for name in ("group_size", "max_new_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
+        for name in ("group_size", "max_new_tokens", "seed"):
+            if not _is_int(getattr(self, name)):
                 bad(name, "an integer")
         if self.group_size < 2:
             bad("group_size", ">= 2 (GRPO normalises rewards within a group)")
         if self.max_new_tokens < 1:
             bad("max_new_tokens", ">= 1")
-        if not self.temperature >= 0:
-            bad("temperature", ">= 0 (0: greedy)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1]")
-        if not self.clip > 0:
-            bad("clip", "> 0")
-        if not self.kl_coef >= 0:
-            bad("kl_coef", ">= 0")
-        if not self.eps > 0:
-            bad("eps", "> 0")
+        for name, ok, rule in _NUMBERS:
+            v = getattr(self, name)
+            if not (_is_finite(v) and ok(v)):
+                bad(name, rule)
         if not isinstance(self.train_encoder, bool):
             bad("train_encoder", "a bool")
         if not isinstance(self.reward, str) or ":" not in self.reward:
             bad("reward", "'module:function'")
+
+
+_NUMBERS = (  # (field, test of a finite number, the rule)
+    ("temperature", lambda v: v >= 0, "a finite number >= 0 (0: greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("clip", lambda v: 0 < v < 1, "a finite number in (0, 1) (ratios clip to 1 +- clip)"),
+    ("kl_coef", lambda v: v >= 0, "a finite number >= 0"),
+    ("eps", lambda v: v > 0, "a finite number > 0"),
+)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

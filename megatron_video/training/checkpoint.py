@@ -372,9 +372,30 @@ def agree_or_raise(reason: Optional[str], what: str) -> None:
     flag = torch.tensor([0.0 if reason is None else 1.0])  # a host flag (comm.host_group)
     comm.all_reduce(flag, None, tag="agree")
     if flag.item():
+        src, first = _first_reason(reason)  # only after a refusal: two more host collectives
         raise ValueError(
-            f"{what}: {reason}" if reason else f"{what}: refused on another rank (see its error)"
+            f"{what}: {reason}"
+            if reason
+            else f"{what}: refused on another rank (rank {src}: {first})"
         )
+
+
+REASON_BYTES = 4096  # the refusal text shared with the other ranks (UTF-8, cut there)
+
+
+def _first_reason(reason: Optional[str]) -> Tuple[int, str]:
+    """``(rank, reason)`` of the lowest rank with a reason, on every rank (collective over the
+    world), so the ranks that did not fail name the cause too."""
+    rank, world = comm.group_rank(None), comm.group_size(None)
+    src = torch.tensor([float(rank if reason is not None else world)])
+    comm.all_reduce(src, None, op=dist.ReduceOp.MIN, tag="agree.rank")
+    src = int(src.item())
+    buf = torch.zeros(REASON_BYTES, dtype=torch.uint8)
+    if rank == src:
+        data = (reason or "").encode()[:REASON_BYTES]
+        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    comm.broadcast(buf, None, src=src, tag="agree.reason")
+    return src, bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 # ----------------------------------------------------------------------------------------------
