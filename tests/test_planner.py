@@ -258,7 +258,8 @@ def test_megatron_lm_entry_plan_prints_the_flags(capsys):
     argv = ["--plan", "--video-config", WAN14B, "--plan-gpus", "128"]
     assert plan_entry(argv, "pretrain_video_dit.py") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("# megatron-video plan: TP4xU1xR1xPP1xDP32 rc mb1")
-    assert "--tensor-model-parallel-size 4" in out[1]
-    assert "--recompute-granularity full" in out[1]
+    # 21 latent frames placed by token: CP 16 as Ulysses 2 x ring 8 (DDP: TP 2 fits the weights)
+    assert out[0].startswith("# megatron-video plan: TP2xU2xR8xPP1xDP4 mb1")
+    assert "--tensor-model-parallel-size 2" in out[1] and "--context-parallel-size 16" in out[1]
+    assert "--hierarchical-context-parallel-sizes 2 8" in out[1]
     assert plan_entry(["--plan", "--video-config", WAN14B, "--plan-gpus", "4"], "x") == 2

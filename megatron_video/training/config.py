@@ -345,8 +345,7 @@ class TrainSection:
     objective: str = "supervised"  # supervised | grpo (video_llava: RL with the rl section)
 
     def validate(self, has_gpu: Optional[bool] = None) -> None:
-        """Every field but the global batch (against the data-parallel size: top-level);
-        ``has_gpu`` None (the machine the run will use is not this one): no device rule."""
+        """Every field but the global batch; ``has_gpu`` None: no device rule (validate)."""
         t = self
         _pos_int("train.steps", t.steps, 0)
         _pos_int("train.micro_batch_size", t.micro_batch_size)
@@ -374,10 +373,7 @@ class TrainSection:
         if t.objective not in ("supervised", "grpo"):
             raise ValueError(f"train.objective ({t.objective!r}) must be 'supervised' or 'grpo'")
         if t.bf16 and has_gpu is False:
-            raise ValueError(
-                "train.bf16 (True) needs a GPU; CPU runs train in fp32 (set train.bf16=false "
-                "to run here)"
-            )
+            raise ValueError("train.bf16 (True) needs a GPU; CPU runs train in fp32")
 
 
 @dataclass
@@ -401,7 +397,6 @@ class Config:
 
 # ----------------------------------------------------------------------------------------------
 # Loading
-# ----------------------------------------------------------------------------------------------
 def _section_from_dict(cls, data: Any, where: str):
     if data is None:
         return cls()
@@ -484,7 +479,6 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
 
 # ----------------------------------------------------------------------------------------------
 # Derived quantities
-# ----------------------------------------------------------------------------------------------
 def vae_geometry(config: Config) -> VAEGeometry:
     """The VAE's channels and strides (``models.vae_geometry``): read from ``vae.diffusers``'s
     config (Wan 2.1: 8x spatial, Wan 2.2: 16x), else the project's causal VAE (4x / 8x)."""
@@ -537,12 +531,10 @@ def data_parallel_size(config: Config, world_size: int) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # Validation: each section's own fields, then the rules between sections and the family's
-# ----------------------------------------------------------------------------------------------
 def validate(config: Config, world_size: int, has_gpu: Optional[bool] = None) -> None:
     """Raise ``ValueError`` (naming the field) for any configuration that cannot run on
-    ``world_size`` ranks. ``has_gpu``: whether the run's ranks have a GPU (the run itself passes
-    it); None, as ``megatron-video validate`` (checking a config for the machines it will run
-    on, often not this one): the device rules (``train.bf16`` needs a GPU) are left to the run."""
+    ``world_size`` ranks. ``has_gpu`` (the run passes it): None checks a config for the machines it
+    will run on (``megatron-video validate``), leaving the device rules to the run."""
     _pos_int("world_size", world_size)
     family = get_family(config.model.family)  # ValueError naming model.family
     config.model.validate()
