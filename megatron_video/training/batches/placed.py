@@ -43,7 +43,7 @@ def tokens_placed(config: Config, family) -> bool:
     from ..config import token_grid_of
 
     cp = config.parallel.context_parallel_size
-    if family.layer_type != "full" or family.packed_kind is None or cp == 1:
+    if cp == 1 or family.packed_kind is None or family.layer_type != "full":  # VLMs: no layer_type
         return False
     unit = cp * (config.model.frames_per_block if family.autoregressive else 1)
     return token_grid_of(config)[0] % unit != 0
