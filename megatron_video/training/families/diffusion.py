@@ -210,7 +210,8 @@ def _check_placed_blocks(config: Config) -> None:
         check_whole_blocks(F, m.frames_per_block)
     except ValueError as e:
         raise ValueError(
-            f"data.num_frames ({d.num_frames} raw -> {F} latent frames): {e}"
+            f"data.num_frames ({d.num_frames} raw -> {F} latent frames) / "
+            f"model.frames_per_block ({m.frames_per_block}): {e}"
         ) from None
     _tokens_per_cp_rank(config, 0)
     _, Hp, Wp = token_grid_of(config)
