@@ -40,6 +40,7 @@ def test_geometry_is_read_from_the_config(vaes):
         wan_vae_geometry(dict(cfg, scale_factor_temporal=8))
 
 
+@pytest.mark.one_env  # diffusers' VAE and our windows only: no Megatron (checked)
 @pytest.mark.parametrize("version", ["2.1", "2.2"])
 def test_rank_windows_equal_full_clip_encoding(vaes, version):
     """Float64: each rank's latents, encoded from its raw halo window only (the index maps of
