@@ -22,6 +22,7 @@ ORDER = [
     "diffusion",
     "data",
     "planner",
+    "rl",
     "training",
 ]
 # Known upward imports still to be removed (none): entries are ("path under megatron_video/", layer).

@@ -24,18 +24,31 @@ class RLConfig:
     seed: int = 0
     train_encoder: bool = False
     reward: str = "megatron_video.mmsp.rl:exact_match_reward"
+    # diffusion families (rl.flow_grpo): the SDE rollouts and the trained steps
+    noise_level: float = 0.7  # Flow-GRPO's a: std_dev_t = a sqrt(t / (1 - t))
+    sampling_steps: int = 10  # denoising steps of a rollout
+    clip_high: float = -1.0  # ratio clip above 1 (-1: rl.clip, symmetric)
+    train_steps: str = "all"  # all | random (DanceGRPO) | window (MixGRPO)
+    train_step_count: int = 1  # steps trained per rollout with random / window
+    guidance_scale: float = 1.0  # CFG in rollouts (1: none)
 
     def __post_init__(self):
         def bad(name, rule):
             raise ValueError(f"rl.{name} ({getattr(self, name)!r}) must be {rule}")
 
-        for name in ("group_size", "max_new_tokens", "seed"):
+        for name in ("group_size", "max_new_tokens", "seed", "sampling_steps", "train_step_count"):
             if not _is_int(getattr(self, name)):
                 bad(name, "an integer")
         if self.group_size < 2:
             bad("group_size", ">= 2 (GRPO normalises rewards within a group)")
         if self.max_new_tokens < 1:
             bad("max_new_tokens", ">= 1")
+        if self.sampling_steps < 1:
+            bad("sampling_steps", ">= 1")
+        if self.train_steps not in ("all", "random", "window"):
+            bad("train_steps", "'all', 'random' or 'window'")
+        if not 1 <= self.train_step_count <= self.sampling_steps:
+            bad("train_step_count", f"in [1, rl.sampling_steps = {self.sampling_steps}]")
         for name, ok, rule in _NUMBERS:
             v = getattr(self, name)
             if not (_is_finite(v) and ok(v)):
@@ -52,6 +65,9 @@ _NUMBERS = (  # (field, test of a finite number, the rule)
     ("clip", lambda v: 0 < v < 1, "a finite number in (0, 1) (ratios clip to 1 +- clip)"),
     ("kl_coef", lambda v: v >= 0, "a finite number >= 0"),
     ("eps", lambda v: v > 0, "a finite number > 0"),
+    ("noise_level", lambda v: v > 0, "a finite number > 0 (the SDE's noise; 0 is the ODE)"),
+    ("clip_high", lambda v: v == -1 or 0 < v < 1, "-1 (rl.clip) or a number in (0, 1)"),
+    ("guidance_scale", lambda v: v >= 1, "a finite number >= 1 (1: no guidance)"),
 )
 
 

@@ -13,7 +13,14 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-__all__ = ["FamilySpec", "SampleLayout", "register_family", "get_family", "family_names"]
+__all__ = [
+    "FamilySpec",
+    "SampleLayout",
+    "register_family",
+    "get_family",
+    "family_names",
+    "rl_families",
+]
 
 
 @dataclass(frozen=True)
@@ -94,10 +101,10 @@ class FamilySpec(abc.ABC):
     def check_rl(self, config) -> None:
         """``train.objective: grpo`` / the ``rl:`` section: the family's rules (``ValueError``);
         families without RL refuse both."""
-        rl = [n for n in family_names() if dict(get_family(n).trainers).get("grpo")]
         raise ValueError(
             f"train.objective ({config.train.objective!r}) and the rl section are for model.family "
-            f"in {rl} (the families whose trainers include 'grpo'); {self.name!r} trains supervised"
+            f"in {rl_families()} (the families whose trainers include 'grpo'); {self.name!r} "
+            f"trains supervised"
         )
 
     @abc.abstractmethod
@@ -192,6 +199,11 @@ def register_family(spec: FamilySpec) -> FamilySpec:
         )
     _FAMILIES[spec.name] = spec
     return spec
+
+
+def rl_families() -> list:
+    """The families whose trainers include ``grpo``."""
+    return [n for n in family_names() if dict(get_family(n).trainers).get("grpo")]
 
 
 def family_names() -> Tuple[str, ...]:

@@ -39,6 +39,14 @@ class DiffusionFamily(FamilySpec):
     def objective_note(self) -> str:
         return " (teacher forcing trains with flow matching)" if self.autoregressive else ""
 
+    def check_rl(self, config: Config) -> None:
+        """``train.objective: grpo``: refused, naming the reason (``rl.rules``)."""
+        from megatron_video.rl.rules import refuse_rl
+
+        from ..family_spec import rl_families
+
+        refuse_rl(self.name, config.objective, self.autoregressive, rl_families())
+
     def transformer_config(self, config: Config, has_gpu: bool = False):
         """``model_factory.transformer_config``."""
         return transformer_config(config, has_gpu)

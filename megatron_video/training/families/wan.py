@@ -307,6 +307,16 @@ class WanFamily(DiffusionFamily):
         """``wan_raw.WanRawEncoders`` with ``data.source: energon``, else None (shards)."""
         return raw_encoders(config) if config.data.source == "energon" else None
 
+    def check_rl(self, config: Config) -> None:
+        """``train.objective: grpo``: Flow-GRPO for ``wan`` (``rl.rules``); ``wan_ar`` refused."""
+        from megatron_video.rl.rules import check_wan_rl, refuse_rl
+
+        from ..family_spec import rl_families
+
+        if self.autoregressive:
+            refuse_rl(self.name, config.objective, True, rl_families())
+        check_wan_rl(config)
+
     def transformer_config(self, config: Config, has_gpu: bool = False) -> WanConfig:
         return wan_transformer_config(config, has_gpu)
 
@@ -397,6 +407,7 @@ WAN = register_family(
         model=WanModel,
         check=_check_wan,
         packed_kind="full",
+        trainers=(("grpo", "megatron_video.training.grpo_wan:WanGRPOTrainer"),),
     )
 )
 WAN_AR = register_family(

@@ -1,0 +1,60 @@
+"""The configuration rules of the diffusion GRPO (no torch: the config checks stay light):
+``check_wan_rl`` for ``wan`` and ``refuse_rl`` for the diffusion families it is not built for,
+each a ``ValueError`` naming the field and the reason. Map: docs/rl.md."""
+
+from __future__ import annotations
+
+__all__ = ["VLM_REWARD", "check_wan_rl", "refuse_rl"]
+
+VLM_REWARD = "megatron_video.mmsp.rl:exact_match_reward"
+
+
+def _check_objective(config) -> None:
+    if config.train.objective != "grpo":
+        raise ValueError(
+            f"the rl section is read with train.objective 'grpo' (it is "
+            f"{config.train.objective!r}): set train.objective=grpo or leave rl at its defaults"
+        )
+
+
+def check_wan_rl(config) -> None:
+    """The rules of ``train.objective: grpo`` for ``wan`` (``ValueError`` naming the field)."""
+    _check_objective(config)
+    p, d = config.parallel, config.data
+    if p.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
+            f"with train.objective 'grpo' (a rollout runs the whole model at every step)"
+        )
+    if p.fsdp:
+        raise ValueError("parallel.fsdp (True) must be false with train.objective 'grpo'")
+    if d.buckets is not None:
+        raise ValueError("data.buckets must be null with train.objective 'grpo' (fixed shapes)")
+    if config.rl.reward == VLM_REWARD:
+        raise ValueError(
+            f"rl.reward ({VLM_REWARD!r}, the VLM's) must name a diffusion reward: "
+            f"'megatron_video.rl.rewards:latent_colour' or your module:function (docs/rl.md)"
+        )
+
+
+def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) -> None:
+    """``ValueError``: ``train.objective: grpo`` is not built for this diffusion family, and why
+    (``rl_families``: the families that have it)."""
+    if autoregressive:
+        why = (
+            "its rollouts must stream block by block through the KV cache "
+            "(diffusion.streaming), which the Flow-GRPO step is not wired into yet"
+        )
+    elif objective == "edm":
+        why = (
+            "diffusion.objective 'edm' has no stochastic sampler with a Gaussian per-step "
+            "log-probability (EDM's Heun / Euler samplers are deterministic; their churn "
+            "re-noises before the step, so a step's density needs the churn's noise too)"
+        )
+    else:
+        why = "its flow sampler is not wired to the Flow-GRPO step yet (rl.flow_grpo)"
+    raise ValueError(
+        f"train.objective ('grpo') and the rl section are for model.family in "
+        f"{list(rl_families)}; "
+        f"{family!r} has no GRPO: {why} (docs/rl.md)"
+    )

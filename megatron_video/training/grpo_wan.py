@@ -1,0 +1,134 @@
+"""``train.objective: grpo`` for ``wan``: Flow-GRPO in the supervised trainer's job (the same build,
+checkpoints, resume, outputs; the reference, reward records and ``reward.png`` of
+``training.grpo.GRPOTrainer``), another step.
+
+Each DP rank takes the samples of its micro-batches (DP ranks own whole groups). Per sample (its
+precomputed caption embedding; its latents' shape) ``rl.group_size`` SDE rollouts of
+``rl.sampling_steps`` steps run under the model's CP layout (``rl.wan.wan_rollout``, seeded by
+``rl.seed``, the sample's position and the rollout: no RNG state to checkpoint), are scored by
+``rl.reward`` on every rank of the group (a failure anywhere is raised on every rank before any
+collective of the update), and the trained steps (``rl.train_steps``) are re-run with gradients
+one at a time (``rl.wan.wan_grpo_backward``). The loss is the mean over the global batch's groups;
+the gradients are reduced as the supervised step's. Map: docs/rl.md.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from megatron_video.diffusion import cp_sampling as cps
+from megatron_video.models.embedders import unpatchify
+from megatron_video.parallel import comm
+from megatron_video.rl.flow_grpo import select_steps
+from megatron_video.rl.rewards import score
+from megatron_video.rl.wan import wan_grpo_backward, wan_rollout, wan_videos
+
+from . import checkpoint as ckpt
+from .batches.clips import fixed_latent_shape
+from .batches.fixed import rank_token_ids
+from .batches.protocol import checked_step_batches
+from .grpo import GRPOTrainer
+
+__all__ = ["WanGRPOTrainer"]
+
+
+class WanGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` (reference, records, ``reward.png``) whose step is Flow-GRPO of Wan."""
+
+    def _samples(self, mb) -> List[Tuple]:
+        """``(text [1, L, D], caption, clean [C, F, H, W], position)`` of each sample."""
+        cfg = self.config
+        F, h, w = fixed_latent_shape(cfg)
+        patch = tuple(cfg.model.patch_size)
+        grid = (F // patch[0], h // patch[1], w // patch[2])
+        ids = rank_token_ids(grid, self.groups.cp_rank, self.cp_size)
+        tokens = grid[0] * grid[1] * grid[2]
+        out = []
+        for j in range(len(mb.indices)):
+            keep = mb.caption_mask[j : j + 1].to(mb.caption_ids.dtype)[..., None]
+            text = (mb.caption_ids[j : j + 1] * keep).to(self.device)
+            full = cps.gather_tokens(mb.clean[j : j + 1], ids, self.groups.cp_group, tokens)
+            clean = unpatchify(full, patch, grid, cfg.vae.latent_channels)[0]
+            out.append((text, mb.captions[j], clean, int(mb.indices[j])))
+        return out
+
+    def _rollouts(self, step: int, dtype) -> Tuple[list, object]:
+        cfg, rl = self.config, self.config.rl
+        shape = (cfg.vae.latent_channels,) + tuple(fixed_latent_shape(cfg))
+        groups, reason = [], None
+        try:  # a bad reward: raised by a whole CP group (the same latents), agreed below
+            for mb in checked_step_batches(self.batches, step):
+                for text, caption, clean, position in self._samples(mb):
+                    null = torch.zeros_like(text) if rl.guidance_scale != 1 else None
+                    wr = wan_rollout(
+                        self.model,
+                        text,
+                        shape,
+                        group_size=rl.group_size,
+                        num_steps=rl.sampling_steps,
+                        noise_level=rl.noise_level,
+                        shift=cfg.diffusion.flow_shift,
+                        seed=rl.seed,
+                        position=position,
+                        null_text=null,
+                        guidance_scale=rl.guidance_scale,
+                        dtype=dtype,
+                    )
+                    latents = wan_videos(self.model, wr)
+                    r = score(
+                        rl.reward,
+                        rl.group_size,
+                        latents,
+                        caption=caption,
+                        clean=clean,
+                        position=position,
+                    )
+                    groups.append((wr, r))
+        except ValueError as e:
+            reason = str(e)
+        return groups, reason
+
+    def forward_backward(self, step: int) -> float:
+        rl = self.config.rl
+        dtype = next(self.model.parameters()).dtype
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        groups, reason = self._rollouts(step, dtype)
+        ckpt.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
+        r = torch.cat([g[1] for g in groups]) if groups else torch.zeros(0, dtype=torch.float64)
+        counts = torch.tensor([len(groups), r.sum(), (r * r).sum(), r.numel()], dtype=torch.float64)
+        comm.all_reduce(counts, self.dp_group, tag="rl.counts")
+        n_groups, r_sum, r_sq, n = counts.tolist()
+        steps = select_steps(rl.sampling_steps, rl.train_steps, rl.train_step_count, step, rl.seed)
+        scale = self.dp_size * self.cp_size / n_groups  # DDP averages over DP x CP
+        sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, clipped fraction (group means)
+        for wr, rewards in groups:
+            st = wan_grpo_backward(
+                self.model,
+                self.reference,
+                wr,
+                rewards,
+                steps,
+                noise_level=rl.noise_level,
+                clip_low=rl.clip,
+                clip_high=rl.clip if rl.clip_high == -1 else rl.clip_high,
+                kl_coef=rl.kl_coef,
+                eps=rl.eps,
+                scale=scale,
+            )
+            sums += torch.tensor([st["loss"], st["kl"], st["clip_frac"]], dtype=torch.float64)
+        self.tcfg.finalize_model_grads_func([self.ddp])
+        comm.all_reduce(sums, self.dp_group, tag="rl.loss")  # identical over CP already
+        loss, kl, clip_frac = (v / n_groups for v in sums.tolist())
+        var = max(0.0, r_sq / n - (r_sum / n) ** 2) * n / max(n - 1, 1)
+        self._rl = dict(
+            reward_mean=r_sum / n,
+            reward_std=var**0.5,
+            kl=kl,
+            response_len=float(len(steps)),  # the denoising steps trained per rollout
+            clip_frac=clip_frac,
+        )
+        return loss
