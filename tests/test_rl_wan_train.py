@@ -7,6 +7,7 @@ groups; rollouts are seeded by the sample's position); the outputs include ``rew
 probabilities, loss, gradients, layouts) is tests/test_rl_flow_grpo.py."""
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers")
 
@@ -123,3 +124,31 @@ def test_bad_rl_config_names_the_field(tmp_path, change, match):
 
     with pytest.raises(ValueError, match=match):
         validate(build(), 4)
+
+
+def _nan_on_one_rank(latents, **_):
+    """NaN on DP rank 0 of u2_dp2 only (a reward failing on some DP ranks)."""
+    from megatron.core import parallel_state as ps
+
+    bad = ps.get_data_parallel_rank() == 0
+    return torch.full((latents.shape[0],), float("nan") if bad else 0.0)
+
+
+def _train_bad_reward(root):
+    from megatron_video.training.trainer import Trainer
+
+    cfg = _config(root, "u2_dp2", reward="test_rl_wan_train:_nan_on_one_rank")
+    cfg.train.steps = 1
+    t = Trainer(cfg, progress=False)
+    try:
+        t.run()
+    except ValueError as e:
+        return str(e)
+    finally:
+        t.close()
+    return None
+
+
+def test_a_bad_reward_on_one_dp_rank_stops_every_rank(pool4, root):
+    for msg in pool4.run(_train_bad_reward, root, ranks_per_node=2):
+        assert msg is not None and "GRPO step 0" in msg, msg

@@ -28,7 +28,7 @@ from .flow_grpo import FlowRollout, flow_grpo_step_loss, flow_sde_rollout, group
 __all__ = ["seeded_normal", "WanRollout", "wan_rollout", "wan_videos", "wan_grpo_backward"]
 
 
-def seeded_normal(shape: Sequence[int], seed: int, position: int, k: int, step: int) -> Tensor:
+def seeded_normal(shape: Sequence[int], seed: int, position, k: int, step: int) -> Tensor:
     """A float64 standard normal ``shape`` from the generator of ``(seed, position, k, step)``."""
     key = zlib.crc32(f"flow_grpo:{seed}:{position}:{k}:{step}".encode())
     gen = torch.Generator().manual_seed(key)
@@ -74,14 +74,15 @@ def wan_rollout(
     noise_level: float,
     shift: float = 1.0,
     seed: int = 0,
-    position: int = 0,
+    position=0,
     null_text: Optional[Tensor] = None,
     guidance_scale: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> WanRollout:
     """``group_size`` SDE rollouts of one prompt (``text [1, L, text_dim]``, the same on every
     rank; collective) of latents ``latent_shape = (C, F, H, W)`` on ``model`` (PP = 1) under its
-    CP layout, ``num_steps`` steps of the shifted flow schedule."""
+    CP layout, ``num_steps`` steps of the shifted flow schedule. ``position``: the sample's key
+    in the seeds (an int or a string; the trainer's is ``"step:clip index"``)."""
     G = group_size
     device = text.device
     probe = torch.zeros((G,) + tuple(latent_shape), dtype=dtype, device=device)

@@ -5,7 +5,8 @@ checkpoints, resume, outputs; the reference, reward records and ``reward.png`` o
 Each DP rank takes the samples of its micro-batches (DP ranks own whole groups). Per sample (its
 precomputed caption embedding; its latents' shape) ``rl.group_size`` SDE rollouts of
 ``rl.sampling_steps`` steps run under the model's CP layout (``rl.wan.wan_rollout``, seeded by
-``rl.seed``, the sample's position and the rollout: no RNG state to checkpoint), are scored by
+``rl.seed``, the optimiser step, the clip's index and the rollout: no RNG state to
+checkpoint), are scored by
 ``rl.reward`` on every rank of the group (a failure anywhere is raised on every rank before any
 collective of the update), and the trained steps (``rl.train_steps``) are re-run with gradients
 one at a time (``rl.wan.wan_grpo_backward``). The loss is the mean over the global batch's groups;
@@ -71,7 +72,7 @@ class WanGRPOTrainer(GRPOTrainer):
                         noise_level=rl.noise_level,
                         shift=cfg.diffusion.flow_shift,
                         seed=rl.seed,
-                        position=position,
+                        position=f"{step}:{position}",  # new noise every step
                         null_text=null,
                         guidance_scale=rl.guidance_scale,
                         dtype=dtype,
