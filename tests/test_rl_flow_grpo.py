@@ -7,7 +7,7 @@
   group, ratio clipped to [1 - low, 1 + high], closed-form KL to the frozen start model) at CP = 1;
   the oracle without the normalisation or without the clip does not (so this test sees both).
 * Rollouts, log-probabilities, the loss and the gradients (summed over CP, as the trainer's
-  gradient reduction does) at U2 x R2 and U4 equal CP = 1 (1e-10).
+  gradient reduction does) at U2 x R2, U4 and R4 equal CP = 1 (1e-10).
 """
 
 import math
@@ -24,7 +24,7 @@ G, STEPS, NOISE, SHIFT, KL = 3, 3, 0.7, 3.0, 0.04
 CLIP_LOW, CLIP_HIGH = 2e-3, 1e-3
 SHAPE = (4, 4, 4, 6)  # latent (C, F, H, W): 24 tokens under patch (1, 2, 2)
 SEED, POSITION = 7, 11
-LAYOUTS = {"u2xr2": ("a2a+p2p", [2, 2], 2), "u4": ("a2a", None, 4)}
+LAYOUTS = {"u2xr2": ("a2a+p2p", [2, 2], 2), "u4": ("a2a", None, 4), "r4": ("p2p", None, 2)}
 
 
 def _text():
