@@ -18,7 +18,7 @@ model calls everything is elementwise, the average is a sum over the CP group (`
 all-reduce forward, identity backward, so with the same loss on every rank the ranks' parameter
 gradients sum to the single-process gradient, as Megatron's gradient reduction does).
 
-Map: docs/rl.md.
+Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ latents, full, the same on every rank of the CP group) and keywords ``caption`` 
 ``clean [C, F, H, W]`` (the data sample's latents) and ``position`` (its place in the stream); a
 reward takes what it needs and ``**_`` for the rest. ``rl.reward`` names a registered reward
 (``REWARDS``) or any ``module:function``. Whatever it returns is checked (``check_rewards``): one
-finite number per rollout, else a ``ValueError`` naming the function. Map: docs/rl.md.
+finite number per rollout, else a ``ValueError`` naming the function.
+Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The configuration rules of the diffusion GRPO (no torch: the config checks stay light):
 ``check_wan_rl`` for ``wan`` and ``refuse_rl`` for the diffusion families it is not built for,
-each a ``ValueError`` naming the field and the reason. Map: docs/rl.md."""
+each a ``ValueError`` naming the field and the reason.
+Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)"."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def check_wan_rl(config) -> None:
     if config.rl.reward == VLM_REWARD:
         raise ValueError(
             f"rl.reward ({VLM_REWARD!r}, the VLM's) must name a diffusion reward: "
-            f"'megatron_video.rl.rewards:latent_colour' or your module:function (docs/rl.md)"
+            f"'megatron_video.rl.rewards:latent_colour' or your module:function "
+            f"(docs/wan.md, 'Reinforcement learning')"
         )
 
 
@@ -56,5 +58,5 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
     raise ValueError(
         f"train.objective ('grpo') and the rl section are for model.family in "
         f"{list(rl_families)}; "
-        f"{family!r} has no GRPO: {why} (docs/rl.md)"
+        f"{family!r} has no GRPO: {why} (docs/wan.md, 'Reinforcement learning')"
     )

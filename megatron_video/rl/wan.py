@@ -5,7 +5,7 @@ per CP rank, so rollouts and the policy update run under any Ulysses x ring layo
 Seeding: the initial noise and every step's noise of rollout ``k`` of the sample at stream
 position ``position`` are drawn whole from a generator seeded by ``(seed, position, k, step)``
 and cut to this rank's tokens: every layout (and a resumed run) samples the same videos, with no
-RNG state to checkpoint. Map: docs/rl.md.
+RNG state to checkpoint. Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ checkpoint), are scored by
 ``rl.reward`` on every rank of the group (a failure anywhere is raised on every rank before any
 collective of the update), and the trained steps (``rl.train_steps``) are re-run with gradients
 one at a time (``rl.wan.wan_grpo_backward``). The loss is the mean over the global batch's groups;
-the gradients are reduced as the supervised step's. Map: docs/rl.md.
+the gradients are reduced as the supervised step's.
+Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 """
 
 from __future__ import annotations
