@@ -7,7 +7,8 @@
   group, ratio clipped to [1 - low, 1 + high], closed-form KL to the frozen start model) at CP = 1;
   the oracle without the normalisation or without the clip does not (so this test sees both).
 * Rollouts, log-probabilities, the loss and the gradients (summed over CP, as the trainer's
-  gradient reduction does) at U2 x R2, U4 and R4 equal CP = 1 (1e-10).
+  gradient reduction does; TP shards gathered) at U2 x R2, U4, R4 and TP2 x CP2 equal CP = 1
+  (1e-10).
 """
 
 import math
@@ -24,7 +25,12 @@ G, STEPS, NOISE, SHIFT, KL = 3, 3, 0.7, 3.0, 0.04
 CLIP_LOW, CLIP_HIGH = 2e-3, 1e-3
 SHAPE = (4, 4, 4, 6)  # latent (C, F, H, W): 24 tokens under patch (1, 2, 2)
 SEED, POSITION = 7, 11
-LAYOUTS = {"u2xr2": ("a2a+p2p", [2, 2], 2), "u4": ("a2a", None, 4), "r4": ("p2p", None, 2)}
+LAYOUTS = {  # name: (tp, cp, cp_comm_type, hierarchical sizes, ranks per simulated node)
+    "u2xr2": (1, 4, "a2a+p2p", [2, 2], 2),
+    "u4": (1, 4, "a2a", None, 4),
+    "r4": (1, 4, "p2p", None, 2),
+    "tp2xcp2": (2, 2, "p2p", None, 2),
+}
 
 
 def _text():
@@ -37,12 +43,43 @@ def _reward(videos):
     return videos[:, 0].mean(dim=(1, 2, 3))
 
 
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
 def _perturb(model):
-    """Move the policy off the rollout policy (same change on every rank) so ratios leave 1."""
+    """Move the policy off the rollout policy (the same full change at every layout: a TP shard
+    takes its slice) so the ratios leave 1."""
+    tp, rank = _tp()
     with torch.no_grad():
         for name, p in model.named_parameters():
             gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            shape, d = list(p.shape), getattr(p, "partition_dim", -1)
+            split = getattr(p, "tensor_model_parallel", False) and d >= 0
+            if split:
+                shape[d] *= tp
+            noise = torch.randn(shape, generator=gen, dtype=p.dtype)
+            p.add_(0.02 * (noise.chunk(tp, dim=d)[rank] if split else noise))
+
+
+def _full_grads(model):
+    """Parameter gradients summed over CP (as the gradient reduction does), TP shards gathered."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.parallel import comm
+
+    tp, _ = _tp()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if ps.get_context_parallel_world_size() > 1:
+            torch.distributed.all_reduce(g, group=ps.get_context_parallel_group())
+        if tp > 1 and getattr(p, "tensor_model_parallel", False) and p.partition_dim >= 0:
+            g = comm.all_gather_cat(g, ps.get_tensor_model_parallel_group(), dim=p.partition_dim)
+        out[name] = g
+    return out
 
 
 def _models(comm_type):
@@ -56,8 +93,6 @@ def _models(comm_type):
 
 
 def _case(comm_type="p2p"):
-    from megatron.core import parallel_state as ps
-
     from megatron_video.diffusion import cp_sampling as cps
     from megatron_video.models.wan.interop import _cp_group
     from megatron_video.rl.wan import wan_grpo_backward, wan_rollout, wan_videos
@@ -89,10 +124,7 @@ def _case(comm_type="p2p"):
         clip_high=CLIP_HIGH,
         kl_coef=KL,
     )
-    grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
-    if ps.get_context_parallel_world_size() > 1:
-        for g in grads.values():
-            torch.distributed.all_reduce(g, group=ps.get_context_parallel_group())
+    grads = _full_grads(policy)
     group, tokens = _cp_group(policy), wr.geometry.tokens
     states = [cps.gather_tokens(s, wr.local_ids, group, tokens) for s in wr.ro.states]
     return dict(
@@ -207,15 +239,19 @@ def _rank_case(layout):
 
     from megatron_video.compat import initialize_model_parallel
 
-    comm_type, hier, _ = LAYOUTS[layout]
-    initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=hier)
+    tp, cp, comm_type, hier, _ = LAYOUTS[layout]
+    initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=hier,
+    )
     model_parallel_cuda_manual_seed(0)
     return _case(comm_type)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_equal_cp1(pool4, cp1, layout):
-    for rank, got in enumerate(pool4.run(_rank_case, layout, ranks_per_node=LAYOUTS[layout][2])):
+    for rank, got in enumerate(pool4.run(_rank_case, layout, ranks_per_node=LAYOUTS[layout][4])):
         assert torch.equal(got["states"][0], cp1["states"][0]), rank  # the same seeded noise
         for key in ("videos", "logprobs"):
             assert _rel(got[key], cp1[key]) <= 1e-10, (rank, key)
