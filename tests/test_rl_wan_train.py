@@ -102,6 +102,7 @@ def test_layouts_and_dp_give_the_same_steps(trained):
         (dict(rl=dict(train_steps="some")), r"rl.train_steps \('some'\) must be"),
         (dict(rl=dict(train_step_count=3)), r"rl.train_step_count \(3\) must be in \[1,"),
         (dict(rl=dict(reward="megatron_video.mmsp.rl:exact_match_reward")), r"rl.reward .* VLM"),
+        (dict(data=dict(i2v_probability=0.5)), r"data.i2v_probability \(0.5\) must be null"),
         (dict(family="video_dit"), r"'video_dit' has no GRPO: diffusion.objective 'edm' has no"),
         (dict(family="wan_ar"), r"'wan_ar' has no GRPO: its rollouts must stream"),
         (dict(train=dict(objective="supervised"), rl=dict()), r"read with train.objective 'grpo'"),
@@ -115,6 +116,7 @@ def test_bad_rl_config_names_the_field(tmp_path, change, match):
         d = __import__("dataclasses").asdict(cfg)
         d["rl"].update(change.get("rl", {}))
         d["train"].update(change.get("train", {}))
+        d["data"].update(change.get("data", {}))
         if "family" in change:
             d["model"]["family"] = change["family"]
             d["diffusion"]["objective"] = None

@@ -31,6 +31,11 @@ def check_wan_rl(config) -> None:
         raise ValueError("parallel.fsdp (True) must be false with train.objective 'grpo'")
     if d.buckets is not None:
         raise ValueError("data.buckets must be null with train.objective 'grpo' (fixed shapes)")
+    if d.i2v_probability:
+        raise ValueError(
+            f"data.i2v_probability ({d.i2v_probability}) must be null with train.objective "
+            f"'grpo' (the rollouts are text-to-video)"
+        )
     if config.rl.reward == VLM_REWARD:
         raise ValueError(
             f"rl.reward ({VLM_REWARD!r}, the VLM's) must name a diffusion reward: "
