@@ -4,8 +4,8 @@ and two shipped rewards that need no download.
 A reward is ``fn(latents, **sample) -> [G]``: ``latents [G, C, F, H, W]`` (the group's generated
 latents, full, the same on every rank of the CP group) and keywords ``caption`` (str),
 ``clean [C, F, H, W]`` (the data sample's latents) and ``position`` (its place in the stream); a
-reward takes what it needs and ``**_`` for the rest. ``rl.reward`` names a registered reward
-(``REWARDS``) or any ``module:function``. Whatever it returns is checked (``check_rewards``): one
+reward takes what it needs and ``**_`` for the rest. ``rl.reward`` is a ``module:function``
+(``resolve_reward`` also takes a name of ``REWARDS``). Whatever it returns is checked (``check_rewards``): one
 finite number per rollout, else a ``ValueError`` naming the function.
 Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 """
