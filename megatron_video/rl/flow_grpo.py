@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import zlib
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -44,6 +45,8 @@ __all__ = [
     "select_steps",
     "GRPOTerms",
     "flow_grpo_step_loss",
+    "grpo_backward",
+    "seeded_normal",
     "TRAIN_STEPS",
 ]
 
@@ -232,3 +235,46 @@ def flow_grpo_step_loss(
         diff = mean - ref_mean
         kl = group_mean(diff * diff, ro.numel, group) / (2.0 * std * std)
     return GRPOTerms(pg + kl_coef * kl, ratio.detach(), kl.detach(), clipped)
+
+
+def grpo_backward(
+    velocity: Velocity,
+    ref_velocity: Optional[Velocity],
+    ro: FlowRollout,
+    cond: Any,
+    rewards: Tensor,
+    steps: List[int],
+    *,
+    group=None,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    normalise: bool = True,
+    **clip_kl,
+) -> dict:
+    """Back-propagate one group's GRPO loss (the mean over rollouts and trained ``steps``) times
+    ``scale``, one trained step at a time: each step's forward is re-run with gradients and freed
+    after its backward (the memory of one model call, not of the rollout). ``clip_kl``:
+    ``noise_level``, ``clip_low``, ``clip_high``, ``kl_coef`` of ``flow_grpo_step_loss``. Returns
+    the loss and the means of kl, ratio and clipped (floats, the same on every CP rank)."""
+    adv = group_advantages(rewards, eps, normalise)
+    n = len(steps) * adv.numel()
+    stats = dict(loss=0.0, kl=0.0, ratio=0.0, clip_frac=0.0)
+    for j in steps:
+        terms = flow_grpo_step_loss(
+            velocity, ref_velocity, ro, j, adv, cond, group=group, **clip_kl
+        )
+        loss = terms.loss.sum() / n
+        (loss * scale).backward()
+        stats["loss"] += float(loss.detach())
+        stats["kl"] += float(terms.kl.sum()) / n
+        stats["ratio"] += float(terms.ratio.sum()) / n
+        stats["clip_frac"] += float(terms.clipped.double().sum()) / n
+    return stats
+
+
+def seeded_normal(shape: Sequence[int], seed: int, position, k: int, step: int) -> Tensor:
+    """A float64 standard normal ``shape`` from the generator keyed by ``(seed, position, k,
+    step)``: rollout ``k`` of the sample ``position``, denoising ``step`` (-1: the initial noise)."""
+    key = zlib.crc32(f"flow_grpo:{seed}:{position}:{k}:{step}".encode())
+    gen = torch.Generator().manual_seed(key)
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)

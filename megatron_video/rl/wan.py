@@ -11,7 +11,6 @@ RNG state to checkpoint. Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -23,16 +22,9 @@ from ..diffusion.samplers import flow_timesteps
 from ..diffusion.wan_sampling import wan_velocity
 from ..models.embedders import patchify, unpatchify
 from ..models.wan.interop import _check_inputs, _cp_group
-from .flow_grpo import FlowRollout, flow_grpo_step_loss, flow_sde_rollout, group_advantages
+from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward, seeded_normal
 
-__all__ = ["seeded_normal", "WanRollout", "wan_rollout", "wan_videos", "wan_grpo_backward"]
-
-
-def seeded_normal(shape: Sequence[int], seed: int, position, k: int, step: int) -> Tensor:
-    """A float64 standard normal ``shape`` from the generator of ``(seed, position, k, step)``."""
-    key = zlib.crc32(f"flow_grpo:{seed}:{position}:{k}:{step}".encode())
-    gen = torch.Generator().manual_seed(key)
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+__all__ = ["WanRollout", "wan_rollout", "wan_videos", "wan_grpo_backward"]
 
 
 @dataclasses.dataclass
@@ -133,36 +125,25 @@ def wan_grpo_backward(
     scale: float = 1.0,
     normalise: bool = True,
 ) -> dict:
-    """Back-propagate the group's GRPO loss ``mean over rollouts and trained steps`` times
-    ``scale``, one trained step at a time (each step's forward is re-run and freed after its
-    backward: memory of one model call, not of the rollout). Returns the loss and the means of
-    kl, ratio and clipped (Python floats, identical on every CP rank)."""
-    adv = group_advantages(rewards, eps, normalise)
+    """``flow_grpo.grpo_backward`` of the group's rollout ``wr`` with ``policy`` (and the frozen
+    ``reference`` for the KL) as the velocity, CFG as in the rollout."""
     pol = _velocity(policy, wr.geometry, wr.null, wr.guidance_scale)
-    ref = (
-        None if reference is None else _velocity(reference, wr.geometry, wr.null, wr.guidance_scale)
+    ref = None
+    if reference is not None:
+        ref = _velocity(reference, wr.geometry, wr.null, wr.guidance_scale)
+    return grpo_backward(
+        pol,
+        ref,
+        wr.ro,
+        wr.cond,
+        rewards,
+        steps,
+        group=_cp_group(policy),
+        eps=eps,
+        scale=scale,
+        normalise=normalise,
+        noise_level=noise_level,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        kl_coef=kl_coef,
     )
-    n = len(steps) * adv.numel()
-    stats = dict(loss=0.0, kl=0.0, ratio=0.0, clip_frac=0.0)
-    group = _cp_group(policy)
-    for j in steps:
-        terms = flow_grpo_step_loss(
-            pol,
-            ref,
-            wr.ro,
-            j,
-            adv,
-            wr.cond,
-            noise_level=noise_level,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            kl_coef=kl_coef,
-            group=group,
-        )
-        loss = terms.loss.sum() / n
-        (loss * scale).backward()
-        stats["loss"] += float(loss.detach())
-        stats["kl"] += float(terms.kl.sum()) / n
-        stats["ratio"] += float(terms.ratio.sum()) / n
-        stats["clip_frac"] += float(terms.clipped.double().sum()) / n
-    return stats
