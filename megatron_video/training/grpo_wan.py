@@ -16,7 +16,7 @@ Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Tuple
 
 import torch
 
@@ -33,64 +33,45 @@ from .batches.fixed import rank_token_ids
 from .batches.protocol import checked_step_batches
 from .grpo import GRPOTrainer
 
-__all__ = ["WanGRPOTrainer"]
+__all__ = ["FlowGRPOTrainer", "WanGRPOTrainer"]
 
 
-class WanGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` (reference, records, ``reward.png``) whose step is Flow-GRPO of Wan."""
+class FlowGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` (reference, records, ``reward.png``) whose step is Flow-GRPO; a model's
+    binding gives ``_group`` (one sample's rollouts and rewards) and ``_backward``."""
 
-    def _samples(self, mb) -> List[Tuple]:
-        """``(text [1, L, D], caption, clean [C, F, H, W], position)`` of each sample."""
-        cfg = self.config
-        F, h, w = fixed_latent_shape(cfg)
-        patch = tuple(cfg.model.patch_size)
+    def _grid(self):
+        """``(patch, token grid, this rank's token ids, tokens per sample)``."""
+        F, h, w = fixed_latent_shape(self.config)
+        patch = tuple(self.config.model.patch_size)
         grid = (F // patch[0], h // patch[1], w // patch[2])
         ids = rank_token_ids(grid, self.groups.cp_rank, self.cp_size)
-        tokens = grid[0] * grid[1] * grid[2]
-        out = []
-        for j in range(len(mb.indices)):
-            keep = mb.caption_mask[j : j + 1].to(mb.caption_ids.dtype)[..., None]
-            text = (mb.caption_ids[j : j + 1] * keep).to(self.device)
-            full = cps.gather_tokens(mb.clean[j : j + 1], ids, self.groups.cp_group, tokens)
-            clean = unpatchify(full, patch, grid, cfg.vae.latent_channels)[0]
-            out.append((text, mb.captions[j], clean, int(mb.indices[j])))
-        return out
+        return patch, grid, ids, grid[0] * grid[1] * grid[2]
+
+    def _latents(self, tokens):
+        """Full tokens ``[b, N, D]`` -> latents ``[b, C, F, H, W]``."""
+        patch, grid, _, _ = self._grid()
+        return unpatchify(tokens, patch, grid, self.config.vae.latent_channels)
+
+    def _sample(self, mb, j: int) -> dict:
+        """The reward's keywords of sample ``j``: caption, clean latents, position (clip index)."""
+        _, _, ids, n = self._grid()
+        full = cps.gather_tokens(mb.clean[j : j + 1], ids, self.groups.cp_group, n)
+        return dict(caption=mb.captions[j], clean=self._latents(full)[0], position=mb.indices[j])
 
     def _rollouts(self, step: int, dtype) -> Tuple[list, object]:
-        cfg, rl = self.config, self.config.rl
-        shape = (cfg.vae.latent_channels,) + tuple(fixed_latent_shape(cfg))
         groups, reason = [], None
         try:  # a bad reward: raised by a whole CP group (the same latents), agreed below
             for mb in checked_step_batches(self.batches, step):
-                for text, caption, clean, position in self._samples(mb):
-                    null = torch.zeros_like(text) if rl.guidance_scale != 1 else None
-                    wr = wan_rollout(
-                        self.model,
-                        text,
-                        shape,
-                        group_size=rl.group_size,
-                        num_steps=rl.sampling_steps,
-                        noise_level=rl.noise_level,
-                        shift=cfg.diffusion.flow_shift,
-                        seed=rl.seed,
-                        position=f"{step}:{position}",  # new noise every step
-                        null_text=null,
-                        guidance_scale=rl.guidance_scale,
-                        dtype=dtype,
-                    )
-                    latents = wan_videos(self.model, wr)
-                    r = score(
-                        rl.reward,
-                        rl.group_size,
-                        latents,
-                        caption=caption,
-                        clean=clean,
-                        position=position,
-                    )
-                    groups.append((wr, r))
+                for j in range(len(mb.indices)):
+                    groups.append(self._group(mb, j, step, dtype))
         except ValueError as e:
             reason = str(e)
         return groups, reason
+
+    def _score(self, latents, **sample):
+        rl = self.config.rl
+        return score(rl.reward, rl.group_size, latents, **sample)
 
     def forward_backward(self, step: int) -> float:
         rl = self.config.rl
@@ -105,22 +86,17 @@ class WanGRPOTrainer(GRPOTrainer):
         comm.all_reduce(counts, self.dp_group, tag="rl.counts")
         n_groups, r_sum, r_sq, n = counts.tolist()
         steps = select_steps(rl.sampling_steps, rl.train_steps, rl.train_step_count, step, rl.seed)
-        scale = self.dp_size * self.cp_size / n_groups  # DDP averages over DP x CP
+        kw = dict(
+            noise_level=rl.noise_level,
+            clip_low=rl.clip,
+            clip_high=rl.clip if rl.clip_high == -1 else rl.clip_high,
+            kl_coef=rl.kl_coef,
+            eps=rl.eps,
+            scale=self.dp_size * self.cp_size / n_groups,  # DDP averages over DP x CP
+        )
         sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, clipped fraction (group means)
-        for wr, rewards in groups:
-            st = wan_grpo_backward(
-                self.model,
-                self.reference,
-                wr,
-                rewards,
-                steps,
-                noise_level=rl.noise_level,
-                clip_low=rl.clip,
-                clip_high=rl.clip if rl.clip_high == -1 else rl.clip_high,
-                kl_coef=rl.kl_coef,
-                eps=rl.eps,
-                scale=scale,
-            )
+        for handle, rewards in groups:
+            st = self._backward(handle, rewards, steps, **kw)
             sums += torch.tensor([st["loss"], st["kl"], st["clip_frac"]], dtype=torch.float64)
         self.tcfg.finalize_model_grads_func([self.ddp])
         comm.all_reduce(sums, self.dp_group, tag="rl.loss")  # identical over CP already
@@ -134,3 +110,31 @@ class WanGRPOTrainer(GRPOTrainer):
             clip_frac=clip_frac,
         )
         return loss
+
+
+class WanGRPOTrainer(FlowGRPOTrainer):
+    """Flow-GRPO of Wan (``rl.wan``) on precomputed caption embeddings."""
+
+    def _group(self, mb, j: int, step: int, dtype):
+        cfg, rl = self.config, self.config.rl
+        keep = mb.caption_mask[j : j + 1].to(mb.caption_ids.dtype)[..., None]
+        text = (mb.caption_ids[j : j + 1] * keep).to(self.device)
+        null = torch.zeros_like(text) if rl.guidance_scale != 1 else None
+        wr = wan_rollout(
+            self.model,
+            text,
+            (cfg.vae.latent_channels,) + tuple(fixed_latent_shape(cfg)),
+            group_size=rl.group_size,
+            num_steps=rl.sampling_steps,
+            noise_level=rl.noise_level,
+            shift=cfg.diffusion.flow_shift,
+            seed=rl.seed,
+            position=f"{step}:{mb.indices[j]}",  # new noise every step
+            null_text=null,
+            guidance_scale=rl.guidance_scale,
+            dtype=dtype,
+        )
+        return wr, self._score(wan_videos(self.model, wr), **self._sample(mb, j))
+
+    def _backward(self, wr, rewards, steps, **kw):
+        return wan_grpo_backward(self.model, self.reference, wr, rewards, steps, **kw)
