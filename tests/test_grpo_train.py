@@ -133,7 +133,8 @@ def test_train_encoder_and_init_from(pool4, video_llava_sft, tmp_path):
     [
         (
             ["model.family=video_dit", *LAYOUTS["dp4"]],
-            r"train.objective \('grpo'\) and the rl section are for model.family in \['video_llava', 'wan'\]",
+            r"train.objective \('grpo'\) and the rl section are for model.family in "
+            r"\['video_dit', 'video_llava', 'wan'\]",
         ),
         (["train.objective=supervised"], r"the rl section is read with train.objective 'grpo'"),
         (["train.objective=ppo"], r"train.objective \('ppo'\) must be 'supervised' or 'grpo'"),

@@ -18,9 +18,11 @@ def _clip(colour):
 
 def test_dominant_colour_prefers_the_captioned_colour():
     videos = torch.stack([_clip(c) for c in ("red", "blue", "green")])
-    r = rewards.dominant_colour(videos, caption="a large blue circle")
+    r = rewards.dominant_colour(None, "a large blue circle", videos=videos)
     assert r.shape == (3,) and int(r.argmax()) == 1, r
     assert float(r[1]) > -0.05, r  # the rendered blue is the vocabulary's blue
+    with pytest.raises(ValueError, match=r"dominant_colour scores decoded videos"):
+        rewards.dominant_colour(videos, "a large blue circle")
 
 
 def test_latent_colour_is_highest_for_the_clean_latents():

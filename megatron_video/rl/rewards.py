@@ -3,7 +3,8 @@ and two shipped rewards that need no download.
 
 A reward is ``fn(latents, **sample) -> [G]``: ``latents [G, C, F, H, W]`` (the group's generated
 latents, full, the same on every rank of the CP group) and keywords ``caption`` (str),
-``clean [C, F, H, W]`` (the data sample's latents) and ``position`` (its place in the stream); a
+``clean [C, F, H, W]`` (the data sample's latents), ``position`` (its clip index) and, for the
+families with a VAE (``video_dit``), ``videos [G, 3, T, H, W]`` (decoded, in ``[-1, 1]``); a
 reward takes what it needs and ``**_`` for the rest. ``rl.reward`` is a ``module:function``
 (``resolve_reward`` also takes a name of ``REWARDS``). Whatever it returns is checked (``check_rewards``): one
 finite number per rollout, else a ``ValueError`` naming the function.
@@ -54,11 +55,15 @@ def caption_colour(caption: str) -> Tensor:
     raise ValueError(f"caption ({caption!r}) names no colour of {sorted(COLORS)}")
 
 
-def dominant_colour(videos: Tensor, caption: str, **_) -> Tensor:
+def dominant_colour(latents, caption: str, videos: Tensor = None, **_) -> Tensor:
     """``-|c(video) - c(caption)|``: the distance in RGB (``[0, 1]``) between each decoded video's
     dominant colour -- the mean colour of its pixels weighted by brightness, so the black
     background of the procedural clips counts for nothing -- and the caption's first colour.
-    ``videos [G, 3, T, H, W]`` in ``[-1, 1]``."""
+    ``videos [G, 3, T, H, W]`` in ``[-1, 1]``: the decoded rollouts (families with a VAE)."""
+    if videos is None:
+        raise ValueError(
+            "dominant_colour scores decoded videos: a family with a VAE (video_dit) passes them"
+        )
     if videos.dim() != 5 or videos.shape[1] != 3:
         raise ValueError(f"dominant_colour: videos ({tuple(videos.shape)}) must be [G, 3, T, H, W]")
     rgb = ((videos.double() + 1.0) / 2.0).clamp(0.0, 1.0)
@@ -67,9 +72,7 @@ def dominant_colour(videos: Tensor, caption: str, **_) -> Tensor:
     return -(colour - caption_colour(caption)[None]).norm(dim=1)
 
 
-# registered: rewards of what the trainer passes (latents); ``dominant_colour`` scores decoded
-# videos, for a user reward that decodes first (``rl.reward: my_module:decode_then_score``)
-REWARDS = {"latent_colour": latent_colour}
+REWARDS = {"latent_colour": latent_colour, "dominant_colour": dominant_colour}
 
 
 def resolve_reward(spec: str) -> Callable:

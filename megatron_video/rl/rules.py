@@ -1,11 +1,11 @@
 """The configuration rules of the diffusion GRPO (no torch: the config checks stay light):
-``check_wan_rl`` for ``wan`` and ``refuse_rl`` for the diffusion families it is not built for,
-each a ``ValueError`` naming the field and the reason.
+``check_flow_rl`` for ``wan`` and ``video_dit`` (flow) and ``refuse_rl`` for the diffusion
+families it is not built for, each a ``ValueError`` naming the field and the reason.
 Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)"."""
 
 from __future__ import annotations
 
-__all__ = ["VLM_REWARD", "check_wan_rl", "refuse_rl"]
+__all__ = ["VLM_REWARD", "check_flow_rl", "refuse_rl"]
 
 VLM_REWARD = "megatron_video.mmsp.rl:exact_match_reward"
 
@@ -18,8 +18,9 @@ def _check_objective(config) -> None:
         )
 
 
-def check_wan_rl(config) -> None:
-    """The rules of ``train.objective: grpo`` for ``wan`` (``ValueError`` naming the field)."""
+def check_flow_rl(config) -> None:
+    """The rules of ``train.objective: grpo`` for the flow families that have it (``wan``,
+    ``video_dit`` with ``diffusion.objective: flow``): ``ValueError`` naming the field."""
     _check_objective(config)
     p, d = config.parallel, config.data
     if p.pipeline_model_parallel_size > 1:
@@ -45,8 +46,8 @@ def check_wan_rl(config) -> None:
 
 
 def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) -> None:
-    """``ValueError``: ``train.objective: grpo`` is not built for this diffusion family, and why
-    (``rl_families``: the families that have it)."""
+    """``ValueError``: ``train.objective: grpo`` is not built for this diffusion family (or its
+    objective), and why (``rl_families``: the families that have it)."""
     if autoregressive:
         why = (
             "its rollouts must stream block by block through the KV cache "
@@ -59,7 +60,7 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
             "re-noises before the step, so a step's density needs the churn's noise too)"
         )
     else:
-        why = "its flow sampler is not wired to the Flow-GRPO step yet (rl.flow_grpo)"
+        why = "its sampler is not wired to the Flow-GRPO step yet (rl.flow_grpo)"
     raise ValueError(
         f"train.objective ('grpo') and the rl section are for model.family in "
         f"{list(rl_families)}; "

@@ -40,11 +40,14 @@ class DiffusionFamily(FamilySpec):
         return " (teacher forcing trains with flow matching)" if self.autoregressive else ""
 
     def check_rl(self, config: Config) -> None:
-        """``train.objective: grpo``: refused, naming the reason (``rl.rules``)."""
-        from megatron_video.rl.rules import refuse_rl
+        """``train.objective: grpo``: Flow-GRPO where the family has the trainer and trains with
+        flow matching (``rl.rules.check_flow_rl``); else refused, naming the reason."""
+        from megatron_video.rl.rules import check_flow_rl, refuse_rl
 
         from ..family_spec import rl_families
 
+        if dict(self.trainers).get("grpo") and config.objective == "flow":
+            return check_flow_rl(config)
         refuse_rl(self.name, config.objective, self.autoregressive, rl_families())
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
@@ -243,6 +246,7 @@ VIDEO_DIT = register_family(
         model=VideoDiT,
         check=_tokens_per_cp_rank,
         packed_kind="full",
+        trainers=(("grpo", "megatron_video.training.grpo_dit:DiTGRPOTrainer"),),
     )
 )
 STDIT = register_family(

@@ -309,13 +309,13 @@ class WanFamily(DiffusionFamily):
 
     def check_rl(self, config: Config) -> None:
         """``train.objective: grpo``: Flow-GRPO for ``wan`` (``rl.rules``); ``wan_ar`` refused."""
-        from megatron_video.rl.rules import check_wan_rl, refuse_rl
+        from megatron_video.rl.rules import check_flow_rl, refuse_rl
 
         from ..family_spec import rl_families
 
         if self.autoregressive:
             refuse_rl(self.name, config.objective, True, rl_families())
-        check_wan_rl(config)
+        check_flow_rl(config)
 
     def transformer_config(self, config: Config, has_gpu: bool = False) -> WanConfig:
         return wan_transformer_config(config, has_gpu)
