@@ -103,6 +103,7 @@ def test_layouts_and_dp_give_the_same_steps(trained):
         (dict(rl=dict(train_step_count=3)), r"rl.train_step_count \(3\) must be in \[1,"),
         (dict(rl=dict(reward="megatron_video.mmsp.rl:exact_match_reward")), r"rl.reward .* VLM"),
         (dict(data=dict(i2v_probability=0.5)), r"data.i2v_probability \(0.5\) must be null"),
+        (dict(data=dict(num_frames=9)), r"data.num_frames \(9\) must give latent token frames"),
         (dict(family="video_dit"), r"'video_dit' has no GRPO: diffusion.objective 'edm' has no"),
         (dict(family="wan_ar"), r"'wan_ar' has no GRPO: its rollouts must stream"),
         (dict(train=dict(objective="supervised"), rl=dict()), r"read with train.objective 'grpo'"),

@@ -18,9 +18,10 @@ def _check_objective(config) -> None:
         )
 
 
-def check_flow_rl(config) -> None:
+def check_flow_rl(config, placed: bool = False) -> None:
     """The rules of ``train.objective: grpo`` for the flow families that have it (``wan``,
-    ``video_dit`` with ``diffusion.objective: flow``): ``ValueError`` naming the field."""
+    ``video_dit`` with ``diffusion.objective: flow``): ``ValueError`` naming the field.
+    ``placed``: the family places this config's clips by token (``batches.placed``)."""
     _check_objective(config)
     p, d = config.parallel, config.data
     if p.pipeline_model_parallel_size > 1:
@@ -32,6 +33,13 @@ def check_flow_rl(config) -> None:
         raise ValueError("parallel.fsdp (True) must be false with train.objective 'grpo'")
     if d.buckets is not None:
         raise ValueError("data.buckets must be null with train.objective 'grpo' (fixed shapes)")
+    if placed:
+        raise ValueError(
+            f"data.num_frames ({d.num_frames}) must give latent token frames that "
+            f"parallel.context_parallel_size ({p.context_parallel_size}) divides with "
+            f"train.objective 'grpo' (rollouts cut whole frames per CP rank; clips placed by "
+            f"token are not wired)"
+        )
     if d.i2v_probability:
         raise ValueError(
             f"data.i2v_probability ({d.i2v_probability}) must be null with train.objective "

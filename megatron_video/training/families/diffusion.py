@@ -44,10 +44,11 @@ class DiffusionFamily(FamilySpec):
         flow matching (``rl.rules.check_flow_rl``); else refused, naming the reason."""
         from megatron_video.rl.rules import check_flow_rl, refuse_rl
 
+        from ..batches.placed import tokens_placed
         from ..family_spec import rl_families
 
         if dict(self.trainers).get("grpo") and config.objective == "flow":
-            return check_flow_rl(config)
+            return check_flow_rl(config, tokens_placed(config, self))
         refuse_rl(self.name, config.objective, self.autoregressive, rl_families())
 
     def transformer_config(self, config: Config, has_gpu: bool = False):

@@ -315,7 +315,7 @@ class WanFamily(DiffusionFamily):
 
         if self.autoregressive:
             refuse_rl(self.name, config.objective, True, rl_families())
-        check_flow_rl(config)
+        check_flow_rl(config, tokens_placed(config, self))
 
     def transformer_config(self, config: Config, has_gpu: bool = False) -> WanConfig:
         return wan_transformer_config(config, has_gpu)
