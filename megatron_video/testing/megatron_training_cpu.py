@@ -1,7 +1,8 @@
 """Test tier only: run Megatron-LM's real ``megatron.training.pretrain()`` on CPU ranks (gloo).
 
 ``megatron.training`` (shipped by the megatron-core 0.19 wheel) assumes CUDA in the places below;
-:func:`apply` fakes exactly those, for the real-``pretrain()`` tests (tests/test_pretrain_real.py,
+:func:`apply` fakes exactly those (plus one test-time cost, the checkpoint writer's spawned
+Manager), for the real-``pretrain()`` tests (tests/test_pretrain_real.py,
 docs/launch.md). Users on GPUs never load this module; ``compat.cpu_mode`` (which covers
 megatron.core) is not extended by it. Each patch names the Megatron file and the assumption, is
 applied only where that attribute exists (feature detection, no version numbers) and is listed by
@@ -21,6 +22,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import queue
 import runpy
 import sys
 from typing import List, Tuple
@@ -146,6 +148,17 @@ def apply() -> List[Tuple[str, str]]:
         _note(
             "megatron.training.initialize._warmup_jit_function",
             "JIT warm-up of fused kernels on 'cuda' tensors (CUDA generator)",
+        )
+    writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if "--async-save" not in sys.argv and getattr(writer, "_results_queue", ()) is None:
+        # Not a CUDA assumption but a test-time cost: the torch_dist writer collects its results
+        # through a queue of a multiprocessing Manager it starts with "spawn" on the first save,
+        # which re-imports the entry script (torch, Megatron: ~5 s of CPU per rank, per job). A
+        # synchronous save writes from threads of this process: a thread queue carries the same.
+        writer._results_queue = queue.Queue()
+        _note(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
+            "a spawned Manager's queue on the first save (a thread queue: saves are synchronous)",
         )
     arguments = importlib.import_module("megatron.training.arguments")
     if hasattr(arguments, "get_device_arch_version"):
