@@ -177,12 +177,65 @@ def applied() -> List[Tuple[str, str]]:
 
 
 def main(argv: List[str]) -> None:
-    """``megatron_training_cpu.py SCRIPT ARGS...``: apply the patches, run SCRIPT as __main__."""
+    """``megatron_training_cpu.py SCRIPT ARGS...``: apply the patches, run SCRIPT as __main__;
+    ``megatron_training_cpu.py --runs FILE``: the runs FILE lists, one after another (:func:`runs`)."""
     if not argv:
-        raise SystemExit("usage: megatron_training_cpu.py SCRIPT [ARGS...]")
+        raise SystemExit("usage: megatron_training_cpu.py SCRIPT [ARGS...] | --runs FILE")
     apply()
+    if argv[0] == "--runs":
+        runs(argv[1])
+        return
     sys.argv = list(argv)
     runpy.run_path(argv[0], run_name="__main__")
+
+
+def runs(path: str) -> None:
+    """Several launches in one ``torchrun``: FILE is JSON, ``[{"argv": [SCRIPT, ARGS...], "log":
+    PREFIX, "may_fail": bool}, ...]``. Each run writes this rank's output to ``PREFIX.rankR`` and
+    ends with a line ``exit status N``; between runs Megatron's global state is destroyed
+    (``megatron.training.training.destroy_global_state``, what Megatron's in-process restart
+    calls) with the groups and state a run leaves (``testing.pool``'s reset). A run that fails,
+    unless it ``may_fail``, ends the process (and torchrun stops the other ranks)."""
+    import json
+    import os
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    from megatron_video.testing.pool import _reset_rank_state
+
+    plan = json.loads(open(path).read())
+    destroy = importlib.import_module("megatron.training.training").destroy_global_state
+    rank = os.environ.get("RANK", "0")
+    for run in plan:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(f"{run['log']}.rank{rank}", "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            status, t0 = 0, time.time()
+            try:
+                sys.argv = list(run["argv"])
+                runpy.run_path(sys.argv[0], run_name="__main__")
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            print(f"exit status {status} after {time.time() - t0:.1f} s", flush=True)
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        if status and not run.get("may_fail"):
+            raise SystemExit(status)
+        if dist.is_initialized():
+            dist.barrier()
+        destroy()
+        _reset_rank_state()
 
 
 if __name__ == "__main__":
