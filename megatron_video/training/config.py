@@ -697,3 +697,10 @@ def _global_batch_fits(config: Config, world_size: int) -> None:
             f"train.micro_batch_size ({t.micro_batch_size}) * data-parallel size "
             f"({dp})"
         )
+    k, n_micro = config.rl.mini_batches, gbs // (t.micro_batch_size * dp)
+    if t.objective == "grpo" and n_micro % k:
+        raise ValueError(
+            f"rl.mini_batches ({k}) must divide the micro-batches per DP rank ({n_micro} = "
+            f"train.global_batch_size {gbs} / (train.micro_batch_size {t.micro_batch_size} x "
+            f"DP {dp})): each update takes a whole number of micro-batches"
+        )
