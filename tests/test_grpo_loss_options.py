@@ -8,7 +8,8 @@ ratios spread over [0.3, 3.5]) feed ``mmsp.rl.grpo_loss`` at U2xR2; the oracle i
 ``low_var_kl``, ``average_loss`` with ``mode="token"``; verl/workers/actor/dp_actor.py
 ``update_policy``: ``logits / temperature``, each micro-batch's loss divided by the gradient
 accumulation steps). Loss and every gradient must match for each option; the oracle without the
-clip, without the dual clip or without the KL clamp must not.
+clip, without the dual clip or without the KL clamp must not. Rollouts decoded with the KV cache
+(3 responses, not a multiple of CP = 4) equal decoding that recomputes everything per token.
 """
 
 import math
@@ -147,6 +148,12 @@ def _run():
             stats = torch.tensor([float(total), clipped], dtype=torch.float64)
             dist.all_reduce(stats, group=ps.get_context_parallel_group())
             out[(name, "u2xr2")] = (float(stats[0]), _full(policy, "grad"), float(stats[1]))
+        # rollouts: the KV cache (prefix and responses cached) = recomputing everything per token
+        for name, kw in (("sampled", dict(temperature=1.3, top_p=0.9)), ("greedy", {})):
+            cfg = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
+            out[("kv", name)] = [
+                rl.rollout(policy, visual, ids, cfg, prompt_seed=2, kv_cache=kv) for kv in (1, 0)
+            ]
     finally:
         destroy_model_parallel()
     return out
@@ -179,6 +186,11 @@ def test_loss_options_u2xr2_equal_long_rl_formula(pool4):
                 scale = float(g.abs().max()) + 1e-30
                 assert_close(grads[k], g, rtol=1e-8, atol=1e-10 * scale, msg=f"{name}/{rank} {k}")
             assert any(float(g.abs().max()) > 0 for g in grads.values())
+        for name in ("sampled", "greedy"):  # token for token, log-probs to rounding
+            kv, recompute = res[("kv", name)]
+            assert torch.equal(kv.tokens, recompute.tokens), (name, kv.tokens, recompute.tokens)
+            assert_close(kv.logprobs, recompute.logprobs, rtol=0, atol=1e-10)
+        assert kv.tokens.unique().numel() > 2, kv.tokens
     # the aggregations differ on these micro-batches (9 and 7 tokens)
     assert abs(per_rank[0][("ours", "u2xr2")][0] - per_rank[0][("ours_micro", "u2xr2")][0]) > 1e-6
 

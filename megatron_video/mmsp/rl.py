@@ -7,10 +7,10 @@ One RL step per prompt (video + question), on every CP rank of an ``MMSPLLaVAMod
   cache of MR-SP; with ``RLConfig.train_encoder`` the policy pass re-encodes with gradients).
 * ``rollout``: the combined prefix is prefilled once in the LLM's zigzag CP layout through
   ``attention.kv_cache`` (``CacheStep``: each rank keeps its Ulysses heads / ring share of the
-  prefix keys and values), then ``G`` responses are decoded against that one shared cache: every
-  step re-runs the short response tokens (all ``G`` responses side by side, cut over the CP ranks,
-  each attending the prefix cache and its own earlier tokens); sampling is seeded per prompt and
-  response, so every layout samples the same tokens.
+  prefix keys and values), then ``G`` responses are decoded against that one shared cache: each
+  step runs one new token per response (cut over the CP ranks), attending the prefix and its own
+  cached tokens (a mask on the cache tags), and appends its keys / values; sampling is seeded
+  per prompt and response, so every layout samples the same tokens.
 * ``response_logprobs`` (policy with gradients, reference without): Megatron's language forward
   of prompt + response in the MM-SP layout, per-token log-probs from its vocab-parallel loss.
 * ``grpo_loss``: group-normalised advantages, clipped ratio to the rollout policy (``rl.clip`` /
@@ -168,29 +168,62 @@ def _prefill(model, visual, prompt_ids):
     return cache, P, logits[int(torch.nonzero(pos_all == P - 1)[0, 0])]
 
 
-def _decode_logits(model, cache, P, tokens, t):
-    """Logits ``[G, V]`` of every response's token ``t - 1`` (its next-token distribution): the
-    responses' first ``t`` tokens side by side against the shared prefix cache."""
+def _decode_step(model, cache, P, L, last, t):
+    """Logits ``[G, V]`` of every response's token ``t`` from its token ``t - 1`` (``last [G]``):
+    one new token per response at position ``P + t - 1``, cut over the CP ranks (padded to a
+    multiple of CP), attending the prefix and its own earlier tokens in the cache (``cache_mask``
+    on the tags: prefix ``< P``, response ``g``'s token ``j``: ``P + g * L + j``); its keys /
+    values are appended (the padding's evicted), so no token is ever recomputed."""
     group, _, cp = _cp(model)
-    G = tokens.shape[0]
-    T = -(-t // cp) * cp  # per response, padded so that G * T cuts evenly over CP
-    ids = torch.zeros(G, T, dtype=torch.long)
-    ids[:, :t] = tokens[:, :t]
-    flat = ids.reshape(-1)
-    s = flat.numel() // cp
-    rank = group.rank()
+    G = last.shape[0]
+    n = -(-G // cp) * cp
+    ids = torch.zeros(n, dtype=torch.long)
+    ids[:G] = last
+    s, rank = n // cp, group.rank()
     mine = torch.arange(rank * s, (rank + 1) * s)
+    new = torch.arange(n)
+    tags = torch.where(new < G, P + new * L + (t - 1), torch.full_like(new, -1))
 
-    def own_causal(qi, ki):  # same response, earlier or same offset, not padding
-        return (qi // T == ki // T) & (ki % T <= qi % T) & (ki % T < t)
+    def own(qi, tag):  # the prefix, and this response's cached tokens
+        return (tag < P) | ((tag - P) // L == qi)
 
     lm = model.language_model
-    hidden = lm.embedding(input_ids=flat[mine][None], position_ids=None)  # [s, 1, h]
-    rope = _rope(model, P + mine % T, P + T)
-    step = CacheStep(cache, torch.zeros(G * T), new_mask=masks.predicate(own_causal))
+    hidden = lm.embedding(input_ids=ids[mine][None], position_ids=None)  # [s, 1, h]
+    rope = _rope(model, torch.full((s,), P + t - 1), P + t)
+    step = CacheStep(
+        cache,
+        tags,
+        append=True,
+        new_mask=masks.predicate(lambda qi, ki: qi == ki),
+        cache_mask=masks.predicate(own),
+    )
     logits = _lm(model, hidden, step, rope)[:, 0].contiguous()
-    logits = comm.all_gather_cat(logits, group, tag="rl.decode_logits")  # [G * T, V]
-    return logits.view(G, T, -1)[:, t - 1]
+    cache.keep(lambda tg: tg >= 0)
+    return comm.all_gather_cat(logits, group, tag="rl.decode_logits")[:G]  # [G, V]
+
+
+def _recompute_logits(model, visual, prompt_ids, tokens, t):
+    """The same logits without a cache: Megatron's language forward of prompt + each response's
+    first ``t`` tokens in the MM-SP layout, the whole prefix recomputed (the reference of
+    ``rollout(kv_cache=False)``)."""
+    group, _, cp = _cp(model)
+    out = []
+    for g in range(tokens.shape[0]):
+        combined, batch = _llm_input(
+            model, visual, torch.cat([prompt_ids, tokens[g : g + 1, :t]], 1)
+        )
+        seq, last = batch.layout.seq_len, int(batch.layout.lengths[0]) - 1
+        pos_all = torch.cat([shard_global_ids(r, cp, seq, "zigzag") for r in range(cp)])
+        logits = model.language_model(
+            input_ids=None,
+            position_ids=None,
+            attention_mask=None,
+            decoder_input=combined,
+            runtime_gather_output=True,
+        )[0].contiguous()
+        logits = comm.all_gather_cat(logits, group, tag="rl.recompute_logits")
+        out.append(logits[int(torch.nonzero(pos_all == last)[0, 0])])
+    return torch.stack(out)
 
 
 def _check_prompt(model, prompt_ids):
@@ -210,11 +243,14 @@ def rollout(
     cfg: RLConfig,
     prompt_seed: int,
     eos_id: Optional[int] = None,
+    kv_cache: bool = True,
 ) -> Rollout:
     """``cfg.group_size`` responses to one prompt (``prompt_ids [1, T]``, one image token;
     ``visual`` from ``encode_video``). Response ``g`` samples from ``torch.Generator`` seeded with
     ``(cfg.seed, prompt_seed, g)``, so any layout draws the same tokens; a response ends at
-    ``eos_id`` (included) or after ``cfg.max_new_tokens``."""
+    ``eos_id`` (included) or after ``cfg.max_new_tokens``. ``kv_cache``: decode against the
+    prefix's and the responses' cached keys / values (one new token per response and step);
+    False: recompute the whole sequence for every token (the reference; benchmarks)."""
     _check_prompt(model, prompt_ids)
     G, L = cfg.group_size, cfg.max_new_tokens
     combined_len = prompt_ids.shape[1] - 1 + visual.num_frames * model.img_seq_len
@@ -235,8 +271,10 @@ def rollout(
     done = torch.zeros(G, dtype=torch.bool)
     logits = last.expand(G, -1)
     for t in range(L):
-        if t > 0:
-            logits = _decode_logits(model, cache, P, tokens, t)
+        if t > 0 and kv_cache:
+            logits = _decode_step(model, cache, P, L, tokens[:, t - 1], t)
+        elif t > 0:
+            logits = _recompute_logits(model, visual, prompt_ids, tokens, t)
         lp = torch.log_softmax(logits.double() / temp, dim=-1)
         for g in range(G):
             if done[g]:
