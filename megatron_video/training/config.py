@@ -75,6 +75,9 @@ class ModelSection:
     # WanTransformer3DModel folder or a checkpoint from models/wan/convert.py; timestep per token
     init_from: Optional[str] = None
     per_token_timesteps: bool = False
+    # qwen_vl: a Qwen2.5-VL config.json (or its folder; relative to the YAML file) giving every
+    # shape of the model (the model section's sizes must agree); default: the tiny random one
+    hf_config: Optional[str] = None
 
     def validate(self) -> None:
         m = self
@@ -470,7 +473,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config ({path!r}) must hold a mapping of sections")
-        for sec, key in (("vae", "weights"), ("vae", "diffusers"), ("data", "text_encoder")):
+        relative = (("vae", "weights"), ("vae", "diffusers"), ("data", "text_encoder"))
+        for sec, key in relative + (("model", "hf_config"),):
             value = (data.get(sec) or {}).get(key)  # relative to the YAML file, not the CWD
             if value and not Path(value).is_absolute():
                 data[sec][key] = str((p.parent / value).resolve())
@@ -542,7 +546,8 @@ def validate(config: Config, world_size: int, has_gpu: Optional[bool] = None) ->
     _model_fits_parallel(config)
     config.data.validate()
     config.vae.validate()
-    vae_fits_data(config)
+    if "lm" not in family.objectives:  # the VLM families take pixels: no VAE, no 1 + 4k frames
+        vae_fits_data(config)
     _patch_fits_latents(config)
     if config.data.buckets is not None:
         _check_buckets(config, family)
@@ -629,6 +634,7 @@ def _model_fits_parallel(config: Config) -> None:
 # fields only some families read (FamilySpec.model_fields names them): refused where unread
 FAMILY_MODEL_FIELDS = (
     "init_from",
+    "hf_config",
     "per_token_timesteps",
     "data.i2v_probability",
     "data.text_encoder",
