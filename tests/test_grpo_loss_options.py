@@ -221,3 +221,46 @@ def test_token_normalisers():
     assert token_normalisers(RLConfig(), [9, 7], 40, 2) == [40.0, 40.0]
     micro = RLConfig(loss_agg="micro_token_mean")
     assert token_normalisers(micro, [9, 7], 40, 2) == [36.0, 28.0]  # mean / 2 micro / DP 2
+
+
+CHARS = "<>/ abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,()-+:\n"
+
+
+def _encode(texts):
+    """Texts as character ids (a toy tokenizer) ``[G, L]`` and their lengths."""
+    L = max(map(len, texts))
+    tokens = torch.zeros(len(texts), L, dtype=torch.long)
+    for g, t in enumerate(texts):
+        tokens[g, : len(t)] = torch.tensor([CHARS.index(c) for c in t])
+    return tokens, torch.tensor([len(t) for t in texts])
+
+
+def _decode(ids):
+    return "".join(CHARS[i] for i in ids)
+
+
+def test_shipped_choice_and_numeric_rewards():
+    """Long-RL's R1-V rules (examples/reward_function/r1v.py): format = the whole response is
+    <think>..</think> <answer>..</answer>; the answer inside <answer> (spaces removed) else the
+    response; 0.9 * accuracy + 0.1 * format; through rl.score as rl.reward module:function."""
+    from megatron_video.mmsp import rewards, rl
+
+    good = "<think>the ball moves left</think> <answer>(B) left</answer>"
+    texts = [good, "<answer>b.</answer>", "B", "<think>x</think><answer>C</answer>", "A or B"]
+    tokens, lengths = _encode(texts)
+    r = rewards.choice_reward(tokens, lengths, answer="B", decode=_decode, answer_id=3)
+    assert r.tolist() == pytest.approx([1.0, 0.9, 0.9, 0.1, 0.0])
+    texts = ["<think>2+2</think><answer>1,024.0</answer>", "about 1024 px", "<answer>1023</answer>"]
+    tokens, lengths = _encode(texts)
+    r = rewards.numeric_reward(tokens, lengths, answer="1024", decode=_decode)
+    assert r.tolist() == pytest.approx([1.0, 0.9, 0.0])
+    assert rewards.format_score("<think>a</think>\n<answer>b</answer>") == 1.0
+    assert rewards.format_score("<answer>b</answer> <think>a</think>") == 0.0
+    # as rl.reward: the trainer's sample fields pass through; a missing answer names the function
+    cfg = rl.RLConfig(group_size=3, reward="megatron_video.mmsp.rewards:numeric_reward")
+    ro = rl.Rollout(tokens, lengths, torch.zeros(tokens.shape, dtype=torch.float64))
+    assert rl.score(cfg, ro, answer="1024", decode=_decode).tolist() == pytest.approx(r.tolist())
+    with pytest.raises(ValueError, match=r"rewards:numeric_reward raised TypeError: .*answer"):
+        rl.score(cfg, ro, answer_id=3, format_ids=())
+    with pytest.raises(ValueError, match=r"answer \('left'\) must hold a number"):
+        rewards.numeric_accuracy("1", "left")
