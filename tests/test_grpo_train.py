@@ -176,6 +176,9 @@ def test_bad_grpo_config_names_the_field(overrides, match):
         ("rl.clip=inf", r"rl.clip \(inf\) must be a finite number in \(0, 1\)"),
         ("rl.eps=inf", r"rl.eps \(inf\) must be a finite number > 0"),
         ("rl.seed=abc", r"rl.seed \('abc'\) must be an integer"),
+        ("rl.dual_clip=1", r"rl.dual_clip \(1\) must be null or a finite number > 1"),
+        ("rl.clip_high=inf", r"rl.clip_high \(inf\) must be null or a finite number > 0"),
+        ("rl.loss_agg=seq", r"rl.loss_agg \('seq'\) must be one of global_token_mean, micro"),
     ],
 )
 def test_rl_section_refuses_bad_values(override, match):
