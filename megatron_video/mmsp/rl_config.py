@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
-__all__ = ["RLConfig"]
+__all__ = ["RLConfig", "LOSS_AGG"]
 
 
 @dataclasses.dataclass
@@ -18,8 +19,13 @@ class RLConfig:
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
-    clip: float = 0.2
+    clip: float = 0.2  # the ratio's lower clip 1 - clip (and upper 1 + clip unless clip_high)
+    clip_high: Optional[float] = None  # the upper clip 1 + clip_high (Long-RL / DAPO: 0.3)
+    dual_clip: Optional[float] = None  # dual clip for A < 0: loss <= -dual_clip * A (Long-RL 3.0)
     kl_coef: float = 0.04
+    kl_clamp: Optional[float] = None  # k3 clamped to [-kl_clamp, kl_clamp] (Long-RL 10.0)
+    loss_agg: str = "global_token_mean"  # or micro_token_mean (Long-RL's token mean)
+    mini_batches: int = 1  # optimizer updates per rollout batch (Long-RL: 4)
     eps: float = 1e-6
     seed: int = 0
     train_encoder: bool = False
@@ -29,17 +35,25 @@ class RLConfig:
         def bad(name, rule):
             raise ValueError(f"rl.{name} ({getattr(self, name)!r}) must be {rule}")
 
-        for name in ("group_size", "max_new_tokens", "seed"):
+        for name in ("group_size", "max_new_tokens", "seed", "mini_batches"):
             if not _is_int(getattr(self, name)):
                 bad(name, "an integer")
         if self.group_size < 2:
             bad("group_size", ">= 2 (GRPO normalises rewards within a group)")
         if self.max_new_tokens < 1:
             bad("max_new_tokens", ">= 1")
+        if self.mini_batches < 1:
+            bad("mini_batches", ">= 1 (optimizer updates per rollout batch)")
         for name, ok, rule in _NUMBERS:
             v = getattr(self, name)
             if not (_is_finite(v) and ok(v)):
                 bad(name, rule)
+        for name, ok, rule in _OPTIONAL:
+            v = getattr(self, name)
+            if v is not None and not (_is_finite(v) and ok(v)):
+                bad(name, rule)
+        if self.loss_agg not in LOSS_AGG:
+            bad("loss_agg", f"one of {', '.join(LOSS_AGG)}")
         if not isinstance(self.train_encoder, bool):
             bad("train_encoder", "a bool")
         if not isinstance(self.reward, str) or ":" not in self.reward:
@@ -53,6 +67,13 @@ _NUMBERS = (  # (field, test of a finite number, the rule)
     ("kl_coef", lambda v: v >= 0, "a finite number >= 0"),
     ("eps", lambda v: v > 0, "a finite number > 0"),
 )
+
+_OPTIONAL = (  # (field, test of a finite number, the rule); None: off
+    ("clip_high", lambda v: v > 0, "null or a finite number > 0 (ratios clip above 1 + clip_high)"),
+    ("dual_clip", lambda v: v > 1, "null or a finite number > 1 (the dual clip's -dual_clip * A)"),
+    ("kl_clamp", lambda v: v > 0, "null or a finite number > 0 (k3 clamps to +-kl_clamp)"),
+)
+LOSS_AGG = ("global_token_mean", "micro_token_mean")
 
 
 def _is_int(v) -> bool:
