@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -276,9 +277,12 @@ def _warning_lines(console: str) -> list:
 
 
 def _validate(*extra):
+    """A fresh launch from a user's shell: without the console's per-launch variables, which an
+    in-process ``main()`` earlier in this pytest process leaves in ``os.environ``."""
     cmd = [sys.executable, "-m", "megatron_video.training.cli", *extra]
     cmd += ["validate", "--config", str(ROOT / "examples/configs/wan_tiny.yaml")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_VIDEO_")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stderr
 
