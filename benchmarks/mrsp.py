@@ -12,8 +12,13 @@ of one prompt (one video + a question) is timed, max over ranks, the fastest of 
 
 at ``G`` = 4 and 8, with the encoder's own time and call count. Then the step's peak live tensor
 bytes per rank (``testing.LiveTensors``: deterministic) against the frames at CP 1 and CP 4.
+Then rollout tokens / s at U2 x R2 (``G`` 4, ``--decode-tokens`` each), side by side in one run:
+the KV cache (prefix and responses cached, one new token per response and step) against
+recomputing the whole sequence for every token (``rollout(kv_cache=False)``); the tokens must
+be the same.
 
     python benchmarks/mrsp.py [--frames 32] [--group 4 8] [--mem-frames 16 32 64] [--iters 3]
+                              [--decode-tokens 16]
 """
 
 from __future__ import annotations
@@ -133,6 +138,29 @@ def _time_case(frames, groups, iters):
     return out
 
 
+def _decode_case(frames, L):
+    """Rollout seconds with the KV cache and with recompute, and whether the tokens agree."""
+    import torch.distributed as dist
+
+    from megatron_video.compat import destroy_model_parallel
+    from megatron_video.mmsp import rl
+
+    policy, _ = _models(4)
+    images, ids = _prompt(frames)
+    cfg = rl.RLConfig(group_size=4, max_new_tokens=L, temperature=1.0)
+    out = {}
+    try:
+        visual = rl.encode_video(policy, images)
+        for kv in (True, False):
+            dist.barrier()
+            t0 = time.perf_counter()
+            ro = rl.rollout(policy, visual, ids, cfg, prompt_seed=0, kv_cache=kv)
+            out[kv] = (time.perf_counter() - t0, ro.tokens)
+    finally:
+        destroy_model_parallel()
+    return out
+
+
 def _memory_case(frames_list, cp):
     from megatron_video.compat import destroy_model_parallel
     from megatron_video.testing.live_memory import LiveTensors
@@ -162,12 +190,14 @@ def main():
     ap.add_argument("--group", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mem-frames", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=16)
     a = ap.parse_args()
     from megatron_video.testing import WorkerPool
 
     with WorkerPool(4, ranks_per_node=2, timeout=1800) as pool:
         per_rank = pool.run(_time_case, a.frames, a.group, a.iters)
         mem = {cp: pool.run(_memory_case, a.mem_frames, cp) for cp in (1, 4)}
+        dec = pool.run(_decode_case, a.frames, a.decode_tokens)
     print(
         f"(a) one GRPO step of one prompt, {a.frames} frames, U2xR2 on 4 gloo ranks (max over ranks)"
     )
@@ -185,6 +215,14 @@ def main():
     for f in a.mem_frames:
         one, four = (max(r[f] for r in mem[cp]) / 2**20 for cp in (1, 4))
         print(f"{f:>6} {one:>9.2f} {four:>9.2f} {four / one:>11.2f}x")
+    n = 4 * a.decode_tokens
+    kv, re_ = (max(r[k][0] for r in dec) for k in (True, False))
+    same = all(torch.equal(r[True][1], r[False][1]) for r in dec)
+    print(
+        f"\n(c) rollout of 4 x {a.decode_tokens} tokens, {a.frames} frames, U2xR2 (max over ranks)"
+    )
+    print(f"{'KV cache tok/s':>15} {'recompute tok/s':>16} {'speed-up':>9} {'same tokens':>12}")
+    print(f"{n / kv:>15.1f} {n / re_:>16.1f} {re_ / kv:>8.2f}x {'yes' if same else 'NO':>12}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -190,6 +191,46 @@ def test_full_size_config_validates(path):
         shapes = diffusers_reference_shapes(diffusers_config_of(cfg))
         n = sum(math.prod(s) for s in shapes.values())
         assert abs(n / WAN_PARAMS[path.stem] - 1) < 5e-3, n
+    if cfg.model.family == "qwen_vl":
+        _check_qwen_vl_7b(cfg)
+
+
+# Qwen/Qwen2.5-VL-7B-Instruct's published config.json (its shapes), written out here
+QWEN_7B_TEXT = dict(
+    hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    intermediate_size=18944, vocab_size=152064,
+)  # fmt: skip
+QWEN_7B_VISION = dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+    patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+)  # fmt: skip
+
+
+def _check_qwen_vl_7b(cfg):
+    """The shipped 7B config: transformers' ``Qwen2_5_VLConfig`` of the published numbers (the
+    file ``model.hf_config`` names) and the Megatron language config built from it."""
+    from transformers import Qwen2_5_VLConfig
+
+    from megatron_video.models.qwen_vl.config import language_config, mrope_section, rope_theta
+    from megatron_video.training.families.qwen_vl import geometry_of, hf_config_of
+
+    want = Qwen2_5_VLConfig(text_config=QWEN_7B_TEXT, vision_config=QWEN_7B_VISION)
+    hf = hf_config_of(cfg)
+    for k, v in QWEN_7B_TEXT.items():
+        assert getattr(hf.text_config, k) == getattr(want.text_config, k) == v, k
+    for k, v in QWEN_7B_VISION.items():
+        assert getattr(hf.vision_config, k) == getattr(want.vision_config, k) == v, k
+    assert mrope_section(hf) == [16, 24, 24] and rope_theta(hf) == 1e6
+    assert (hf.video_token_id, hf.vision_start_token_id, hf.vision_end_token_id) == (
+        151656, 151652, 151653,
+    )  # fmt: skip
+    assert not hf.tie_word_embeddings
+    tc = language_config(hf, tp=4, cp=4)
+    assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size) == (28, 3584, 18944)
+    assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (28, 4, 128)
+    g = geometry_of(cfg)
+    assert (g.patch, g.temporal, g.merge) == (14, 2, 2)
 
 
 @pytest.mark.process_launch
@@ -236,9 +277,12 @@ def _warning_lines(console: str) -> list:
 
 
 def _validate(*extra):
+    """A fresh launch from a user's shell: without the console's per-launch variables, which an
+    in-process ``main()`` earlier in this pytest process leaves in ``os.environ``."""
     cmd = [sys.executable, "-m", "megatron_video.training.cli", *extra]
     cmd += ["validate", "--config", str(ROOT / "examples/configs/wan_tiny.yaml")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_VIDEO_")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stderr
 

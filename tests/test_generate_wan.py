@@ -114,6 +114,10 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
         frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
     assert len(frames) == FRAMES and frames[0].shape == (32, 48, 3)
     assert out.with_suffix(".gif").is_file()
+    with Image.open(out.with_suffix(".gif")) as gif:
+        assert gif.n_frames == FRAMES
+    # the GIF's caption: the prompt in force at each frame (the second from frame SWITCH on)
+    assert results[0]["captions"] == [PROMPTS[0]] * SWITCH + [PROMPTS[1]] * (FRAMES - SWITCH)
     got = results[0]["tokens"]
     err = float((got - ref).abs().max())
     print(f"generate vs in-process streaming (CP 1 vs CP 2, fp32): max |diff| {err:.2e}")

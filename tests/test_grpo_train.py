@@ -106,6 +106,7 @@ def test_grpo_layouts_resume_and_embedding_cache(pool4, tmp_path):
         _same_step0(_logged(runs[name])[-1]["history"], ref["history"])
     # the first step's reference is the policy (KL 0), the second's is not; some reward
     assert ref["history"][0]["kl"] == 0 and ref["history"][1]["kl"] > 0
+    assert ref["history"][0]["clip_frac"] == 0  # one update per rollout batch: ratio 1
     assert 0 < max(h["reward_mean"] for h in ref["history"])
     # the embedding cache: one encoder call per prompt and step on every rank, on its share of
     # the 9 frames (CP 4: 2 or 3 frames; DP 4: its own prompt, all 9); the encoder stays frozen
@@ -128,6 +129,17 @@ def test_train_encoder_and_init_from(pool4, video_llava_sft, tmp_path):
     assert _logged(res)[-1]["history"][0]["kl"] == 0
 
 
+def test_mini_batches_update_several_times_so_the_clip_acts(pool4, tmp_path):
+    """``rl.mini_batches: 2`` (2 micro-batches per DP rank): two optimizer updates per rollout
+    batch. The second mini-batch's ratios differ from 1 (the policy moved), so a tight clip acts;
+    with one update per rollout batch the ratio is 1 up to rounding and it never does
+    (``test_grpo_layouts_resume_and_embedding_cache``'s first step: KL 0 and no clip)."""
+    over = BASE[:1] + LAYOUTS["dp4"] + ["train.global_batch_size=8", "rl.clip=0.001"]
+    over += ["rl.mini_batches=2", "rl.loss_agg=micro_token_mean", f"output={tmp_path}"]
+    rec = _logged(pool4.run(_run, GRPO, over, (1,)))[-1]["history"][0]
+    assert rec["clip_frac"] > 0 and rec["kl"] > 0, rec
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -145,6 +157,10 @@ def test_train_encoder_and_init_from(pool4, video_llava_sft, tmp_path):
             r"must be 1 with train.objective 'grpo'",
         ),
         (["model.init_from=/nowhere"], r"model.init_from \('/nowhere'\) must be a megatron-video"),
+        (
+            ["rl.mini_batches=3"],
+            r"rl.mini_batches \(3\) must divide the micro-batches per DP rank \(1 ",
+        ),
     ],
 )
 def test_bad_grpo_config_names_the_field(overrides, match):
@@ -161,6 +177,9 @@ def test_bad_grpo_config_names_the_field(overrides, match):
         ("rl.clip=inf", r"rl.clip \(inf\) must be a finite number in \(0, 1\)"),
         ("rl.eps=inf", r"rl.eps \(inf\) must be a finite number > 0"),
         ("rl.seed=abc", r"rl.seed \('abc'\) must be an integer"),
+        ("rl.dual_clip=1", r"rl.dual_clip \(1\) must be null or a finite number > 1"),
+        ("rl.clip_high=inf", r"rl.clip_high \(inf\) must be null or a finite number > 0"),
+        ("rl.loss_agg=seq", r"rl.loss_agg \('seq'\) must be one of global_token_mean, micro"),
     ],
 )
 def test_rl_section_refuses_bad_values(override, match):
@@ -201,7 +220,7 @@ def _bad_reward_steps(overrides, rewards):
         for step, reward in enumerate(rewards):
             t.config.rl = dataclasses.replace(t.config.rl, reward=reward)
             try:
-                t.forward_backward(step)
+                t.train_step(step)
                 out.append(None)
             except ValueError as e:
                 out.append(str(e))

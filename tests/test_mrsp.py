@@ -85,8 +85,9 @@ def _load(model, full):
             p.copy_(v)
 
 
-def _oracle_lp(model, images, ids, tokens, grad=False):
-    """Megatron CP = 1 forward of prompt + each response: per-token log-probs ``[G, L]``."""
+def _oracle_lp(model, images, ids, tokens, grad=False, temperature=1.0):
+    """Megatron CP = 1 forward of prompt + each response: per-token log-probs ``[G, L]`` at the
+    rollout temperature (1 for greedy)."""
     P = ids.shape[1] - 1 + F * model.img_seq_len
     rows = []
     for g in range(tokens.shape[0]):
@@ -96,7 +97,7 @@ def _oracle_lp(model, images, ids, tokens, grad=False):
             logits, _ = model(
                 images, full, pos, None, num_image_tiles=torch.tensor([F], dtype=torch.int)
             )
-            lp = torch.log_softmax(logits[0].double(), dim=-1)
+            lp = torch.log_softmax(logits[0].double() / temperature, dim=-1)
             rows.append(lp[P - 1 + torch.arange(L), tokens[g]])
     return torch.stack(rows)
 
@@ -196,17 +197,18 @@ def _run(case_names):
         _freeze_vision(oracle)
         for case in case_names:
             res = {}
-            for name in cfgs:
+            for name, cfg in cfgs.items():
                 tokens = out[(case, "rollouts")][name][0]
+                T = cfg.temperature or 1.0
                 _load(oracle, w0)
-                old = _oracle_lp(oracle, images, ids, tokens)
+                old = _oracle_lp(oracle, images, ids, tokens, temperature=T)
                 res[name] = old
                 if name == "sampled":
                     _load(oracle, wref)
-                    ref = _oracle_lp(oracle, images, ids, tokens)
+                    ref = _oracle_lp(oracle, images, ids, tokens, temperature=T)
                     _load(oracle, w1)
                     oracle.zero_grad(set_to_none=True)
-                    lp = _oracle_lp(oracle, images, ids, tokens, grad=True)
+                    lp = _oracle_lp(oracle, images, ids, tokens, grad=True, temperature=T)
                     loss = _oracle_loss(lp, old, ref, REWARDS, 0.2, 0.04)
                     loss.backward()
                     res["loss"] = (float(loss), _full(oracle, "grad"))

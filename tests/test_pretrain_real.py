@@ -10,6 +10,7 @@ checked in every environment.
 """
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -174,8 +175,20 @@ def _command(name: str, out: Path, *extra: str):
     return cmd + BLOCKS["cpu"] + scaled + list(extra), env
 
 
-def _run(name: str, out: Path, *extra: str) -> dict:
-    cmd, env = _command(name, out, *extra)
+def _runs(*runs) -> list:
+    """Each ``(name, out, extra, may_fail)`` of ``runs``, one after another in one torchrun (the
+    shim's ``--runs``: Megatron's global state destroyed between them); each run's result."""
+    cmds = [_command(name, out, *extra) for name, out, extra, _ in runs]
+    shim = cmds[0][0].index(str(SHIM))
+    prefix, env = cmds[0][0][: shim + 1], cmds[0][1]
+    assert all(c[: shim + 1] == prefix and e == env for c, e in cmds), "one torchrun line"
+    logs = Path(runs[0][1]).parent / "logs"
+    logs.mkdir()
+    plan = [
+        {"argv": c[shim + 1 :], "log": str(logs / f"{i}_{r[0]}"), "may_fail": r[3]}
+        for i, ((c, _), r) in enumerate(zip(cmds, runs))
+    ]
+    (logs / "runs.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
         **env,
@@ -185,20 +198,50 @@ def _run(name: str, out: Path, *extra: str) -> dict:
         "PET_MASTER_PORT": str(_free_port()),
     }
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    text = proc.stdout + proc.stderr
+    cmd = prefix + ["--runs", str(logs / "runs.json")]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240 * len(runs)
+    )
+    results = []
+    for run, (name, _, extra, may_fail) in zip(plan, runs):
+        parts = sorted(logs.glob(Path(run["log"]).name + ".rank*"))
+        text = "".join(p.read_text() for p in parts)
+        status = [int(v) for v in re.findall(r"^exit status (-?\d+)", text, re.M)]
+        if len(status) != 4 or (any(status) and not may_fail):
+            raise AssertionError(
+                f"{name} {' '.join(extra)}: exit statuses {status} (torchrun exited "
+                f"{proc.returncode}):\n{text[-6000:]}\n{(proc.stdout + proc.stderr)[-3000:]}"
+            )
+        losses = {int(i): float(v) for i, v in _ITER.findall(text)}
+        evals = [(int(i), bool(final), float(v)) for i, final, v in _EVAL.findall(text)]
+        print(f"{name} {' '.join(extra)}: losses {losses}")
+        results.append({"losses": losses, "evals": evals, "text": text, "status": max(status)})
     if proc.returncode:
-        raise AssertionError(f"{name} exited {proc.returncode}:\n{text[-6000:]}")
-    losses = {int(i): float(v) for i, v in _ITER.findall(text)}
-    evals = [(int(i), bool(final), float(v)) for i, final, v in _EVAL.findall(text)]
-    print(f"{name} {' '.join(extra)}: {time.time() - t0:.0f} s, losses {losses}")
-    return {"losses": losses, "evals": evals, "wall": time.time() - t0, "text": text}
+        raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    print(f"{len(runs)} runs in one torchrun: {time.time() - t0:.0f} s")
+    return results
 
 
 @pytest.fixture(scope="module")
-def dit_cp4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mlm_dit") / "run"
-    return {**_run("dit", out), "out": out}
+def dit_runs(tmp_path_factory):
+    """The ``dit`` line: 8 iterations (saved at 4 and 8), then in the same torchrun: resumed from
+    its iteration-4 checkpoint, at TP 2 x CP 2, and resumed at DP 2 x CP 2."""
+    root = tmp_path_factory.mktemp("mlm_dit")
+    out = root / "run"
+    load = ("--load", str(out), "--ckpt-step", "4")
+    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
+    first, resumed, tp, dp = _runs(
+        ("dit", out, (), False),
+        ("dit", root / "resumed", load, False),
+        ("tp2cp2", root / "tp2cp2", (), False),
+        ("dit", root / "dp2", (*load, "--micro-batch-size", "1", *dp2), False),
+    )
+    return {"first": {**first, "out": out}, "resumed": resumed, "tp2cp2": tp, "dp2": dp}
+
+
+@pytest.fixture(scope="module")
+def dit_cp4(dit_runs):
+    return dit_runs["first"]
 
 
 def _falls(losses: dict, n: int) -> None:
@@ -248,11 +291,11 @@ def test_dit_first_loss_equals_our_trainer(dit_cp4, pool4, tmp_path):
 
 
 @real
-def test_dit_resume_equals_uninterrupted(dit_cp4, tmp_path):
+def test_dit_resume_equals_uninterrupted(dit_runs):
     """Megatron's checkpoint of iteration 4, resumed in a fresh job to 8: every iteration's loss
     and the final validation / test losses equal the uninterrupted run's. Megatron's first log
     after a resume (iteration 6 here) averages iterations 5 and 6; that is what it prints."""
-    run = _run("dit", tmp_path / "resumed", "--load", str(dit_cp4["out"]), "--ckpt-step", "4")
+    dit_cp4, run = dit_runs["first"], dit_runs["resumed"]
     ref, got = dit_cp4["losses"], run["losses"]
     assert sorted(got) == list(range(5, 9))
     for i in [5, 7, 8]:
@@ -262,36 +305,11 @@ def test_dit_resume_equals_uninterrupted(dit_cp4, tmp_path):
 
 
 @real
-def test_dit_tp2cp2_equals_cp4(dit_cp4, tmp_path):
-    tp = _run("tp2cp2", tmp_path / "run")
+def test_dit_tp2cp2_equals_cp4(dit_runs):
+    dit_cp4, tp = dit_runs["first"], dit_runs["tp2cp2"]
     assert sorted(tp["losses"]) == list(range(1, 9))
     for i, loss in dit_cp4["losses"].items():
         assert tp["losses"][i] == pytest.approx(loss, rel=1e-4, abs=1e-5), i
-
-
-@real
-def test_llava_cp4_trains_and_evaluates(tmp_path):
-    run = _run("llava", tmp_path / "run")
-    _falls(run["losses"], 8)
-    assert sum(final for _, final, _ in run["evals"]) == 2
-
-
-@real
-@pytest.mark.parametrize("family", ["stdit", "ar_dit"])
-def test_other_dit_families(family, tmp_path):
-    _five_iterations_train_and_evaluate(family, tmp_path)
-
-
-def _five_iterations_train_and_evaluate(family: str, tmp_path, *extra: str) -> None:
-    """The family's documented line, 4 iterations, evaluated after 2 and 4: the validation loss
-    after 4 is below the one after 2 (every evaluation draws the same held-out micro-batches; the
-    training losses vary step to step with the drawn noise level); validation and test run."""
-    four = ("--train-iters", "4", "--save-interval", "4", "--eval-interval", "2")
-    run = _run(family, tmp_path / "run", *four, *extra)
-    assert sorted(run["losses"]) == list(range(1, 5))
-    at = {i: v for i, final, v in run["evals"] if not final}
-    assert sorted(at) == [2, 4] and at[4] < at[2], run["evals"]
-    assert sum(final for _, final, _ in run["evals"]) == 2
 
 
 @pytest.fixture(scope="module")
@@ -304,26 +322,77 @@ def wan_shards(tmp_path_factory):
     return write_random_latent_shards(cfg, str(out), num_samples=8)
 
 
-@real
-@pytest.mark.parametrize("family", ["wan", "wan_ar"])
-def test_wan_families(family, wan_shards, tmp_path):
-    _five_iterations_train_and_evaluate(
-        family, tmp_path, "--video-override", f"data.shards={wan_shards}"
-    )
+FOUR = ("--train-iters", "4", "--save-interval", "4", "--eval-interval", "2")
 
 
 @pytest.fixture(scope="module")
-def mixed_run(tmp_path_factory):
+def family_runs(wan_shards, tmp_path_factory):
+    """The ``llava`` line (8 iterations) and the ST-DiT, AR DiT, Wan and Wan AR lines (4 each,
+    evaluated after 2 and 4), one after another in one torchrun."""
+    root = tmp_path_factory.mktemp("mlm_families")
+    wan = ("--video-override", f"data.shards={wan_shards}")
+    extra = {"llava": (), "stdit": FOUR, "ar_dit": FOUR, "wan": FOUR + wan, "wan_ar": FOUR + wan}
+    results = _runs(*[(name, root / name, e, False) for name, e in extra.items()])
+    return dict(zip(extra, results))
+
+
+@real
+def test_llava_cp4_trains_and_evaluates(family_runs):
+    run = family_runs["llava"]
+    _falls(run["losses"], 8)
+    assert sum(final for _, final, _ in run["evals"]) == 2
+
+
+@real
+@pytest.mark.parametrize("family", ["stdit", "ar_dit", "wan", "wan_ar"])
+def test_other_families_train_and_evaluate(family, family_runs):
+    """The family's documented line, 4 iterations, evaluated after 2 and 4: the validation loss
+    after 4 is below the one after 2 (every evaluation draws the same held-out micro-batches; the
+    training losses vary step to step with the drawn noise level); validation and test run. The
+    Wan lines read random latent shards in precompute's format."""
+    run = family_runs[family]
+    assert sorted(run["losses"]) == list(range(1, 5))
+    at = {i: v for i, final, v in run["evals"] if not final}
+    assert sorted(at) == [2, 4] and at[4] < at[2], run["evals"]
+    assert sum(final for _, final, _ in run["evals"]) == 2
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(tmp_path_factory):
     """The ``mixed`` line (data.buckets) on mixed-shape latent shards with images: 6 iterations,
-    a checkpoint at 3, evaluation at 3 and 6."""
+    a checkpoint at 3, evaluation at 3 and 6; then in the same torchrun: resumed from 3, at PP 2 x
+    CP 2, resumed at DP 2 x CP 2, and resumed with another global batch (refused)."""
     from megatron_video.testing.mixed import write_tiny_mixed_shards
 
     root = tmp_path_factory.mktemp("mlm_mixed")
     shards = write_tiny_mixed_shards("wan", root / "shards", num_samples=12)
     six = ("--train-iters", "6", "--save-interval", "3", "--eval-interval", "3")
-    extra = ("--video-override", f"data.shards={shards}")
-    run = _run("mixed", root / "run", *six, *extra)
-    return {**run, "out": root / "run", "shards": shards, "six": six, "extra": extra}
+    base = (*six, "--video-override", f"data.shards={shards}")
+    load = ("--load", str(root / "run"), "--ckpt-step", "3")
+    pp = ("--pipeline-model-parallel-size", "2", "--context-parallel-size", "2")
+    pp += ("--hierarchical-context-parallel-sizes", "2", "1")
+    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
+    # --override-opt_param-scheduler: else Megatron's own warmup check stops the last one first
+    gbs4 = (*load, "--global-batch-size", "4", "--override-opt_param-scheduler")
+    first, resumed, pp2, dp, refused = _runs(
+        ("mixed", root / "run", base, False),
+        ("mixed", root / "resumed", (*base, *load), False),
+        ("mixed", root / "pp2", (*base, *pp), False),
+        ("mixed", root / "dp2", (*base, *load, *dp2), False),
+        ("mixed", root / "gbs4", (*base, *gbs4), True),
+    )
+    return {
+        "first": {**first, "out": root / "run", "shards": shards},
+        "resumed": resumed,
+        "pp2": pp2,
+        "dp2": dp,
+        "gbs4": refused,
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed_run(mixed_runs):
+    return mixed_runs["first"]
 
 
 @real
@@ -347,12 +416,11 @@ def test_mixed_first_loss_equals_our_trainer(mixed_run, pool4, tmp_path):
 
 
 @real
-def test_mixed_resume_replays_the_ledger(mixed_run, tmp_path):
+def test_mixed_resume_replays_the_ledger(mixed_runs):
     """Resumed from iteration 3's checkpoint, iterations 4-6 see the clips of the uninterrupted
     run (the ledger replayed): the same losses (Megatron's first log after a resume averages
     iterations 4 and 5) and the same evaluation at 6."""
-    extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3")
-    run = _run("mixed", tmp_path / "resumed", *mixed_run["six"], *mixed_run["extra"], *extra)
+    mixed_run, run = mixed_runs["first"], mixed_runs["resumed"]
     ref, got = mixed_run["losses"], run["losses"]
     assert sorted(got) == [4, 5, 6], got
     assert got[4] == ref[4] and got[6] == ref[6]
@@ -361,31 +429,27 @@ def test_mixed_resume_replays_the_ledger(mixed_run, tmp_path):
 
 
 @real
-def test_mixed_pipeline_parallel_runs(mixed_run, tmp_path):
+def test_mixed_pipeline_parallel_runs(mixed_runs):
     """The mixed line at PP 2 x CP 2 (Ulysses 2): Megatron's schedule with
     ``variable_seq_lengths`` (set by the entry) passes each packed micro-batch's shape between the
     stages; every iteration and evaluation runs (a load-status all-reduce over the world inside
     ``forward_step`` would deadlock here: stage 1 waits in its pipeline receive). The stages
     initialise their layers from other RNG states than PP 1, so losses are compared in
     ``tests/test_train_mixed.py::test_trainer_pp2_equals_pp1`` (same weights), not here."""
-    pp = ("--pipeline-model-parallel-size", "2", "--context-parallel-size", "2")
-    pp += ("--hierarchical-context-parallel-sizes", "2", "1")
-    run = _run("mixed", tmp_path / "run", *mixed_run["six"], *mixed_run["extra"], *pp)
+    run = mixed_runs["pp2"]
     assert sorted(run["losses"]) == list(range(1, 7))
     assert all(math.isfinite(v) for v in run["losses"].values())
     assert [i for i, final, _ in run["evals"] if not final] == [3, 6]
 
 
 @real
-def test_mixed_resume_at_another_dp_size(mixed_run, tmp_path):
+def test_mixed_resume_at_another_dp_size(mixed_runs):
     """Saved at DP 1 x CP 4 (U2 x R2), resumed at DP 2 x CP 2 (Ulysses 2) with the same global
     batch after "losing" half the context-parallel group: the ledger replayed to iteration 3 picks
     the same clips (which clips a step takes depends on the global batch, not the DP size), split
     over two DP ranks; the logged losses (the mean over the step's micro-batches, summed by
     Megatron over DP x CP) equal the uninterrupted DP 1 run's to float32 summation order."""
-    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
-    extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3", *dp2)
-    run = _run("mixed", tmp_path / "dp2", *mixed_run["six"], *mixed_run["extra"], *extra)
+    mixed_run, run = mixed_runs["first"], mixed_runs["dp2"]
     ref, got = mixed_run["losses"], run["losses"]
     assert sorted(got) == [4, 5, 6], got
     assert got[4] == pytest.approx(ref[4], rel=1e-5)
@@ -396,23 +460,12 @@ def test_mixed_resume_at_another_dp_size(mixed_run, tmp_path):
 
 
 @real
-def test_dit_resume_at_another_dp_size(dit_cp4, tmp_path):
+def test_dit_resume_at_another_dp_size(dit_runs):
     """The fixed-shape line (a grid of one bucket, the same ledger) saved at DP 1 x CP 4 with
     micro-batches of 2 clips, resumed at DP 2 x CP 2 with micro-batches of 1 (the same global
     batch): iterations 5-8 log the uninterrupted run's losses (Megatron's first log after the
     resume averages iterations 5 and 6) and the final evaluation."""
-    dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
-    run = _run(
-        "dit",
-        tmp_path / "dp2",
-        "--load",
-        str(dit_cp4["out"]),
-        "--ckpt-step",
-        "4",
-        "--micro-batch-size",
-        "1",
-        *dp2,
-    )
+    dit_cp4, run = dit_runs["first"], dit_runs["dp2"]
     ref, got = dit_cp4["losses"], run["losses"]
     assert sorted(got) == list(range(5, 9)), got
     assert got[6] == pytest.approx((ref[5] + ref[6]) / 2, rel=1e-5)
@@ -424,13 +477,12 @@ def test_dit_resume_at_another_dp_size(dit_cp4, tmp_path):
 
 
 @real
-def test_mixed_resume_with_another_global_batch_is_refused(mixed_run, tmp_path):
+def test_mixed_resume_with_another_global_batch_is_refused(mixed_runs):
     """The ledger replays with one global batch: a checkpoint that consumed 3 x 2 samples,
     resumed with --global-batch-size 4, stops with the reason before its first step."""
-    extra = ("--load", str(mixed_run["out"]), "--ckpt-step", "3", "--global-batch-size", "4")
-    extra += ("--override-opt_param-scheduler",)  # else Megatron's own warmup check stops first
-    with pytest.raises(AssertionError, match=r"consumed 6 samples, not 3 x 4"):
-        _run("mixed", tmp_path / "gbs4", *mixed_run["six"], *mixed_run["extra"], *extra)
+    run = mixed_runs["gbs4"]
+    assert run["status"] != 0 and not run["losses"]
+    assert re.search(r"consumed 6 samples, not 3 x 4", run["text"]), run["text"][-3000:]
 
 
 def test_entry_refuses_rampup_batch_size():

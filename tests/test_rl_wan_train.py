@@ -98,7 +98,9 @@ def test_layouts_and_dp_give_the_same_steps(trained):
     [
         (dict(rl=dict(group_size=1)), r"rl.group_size \(1\) must be >= 2"),
         (dict(rl=dict(noise_level=0.0)), r"rl.noise_level \(0.0\) must be a finite number > 0"),
-        (dict(rl=dict(clip_high=1.5)), r"rl.clip_high \(1.5\) must be -1"),
+        (dict(rl=dict(clip_high=-0.5)), r"rl.clip_high \(-0.5\) must be null or a finite"),
+        (dict(rl=dict(dual_clip=3.0)), r"rl.dual_clip \(3.0\) must be None with a diffusion"),
+        (dict(rl=dict(mini_batches=2)), r"rl.mini_batches \(2\) must be 1 with a diffusion"),
         (dict(rl=dict(train_steps="some")), r"rl.train_steps \('some'\) must be"),
         (dict(rl=dict(train_step_count=3)), r"rl.train_step_count \(3\) must be in \[1,"),
         (dict(rl=dict(reward="megatron_video.mmsp.rl:exact_match_reward")), r"rl.reward .* VLM"),

@@ -16,6 +16,28 @@ ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "examples" / "configs" / "qwen_vl.yaml"
 
 
+def test_validate_the_7b_config_in_process(capsys, monkeypatch):
+    """``megatron-video validate`` of examples/configs/full/qwen2.5_vl_7b.yaml at 16 ranks (TP 4 x
+    ring 4) on this CPU machine; its sizes must agree with its config.json, naming the field, and
+    ``model.hf_config`` must name a Qwen2.5-VL config."""
+    from megatron_video.training.cli import main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["validate", "--config", "examples/configs/full/qwen2.5_vl_7b.yaml", "--nproc", "16"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "hidden_size: 3584" in out and "num_frames: 256" in out and "bf16: true" in out
+    assert main(argv + ["model.ffn_hidden_size=4096"]) == 2
+    err = capsys.readouterr().err
+    assert "model.ffn_hidden_size (4096) must equal model.hf_config's (18944" in err, err
+    wan = str(ROOT / "examples" / "configs" / "full" / "wan2.2_vae")
+    assert main(argv + [f"model.hf_config={wan}"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.hf_config ('{wan}') must be a Qwen2.5-VL config (model_type" in err, err
+    assert main(argv + ["model.family=video_llava", "model.num_layers=2"]) == 2
+    assert "model.hf_config (" in capsys.readouterr().err
+
+
 def test_qwen_sample_layout():
     from megatron_video.data.video_qa import VideoQADataset
     from megatron_video.training.families import qwen_vl as F

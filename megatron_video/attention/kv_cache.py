@@ -86,6 +86,8 @@ def cached_attention(
     groups=None,
     *,
     new_mask: Optional[AttentionMask] = None,
+    cache_mask: Optional[AttentionMask] = None,
+    cache_tags: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,10 +97,12 @@ def cached_attention(
     new tokens ``[c*s, (c+1)*s)``; ``cache_k, cache_v [b, n_c, h_kv', d]`` (or None): this rank's
     cache shard in the layout this function returns (the Ulysses rank's heads, any number
     ``n_c`` of cached tokens, which may differ between ring ranks). Every query sees every cached
-    token; among the new tokens ``new_mask`` (an ``AttentionMask`` on new-token indices
-    ``0 .. N*s-1``; None: all). Returns ``(out [b, s, h, d], k_shard, v_shard)``: the output in
-    ``q``'s layout and the new keys / values in the cache layout (append them to the shard to
-    cache the new tokens). Collective over ``groups`` (None: one process).
+    token unless ``cache_mask`` (an ``AttentionMask`` on (new-token index, ``cache_tags [n_c]``:
+    the shard's tags), e.g. the decoding of several responses that share a cached prefix, each
+    seeing only its own cached tokens); among the new tokens ``new_mask`` (an ``AttentionMask`` on
+    new-token indices ``0 .. N*s-1``; None: all). Returns ``(out [b, s, h, d], k_shard,
+    v_shard)``: the output in ``q``'s layout and the new keys / values in the cache layout
+    (append them to the shard to cache the new tokens). Collective over ``groups`` (None: one process).
     """
     U, R, ug, rg = _sizes(groups)
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
@@ -131,7 +135,12 @@ def cached_attention(
                 f"{k.shape[2]}, {k.shape[3]}] (this rank's shard of the cache)"
             )
         q_all = comm.all_gather_cat(q, rg, dim=1, tag="kv_cache.q_ring") if R > 1 else q
-        o, lse = _partial(q_all, cache_k, cache_v, None, scale, backend)
+        cdense = None
+        if cache_mask is not None:
+            if cache_tags is None or cache_tags.numel() != cache_k.shape[1]:
+                raise ValueError("cache_mask needs cache_tags, one per cached token of the shard")
+            cdense = cache_mask.dense(all_ids, cache_tags.cpu()).to(q.device)
+        o, lse = _partial(q_all, cache_k, cache_v, cdense, scale, backend)
         if R > 1:  # ring rank i's partial of my queries -> me
             m = q.shape[1]
             o = comm.all_to_all_single(o.unflatten(1, (R, m)).movedim(1, 0), rg, "kv_cache.partial")
@@ -230,7 +239,8 @@ class CacheStep:
     """One model call against ``cache``: passed as the call's attention mask, it makes every core
     attention that understands it (``DistAttention2D``) run ``cached_attention`` on its layer's
     shard. ``tags [N*s]``: one tag per new token (global new-token order); ``append``: add the new
-    keys / values to the cache (tagged); ``new_mask``: as ``cached_attention``'s."""
+    keys / values to the cache (tagged); ``new_mask``, ``cache_mask`` (on new-token index and
+    cached tag): as ``cached_attention``'s."""
 
     def __init__(
         self,
@@ -238,15 +248,17 @@ class CacheStep:
         tags: torch.Tensor,
         append: bool = False,
         new_mask: Optional[AttentionMask] = None,
+        cache_mask: Optional[AttentionMask] = None,
     ):
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache ({type(cache).__name__}) must be a KVCache")
         self.cache, self.tags, self.append, self.new_mask = cache, tags.cpu(), append, new_mask
+        self.cache_mask = cache_mask
 
     def attend(self, key, q, k, v, groups, softmax_scale=None, backend="auto") -> torch.Tensor:
         """``[b, s, h, d]`` in / out (``cached_attention``), for the layer ``key``."""
         shard = self.cache.shard(key)
-        ck, cv = (None, None) if shard is None else shard[:2]
+        ck, cv, ctags = (None, None, None) if shard is None else shard
         out, k_new, v_new = cached_attention(
             q,
             k,
@@ -255,6 +267,8 @@ class CacheStep:
             cv,
             groups,
             new_mask=self.new_mask,
+            cache_mask=self.cache_mask,
+            cache_tags=ctags,
             softmax_scale=softmax_scale,
             backend=backend,
         )

@@ -7,19 +7,22 @@ One RL step per prompt (video + question), on every CP rank of an ``MMSPLLaVAMod
   cache of MR-SP; with ``RLConfig.train_encoder`` the policy pass re-encodes with gradients).
 * ``rollout``: the combined prefix is prefilled once in the LLM's zigzag CP layout through
   ``attention.kv_cache`` (``CacheStep``: each rank keeps its Ulysses heads / ring share of the
-  prefix keys and values), then ``G`` responses are decoded against that one shared cache: every
-  step re-runs the short response tokens (all ``G`` responses side by side, cut over the CP ranks,
-  each attending the prefix cache and its own earlier tokens); sampling is seeded per prompt and
-  response, so every layout samples the same tokens.
+  prefix keys and values), then ``G`` responses are decoded against that one shared cache: each
+  step runs one new token per response (cut over the CP ranks), attending the prefix and its own
+  cached tokens (a mask on the cache tags), and appends its keys / values; sampling is seeded
+  per prompt and response, so every layout samples the same tokens.
 * ``response_logprobs`` (policy with gradients, reference without): Megatron's language forward
   of prompt + response in the MM-SP layout, per-token log-probs from its vocab-parallel loss.
-* ``grpo_loss``: group-normalised advantages, clipped ratio to the rollout policy, k3 KL to the
-  reference, normalised by the response tokens of the global batch. Map: docs/mmsp.md ("GRPO").
+* ``grpo_loss``: group-normalised advantages, clipped ratio to the rollout policy (``rl.clip`` /
+  ``clip_high`` / ``dual_clip``), k3 KL to the reference (``kl_clamp``), log-probs at the rollout
+  temperature, normalised by the response tokens of the global batch or per micro-batch
+  (``loss_agg``). Map: docs/mmsp.md ("GRPO").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from typing import Callable, List, Optional, Sequence
 
@@ -42,6 +45,8 @@ __all__ = [
     "response_logprobs",
     "group_advantages",
     "grpo_token_terms",
+    "logprob_temperature",
+    "token_normalisers",
     "grpo_loss",
     "check_rewards",
     "load_reward",
@@ -53,7 +58,8 @@ __all__ = [
 @dataclasses.dataclass
 class Rollout:
     """``tokens [G, L]`` (0 past each response's end), ``lengths [G]``, ``logprobs [G, L]`` (of
-    the sampled tokens under the rollout policy, temperature 1; 0 past the end)."""
+    the sampled tokens under the rollout policy at the rollout temperature, 1 when greedy;
+    0 past the end)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
@@ -162,29 +168,62 @@ def _prefill(model, visual, prompt_ids):
     return cache, P, logits[int(torch.nonzero(pos_all == P - 1)[0, 0])]
 
 
-def _decode_logits(model, cache, P, tokens, t):
-    """Logits ``[G, V]`` of every response's token ``t - 1`` (its next-token distribution): the
-    responses' first ``t`` tokens side by side against the shared prefix cache."""
+def _decode_step(model, cache, P, L, last, t):
+    """Logits ``[G, V]`` of every response's token ``t`` from its token ``t - 1`` (``last [G]``):
+    one new token per response at position ``P + t - 1``, cut over the CP ranks (padded to a
+    multiple of CP), attending the prefix and its own earlier tokens in the cache (``cache_mask``
+    on the tags: prefix ``< P``, response ``g``'s token ``j``: ``P + g * L + j``); its keys /
+    values are appended (the padding's evicted), so no token is ever recomputed."""
     group, _, cp = _cp(model)
-    G = tokens.shape[0]
-    T = -(-t // cp) * cp  # per response, padded so that G * T cuts evenly over CP
-    ids = torch.zeros(G, T, dtype=torch.long)
-    ids[:, :t] = tokens[:, :t]
-    flat = ids.reshape(-1)
-    s = flat.numel() // cp
-    rank = group.rank()
+    G = last.shape[0]
+    n = -(-G // cp) * cp
+    ids = torch.zeros(n, dtype=torch.long)
+    ids[:G] = last
+    s, rank = n // cp, group.rank()
     mine = torch.arange(rank * s, (rank + 1) * s)
+    new = torch.arange(n)
+    tags = torch.where(new < G, P + new * L + (t - 1), torch.full_like(new, -1))
 
-    def own_causal(qi, ki):  # same response, earlier or same offset, not padding
-        return (qi // T == ki // T) & (ki % T <= qi % T) & (ki % T < t)
+    def own(qi, tag):  # the prefix, and this response's cached tokens
+        return (tag < P) | ((tag - P) // L == qi)
 
     lm = model.language_model
-    hidden = lm.embedding(input_ids=flat[mine][None], position_ids=None)  # [s, 1, h]
-    rope = _rope(model, P + mine % T, P + T)
-    step = CacheStep(cache, torch.zeros(G * T), new_mask=masks.predicate(own_causal))
+    hidden = lm.embedding(input_ids=ids[mine][None], position_ids=None)  # [s, 1, h]
+    rope = _rope(model, torch.full((s,), P + t - 1), P + t)
+    step = CacheStep(
+        cache,
+        tags,
+        append=True,
+        new_mask=masks.predicate(lambda qi, ki: qi == ki),
+        cache_mask=masks.predicate(own),
+    )
     logits = _lm(model, hidden, step, rope)[:, 0].contiguous()
-    logits = comm.all_gather_cat(logits, group, tag="rl.decode_logits")  # [G * T, V]
-    return logits.view(G, T, -1)[:, t - 1]
+    cache.keep(lambda tg: tg >= 0)
+    return comm.all_gather_cat(logits, group, tag="rl.decode_logits")[:G]  # [G, V]
+
+
+def _recompute_logits(model, visual, prompt_ids, tokens, t):
+    """The same logits without a cache: Megatron's language forward of prompt + each response's
+    first ``t`` tokens in the MM-SP layout, the whole prefix recomputed (the reference of
+    ``rollout(kv_cache=False)``)."""
+    group, _, cp = _cp(model)
+    out = []
+    for g in range(tokens.shape[0]):
+        combined, batch = _llm_input(
+            model, visual, torch.cat([prompt_ids, tokens[g : g + 1, :t]], 1)
+        )
+        seq, last = batch.layout.seq_len, int(batch.layout.lengths[0]) - 1
+        pos_all = torch.cat([shard_global_ids(r, cp, seq, "zigzag") for r in range(cp)])
+        logits = model.language_model(
+            input_ids=None,
+            position_ids=None,
+            attention_mask=None,
+            decoder_input=combined,
+            runtime_gather_output=True,
+        )[0].contiguous()
+        logits = comm.all_gather_cat(logits, group, tag="rl.recompute_logits")
+        out.append(logits[int(torch.nonzero(pos_all == last)[0, 0])])
+    return torch.stack(out)
 
 
 def _check_prompt(model, prompt_ids):
@@ -204,11 +243,14 @@ def rollout(
     cfg: RLConfig,
     prompt_seed: int,
     eos_id: Optional[int] = None,
+    kv_cache: bool = True,
 ) -> Rollout:
     """``cfg.group_size`` responses to one prompt (``prompt_ids [1, T]``, one image token;
     ``visual`` from ``encode_video``). Response ``g`` samples from ``torch.Generator`` seeded with
     ``(cfg.seed, prompt_seed, g)``, so any layout draws the same tokens; a response ends at
-    ``eos_id`` (included) or after ``cfg.max_new_tokens``."""
+    ``eos_id`` (included) or after ``cfg.max_new_tokens``. ``kv_cache``: decode against the
+    prefix's and the responses' cached keys / values (one new token per response and step);
+    False: recompute the whole sequence for every token (the reference; benchmarks)."""
     _check_prompt(model, prompt_ids)
     G, L = cfg.group_size, cfg.max_new_tokens
     combined_len = prompt_ids.shape[1] - 1 + visual.num_frames * model.img_seq_len
@@ -218,6 +260,7 @@ def rollout(
             f"language_max_sequence_length ({model._language_max_sequence_length})"
         )
     cache, P, last = _prefill(model, visual, prompt_ids)
+    temp = logprob_temperature(cfg)
     gens = [
         torch.Generator().manual_seed(zlib.crc32(f"{cfg.seed}/{prompt_seed}/{g}".encode()))
         for g in range(G)
@@ -228,9 +271,11 @@ def rollout(
     done = torch.zeros(G, dtype=torch.bool)
     logits = last.expand(G, -1)
     for t in range(L):
-        if t > 0:
-            logits = _decode_logits(model, cache, P, tokens, t)
-        lp = torch.log_softmax(logits.double(), dim=-1)
+        if t > 0 and kv_cache:
+            logits = _decode_step(model, cache, P, L, tokens[:, t - 1], t)
+        elif t > 0:
+            logits = _recompute_logits(model, visual, prompt_ids, tokens, t)
+        lp = torch.log_softmax(logits.double() / temp, dim=-1)
         for g in range(G):
             if done[g]:
                 continue
@@ -246,10 +291,11 @@ def rollout(
 # ----------------------------------------------------------------------------------------------
 # log-probs and the GRPO objective
 # ----------------------------------------------------------------------------------------------
-def response_logprobs(model, visual, prompt_ids, tokens, lengths) -> List[tuple]:
+def response_logprobs(model, visual, prompt_ids, tokens, lengths, temperature=1.0) -> List[tuple]:
     """Per response ``g``: ``(lp [s_local], index [s_local], valid [s_local])``, this rank's
     per-token log-probs of response tokens under ``model`` (Megatron's language forward in the
-    MM-SP layout, log-softmax of the full-vocabulary logits, gradients when enabled);
+    MM-SP layout, log-softmax of the full-vocabulary logits / ``temperature``, gradients when
+    enabled);
     ``index``: the response offset of each."""
     group, _, cp = _cp(model)
     out = []
@@ -271,7 +317,8 @@ def response_logprobs(model, visual, prompt_ids, tokens, lengths) -> List[tuple]
             decoder_input=combined,
             runtime_gather_output=True,
         )  # [1, s_local, V] (Megatron's loss would cast them to float32: log-probs here instead)
-        lp = torch.log_softmax(logits[0].to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))
+        lp = torch.log_softmax(logits / temperature, -1)
         out.append((lp.gather(1, labels[pos][:, None])[:, 0], index.clamp(0, n - 1), valid))
     return out
 
@@ -290,35 +337,70 @@ def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
     return (r - r.mean()) / (r.std() + eps)
 
 
-def grpo_token_terms(lp, old_lp, ref_lp, adv, clip, kl_coef):
-    """Per-token loss ``-min(ratio A, clip(ratio, 1 - c, 1 + c) A) + kl_coef * k3`` with
-    ``ratio = exp(lp - old)``, ``k3 = exp(ref - lp) - (ref - lp) - 1``; also the clipped flags."""
-    ratio = torch.exp(lp - old_lp)
-    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
-    d = ref_lp - lp
-    k3 = torch.exp(d) - d - 1
-    clipped = ((ratio < 1 - clip) & (adv < 0)) | ((ratio > 1 + clip) & (adv > 0))
-    return pg + kl_coef * k3, k3, clipped
+def logprob_temperature(cfg: RLConfig) -> float:
+    """The temperature of every log-prob of the objective: the rollout's (Long-RL divides the
+    logits by it too), 1 for greedy rollouts (temperature 0)."""
+    return float(cfg.temperature) if cfg.temperature > 0 else 1.0
+
+
+def grpo_token_terms(lp, old_lp, ref_lp, adv, cfg: RLConfig):
+    """Per-token loss ``pg + kl_coef * k3`` and ``(loss, k3, clipped)`` (clipped: the tokens whose
+    gradient the clip or the dual clip removed). With ``d = clamp(lp - old, +-20)``, ratio
+    ``exp(d)``, the clipped ratio ``exp(clamp(d, log(1 - clip), log(1 + clip_high)))``:
+    ``pg = max(-A ratio, -A clipped)``; with ``dual_clip`` and ``A < 0`` also ``min(pg,
+    -A dual_clip)``; ``k3 = exp(e) - e - 1`` with ``e = clamp(ref - lp, +-20)``, clamped to
+    ``+-kl_clamp`` when set. The rules of Long-RL's ``compute_policy_loss`` / ``compute_kl
+    ("low_var_kl")`` (verl/trainer/core_algos.py); with the defaults it is the symmetric PPO clip
+    and the plain k3 (the +-20 clamps only keep ``exp`` finite)."""
+    high = cfg.clip if cfg.clip_high is None else cfg.clip_high
+    d = torch.clamp(lp - old_lp, -20.0, 20.0)
+    ratio = torch.exp(d)
+    clipped_ratio = torch.exp(torch.clamp(d, math.log(1 - cfg.clip), math.log1p(high)))
+    pg1, pg2 = -adv * ratio, -adv * clipped_ratio
+    pg = torch.maximum(pg1, pg2)
+    clipped = pg1 < pg2
+    if cfg.dual_clip is not None and adv < 0:
+        pg3 = -adv * cfg.dual_clip
+        clipped = clipped | (pg > pg3)
+        pg = torch.minimum(pg, pg3 * torch.ones_like(pg))
+    e = torch.clamp(ref_lp - lp, -20.0, 20.0)
+    k3 = torch.exp(e) - e - 1
+    if cfg.kl_clamp is not None:
+        k3 = torch.clamp(k3, -cfg.kl_clamp, cfg.kl_clamp)
+    return pg + cfg.kl_coef * k3, k3, clipped
+
+
+def token_normalisers(cfg: RLConfig, micro_tokens: Sequence[int], global_tokens: int, dp: int):
+    """The divisor of each micro-batch's token sum (this DP rank's micro-batches of one
+    mini-batch, ``micro_tokens`` response tokens each): ``global_token_mean`` (ours) divides by
+    ``global_tokens``, the response tokens of the mini-batch over all DP ranks;
+    ``micro_token_mean`` (Long-RL's ``loss_avg_mode: token``) takes each micro-batch's token mean,
+    averaged over the micro-batches and the DP ranks (``mean / n_micro``, DDP's DP average)."""
+    if cfg.loss_agg == "global_token_mean":
+        return [float(global_tokens)] * len(micro_tokens)
+    return [float(t) * len(micro_tokens) * dp for t in micro_tokens]
 
 
 def grpo_loss(
     policy, reference, visual, prompt_ids, ro: Rollout, rewards, cfg, total_tokens, ref_visual=None
 ):
     """This rank's share of the GRPO loss of one group: the sum over this rank's response tokens
-    of ``grpo_token_terms``, divided by ``total_tokens`` (every response token of the global batch,
-    all groups and DP ranks). Summed over the CP group (as gradient reduction does) it is the
-    loss. ``visual`` feeds the policy; ``ref_visual`` (default ``visual``) the reference: its own
-    encoding when the encoder trains (``rl.train_encoder``). Returns ``(loss, stats)`` (stats:
-    this rank's sums of kl and clipped tokens)."""
+    of ``grpo_token_terms``, divided by ``total_tokens`` (``token_normalisers``: by default every
+    response token of the global batch, all groups and DP ranks). Summed over the CP group (as
+    gradient reduction does) it is the loss. Log-probs at ``logprob_temperature``. ``visual``
+    feeds the policy; ``ref_visual`` (default ``visual``) the reference: its own encoding when the
+    encoder trains (``rl.train_encoder``). Returns ``(loss, stats)`` (stats: this rank's sums of
+    kl and clipped tokens)."""
     adv = group_advantages(rewards, cfg.eps)
-    pol = response_logprobs(policy, visual, prompt_ids, ro.tokens, ro.lengths)
+    temp = logprob_temperature(cfg)
+    pol = response_logprobs(policy, visual, prompt_ids, ro.tokens, ro.lengths, temp)
     with torch.no_grad():
         ref_visual = visual if ref_visual is None else ref_visual
-        ref = response_logprobs(reference, ref_visual, prompt_ids, ro.tokens, ro.lengths)
+        ref = response_logprobs(reference, ref_visual, prompt_ids, ro.tokens, ro.lengths, temp)
     loss, kl, clipped = 0.0, 0.0, 0.0
     for g, ((lp, idx, valid), (rlp, _, _)) in enumerate(zip(pol, ref)):
         old = ro.logprobs[g].index_select(0, idx)
-        terms, k3, cl = grpo_token_terms(lp, old, rlp, adv[g], cfg.clip, cfg.kl_coef)
+        terms, k3, cl = grpo_token_terms(lp, old, rlp, adv[g], cfg)
         m = valid.to(lp.dtype)
         loss = loss + (terms * m).sum()
         kl += float((k3 * m).sum().detach())

@@ -33,6 +33,18 @@ def check_flow_rl(config, placed: bool = False) -> None:
         raise ValueError("parallel.fsdp (True) must be false with train.objective 'grpo'")
     if d.buckets is not None:
         raise ValueError("data.buckets must be null with train.objective 'grpo' (fixed shapes)")
+    rl = config.rl
+    for name, off in (("dual_clip", None), ("kl_clamp", None), ("mini_batches", 1)):
+        if getattr(rl, name) != off:
+            raise ValueError(
+                f"rl.{name} ({getattr(rl, name)!r}) must be {off!r} with a diffusion family's "
+                f"GRPO (a VLM option: not built for Flow-GRPO)"
+            )
+    if rl.loss_agg != "global_token_mean":
+        raise ValueError(
+            f"rl.loss_agg ({rl.loss_agg!r}) must be 'global_token_mean' with a diffusion "
+            f"family's GRPO (the loss is the mean over the global batch's groups)"
+        )
     if placed:
         raise ValueError(
             f"data.num_frames ({d.num_frames}) must give latent token frames that "

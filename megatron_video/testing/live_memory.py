@@ -32,13 +32,15 @@ class LiveTensors(TorchDispatchMode):
     def __init__(self, exclude: Tuple[torch.Tensor, ...] = (), resized: bool = False):
         super().__init__()
         self.resized = resized  # storages may be freed / re-allocated in place: exact peaks
-        self.live: Dict[int, tuple] = {}
+        self.live: Dict[int, tuple] = {}  # keyed by the storage itself (``_cdata``), not its data
+        # pointer: a storage resized in place gets a new pointer, and a new storage may take the
+        # freed address of one resized to 0
         self.current = 0
         self.peak = 0
         self.held: List[Tuple[int, str]] = []
         for t in exclude:  # pre-existing storages: seen, never counted
             st = t.untyped_storage()
-            self.live[st.data_ptr()] = (StorageWeakRef(st), 0, "")
+            self.live[st._cdata] = (StorageWeakRef(st), 0, "")
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _, _) in self.live.items() if ref.expired()]:
@@ -51,10 +53,16 @@ class LiveTensors(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             st = t.untyped_storage()
-            key = st.data_ptr()
-            if key and key not in self.live:
+            key = st._cdata
+            if not st.data_ptr():
+                continue
+            if key not in self.live:
                 self.live[key] = (StorageWeakRef(st), st.nbytes(), f"{func.__name__} @ {_where()}")
                 self.current += st.nbytes()
+            elif st.nbytes() > self.live[key][1] and self.live[key][2]:  # grown in place
+                ref, n, label = self.live[key]
+                self.live[key] = (ref, st.nbytes(), label)
+                self.current += st.nbytes() - n
         if self.current > self.peak:
             if self.resized:  # ``current`` may overcount (``_exact``): the exact bytes then
                 exact, held = self._exact()
@@ -69,13 +77,14 @@ class LiveTensors(TorchDispatchMode):
         return out
 
     def _exact(self) -> Tuple[int, List[Tuple[int, str]]]:
-        """Bytes of the live storages at their current sizes, each once (``resized``: a storage
-        freed and re-allocated in place, ``resize_`` as FSDP does with gathered weights, which no
-        op reports, keeps its entry, and its new data pointer makes another). O(live storages)."""
-        sizes: Dict[int, Tuple[int, str]] = {}
+        """Bytes of the live storages at their current sizes (``resized``: a storage freed and
+        re-allocated in place, ``resize_`` as FSDP does with gathered weights, which no op
+        reports, keeps its entry). O(live storages)."""
+        held = []
         for ref, n, label in self.live.values():
-            if n and not ref.expired() and ref.cdata not in sizes:
+            if n and not ref.expired():
                 now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-                sizes[ref.cdata] = (now, label)
-        held = sorted(((n, label) for n, label in sizes.values() if n), reverse=True)
+                if now:
+                    held.append((now, label))
+        held.sort(reverse=True)
         return sum(n for n, _ in held), held

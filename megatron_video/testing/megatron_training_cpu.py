@@ -1,7 +1,8 @@
 """Test tier only: run Megatron-LM's real ``megatron.training.pretrain()`` on CPU ranks (gloo).
 
 ``megatron.training`` (shipped by the megatron-core 0.19 wheel) assumes CUDA in the places below;
-:func:`apply` fakes exactly those, for the real-``pretrain()`` tests (tests/test_pretrain_real.py,
+:func:`apply` fakes exactly those (plus one test-time cost, the checkpoint writer's spawned
+Manager), for the real-``pretrain()`` tests (tests/test_pretrain_real.py,
 docs/launch.md). Users on GPUs never load this module; ``compat.cpu_mode`` (which covers
 megatron.core) is not extended by it. Each patch names the Megatron file and the assumption, is
 applied only where that attribute exists (feature detection, no version numbers) and is listed by
@@ -21,6 +22,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import queue
 import runpy
 import sys
 from typing import List, Tuple
@@ -147,6 +149,17 @@ def apply() -> List[Tuple[str, str]]:
             "megatron.training.initialize._warmup_jit_function",
             "JIT warm-up of fused kernels on 'cuda' tensors (CUDA generator)",
         )
+    writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if "--async-save" not in sys.argv and getattr(writer, "_results_queue", ()) is None:
+        # Not a CUDA assumption but a test-time cost: the torch_dist writer collects its results
+        # through a queue of a multiprocessing Manager it starts with "spawn" on the first save,
+        # which re-imports the entry script (torch, Megatron: ~5 s of CPU per rank, per job). A
+        # synchronous save writes from threads of this process: a thread queue carries the same.
+        writer._results_queue = queue.Queue()
+        _note(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
+            "a spawned Manager's queue on the first save (a thread queue: saves are synchronous)",
+        )
     arguments = importlib.import_module("megatron.training.arguments")
     if hasattr(arguments, "get_device_arch_version"):
         # arguments.py reads the GPU architecture when TP or CP > 1 (CUDA_DEVICE_MAX_CONNECTIONS
@@ -164,12 +177,65 @@ def applied() -> List[Tuple[str, str]]:
 
 
 def main(argv: List[str]) -> None:
-    """``megatron_training_cpu.py SCRIPT ARGS...``: apply the patches, run SCRIPT as __main__."""
+    """``megatron_training_cpu.py SCRIPT ARGS...``: apply the patches, run SCRIPT as __main__;
+    ``megatron_training_cpu.py --runs FILE``: the runs FILE lists, one after another (:func:`runs`)."""
     if not argv:
-        raise SystemExit("usage: megatron_training_cpu.py SCRIPT [ARGS...]")
+        raise SystemExit("usage: megatron_training_cpu.py SCRIPT [ARGS...] | --runs FILE")
     apply()
+    if argv[0] == "--runs":
+        runs(argv[1])
+        return
     sys.argv = list(argv)
     runpy.run_path(argv[0], run_name="__main__")
+
+
+def runs(path: str) -> None:
+    """Several launches in one ``torchrun``: FILE is JSON, ``[{"argv": [SCRIPT, ARGS...], "log":
+    PREFIX, "may_fail": bool}, ...]``. Each run writes this rank's output to ``PREFIX.rankR`` and
+    ends with a line ``exit status N``; between runs Megatron's global state is destroyed
+    (``megatron.training.training.destroy_global_state``, what Megatron's in-process restart
+    calls) with the groups and state a run leaves (``testing.pool``'s reset). A run that fails,
+    unless it ``may_fail``, ends the process (and torchrun stops the other ranks)."""
+    import json
+    import os
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    from megatron_video.testing.pool import _reset_rank_state
+
+    plan = json.loads(open(path).read())
+    destroy = importlib.import_module("megatron.training.training").destroy_global_state
+    rank = os.environ.get("RANK", "0")
+    for run in plan:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(f"{run['log']}.rank{rank}", "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            status, t0 = 0, time.time()
+            try:
+                sys.argv = list(run["argv"])
+                runpy.run_path(sys.argv[0], run_name="__main__")
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            print(f"exit status {status} after {time.time() - t0:.1f} s", flush=True)
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        if status and not run.get("may_fail"):
+            raise SystemExit(status)
+        if dist.is_initialized():
+            dist.barrier()
+        destroy()
+        _reset_rank_state()
 
 
 if __name__ == "__main__":

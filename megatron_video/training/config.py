@@ -42,6 +42,7 @@ __all__ = [
 
 OBJECTIVES = ("edm", "flow", "lm")  # lm: next-token cross-entropy (model.family video_llava)
 NONFINITE_POLICIES = ("skip", "stop")
+PATH_FIELDS = ("vae.weights", "vae.diffusers", "data.text_encoder", "model.hf_config")  # to YAML
 TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 8  # the project's causal VAE (models.vae)
 BUCKET_DERIVED = ("patch_size", "spatial_stride", "temporal_stride")  # bucket_grid sets them
 
@@ -75,6 +76,7 @@ class ModelSection:
     # WanTransformer3DModel folder or a checkpoint from models/wan/convert.py; timestep per token
     init_from: Optional[str] = None
     per_token_timesteps: bool = False
+    hf_config: Optional[str] = None  # qwen_vl: a Qwen2.5-VL config.json / folder, every shape
 
     def validate(self) -> None:
         m = self
@@ -155,10 +157,8 @@ class ParallelSection:
             )
         if world_size % (TP * PP * CP):
             raise ValueError(
-                f"world size ({world_size}) must be divisible by "
-                f"parallel.tensor_model_parallel_size "
-                f"* pipeline_model_parallel_size * context_parallel_size "
-                f"({TP} * {PP} * {CP})"
+                f"world size ({world_size}) must be divisible by parallel.tensor_model_parallel_size "
+                f"* pipeline_model_parallel_size * context_parallel_size ({TP} * {PP} * {CP})"
             )
         if p.ranks_per_node is not None:  # the node-placement rule lives in parallel.topology
             check_ranks_per_node(p.ranks_per_node, world_size, "parallel.ranks_per_node")
@@ -470,7 +470,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config ({path!r}) must hold a mapping of sections")
-        for sec, key in (("vae", "weights"), ("vae", "diffusers"), ("data", "text_encoder")):
+        for sec, key in (name.split(".") for name in PATH_FIELDS):
             value = (data.get(sec) or {}).get(key)  # relative to the YAML file, not the CWD
             if value and not Path(value).is_absolute():
                 data[sec][key] = str((p.parent / value).resolve())
@@ -542,7 +542,8 @@ def validate(config: Config, world_size: int, has_gpu: Optional[bool] = None) ->
     _model_fits_parallel(config)
     config.data.validate()
     config.vae.validate()
-    vae_fits_data(config)
+    if "lm" not in family.objectives:  # the VLM families take pixels: no VAE, no 1 + 4k frames
+        vae_fits_data(config)
     _patch_fits_latents(config)
     if config.data.buckets is not None:
         _check_buckets(config, family)
@@ -560,9 +561,8 @@ def validate(config: Config, world_size: int, has_gpu: Optional[bool] = None) ->
     PP = config.parallel.pipeline_model_parallel_size
     if config.train.sample and PP > 1:
         raise ValueError(
-            f"train.sample (True) is not supported with "
-            f"parallel.pipeline_model_parallel_size ({PP}) > 1; set "
-            f"train.sample=false"
+            f"train.sample (True) is not supported with parallel.pipeline_model_parallel_size "
+            f"({PP}) > 1; set train.sample=false"
         )
 
 
@@ -629,6 +629,7 @@ def _model_fits_parallel(config: Config) -> None:
 # fields only some families read (FamilySpec.model_fields names them): refused where unread
 FAMILY_MODEL_FIELDS = (
     "init_from",
+    "hf_config",
     "per_token_timesteps",
     "data.i2v_probability",
     "data.text_encoder",
@@ -693,7 +694,6 @@ def _global_batch_fits(config: Config, world_size: int) -> None:
     _pos_int("train.global_batch_size", gbs)
     if gbs % (t.micro_batch_size * dp):
         raise ValueError(
-            f"train.global_batch_size ({gbs}) must be divisible by "
-            f"train.micro_batch_size ({t.micro_batch_size}) * data-parallel size "
-            f"({dp})"
+            f"train.global_batch_size ({gbs}) must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) * data-parallel size ({dp})"
         )

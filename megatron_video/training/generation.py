@@ -383,13 +383,15 @@ def _project_decoder(config: Config):
 class _VideoSink:
     """The logging rank's output: each finished block VAE-decoded (given all latents before it:
     the causal decoder's frames depend on them) and appended to an mp4 (libx264); a GIF at the
-    end. ``decode(latents [1, z, F, h, w]) -> video [1, 3, T, H, W]`` in ``[-1, 1]``.
-    ``add(j, block tokens)``; ``close() -> (mp4, gif, frames written, tokens)``."""
+    end, captioned with the prompt in force at each frame (``switches``: ``(raw frame, prompt)``).
+    ``decode(latents [1, z, F, h, w]) -> video [1, 3, T, H, W]`` in ``[-1, 1]``.
+    ``add(j, block tokens)``; ``close() -> (mp4, gif, frames written, captions, tokens)``."""
 
-    def __init__(self, output: str, config: Config, decode, prompt: str, fps: int = 8):
+    def __init__(self, output: str, config: Config, decode, prompt: str, switches=(), fps=8):
         import av
 
         self.out, self.config, self.decode, self.prompt = Path(output), config, decode, prompt
+        self.switches = sorted(switches)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tokens, self.frames = [], []
         self._c = av.open(str(self.out.with_suffix(".mp4")), "w")
@@ -424,11 +426,16 @@ class _VideoSink:
             self._c.mux(pkt)
         self._c.close()
         gif = self.out.with_suffix(".gif")
-        write_gif(gif, [torch.stack(self.frames, dim=1)], labels=[self.prompt])
+        captions = [
+            ([self.prompt] + [p for f, p in self.switches if f <= t])[-1]
+            for t in range(len(self.frames))
+        ]
+        write_gif(gif, [torch.stack(self.frames, dim=1)], labels=[captions])
         return dict(
             mp4=str(self.out.with_suffix(".mp4")),
             gif=str(gif),
             written_frames=len(self.frames),
+            captions=captions,
             tokens=torch.cat(self.tokens, dim=1),
         )
 
@@ -548,7 +555,7 @@ def generate(
         g = sample_generator(seed, 10**9 + 1, j)
         return torch.randn(1, nb * Hp * Wp, C, generator=g).to(dev)
 
-    writer = _VideoSink(output, config, decode, prompt) if dist.get_rank() == 0 else None
+    writer = _VideoSink(output, config, decode, prompt, switches) if dist.get_rank() == 0 else None
     first = None if first is None else first.to(dev)
     blocks = Generator(model, config, family, groups).ar_blocks(
         cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds,

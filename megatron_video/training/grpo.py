@@ -58,7 +58,15 @@ class GRPOTrainer(Trainer):
 
     def _prepare_model(self, model) -> None:
         """Freeze the encoder (unless ``rl.train_encoder``); build the reference: the same model
-        (``model.init_from`` loaded again), frozen, with the policy's starting weights."""
+        (``model.init_from`` loaded again), frozen, with the policy's starting weights. Checks
+        that ``rl.mini_batches`` divides this rank's micro-batches (every rank, before any
+        collective)."""
+        k, n = self.config.rl.mini_batches, self.num_microbatches
+        if n % k:
+            raise ValueError(
+                f"rl.mini_batches ({k}) must divide the micro-batches per DP rank ({n} = "
+                f"train.global_batch_size / (train.micro_batch_size x DP {self.dp_size}))"
+            )
         if not self.config.rl.train_encoder:
             for name, p in model.named_parameters():
                 if name.startswith(ENCODER):
@@ -75,60 +83,96 @@ class GRPOTrainer(Trainer):
         super()._build()
         self.reference.to(next(self.model.parameters()).dtype)  # bf16 under Float16Module
 
-    def forward_backward(self, step: int) -> float:
+    def _rollouts(self, step: int) -> List[tuple]:
+        """``(micro-batch index, frames, prompt, visual, rollout, rewards)`` of this rank's
+        prompts; a prompt too long or a bad reward is raised by every rank (agree-then-raise)."""
         cfg, policy = self.config.rl, self.model
         dtype = next(policy.parameters()).dtype  # bf16 under Float16Module
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
         groups, reason = [], None
         try:  # a prompt too long or a bad reward: raised by a whole DP group (same prompts)
-            for mb in checked_step_batches(self.batches, step):
+            for i, mb in enumerate(checked_step_batches(self.batches, step)):
                 for frames, prompt, answer, position in prompts_of(mb):
                     frames, prompt = frames.to(self.device, dtype), prompt.to(self.device)
                     visual = rl.encode_video(policy, frames)  # once: rollout, reference, policy
                     ro = rl.rollout(policy, visual, prompt, cfg, prompt_seed=position)
                     rewards = rl.score(cfg, ro, answer_id=answer, format_ids=ANSWER_IDS)
-                    groups.append((frames, prompt, visual, ro, rewards))
+                    groups.append((i, frames, prompt, visual, ro, rewards))
         except ValueError as e:
             reason = str(e)
         ckpt.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
-        r = torch.cat([g[4] for g in groups])
-        counts = torch.tensor(
-            [sum(int(g[3].lengths.sum()) for g in groups), r.sum(), (r * r).sum(), r.numel()],
-            dtype=torch.float64,
-        )
-        comm.all_reduce(counts, self.dp_group, tag="rl.counts")  # every response of the batch
-        tokens, r_sum, r_sq, n = counts.tolist()
+        return groups
+
+    def _update(self, groups: List[tuple]) -> torch.Tensor:
+        """Gradients of one mini-batch (``groups``): ``[loss, kl, clipped, tokens]`` summed over
+        the CP and DP ranks; normalised by ``rl.loss_agg`` (``token_normalisers``)."""
+        cfg, policy = self.config.rl, self.model
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        micro = sorted({g[0] for g in groups})
+        micro_tokens = [sum(int(g[4].lengths.sum()) for g in groups if g[0] == i) for i in micro]
+        tokens = torch.tensor([float(sum(micro_tokens))], dtype=torch.float64)
+        comm.all_reduce(tokens, self.dp_group, tag="rl.tokens")  # the mini-batch's, all DP ranks
+        norms = rl.token_normalisers(cfg, micro_tokens, int(tokens), self.dp_size)
+        norms = dict(zip(micro, norms))
         scale = self.dp_size * self.cp_size  # DDP averages the gradients over DP x CP
-        sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, clipped tokens (this rank's share)
-        for frames, prompt, visual, ro, rewards in groups:
+        sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, clipped (this rank's share)
+        for i, frames, prompt, visual, ro, rewards in groups:
             ref_visual = None
             if cfg.train_encoder:  # the policy re-encodes with gradients, the reference its own
                 ref_visual = rl.encode_video(self.reference, frames)
                 visual = rl.encode_video(policy, frames, grad=True)
             loss, stats = rl.grpo_loss(
-                policy, self.reference, visual, prompt, ro, rewards, cfg, tokens, ref_visual
+                policy, self.reference, visual, prompt, ro, rewards, cfg, norms[i], ref_visual
             )
             (loss * scale).backward()
             sums += torch.tensor([float(loss), stats["kl_sum"], stats["clipped"]])
         self.tcfg.finalize_model_grads_func([self.ddp])
         comm.all_reduce(sums, self.groups.cp_group, tag="rl.loss")
         comm.all_reduce(sums, self.dp_group, tag="rl.loss")
-        loss, kl, clipped = sums.tolist()
+        return torch.cat([sums, tokens])
+
+    def train_step(self, step: int) -> Dict[str, float]:
+        """Rollouts of the whole step's prompts with the policy as it is, then ``rl.mini_batches``
+        updates, each on its share of this rank's micro-batches (Long-RL's mini-batches: from the
+        second on the policy has moved, so the ratio differs from 1 and the clip acts). A
+        non-finite loss or gradient skips that update and ends the step (``train_step``)."""
+        cfg = self.config.rl
+        groups = self._rollouts(step)
+        r = torch.cat([g[5] for g in groups])
+        counts = torch.tensor([r.sum(), (r * r).sum(), r.numel()], dtype=torch.float64)
+        comm.all_reduce(counts, self.dp_group, tag="rl.counts")  # every response of the batch
+        r_sum, r_sq, n = counts.tolist()
+        k = cfg.mini_batches
+        total = torch.zeros(4, dtype=torch.float64)
+        rec = {}
+        for j in range(k):
+            sums = self._update([g for g in groups if g[0] * k // self.num_microbatches == j])
+            total += sums
+            finite, loss = self._all_finite(float(sums[0]))
+            if not finite:
+                self.optimizer.zero_grad()
+                rec = {"loss": loss, "grad_norm": None, "skipped": True, "nonfinite": True}
+                break
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=self.global_batch // k)
+            rec = {
+                "loss": float(total[0]) / (j + 1),  # the mean of the mini-batches' losses
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "skipped": not ok or rec.get("skipped", False),
+                "nonfinite": False,
+            }
+        rec["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        _, kl, clipped, tokens = total.tolist()
         var = max(0.0, r_sq / n - (r_sum / n) ** 2) * n / max(n - 1, 1)
-        self._rl = dict(
+        rec.update(
             reward_mean=r_sum / n,
             reward_std=var**0.5,
             kl=kl / tokens,
             response_len=tokens / n,
             clip_frac=clipped / tokens,
         )
-        return loss
-
-    def train_step(self, step: int) -> Dict[str, float]:
-        rec = super().train_step(step)
-        rec.update(self._rl)
         return rec
 
     def _postfix(self, rec: Dict) -> Dict[str, str]:

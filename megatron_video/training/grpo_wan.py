@@ -32,6 +32,7 @@ from .batches.clips import fixed_latent_shape
 from .batches.fixed import rank_token_ids
 from .batches.protocol import checked_step_batches
 from .grpo import GRPOTrainer
+from .trainer import Trainer
 
 __all__ = ["FlowGRPOTrainer", "WanGRPOTrainer"]
 
@@ -59,7 +60,7 @@ class FlowGRPOTrainer(GRPOTrainer):
         full = cps.gather_tokens(mb.clean[j : j + 1], ids, self.groups.cp_group, n)
         return dict(caption=mb.captions[j], clean=self._latents(full)[0], position=mb.indices[j])
 
-    def _rollouts(self, step: int, dtype) -> Tuple[list, object]:
+    def _flow_rollouts(self, step: int, dtype) -> Tuple[list, object]:
         groups, reason = [], None
         try:  # a bad reward: raised by a whole CP group (the same latents), agreed below
             for mb in checked_step_batches(self.batches, step):
@@ -79,7 +80,7 @@ class FlowGRPOTrainer(GRPOTrainer):
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        groups, reason = self._rollouts(step, dtype)
+        groups, reason = self._flow_rollouts(step, dtype)
         ckpt.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
         r = torch.cat([g[1] for g in groups]) if groups else torch.zeros(0, dtype=torch.float64)
         counts = torch.tensor([len(groups), r.sum(), (r * r).sum(), r.numel()], dtype=torch.float64)
@@ -89,7 +90,7 @@ class FlowGRPOTrainer(GRPOTrainer):
         kw = dict(
             noise_level=rl.noise_level,
             clip_low=rl.clip,
-            clip_high=rl.clip if rl.clip_high == -1 else rl.clip_high,
+            clip_high=rl.clip if rl.clip_high is None else rl.clip_high,
             kl_coef=rl.kl_coef,
             eps=rl.eps,
             scale=self.dp_size * self.cp_size / n_groups,  # DDP averages over DP x CP
@@ -110,6 +111,13 @@ class FlowGRPOTrainer(GRPOTrainer):
             clip_frac=clip_frac,
         )
         return loss
+
+    def train_step(self, step: int) -> dict:
+        """The supervised trainer's step (``forward_backward`` above, one optimiser step) with
+        the rewards' records (``GRPOTrainer``'s own step is the VLM's)."""
+        rec = Trainer.train_step(self, step)
+        rec.update(self._rl)
+        return rec
 
 
 class WanGRPOTrainer(FlowGRPOTrainer):

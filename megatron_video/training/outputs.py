@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Union
 
 import numpy as np
 import torch
@@ -59,9 +59,14 @@ def video_to_frames(video: torch.Tensor, scale: int = 4) -> List[np.ndarray]:
 
 
 def write_gif(
-    path, videos: Sequence[torch.Tensor], labels: Sequence[str] = (), scale: int = 4, fps: int = 8
+    path,
+    videos: Sequence[torch.Tensor],
+    labels: Sequence[Union[str, Sequence[str]]] = (),
+    scale: int = 4,
+    fps: int = 8,
 ) -> Path:
-    """Side-by-side GIF of equally long videos ``[3, T, H, W]``, a caption strip above each."""
+    """Side-by-side GIF of equally long videos ``[3, T, H, W]``, a caption strip above each: a
+    label is one string, or one per frame (e.g. the prompt in force at each frame)."""
     from PIL import Image, ImageDraw
 
     columns = [video_to_frames(v, scale) for v in videos]
@@ -78,7 +83,8 @@ def write_gif(
             x = pad + i * (w + pad)
             canvas.paste(Image.fromarray(col[t]), (x, strip + pad))
             if i < len(labels):
-                draw.text((x, 2), labels[i], fill=(230, 230, 230))
+                label = labels[i] if isinstance(labels[i], str) else labels[i][t]
+                draw.text((x, 2), label, fill=(230, 230, 230))
         frames.append(canvas)
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
     return Path(path)

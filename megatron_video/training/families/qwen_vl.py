@@ -2,7 +2,10 @@
 
 ``mmsp.qwen_vl.MMSPQwenVLModel`` (Megatron ``GPTModel`` with M-RoPE + transformers' vision tower)
 on ``data.video_qa``, no VAE. Sizes: the LLM from the ``model`` section; the vision tower depth 2,
-width ``hidden_size / 2``, 4-pixel patches, temporal patch 2, 2x2 merger. Each sample is written
+width ``hidden_size / 2``, 4-pixel patches, temporal patch 2, 2x2 merger. With
+``model.hf_config`` (a Qwen2.5-VL ``config.json``, e.g. the published 7B's) every shape comes
+from that file instead (the model section's sizes must agree; the patch sizes and special tokens
+are the file's). Each sample is written
 as the HF processor writes it (``to_qwen_sample``): ``<vision_start>``, the expanded video
 placeholders, ``<vision_end>``, the question; the frames patchified in the processor's order.
 """
@@ -28,11 +31,67 @@ PATCH, TEMPORAL, MERGE = 4, 2, 2
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = (len(QA_VOCAB) + i for i in range(4))
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """The processor's numbers: patch, temporal patch, merge; the video and vision start / end
+    token ids."""
+
+    patch: int = PATCH
+    temporal: int = TEMPORAL
+    merge: int = MERGE
+    video_id: int = VIDEO_ID
+    start_id: int = START_ID
+    end_id: int = END_ID
+
+
+def geometry_of(config: Config) -> Geometry:
+    if config.model.hf_config is None:
+        return Geometry()
+    hf = hf_config_of(config)
+    v = hf.vision_config
+    return Geometry(
+        v.patch_size,
+        v.temporal_patch_size,
+        v.spatial_merge_size,
+        hf.video_token_id,
+        hf.vision_start_token_id,
+        hf.vision_end_token_id,
+    )
+
+
+def _load_hf_config(path: str):
+    """``model.hf_config``: a Qwen2.5-VL ``config.json`` or its folder (``ValueError`` naming the
+    field for anything else)."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5_VLConfig
+
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        import json
+
+        kind = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"model.hf_config ({path!r}) must be a Qwen2.5-VL config.json or its folder ({e})"
+        ) from e
+    if kind != "qwen2_5_vl":
+        raise ValueError(
+            f"model.hf_config ({path!r}) must be a Qwen2.5-VL config (model_type 'qwen2_5_vl', "
+            f"not {kind!r})"
+        )
+    return Qwen2_5_VLConfig.from_json_file(str(file))
+
+
 def hf_config_of(config: Config):
-    """The ``Qwen2_5_VLConfig`` of a ``qwen_vl`` training config."""
+    """The ``Qwen2_5_VLConfig`` of a ``qwen_vl`` training config: ``model.hf_config``'s, or the
+    tiny random one from the model section."""
     from transformers import Qwen2_5_VLConfig
 
     m = config.model
+    if m.hf_config is not None:
+        return _load_hf_config(m.hf_config)
     half = m.hidden_size // m.num_attention_heads // 2
     t = half // 4
     section = [t, (half - t) // 2, half - t - (half - t) // 2]
@@ -76,34 +135,40 @@ def hf_config_of(config: Config):
     )
 
 
-def patchify(frames: torch.Tensor) -> torch.Tensor:
-    """``[T, C, H, W]`` -> ``[ceil(T/2) * H/4 * W/4, C*2*4*4]`` in the Qwen2-VL processor's order
-    (temporal patch, merged row, merged column, row and column inside the 2x2 block)."""
-    if frames.shape[0] % TEMPORAL:  # as the processor: the last frame repeated
-        frames = torch.cat([frames, frames[-1:].expand(TEMPORAL - 1, *frames.shape[1:])])
+def patchify(frames: torch.Tensor, geo: Geometry = Geometry()) -> torch.Tensor:
+    """``[T, C, H, W]`` -> ``[ceil(T/t) * H/p * W/p, C*t*p*p]`` (``geo``: patch ``p`` = 4,
+    temporal ``t`` = 2, merge ``m`` = 2 by default) in the Qwen2-VL processor's order (temporal
+    patch, merged row, merged column, row and column inside the m x m block)."""
+    P, TP, M = geo.patch, geo.temporal, geo.merge
+    if frames.shape[0] % TP:  # as the processor: the last frame repeated
+        frames = torch.cat([frames, frames[-1:].expand(TP - 1, *frames.shape[1:])])
     T, C, H, W = frames.shape
-    gt, gh, gw = T // TEMPORAL, H // PATCH, W // PATCH
-    x = frames.reshape(gt, TEMPORAL, C, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    gt, gh, gw = T // TP, H // P, W // P
+    x = frames.reshape(gt, TP, C, gh // M, M, P, gw // M, M, P)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(gt * gh * gw, C * TEMPORAL * PATCH * PATCH)
+    return x.reshape(gt * gh * gw, C * TP * P * P)
 
 
-def to_qwen_sample(item: dict):
+def to_qwen_sample(item: dict, geo: Geometry = Geometry()):
     """A ``video_qa`` item -> ``(input_ids, pixel_values, grid_thw, hf_labels)``: the image token
     becomes ``<start> video*n <end>``; labels in HF's unshifted convention (one trailing slot)."""
     T, _, H, W = item["frames"].shape
-    grid = [-(-T // TEMPORAL), H // PATCH, W // PATCH]
-    n = grid[0] * grid[1] * grid[2] // MERGE**2
+    grid = [-(-T // geo.temporal), H // geo.patch, W // geo.patch]
+    n = grid[0] * grid[1] * grid[2] // geo.merge**2
     text = item["input_ids"][1:]
     ids = torch.cat(
-        [torch.tensor([START_ID] + [VIDEO_ID] * n + [END_ID]), text, torch.zeros(1).long()]
+        [
+            torch.tensor([geo.start_id] + [geo.video_id] * n + [geo.end_id]),
+            text,
+            torch.zeros(1).long(),
+        ]
     )
     labels = torch.full_like(ids, -100)
     off = n + 2  # position of input token i (>= 1) is i - 1 + off; its target sits one later
     mask = item["loss_mask"] > 0
     for i in torch.nonzero(mask).flatten().tolist():
         labels[i - 1 + off + 1] = int(item["labels"][i])
-    return ids, patchify(item["frames"]), torch.tensor(grid), labels
+    return ids, patchify(item["frames"], geo), torch.tensor(grid), labels
 
 
 @dataclass
@@ -118,9 +183,11 @@ class QwenVLBatch:
 class QwenVLBatches(VideoQABatches):
     """``VideoQABatches`` written as the Qwen2.5-VL processor writes samples."""
 
+    geometry: Geometry = Geometry()
+
     def from_positions(self, positions: List[int], step: int = 0) -> QwenVLBatch:
         items = [self.dataset[int(i) % len(self.dataset)] for i in positions]
-        parts = [to_qwen_sample(x) for x in items]
+        parts = [to_qwen_sample(x, self.geometry) for x in items]
         return QwenVLBatch(
             input_ids=torch.stack([p[0] for p in parts]),
             pixel_values_videos=torch.cat([p[1] for p in parts]),
@@ -138,8 +205,8 @@ class QwenVLObjective(LanguageModelObjective):
 
 
 def _seq_length(config: Config) -> int:
-    d, cp = config.data, config.parallel.context_parallel_size
-    n = -(-d.num_frames // TEMPORAL) * (d.height // PATCH) * (d.width // PATCH) // MERGE**2
+    d, cp, g = config.data, config.parallel.context_parallel_size, geometry_of(config)
+    n = -(-d.num_frames // g.temporal) * (d.height // g.patch) * (d.width // g.patch) // g.merge**2
     need = TEXT_LEN - 1 + n + 2 + 1
     return -(-need // (2 * cp)) * (2 * cp)
 
@@ -151,19 +218,41 @@ def _cp_comm_type(config: Config) -> str:
     return "p2p"
 
 
+def _check_hf_config(config: Config) -> None:
+    """``model.hf_config``: the model section's sizes must be the file's."""
+    m = config.model
+    t = hf_config_of(config).text_config
+    want = dict(
+        num_layers=t.num_hidden_layers,
+        hidden_size=t.hidden_size,
+        num_attention_heads=t.num_attention_heads,
+        num_query_groups=t.num_key_value_heads,
+        ffn_hidden_size=t.intermediate_size,
+    )
+    for name, value in want.items():
+        if getattr(m, name) != value:
+            raise ValueError(
+                f"model.{name} ({getattr(m, name)!r}) must equal model.hf_config's ({value}, "
+                f"{m.hf_config})"
+            )
+
+
 def _check(config: Config, world_size: int) -> None:
     m, d, p, t = config.model, config.data, config.parallel, config.train
-    if -(-d.num_frames // TEMPORAL) < p.context_parallel_size:
+    if m.hf_config is not None:
+        _check_hf_config(config)
+    g = geometry_of(config)
+    if -(-d.num_frames // g.temporal) < p.context_parallel_size:
         raise ValueError(
             f"data.num_frames ({d.num_frames}) must give >= parallel.context_parallel_size "
-            f"({p.context_parallel_size}) temporal patches of {TEMPORAL} frames (an odd count "
+            f"({p.context_parallel_size}) temporal patches of {g.temporal} frames (an odd count "
             f"repeats the last frame) for model.family 'qwen_vl'"
         )
     for name, side in (("height", d.height), ("width", d.width)):
-        if side % (PATCH * MERGE):
+        if side % (g.patch * g.merge):
             raise ValueError(
-                f"data.{name} ({side}) must be divisible by {PATCH * MERGE} for model.family "
-                f"'qwen_vl' (4-pixel patches merged 2x2)"
+                f"data.{name} ({side}) must be divisible by {g.patch * g.merge} for model.family "
+                f"'qwen_vl' ({g.patch}-pixel patches merged {g.merge}x{g.merge})"
             )
     head = m.hidden_size // m.num_attention_heads
     if head % 2 or head // 2 < 3 or (m.hidden_size // 2) % 2:
@@ -231,7 +320,9 @@ class QwenVLFamily(FamilySpec):
         )
 
     def make_batches(self, config: Config, **kw) -> QwenVLBatches:
-        return QwenVLBatches(config, kw["coords"].dp_rank, kw["coords"].dp_size)
+        batches = QwenVLBatches(config, kw["coords"].dp_rank, kw["coords"].dp_size)
+        batches.geometry = geometry_of(config)
+        return batches
 
 
 QWEN_VL = register_family(
@@ -239,6 +330,7 @@ QWEN_VL = register_family(
         name="qwen_vl",
         objectives=("lm",),
         check=_check,
+        model_fields=("hf_config",),
         summary="Qwen2.5-VL (GPTModel with M-RoPE + transformers' vision tower) with MM-SP: "
         "temporal patches sharded for the vision tower, one all-to-all-v into the 2D attention",
     )

@@ -61,8 +61,25 @@ def _cp_comm_type(config: Config) -> str:
     return "p2p"
 
 
+def _mini_batches_fit(config: Config, world_size: int) -> None:
+    """GRPO's ``rl.mini_batches`` divide the micro-batches of a DP rank."""
+    from ..config import data_parallel_size
+
+    t, k = config.train, config.rl.mini_batches
+    dp = data_parallel_size(config, world_size)
+    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    n_micro, rest = divmod(gbs, t.micro_batch_size * dp)
+    if t.objective == "grpo" and not rest and n_micro % k:
+        raise ValueError(
+            f"rl.mini_batches ({k}) must divide the micro-batches per DP rank ({n_micro} = "
+            f"train.global_batch_size {gbs} / (train.micro_batch_size {t.micro_batch_size} x "
+            f"DP {dp})): each update takes a whole number of micro-batches"
+        )
+
+
 def _check(config: Config, world_size: int) -> None:
     m, d, p, t = config.model, config.data, config.parallel, config.train
+    _mini_batches_fit(config, world_size)
     if d.height != d.width:
         raise ValueError(
             f"data.height ({d.height}) must equal data.width ({d.width}) for "
