@@ -286,6 +286,15 @@ def test_plan_json_at_81_frames_lists_cp_2_4_8_16_and_counts_the_padding(capsys)
         assert placed >= 0 and (placed == 0) == (
             21 % cp == 0 or (75600 * r["micro_batch_size"]) % (2 * cp) == 0
         ), r
+    best = {}  # docs/planner.md's table: the best fitting layout of each CP size
+    for r in (r for r in rows if r["fits"]):  # ranked: the first of a CP size is its best
+        best.setdefault(r["ulysses"] * r["ring"], r)
+    from megatron_video.testing.configs import REPO_ROOT
+
+    doc = (REPO_ROOT / "docs" / "planner.md").read_text()
+    for cp, r in best.items():
+        line = f"| {cp} | {r['layout']} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:.0f} |"
+        assert line in doc, line
     shape = model_shape(load_config(WAN14B))
     pad, balance = placement_overhead(shape, Layout(ulysses=1, ring=32))
     assert pad == 75648 / 75600 and balance == 2363 / 2362.5
