@@ -474,3 +474,124 @@ def test_cli_stdit_with_buckets_exits_2(root, capsys):
     args += ["model.family=stdit", "model.stdit_full_attention_layers=[1]"]
     assert main(args + [f"data.shards={root / 'wan'}"]) == 2
     assert "data.buckets is not supported by model.family 'stdit'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Wan's 81 frames in a mixed set, and TI2V with data.buckets (docs/wan.md, "Any length at any CP")
+# ---------------------------------------------------------------------------------------------
+SHAPES_81 = ((21, 4, 4), (1, 4, 6), (3, 6, 4), (21, 4, 6), (2, 4, 4), (21, 6, 4))
+
+
+@pytest.fixture(scope="module")
+def root81(tmp_path_factory):
+    """Clips of 81 raw frames (21 latent frames, 84 / 126 tokens) among short clips and images."""
+    from megatron_video.testing.mixed import TEXT, write_mixed_latent_shards
+
+    root = tmp_path_factory.mktemp("mixed81")
+    write_mixed_latent_shards(root / "wan", len(SHAPES_81), shapes=SHAPES_81, text=TEXT)
+    return root
+
+
+def _config81(root, i2v, **parallel):
+    cfg = tiny_mixed_config("wan", root, root / "wan", budget=128, **parallel)
+    cfg.data.buckets["max_frames"] = 81
+    cfg.data.i2v_probability = i2v
+    return cfg
+
+
+def _ti2v_piece_step(root, U, R, i2v):
+    """``_piece_step`` of ``wan`` on the 81-frame set with first-frame conditioning ``i2v``."""
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.families import get_family
+
+    cfg = _config81(root, i2v, context_parallel_size=U * R, ulysses_size=U, ring_size=R)
+    cfg.parallel.ranks_per_node = 2
+    cfg.train.global_batch_size = 2
+    with video_parallel(U, R, ranks_per_node=2, seed=0) as groups:
+        model = _model64(cfg)
+        maker = _maker(cfg, U=U, R=R, cp_rank=groups.cp_rank)
+        obj = get_family("wan").make_packed_objective(cfg)
+        total, mbs = torch.zeros((), dtype=torch.float64), list(maker.step_batches(0))
+        conds = []
+        for mb in mbs:
+            args, kwargs = obj.model_call(_float64(mb), True)
+            share = obj.loss(model(*args, **kwargs), mb)
+            share.backward()
+            total += share.detach()
+            c = mb.condition
+            conds.append(0 if c is None else int(c.sum()))
+            if c is not None:  # first-frame tokens: no loss
+                assert not bool((mb.loss_mask & c).any())
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if groups.cp_size > 1:
+            comm.all_reduce(total, groups.cp_group, tag="test.loss")
+            for g in grads.values():
+                comm.all_reduce(g, groups.cp_group, tag="test.grad")
+        n_loss = mbs[0].num_loss_tokens
+        clips = [mb.clip_ids for mb in mbs]
+        return dict(loss=float(total), grads=grads, clips=clips, conds=conds, n_loss=n_loss)
+
+
+def test_ti2v_with_buckets_at_cp4_equals_cp1(pool4, root81):
+    """TI2V (every clip I2V) with data.buckets, 81-frame clips packed with short ones, float64:
+    CP 4 (U2xR2) equals CP 1 (loss, every gradient); the first-frame tokens are held (no loss,
+    counted out of the step's loss tokens: ``h·w`` per clip) and change the loss."""
+    from megatron_video.testing.mixed import packed_maker
+
+    ref = pool4.run(_ti2v_piece_step, root81, 1, 1, 1.0)[0]
+    t2v = pool4.run(_ti2v_piece_step, root81, 1, 1, 0.0)[0]
+    cfg = _config81(root81, 1.0)
+    clips = packed_maker(cfg).clips
+    ids = [k for c in ref["clips"] for k in c]
+    assert any(clips[k].frames == 21 for k in ids)
+    positions = sum(clips[k].positions for k in ids)
+    assert ref["n_loss"] == t2v["n_loss"] - positions and sum(ref["conds"]) == positions
+    assert abs(ref["loss"] - t2v["loss"]) > 1e-6
+    for res in pool4.run(_ti2v_piece_step, root81, 2, 2, 1.0):
+        assert res["clips"] == ref["clips"] and sum(res["conds"]) <= positions
+        d_loss = abs(res["loss"] - ref["loss"])
+        d_grad = max(float((res["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
+        assert d_loss < 1e-12 and d_grad < 1e-11, (d_loss, d_grad)
+
+
+def _run81(root, out, steps, i2v):
+    import json
+    import warnings
+
+    from megatron_video.training import checkpoint as ckpt
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    cfg = _config81(root, i2v, context_parallel_size=4, ulysses_size=2, ring_size=2)
+    cfg.parallel.ranks_per_node = 2
+    cfg.output, cfg.train.steps = str(out), steps
+    cfg.train.save, cfg.train.resume = True, True
+    cfg.train.lr_decay_style = "constant"  # the LR of a step does not depend on train.steps
+    trainer = Trainer(cfg, progress=False, cpu=True)
+    try:
+        trainer.run()
+        step = ckpt.latest_step(trainer.checkpoint_dir)
+        ledger = ckpt.read_data_state(trainer.checkpoint_dir, step, "ledger")
+        losses = [h["loss"] for h in json.loads((out / "metrics.json").read_text())["history"]]
+        return dict(ledger=ledger, losses=losses)
+    finally:
+        trainer.close()
+
+
+def test_81_frame_bucket_trains_and_resumes_at_cp4(pool4, root81, tmp_path):
+    """An 81-frame bucket among short clips, TI2V with data.buckets, at CP 4 (U2xR2): 2 steps,
+    saved with the ledger, resumed to 3: the resumed step equals step 2 of an uninterrupted run
+    (bitwise; a constant LR, whose schedule does not depend on ``train.steps``)."""
+    from megatron_video.data.ledger import SampleLedger
+
+    straight = pool4.run(_run81, root81, tmp_path / "a", 3, 0.5)[0]
+    first = pool4.run(_run81, root81, tmp_path / "b", 2, 0.5)[0]
+    second = pool4.run(_run81, root81, tmp_path / "b", 3, 0.5)[0]
+    assert SampleLedger.from_json(first["ledger"]).next_step == 2
+    assert (
+        SampleLedger.from_json(second["ledger"]).steps
+        == SampleLedger.from_json(straight["ledger"]).steps
+    )
+    assert len(second["losses"]) == 3 and all(torch.isfinite(torch.tensor(second["losses"])))
+    assert second["losses"] == straight["losses"]
