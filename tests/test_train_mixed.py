@@ -555,43 +555,53 @@ def test_ti2v_with_buckets_at_cp4_equals_cp1(pool4, root81):
         assert d_loss < 1e-12 and d_grad < 1e-11, (d_loss, d_grad)
 
 
-def _run81(root, out, steps, i2v):
+def _run81(root, out, i2v):
+    """3 steps saved after each (a constant LR: a step's LR does not depend on
+    ``train.steps``), then a fresh trainer resumed from step 1 runs steps 1 and 2 again (step 2
+    after an optimizer step from the restored state): ``(losses of the run, the resumed steps'
+    losses, the ledger after them)``."""
     import json
     import warnings
 
-    from megatron_video.training import checkpoint as ckpt
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    cfg = _config81(root, i2v, context_parallel_size=4, ulysses_size=2, ring_size=2)
-    cfg.parallel.ranks_per_node = 2
-    cfg.output, cfg.train.steps = str(out), steps
-    cfg.train.save, cfg.train.resume = True, True
-    cfg.train.lr_decay_style = "constant"  # the LR of a step does not depend on train.steps
-    trainer = Trainer(cfg, progress=False, cpu=True)
+
+    def config(name):
+        cfg = _config81(root, i2v, context_parallel_size=4, ulysses_size=2, ring_size=2)
+        cfg.parallel.ranks_per_node, cfg.output, cfg.train.steps = 2, str(out / name), 3
+        cfg.train.save, cfg.train.save_interval = True, 1
+        cfg.train.lr_decay_style = "constant"
+        return cfg
+
+    trainer = Trainer(config("a"), progress=False, cpu=True)
     try:
         trainer.run()
-        step = ckpt.latest_step(trainer.checkpoint_dir)
-        ledger = ckpt.read_data_state(trainer.checkpoint_dir, step, "ledger")
-        losses = [h["loss"] for h in json.loads((out / "metrics.json").read_text())["history"]]
-        return dict(ledger=ledger, losses=losses)
     finally:
         trainer.close()
+    history = json.loads((out / "a" / "metrics.json").read_text())["history"]
+    trainer = Trainer(config("b"), progress=False, cpu=True)
+    try:
+        step = trainer.load(out / "a" / "checkpoints", step=1)  # model, optimizer, ledger
+        resumed = [trainer.train_step(s)["loss"] for s in (step, step + 1)]
+        ledger = trainer.batches.data_state()
+    finally:
+        trainer.close()
+    return dict(losses=[h["loss"] for h in history], step=step, resumed=resumed, ledger=ledger)
 
 
 def test_81_frame_bucket_trains_and_resumes_at_cp4(pool4, root81, tmp_path):
-    """An 81-frame bucket among short clips, TI2V with data.buckets, at CP 4 (U2xR2): 2 steps,
-    saved with the ledger, resumed to 3: the resumed step equals step 2 of an uninterrupted run
-    (bitwise; a constant LR, whose schedule does not depend on ``train.steps``)."""
+    """An 81-frame bucket among short clips, TI2V with data.buckets, at CP 4 (U2xR2): 3 steps
+    (finite losses, an 81-frame clip among them); a fresh trainer resumed from step 1's
+    checkpoint (model, optimizer, sample ledger) repeats steps 1 and 2 bitwise."""
     from megatron_video.data.ledger import SampleLedger
+    from megatron_video.testing.mixed import packed_maker
 
-    straight = pool4.run(_run81, root81, tmp_path / "a", 3, 0.5)[0]
-    first = pool4.run(_run81, root81, tmp_path / "b", 2, 0.5)[0]
-    second = pool4.run(_run81, root81, tmp_path / "b", 3, 0.5)[0]
-    assert SampleLedger.from_json(first["ledger"]).next_step == 2
-    assert (
-        SampleLedger.from_json(second["ledger"]).steps
-        == SampleLedger.from_json(straight["ledger"]).steps
-    )
-    assert len(second["losses"]) == 3 and all(torch.isfinite(torch.tensor(second["losses"])))
-    assert second["losses"] == straight["losses"]
+    got = pool4.run(_run81, root81, tmp_path, 0.5, ranks_per_node=2)[0]
+    assert got["step"] == 1 and len(got["losses"]) == 3
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    assert got["resumed"] == got["losses"][1:]
+    clips = packed_maker(_config81(root81, 0.5)).clips
+    trained = [k for _, keys in SampleLedger.from_json(got["ledger"]).steps for k in keys]
+    assert len(SampleLedger.from_json(got["ledger"]).steps) == 3
+    assert any(clips[k].frames == 21 for k in trained)  # an 81-frame clip in the run
