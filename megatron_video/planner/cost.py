@@ -67,6 +67,7 @@ class ModelShape:
     dtype_bytes: int = 2
     extra_params: int = 0  # embedders, heads, vision tower (not in the layers)
     per_token_timesteps: bool = False  # a timestep per token: a modulation table per token
+    token_placement: bool = False  # the trainer places clips by token where CP does not divide
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -310,8 +311,9 @@ def placed_by_token(shape: ModelShape, cp: int) -> bool:
     """Whether the trainer places a micro-batch of ``shape``'s clips by token at CP ``cp``
     (``training/batches/placed.py``, ``tokens_placed``): full attention whose token frames ``cp``
     does not divide, or teacher forcing whose frames are not a multiple of ``cp`` x block frames
-    (Balanced SP does not divide). ST-DiT and the VLMs keep their own layouts."""
-    if cp == 1 or shape.family == "video_llava":
+    (Balanced SP does not divide), for a shape whose family places by token
+    (``token_placement``: not ST-DiT, not the VLMs)."""
+    if cp == 1 or not shape.token_placement:
         return False
     if shape.attention == "full":
         return shape.frames % cp != 0
