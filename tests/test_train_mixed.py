@@ -605,3 +605,17 @@ def test_81_frame_bucket_trains_and_resumes_at_cp4(pool4, root81, tmp_path):
     trained = [k for _, keys in SampleLedger.from_json(got["ledger"]).steps for k in keys]
     assert len(SampleLedger.from_json(got["ledger"]).steps) == 3
     assert any(clips[k].frames == 21 for k in trained)  # an 81-frame clip in the run
+
+
+def test_wan_ar_ti2v_with_buckets_is_refused(root):
+    """``wan`` TI2V packs (above); ``wan_ar``'s packed teacher-forcing clips take no first frame:
+    ``ValueError`` naming ``data.i2v_probability``, its value and the rule."""
+    from megatron_video.training.config import validate
+
+    cfg = _config("wan_ar", root)
+    cfg.data.i2v_probability = 0.5
+    with pytest.raises(ValueError, match=r"data.i2v_probability \(0.5\) must be 0 with data.bu"):
+        validate(cfg, 1)
+    cfg = _config("wan", root)
+    cfg.data.i2v_probability = 0.5
+    validate(cfg, 1)
