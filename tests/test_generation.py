@@ -473,3 +473,83 @@ def test_train_sample_works_for_wan(pool4, tmp_path, family):
 
         with Image.open(sample["gif"]) as im:
             assert im.n_frames == 13  # 1 + 4 (F - 1) raw frames of the 4 latent frames
+
+
+# ---------------------------------------------------------------------------------------------
+# any CP size: a block's tokens the CP size does not divide (padded, docs/generation.md)
+# ---------------------------------------------------------------------------------------------
+UH, UW, UNB, UF = 1, 3, 3, 12  # a block of 3 latent frames x 3 tokens = 9 tokens; 4 blocks
+UNEVEN = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 1)]  # (U, R, TP): 9 tokens -> 12 or 10
+
+
+def _uneven_cached(model, family, groups=None):
+    """CFG, sink 3 + window 3 (block 3 drops frames 3-5), a prompt switch at frame 6 and a
+    conditioning first frame, on blocks of 9 tokens (``UH x UW`` per frame)."""
+    from megatron_video.diffusion.ar_models import block_model
+    from megatron_video.diffusion.streaming import WindowRule, stream_autoregressive
+
+    S3 = UH * UW
+    cond, null = _conds(family)
+    g = torch.Generator().manual_seed(7)
+    noise = torch.randn(B, UF * S3, C_IN, generator=g, dtype=torch.float64)
+    image = torch.randn(B, S3, C_IN, generator=torch.Generator().manual_seed(11)).double()
+    N, rank = (1, 0) if groups is None else (groups.cp_size, groups.cp_rank)
+    with torch.no_grad():
+        blocks = stream_autoregressive(
+            block_model(model, UH, UW, UNB, rank, N),
+            lambda j: noise[:, j * UNB * S3 : (j + 1) * UNB * S3],
+            UF // UNB,
+            UNB,
+            S3,
+            cond,
+            groups=groups,
+            null_cond=null,
+            guidance_scale=3.0,
+            num_steps=STEPS,
+            rule=WindowRule(UNB, sink=3, window=3),
+            switches=[(6, _conds(family, 1)[0])],
+            first_frame=image,
+        )
+        return torch.cat([b for _, b, _ in blocks], dim=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _uneven_reference(family):
+    from megatron_video.testing.parallel import model_parallel
+
+    with model_parallel(seed=0):
+        return _uneven_cached(_build(family), family)
+
+
+def _uneven_cases(family, U, R, tp):
+    import types
+
+    from megatron_video.attention import masks
+    from megatron_video.diffusion import streaming
+    from megatron_video.testing.parallel import video_parallel
+
+    ref = _uneven_reference(family)
+    with video_parallel(U, R, tp=tp, seed=0) as groups:
+        model = _build(family, tp=tp, cp=U * R)
+        got = _uneven_cached(model, family, groups)
+        # a deliberately unmasked pad token (real tokens attend the padding) must be caught
+        leaky = types.SimpleNamespace(packed=lambda cu: masks.full())
+        with _patched(streaming, "masks", leaky):
+            leak = _uneven_cached(model, family, groups)
+    return {"output": _err(got, ref), "unmasked padding": -_err(leak, ref)}
+
+
+@pytest.mark.parametrize("family", ["ar_dit", "wan_ar"])
+@pytest.mark.parametrize("degree", UNEVEN, ids=lambda d: f"U{d[0]}xR{d[1]}xTP{d[2]}")
+def test_cp_size_not_dividing_a_block_equals_cp1(pool4, family, degree):
+    for rank, res in enumerate(pool4.run(_uneven_cases, family, *degree, ranks_per_node=4)):
+        assert res["output"] <= TOL, (rank, res)
+        assert -res["unmasked padding"] > 1e-6, (rank, res)
+
+
+def test_cp_size_above_a_block_is_refused_before_collectives():
+    from megatron_video.diffusion.streaming import stream_autoregressive
+
+    groups = type("G", (), {"cp_size": 16, "cp_rank": 0})()
+    with pytest.raises(ValueError, match=r"CP size \(16\) must be at most the tokens of a block"):
+        next(stream_autoregressive(None, None, 2, 3, 3, None, groups=groups))

@@ -263,3 +263,44 @@ def test_megatron_lm_entry_plan_prints_the_flags(capsys):
     assert "--tensor-model-parallel-size 2" in out[1] and "--context-parallel-size 16" in out[1]
     assert "--hierarchical-context-parallel-sizes 2 8" in out[1]
     assert plan_entry(["--plan", "--video-config", WAN14B, "--plan-gpus", "4"], "x") == 2
+
+
+def test_plan_json_at_81_frames_lists_cp_2_4_8_16_and_counts_the_padding(capsys):
+    """Wan 2.1 14B at 720p x 81 frames (21 latent frames, 75,600 tokens) on 128 H100: legal
+    layouts at CP 2, 4, 8 and 16 (placed by token); the cost counts the padding and imbalance
+    of the placement (``parts["placement"]``): 0 where CP divides the 21 token frames, the padded
+    tokens' linear work where it does not (CP 32 pads 75,600 to 75,648), and the full-attention
+    balance the cost model assumes is the planner's own plan (checked on a small clip)."""
+    from megatron_video.layouts.placement import Clip, plan_placement
+    from megatron_video.planner.cost import Layout, placement_overhead
+    from megatron_video.training.cli import main
+    from megatron_video.training.config import load_config
+    from megatron_video.training.planning import model_shape
+
+    assert main(["plan", "--config", WAN14B, "--gpus", "128", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    cps = {r["ulysses"] * r["ring"] for r in rows}
+    assert {2, 4, 8, 16} <= cps, sorted(cps)
+    for r in rows:
+        cp, placed = r["ulysses"] * r["ring"], r["parts"]["placement"]
+        assert placed >= 0 and (placed == 0) == (
+            21 % cp == 0 or (75600 * r["micro_batch_size"]) % (2 * cp) == 0
+        ), r
+    best = {}  # docs/planner.md's table: the best fitting layout of each CP size
+    for r in (r for r in rows if r["fits"]):  # ranked: the first of a CP size is its best
+        best.setdefault(r["ulysses"] * r["ring"], r)
+    from megatron_video.testing.configs import REPO_ROOT
+
+    doc = (REPO_ROOT / "docs" / "planner.md").read_text()
+    for cp, r in best.items():
+        line = f"| {cp} | {r['layout']} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:.0f} |"
+        assert line in doc, line
+    shape = model_shape(load_config(WAN14B))
+    pad, balance = placement_overhead(shape, Layout(ulysses=1, ring=32))
+    assert pad == 75648 / 75600 and balance == 2363 / 2362.5
+    assert placement_overhead(shape, Layout(ulysses=8, ring=2)) == (75616 / 75600, 1.0)
+    # the analytic full-attention balance equals plan_placement's at a clip it plans quickly
+    for T, b, R in [(126, 1, 4), (126, 2, 8), (150, 1, 16)]:
+        S = -(-b * T // (2 * R)) * 2 * R
+        want = plan_placement([Clip(T)] * b, 1, R, seq_len=S).balance()
+        assert -(-b * T // R) / (b * T / R) == pytest.approx(want, abs=1e-12), (T, b, R)

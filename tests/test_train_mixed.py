@@ -474,3 +474,148 @@ def test_cli_stdit_with_buckets_exits_2(root, capsys):
     args += ["model.family=stdit", "model.stdit_full_attention_layers=[1]"]
     assert main(args + [f"data.shards={root / 'wan'}"]) == 2
     assert "data.buckets is not supported by model.family 'stdit'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Wan's 81 frames in a mixed set, and TI2V with data.buckets (docs/wan.md, "Any length at any CP")
+# ---------------------------------------------------------------------------------------------
+SHAPES_81 = ((21, 4, 4), (1, 4, 6), (3, 6, 4), (21, 4, 6), (2, 4, 4), (21, 6, 4))
+
+
+@pytest.fixture(scope="module")
+def root81(tmp_path_factory):
+    """Clips of 81 raw frames (21 latent frames, 84 / 126 tokens) among short clips and images."""
+    from megatron_video.testing.mixed import TEXT, write_mixed_latent_shards
+
+    root = tmp_path_factory.mktemp("mixed81")
+    write_mixed_latent_shards(root / "wan", len(SHAPES_81), shapes=SHAPES_81, text=TEXT)
+    return root
+
+
+def _config81(root, i2v, **parallel):
+    cfg = tiny_mixed_config("wan", root, root / "wan", budget=128, **parallel)
+    cfg.data.buckets["max_frames"] = 81
+    cfg.data.i2v_probability = i2v
+    return cfg
+
+
+def _ti2v_piece_step(root, U, R, i2v):
+    """``_piece_step`` of ``wan`` on the 81-frame set with first-frame conditioning ``i2v``."""
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.families import get_family
+
+    cfg = _config81(root, i2v, context_parallel_size=U * R, ulysses_size=U, ring_size=R)
+    cfg.parallel.ranks_per_node = 2
+    cfg.train.global_batch_size = 2
+    with video_parallel(U, R, ranks_per_node=2, seed=0) as groups:
+        model = _model64(cfg)
+        maker = _maker(cfg, U=U, R=R, cp_rank=groups.cp_rank)
+        obj = get_family("wan").make_packed_objective(cfg)
+        total, mbs = torch.zeros((), dtype=torch.float64), list(maker.step_batches(0))
+        conds = []
+        for mb in mbs:
+            args, kwargs = obj.model_call(_float64(mb), True)
+            share = obj.loss(model(*args, **kwargs), mb)
+            share.backward()
+            total += share.detach()
+            c = mb.condition
+            conds.append(0 if c is None else int(c.sum()))
+            if c is not None:  # first-frame tokens: no loss
+                assert not bool((mb.loss_mask & c).any())
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if groups.cp_size > 1:
+            comm.all_reduce(total, groups.cp_group, tag="test.loss")
+            for g in grads.values():
+                comm.all_reduce(g, groups.cp_group, tag="test.grad")
+        n_loss = mbs[0].num_loss_tokens
+        clips = [mb.clip_ids for mb in mbs]
+        return dict(loss=float(total), grads=grads, clips=clips, conds=conds, n_loss=n_loss)
+
+
+def test_ti2v_with_buckets_at_cp4_equals_cp1(pool4, root81):
+    """TI2V (every clip I2V) with data.buckets, 81-frame clips packed with short ones, float64:
+    CP 4 (U2xR2) equals CP 1 (loss, every gradient); the first-frame tokens are held (no loss,
+    counted out of the step's loss tokens: ``h·w`` per clip) and change the loss."""
+    from megatron_video.testing.mixed import packed_maker
+
+    ref = pool4.run(_ti2v_piece_step, root81, 1, 1, 1.0)[0]
+    t2v = pool4.run(_ti2v_piece_step, root81, 1, 1, 0.0)[0]
+    cfg = _config81(root81, 1.0)
+    clips = packed_maker(cfg).clips
+    ids = [k for c in ref["clips"] for k in c]
+    assert any(clips[k].frames == 21 for k in ids)
+    positions = sum(clips[k].positions for k in ids)
+    assert ref["n_loss"] == t2v["n_loss"] - positions and sum(ref["conds"]) == positions
+    assert abs(ref["loss"] - t2v["loss"]) > 1e-6
+    for res in pool4.run(_ti2v_piece_step, root81, 2, 2, 1.0):
+        assert res["clips"] == ref["clips"] and sum(res["conds"]) <= positions
+        d_loss = abs(res["loss"] - ref["loss"])
+        d_grad = max(float((res["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
+        assert d_loss < 1e-12 and d_grad < 1e-11, (d_loss, d_grad)
+
+
+def _run81(root, out, i2v):
+    """3 steps saved after each (a constant LR: a step's LR does not depend on
+    ``train.steps``), then a fresh trainer resumed from step 1 runs steps 1 and 2 again (step 2
+    after an optimizer step from the restored state): ``(losses of the run, the resumed steps'
+    losses, the ledger after them)``."""
+    import json
+    import warnings
+
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+
+    def config(name):
+        cfg = _config81(root, i2v, context_parallel_size=4, ulysses_size=2, ring_size=2)
+        cfg.parallel.ranks_per_node, cfg.output, cfg.train.steps = 2, str(out / name), 3
+        cfg.train.save, cfg.train.save_interval = True, 1
+        cfg.train.lr_decay_style = "constant"
+        return cfg
+
+    trainer = Trainer(config("a"), progress=False, cpu=True)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    history = json.loads((out / "a" / "metrics.json").read_text())["history"]
+    trainer = Trainer(config("b"), progress=False, cpu=True)
+    try:
+        step = trainer.load(out / "a" / "checkpoints", step=1)  # model, optimizer, ledger
+        resumed = [trainer.train_step(s)["loss"] for s in (step, step + 1)]
+        ledger = trainer.batches.data_state()
+    finally:
+        trainer.close()
+    return dict(losses=[h["loss"] for h in history], step=step, resumed=resumed, ledger=ledger)
+
+
+def test_81_frame_bucket_trains_and_resumes_at_cp4(pool4, root81, tmp_path):
+    """An 81-frame bucket among short clips, TI2V with data.buckets, at CP 4 (U2xR2): 3 steps
+    (finite losses, an 81-frame clip among them); a fresh trainer resumed from step 1's
+    checkpoint (model, optimizer, sample ledger) repeats steps 1 and 2 bitwise."""
+    from megatron_video.data.ledger import SampleLedger
+    from megatron_video.testing.mixed import packed_maker
+
+    got = pool4.run(_run81, root81, tmp_path, 0.5, ranks_per_node=2)[0]
+    assert got["step"] == 1 and len(got["losses"]) == 3
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    assert got["resumed"] == got["losses"][1:]
+    clips = packed_maker(_config81(root81, 0.5)).clips
+    trained = [k for _, keys in SampleLedger.from_json(got["ledger"]).steps for k in keys]
+    assert len(SampleLedger.from_json(got["ledger"]).steps) == 3
+    assert any(clips[k].frames == 21 for k in trained)  # an 81-frame clip in the run
+
+
+def test_wan_ar_ti2v_with_buckets_is_refused(root):
+    """``wan`` TI2V packs (above); ``wan_ar``'s packed teacher-forcing clips take no first frame:
+    ``ValueError`` naming ``data.i2v_probability``, its value and the rule."""
+    from megatron_video.training.config import validate
+
+    cfg = _config("wan_ar", root)
+    cfg.data.i2v_probability = 0.5
+    with pytest.raises(ValueError, match=r"data.i2v_probability \(0.5\) must be 0 with data.bu"):
+        validate(cfg, 1)
+    cfg = _config("wan", root)
+    cfg.data.i2v_probability = 0.5
+    validate(cfg, 1)

@@ -149,8 +149,8 @@ AR4 = [
             + ["model.family=ar_dit", "model.frames_per_block=1", "data.num_frames=25"]
             + ["data.height=8", "data.width=24"],
             4,
-            r"train.sample \(True\) streams blocks of 3 tokens .* which "
-            r"parallel.context_parallel_size \(4\) must divide",
+            r"train.sample \(True\) streams blocks of 3 tokens .* which must be at least "
+            r"parallel.context_parallel_size \(4\)",
         ),
         (
             ["model.family=stdit", "model.stdit_full_attention_layers=[9]"],
@@ -229,8 +229,10 @@ def test_validate_wan14b_on_a_cpu_machine(layout, capsys, monkeypatch):
 
 
 def test_ar_blocks_that_do_not_split_evenly_are_placed_by_token():
-    """8 latent frames in blocks of 4 at CP 4 (Balanced SP needs 16): placed by token."""
+    """8 latent frames in blocks of 4 at CP 4 (Balanced SP needs 16): placed by token; and
+    train.sample streams them at CP 4 whether or not CP divides a block's tokens."""
     validate(load_config(None, AR4 + ["model.frames_per_block=4", "train.sample=false"]), 4)
+    validate(load_config(None, AR4 + ["model.frames_per_block=4", "train.sample=true"]), 4)
 
 
 def test_full_attention_takes_any_cp():

@@ -250,3 +250,64 @@ def test_sample_wan_u2xr2_equals_cp1(pool4, sampled_cp1, kind):
     for rank, got in enumerate(pool4.run(_sample_rank, kind)):
         err = ((got - sampled_cp1[kind]).norm() / sampled_cp1[kind].norm()).item()
         assert err <= 1e-10, (rank, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# any CP size: 18 tokens (3 latent frames x 2 x 3) at CP 4, padded to 20
+# ---------------------------------------------------------------------------------------------
+def _sample_uneven(hier=None, leak=False):
+    """``sample_wan`` with CFG on 3 latent frames (18 tokens), plain and with a TI2V first-frame
+    latent; ``leak``: the padding deliberately unmasked (must differ from CP 1)."""
+    from megatron_video.diffusion import wan_sampling
+    from megatron_video.models.wan import from_diffusers
+
+    model = from_diffusers(_wan("t2v"), cp_comm_type="a2a+p2p" if hier else "p2p")
+    gen = torch.Generator().manual_seed(4)
+    noise = torch.randn(1, 4, 3, 4, 6, generator=gen, dtype=torch.float64)
+    text, negative = torch.randn(2, 1, 7, 32, generator=gen, dtype=torch.float64)
+    first = torch.randn(1, 4, 1, 4, 6, generator=gen, dtype=torch.float64)
+    kw = dict(negative_encoder_hidden_states=negative, guidance_scale=GUIDANCE, num_steps=STEPS)
+    if leak:
+        import types
+
+        from megatron_video.attention import masks
+
+        real, wan_sampling.masks = (
+            wan_sampling.masks,
+            types.SimpleNamespace(packed=lambda cu: masks.full()),
+        )
+    try:
+        with torch.no_grad():
+            return [
+                wan_sampling.sample_wan(model, noise, text, shift=SHIFT, **kw),
+                wan_sampling.sample_wan(model, noise, text, image=first, shift=SHIFT, **kw),
+            ]
+    finally:
+        if leak:
+            wan_sampling.masks = real
+
+
+def _sample_uneven_rank(U, R):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_video.compat import initialize_model_parallel
+
+    hier = [U, R] if U > 1 and R > 1 else None
+    kw = dict(hierarchical_context_parallel_sizes=hier) if hier else {}
+    initialize_model_parallel(context_parallel_size=U * R, **kw)
+    model_parallel_cuda_manual_seed(0)
+    return _sample_uneven(hier), _sample_uneven(hier, leak=True)
+
+
+@pytest.mark.parametrize("U,R", [(2, 2), (1, 4)], ids=["U2xR2", "R4"])
+def test_sample_wan_at_a_cp_size_not_dividing_the_tokens_equals_cp1(pool4, U, R):
+    from megatron_video.models.wan.convert import _one_process
+
+    with _one_process():
+        want = _sample_uneven()
+    for rank, (got, leak) in enumerate(pool4.run(_sample_uneven_rank, U, R)):
+        for g, lk, w in zip(got, leak, want):
+            assert g.shape == w.shape == (1, 4, 3, 4, 6)
+            err = ((g - w).norm() / w.norm()).item()
+            assert err <= 1e-10, (rank, err)
+            assert ((lk - w).norm() / w.norm()).item() > 1e-6, rank  # padding must be masked

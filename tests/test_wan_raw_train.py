@@ -315,3 +315,56 @@ def test_yaml_paths_are_relative_to_the_file(tmp_path):
     cfg = load_config(str(path))
     assert cfg.data.text_encoder == str(tmp_path / "cfg" / "umt5")
     assert cfg.vae.diffusers == str(tmp_path / "vae")
+
+
+@pytest.fixture(scope="module")
+def ds81(root):
+    """Two raw clips of Wan's own 81 frames (21 latent frames) at 16 x 16."""
+    from megatron_video.data.energon_video import prepare_dataset
+
+    _videos(root / "src81", (("w", 2, 81, 16, 16),))
+    prepare_dataset(root / "src81", root / "ds81")
+    return root / "ds81"
+
+
+def test_81_frames_u2xr2_each_rank_decodes_its_window_plus_halo(root, ds81):
+    """81 raw frames at U2xR2 (21 latent frames: placed by token, training/batches/placed.py),
+    halo 2 latents: each rank decodes, per clip, exactly the raw frames of the halo window of the
+    latent frames its tokens lie on (counted from the source's reads, the window written out here
+    from the VAE rule: ``[4 (ls - h - 1), 1 + 4 (le - 1))``, from 0 at the start), never the whole
+    clip; together the ranks cover every latent frame of the clip."""
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.placed import PlacedBatchMaker
+    from megatron_video.training.families import get_family
+
+    cfg = _config(root, "wan")
+    cfg.data.num_frames, cfg.data.path, cfg.vae.halo_latents = 81, str(ds81), 2
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = 1  # one clip over the 4 ranks
+    enc = get_family("wan").raw_video_encoders(cfg)
+    covered, decoded = set(), []
+    for rank in range(4):
+        coords = RankCoords(cp_rank=rank, ulysses_size=2, ring_size=2)
+        maker = PlacedBatchMaker(cfg, coords, latent_scale=1.0, vae=enc)
+        assert maker.grid[0] == 21
+        mb = next(maker.step_batches(0))
+        frames = mb.packed.token_thw(mb.local)[:, 0]
+        clip = mb.packed.clip_of(mb.local)
+        per_clip = {}
+        for key, win in maker.source.reads:
+            per_clip.setdefault(key, set()).update(range(win.raw_start, win.raw_end))
+        for c, key in enumerate(mb.clip_ids):
+            mine = frames[clip == c]
+            if not mine.numel():  # no token of this clip here: not decoded at all
+                assert key not in per_clip, (rank, key)
+                continue
+            ls, le = int(mine.min()), int(mine.max()) + 1  # one contiguous run per clip here
+            assert sorted(set(mine.tolist())) == list(range(ls, le))
+            start = 0 if ls - 2 <= 0 else 4 * (ls - 2 - 1)
+            want = set(range(start, 1 + 4 * (le - 1)))
+            assert per_clip[key] == want, (rank, key, sorted(per_clip[key]))
+            assert len(want) < 81 and len(want) <= 4 * (le - ls) + 4 * 2 + 1
+            covered |= {(key, f) for f in range(ls, le)}
+            decoded.append(len(want))
+    assert covered == {(key, f) for key in {k for k, _ in covered} for f in range(21)}
+    assert len(decoded) == 4  # one clip over the 4 ranks
+    print(f"raw frames decoded per (rank, clip) at 81 frames, U2xR2, halo 2: {decoded}")

@@ -81,10 +81,14 @@ def _geometry(model, height: int, width: int, frames: torch.Tensor) -> VideoGeom
 
 def block_model(model, height: int, width: int, frames_per_block: int, cp_rank: int, cp_size: int):
     """``block_model(x, t, cond, step, j)`` of ``stream_autoregressive``: this CP rank's
-    contiguous share of block ``j``'s tokens at absolute latent frames ``j*nb ..``."""
+    contiguous share of block ``j``'s tokens (padded to a multiple of ``cp_size``,
+    ``streaming.padded_block_tokens``) at absolute latent frames ``j*nb ..``. A padding token
+    takes the grid position of a real one (any: it attends nothing and is never attended)."""
+    from .streaming import padded_block_tokens
+
     S = height * width
-    s = frames_per_block * S // cp_size
-    local = cp_rank * s + torch.arange(s)
+    s = padded_block_tokens(frames_per_block * S, cp_size) // cp_size
+    local = (cp_rank * s + torch.arange(s)) % (frames_per_block * S)
 
     def call(x, t, cond, step, j):
         frames = j * frames_per_block + local // S

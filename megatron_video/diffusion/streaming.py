@@ -10,6 +10,10 @@ are kept: the first ``sink`` frames and the last ``window`` frames before the bl
 positions are absolute latent frames (docs/generation.md, "Sink and window"). With a window that
 covers the video this equals ``cp_sampling.sample_autoregressive`` (the recompute sampler).
 Prompt switches re-encode the kept frames under the new prompt (KV re-cache), block-causally.
+Any CP size up to a block's tokens: a block whose tokens the CP size does not divide is padded to a
+multiple of it (``padded_block_tokens``); the padding attends nothing, is never attended (the
+new tokens' mask ``masks.packed([0, nb*S])``), is evicted from the cache after each append and is
+dropped after the gather, so the result equals CP = 1 (docs/generation.md, "Any CP size").
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..attention import masks
 from ..attention.kv_cache import CacheStep, KVCache
 from ..parallel import comm
 from .cfg import guided_denoise
 from .samplers import flow_timesteps
 
-__all__ = ["WindowRule", "stream_autoregressive", "BlockModel"]
+__all__ = ["WindowRule", "stream_autoregressive", "BlockModel", "padded_block_tokens"]
 
 # block_model(x [B, s, C] this CP rank's tokens of block j, t [B, s], cond, step, j) -> velocity
 BlockModel = Callable[[Tensor, Tensor, Any, CacheStep, int], Tensor]
@@ -82,8 +87,18 @@ def _check_switches(switches, num_blocks: int, nb: int) -> Dict[int, Any]:
     return out
 
 
+PAD_TAG = -(10**9)  # the cache tag of a padding token (a block padded to a multiple of the CP size)
+
+
+def padded_block_tokens(block_tokens: int, cp_size: int) -> int:
+    """A block's new-token count padded to a multiple of ``cp_size`` (each CP rank cuts an equal
+    contiguous share; the padding attends nothing, is never attended and never cached)."""
+    return -(-block_tokens // cp_size) * cp_size
+
+
 def _setup(rule, nb: int, S: int, groups):
-    """``(rule, cp size, cp rank, this rank's slice of a block's tokens)``, checked."""
+    """``(rule, cp size, cp rank, this rank's slice of the padded block, padded block tokens)``,
+    checked before any collective."""
     rule = rule or WindowRule(nb)
     if rule.frames_per_block != nb:
         raise ValueError(
@@ -91,12 +106,23 @@ def _setup(rule, nb: int, S: int, groups):
         )
     N = 1 if groups is None else groups.cp_size
     rank = 0 if groups is None else groups.cp_rank
-    if (nb * S) % N:
+    if N > nb * S:
         raise ValueError(
-            f"tokens per block ({nb} frames x {S}) must be divisible by the CP size ({N})"
+            f"CP size ({N}) must be at most the tokens of a block ({nb} frames x {S} = "
+            f"{nb * S}): every CP rank holds at least one real token"
         )
-    s = nb * S // N
-    return rule, N, rank, slice(rank * s, (rank + 1) * s)
+    T = padded_block_tokens(nb * S, N)
+    s = T // N
+    return rule, N, rank, slice(rank * s, (rank + 1) * s), T
+
+
+def _padded(block: Tensor, T: int) -> Tensor:
+    """``block [b, n, C]`` with zero tokens appended up to ``T``."""
+    if block.shape[1] == T:
+        return block
+    return torch.cat(
+        [block, block.new_zeros(block.shape[0], T - block.shape[1], block.shape[2])], 1
+    )
 
 
 def _appended(last_input: Tensor, clean: Tensor) -> Tensor:
@@ -105,18 +131,19 @@ def _appended(last_input: Tensor, clean: Tensor) -> Tensor:
     return clean
 
 
-def _hold_first_frame(block_model: BlockModel, first_frame: Optional[Tensor], mine, S, nb):
+def _hold_first_frame(block_model: BlockModel, first_frame: Optional[Tensor], mine, S, nb, T):
     """``(block_model, start)`` with latent frame 0 held at ``first_frame [b, S, C]`` in block 0
     (TI2V, as training conditions: input the image, timestep 0, velocity 0; ``start`` puts it
-    into block 0's noise); unchanged when ``first_frame`` is None. ``mine``: this rank's slice."""
+    into block 0's noise); unchanged when ``first_frame`` is None. ``mine``: this rank's slice
+    of the block padded to ``T`` tokens."""
     if first_frame is None:
         return block_model, lambda x: x
     if first_frame.dim() != 3 or first_frame.shape[1] != S:
         raise ValueError(
             f"first_frame shape ({tuple(first_frame.shape)}) must be [b, tokens_per_frame = {S}, C]"
         )
-    hold = (torch.arange(nb * S) // S)[mine] == 0  # this rank's tokens of latent frame 0
-    image = torch.zeros(first_frame.shape[0], nb * S, first_frame.shape[2]).to(first_frame)
+    hold = (torch.arange(T) // S)[mine] == 0  # this rank's tokens of latent frame 0
+    image = torch.zeros(first_frame.shape[0], T, first_frame.shape[2]).to(first_frame)
     image[:, :S] = first_frame
     image = image[:, mine]
 
@@ -165,10 +192,14 @@ def stream_autoregressive(
     Collective over ``groups`` (None: one process).
     """
     nb, S = frames_per_block, tokens_per_frame
-    rule, N, rank, mine = _setup(rule, nb, S, groups)
+    rule, N, rank, mine, T = _setup(rule, nb, S, groups)
     switch_at = _check_switches(switches, num_blocks, nb)
-    frame_of = torch.arange(nb * S) // S  # block-relative frame of each new token
-    block_model, start = _hold_first_frame(block_model, first_frame, mine, S, nb)
+    frame_of = torch.arange(T) // S  # block-relative frame of each new token
+    padded = T > nb * S
+    if padded:  # padding: its own tag (evicted after each append), attends / is attended by none
+        frame_of[nb * S :] = PAD_TAG
+    new_mask = masks.packed([0, nb * S]) if padded else None
+    block_model, start = _hold_first_frame(block_model, first_frame, mine, S, nb, T)
     ts = [float(v) for v in flow_timesteps(num_steps, shift)]
     cache, done = KVCache(), {}  # done: this rank's clean share of the blocks still kept
 
@@ -183,7 +214,9 @@ def stream_autoregressive(
         return guided_denoise(fn, x, t, c, null_cond, guidance_scale)
 
     def append(x, c, j):
-        run(x, 0.0, c, CacheStep(cache, frame_of + j * nb, append=True), j)
+        run(x, 0.0, c, CacheStep(cache, frame_of + j * nb, append=True, new_mask=new_mask), j)
+        if padded:  # padding never stays in the cache
+            cache.keep(lambda tags: tags >= 0)
 
     bar = tqdm(total=num_blocks, disable=not progress, desc="blocks", leave=False)
     for j in range(num_blocks):
@@ -196,10 +229,10 @@ def stream_autoregressive(
             for k in sorted(done):
                 append(done[k], cond, k)
         cache.keep(lambda tags: rule.kept(tags, f0))
-        x = noise_block(j)[:, mine].clone()
+        x = _padded(noise_block(j), T)[:, mine].clone()
         if j == 0:
             x = start(x)
-        step = CacheStep(cache, frame_of + f0)
+        step = CacheStep(cache, frame_of + f0, new_mask=new_mask)
         for i in range(num_steps):
             last_input = x
             x = x + (ts[i + 1] - ts[i]) * run(x, ts[i], cond, step, j)
@@ -207,6 +240,7 @@ def stream_autoregressive(
             append(_appended(last_input, x), cond, j)
         done[j] = x
         full = x if N == 1 else comm.all_gather_cat(x, groups.cp_group, dim=1, tag="stream.block")
+        full = full[:, : nb * S]
         bar.update(1)
         yield j, full, cache
     bar.close()

@@ -1,7 +1,9 @@
 """Wan through the context-parallel sampler (``diffusion.cp_sampling``): ``sample_wan`` partitions
 the full noise with Wan's layout (a contiguous token cut per CP rank, as ``diffusers_forward``),
 integrates the flow on each rank's shard with the model as the velocity, and gathers. It equals
-single-process sampling with the same noise (tests/test_wan_io.py). ``image`` (TI2V, Wan 2.2's
+single-process sampling with the same noise (tests/test_wan_io.py), at any CP size up to the
+clip's tokens: tokens the CP size does not divide are padded to a multiple of it (the padding
+attends nothing, is never attended, and is dropped after the gather). ``image`` (TI2V, Wan 2.2's
 ``expand_timesteps`` convention): the first latent frame is held at the image's latent with
 timestep 0 at every step (tests/test_wan_ti2v.py)."""
 
@@ -11,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from megatron_video.attention import masks
 from megatron_video.diffusion import cp_sampling as cps
 from megatron_video.diffusion.ti2v import check_first_frame_patch
 from megatron_video.models.embedders import patchify, unpatchify
@@ -30,10 +33,11 @@ def _proj_out_to_patchify(tokens: torch.Tensor, patch, channels: int) -> torch.T
     return x.permute(0, 1, 5, 2, 3, 4).reshape(b, s, -1)
 
 
-def wan_velocity(model: WanModel, geometry):
+def wan_velocity(model: WanModel, geometry, positions=None, attention_mask=None):
     """``velocity(x_local, t [b] (or per token [b, s_local]) in [0, 1], cond)`` of the samplers on
     patch tokens (patchify order in and out): ``cond`` is ``(text,)`` or ``(text, image)``; Wan
-    predicts the flow velocity ``noise - x0`` (diffusers' convention)."""
+    predicts the flow velocity ``noise - x0`` (diffusers' convention). ``positions`` /
+    ``attention_mask``: the model's (a padded contiguous cut, ``sample_wan``)."""
     cfg = model.config
     if cfg.out_channels != cfg.in_channels:
         raise ValueError(
@@ -43,7 +47,15 @@ def wan_velocity(model: WanModel, geometry):
 
     def velocity(x, t, cond):
         image = cond[1] if len(cond) > 1 else None
-        out = model(x, t * TIMESTEP_SCALE, cond[0], geometry, image)
+        out = model(
+            x,
+            t * TIMESTEP_SCALE,
+            cond[0],
+            geometry,
+            image,
+            attention_mask=attention_mask,
+            positions=positions,
+        )
         return _proj_out_to_patchify(out, cfg.patch_size, cfg.out_channels)
 
     return velocity
@@ -63,6 +75,12 @@ def first_frame_velocity(velocity, image_tokens: torch.Tensor, first: torch.Tens
         return torch.where(mask, torch.zeros_like(x), velocity(x, t_tok, cond))
 
     return held
+
+
+def _pad(tokens: torch.Tensor, T: int) -> torch.Tensor:
+    """``tokens [b, n, D]`` with zero tokens appended up to ``T``."""
+    pad = tokens.new_zeros(tokens.shape[0], T - tokens.shape[1], tokens.shape[2])
+    return torch.cat([tokens, pad], dim=1)
 
 
 def _check_image(image: torch.Tensor, noise: torch.Tensor, patch) -> None:
@@ -105,23 +123,28 @@ def sample_wan(
         _check_image(image, noise, model.config.patch_size)
     zero_t = torch.zeros(b, dtype=noise.dtype, device=noise.device)
     geometry = _check_inputs(
-        model, noise, zero_t, encoder_hidden_states, encoder_hidden_states_image
+        model, noise, zero_t, encoder_hidden_states, encoder_hidden_states_image, padded=True
     )
     cfg, group = model.config, _cp_group(model)
     P, rank = model.cp()
-    s = geometry.tokens // P
+    S = geometry.tokens
+    T = -(-S // P) * P  # padded to a multiple of the CP size (any CP size up to the tokens)
+    s = T // P
     local_ids = torch.arange(rank * s, (rank + 1) * s)
+    padded = T > S  # the padding attends nothing and is never attended; any grid position
+    positions = local_ids % S if padded else None
+    mask = masks.packed([0, S]) if padded else None
     clip_image = () if encoder_hidden_states_image is None else (encoder_hidden_states_image,)
     cond = (encoder_hidden_states,) + clip_image
     null = None
     if negative_encoder_hidden_states is not None:
         null = (negative_encoder_hidden_states,) + clip_image
-    velocity = wan_velocity(model, geometry)
-    x = cps.partition_tokens(patchify(noise, cfg.patch_size), local_ids)
+    velocity = wan_velocity(model, geometry, positions, mask)
+    x = cps.partition_tokens(_pad(patchify(noise, cfg.patch_size), T), local_ids)
     if image is not None:
         first = local_ids < geometry.positions
         full = torch.cat([image, noise[:, :, 1:]], dim=2).to(noise.dtype)
-        image_tokens = cps.partition_tokens(patchify(full, cfg.patch_size), local_ids)
+        image_tokens = cps.partition_tokens(_pad(patchify(full, cfg.patch_size), T), local_ids)
         velocity = first_frame_velocity(velocity, image_tokens, first)
         x = torch.where(first.to(x.device)[None, :, None], image_tokens, x)
     out = cps.sample_flow(
@@ -134,6 +157,6 @@ def sample_wan(
         shift=shift,
         progress=progress,
     )
-    full = cps.gather_tokens(out, local_ids, group, geometry.tokens)
+    full = cps.gather_tokens(out, local_ids, group, T)[:, :S]
     grid = (geometry.frames, geometry.height, geometry.width)
     return unpatchify(full, cfg.patch_size, grid, cfg.in_channels)

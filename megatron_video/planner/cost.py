@@ -16,10 +16,20 @@ import torch
 
 from ..attention.ring import ring_routes
 from ..attention.ulysses import kv_heads_for_a2a
-from ..layouts.placement import Clip, clip_pairs
+from ..layouts.placement import Clip, clip_pairs, plan_placement
 from .hardware import ASSUMPTIONS, Hardware
 
-__all__ = ["ModelShape", "Layout", "Cluster", "StepCost", "traced_bytes", "ring_bytes", "step_cost"]
+__all__ = [
+    "ModelShape",
+    "Layout",
+    "Cluster",
+    "StepCost",
+    "traced_bytes",
+    "ring_bytes",
+    "step_cost",
+    "placed_by_token",
+    "placement_overhead",
+]
 
 # Activation elements per token and layer kept for the backward: ``D`` + (``D_tp`` + ``F_tp``
 # (per FFN width)) / TP, and ``backward_D`` in flight during a layer's backward; fitted on the tiny
@@ -57,6 +67,7 @@ class ModelShape:
     dtype_bytes: int = 2
     extra_params: int = 0  # embedders, heads, vision tower (not in the layers)
     per_token_timesteps: bool = False  # a timestep per token: a modulation table per token
+    token_placement: bool = False  # the trainer places clips by token where CP does not divide
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -242,7 +253,9 @@ class StepCost:
 
     layout: Layout
     step_s: float
-    parts: Dict[str, float]  # seconds of the step by cost: compute, a2a, ring, tp, dp, pp, bubble
+    # seconds of the step by cost: compute, placement (padding and imbalance of a token-placed
+    # micro-batch), a2a, ring, tp, dp, pp, bubble
+    parts: Dict[str, float]
     model_flops: float  # per GPU per step, without recompute (MFU's numerator)
     tokens_per_step: int
     mem_bytes: float
@@ -292,6 +305,49 @@ class StepCost:
             dominant=self.dominant,
             parts={k: round(v, 6) for k, v in self.parts.items()},
         )
+
+
+def placed_by_token(shape: ModelShape, cp: int) -> bool:
+    """Whether the trainer places a micro-batch of ``shape``'s clips by token at CP ``cp``
+    (``training/batches/placed.py``, ``tokens_placed``): full attention whose token frames ``cp``
+    does not divide, or teacher forcing whose frames are not a multiple of ``cp`` x block frames
+    (Balanced SP does not divide), for a shape whose family places by token
+    (``token_placement``: not ST-DiT, not the VLMs)."""
+    if cp == 1 or not shape.token_placement:
+        return False
+    if shape.attention == "full":
+        return shape.frames % cp != 0
+    if shape.attention == "teacher_forcing":
+        return shape.frames % (cp * shape.block_frames) != 0
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _tf_balance(frames: int, block_frames: int, b: int, U: int, R: int) -> float:
+    """Attention pairs max / mean over the ring ranks of ``b`` teacher-forcing clips of ``frames``
+    frames placed by ``plan_placement``, at one token per frame (the block structure decides the
+    imbalance; a full-size plan costs seconds per layout)."""
+    N = U * R
+    clips = [Clip(2 * frames, "teacher_forcing", block_frames)] * b
+    return plan_placement(clips, U, R, seq_len=-(-frames * b // N) * 2 * N).balance()
+
+
+def placement_overhead(shape: ModelShape, lay: Layout) -> Tuple[float, float]:
+    """``(padded / real tokens, attention pairs max / mean over the ring ranks)`` of one
+    micro-batch placed by token (``placed_by_token``), as the trainer places it
+    (``training/batches/placed.py``): the micro-batch's ``b`` clips packed and padded to a multiple
+    of 2 CP (exact), then placed by ``layouts.placement.plan_placement``. Full attention: every real
+    query attends its clip's ``T`` tokens and the planner cuts anywhere, so the busiest ring rank
+    holds ``ceil(b T / R)`` real tokens (max / mean ``ceil(b T / R) / (b T / R)``; equal to the
+    planner's own plan, ``tests/test_planner.py``). Teacher forcing: the planner's plan at one
+    token per frame (``_tf_balance``). ``(1.0, 1.0)`` where the clips are not placed by token."""
+    if not placed_by_token(shape, lay.cp):
+        return 1.0, 1.0
+    b, N, R, T = lay.micro_batch_size, lay.cp, lay.ring, shape.seq
+    pad = (-(-b * T // (2 * N)) * 2 * N) / (b * T)
+    if shape.attention == "teacher_forcing":
+        return pad, _tf_balance(shape.frames, shape.block_frames, b, lay.ulysses, R)
+    return pad, -(-b * T // R) / (b * T / R)
 
 
 def layer_flops(shape: ModelShape, layer: int) -> Tuple[float, float]:
@@ -400,6 +456,11 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
         # the sequence, heads share the mask)
         over += (2 + rc) * len(layers) * shape.seq**2 / lay.ring * hw.mask_s_per_element
     compute += elem * hw.elementwise_s_per_byte + over
+    # placed by token: the padding's linear and element-wise work, and the slowest ring rank's
+    # attention above the mean (placement_overhead; 0 where CP divides the clip)
+    pad, balance = placement_overhead(shape, lay)
+    linear = mult * fwd_lin / (hw.peak_flops * hw.matmul_eff) + elem * hw.elementwise_s_per_byte
+    placed = (pad - 1) * linear + (balance - 1) * t_attn
     # traced communication: Ulysses all-to-alls, ST-DiT transitions, ring P2P
     tb = traced_bytes(shape, lay)
     n_a2a = sum(
@@ -437,6 +498,7 @@ def _microbatch_times(shape: ModelShape, lay: Layout, cluster: Cluster, hw: Hard
         t_pp = 2 * (tokens_rank * shape.hidden * e / lay.tp / bw_p + lat_p)
     return dict(
         compute=compute,
+        placement=placed,
         a2a=t_a2a,
         ring=t_ring,
         tp=t_tp,
@@ -455,7 +517,7 @@ def step_cost(shape: ModelShape, layout: Layout, cluster: Cluster, hw: Hardware)
     gbs = cluster.global_batch or lay.micro_batch_size * lay.dp
     m = max(1, gbs // (lay.micro_batch_size * lay.dp))  # micro-batches per DP rank
     t = _microbatch_times(shape, lay, cluster, hw)
-    keys = ("compute", "a2a", "ring", "tp", "pp")
+    keys = ("compute", "placement", "a2a", "ring", "tp", "pp")
     t_mb = sum(t[k] for k in keys)
     t_dp, g = 0.0, lay.dp * lay.cp
     if g > 1:

@@ -49,7 +49,15 @@ def model_shape(config: Config) -> ModelShape:
         lora_rank=0 if fam.startswith("wan") else m.lora_rank,
         dtype_bytes=2 if config.train.bf16 else 4,
         per_token_timesteps=fam in ("ar_dit", "wan_ar") or m.per_token_timesteps,
+        token_placement=_token_placement(get_family(fam)),
     )
+
+
+def _token_placement(family) -> bool:
+    """Whether the trainer places ``family``'s clips by token where CP does not divide them
+    (``batches.placed.tokens_placed``: a packed family of full-attention layers)."""
+    packed = getattr(family, "packed_kind", None) is not None
+    return packed and getattr(family, "layer_type", None) == "full"
 
 
 def apply_layout(config: Config, layout: Layout, ranks_per_node: Optional[int]) -> Config:

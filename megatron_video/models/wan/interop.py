@@ -186,7 +186,10 @@ def _cp_group(model: WanModel):
     return None if groups is None else groups.cp_group
 
 
-def _check_inputs(model: WanModel, x, timestep, text, image) -> VideoGeometry:
+def _check_inputs(model: WanModel, x, timestep, text, image, padded: bool = False) -> VideoGeometry:
+    """The inputs' geometry, checked before any collective. ``padded`` (the samplers,
+    ``wan_sampling.sample_wan``): the tokens are padded to a multiple of the CP size, so any CP
+    size of at most the tokens is accepted; otherwise the CP size must divide them."""
     cfg = model.config
     if not (model.pre_process and model.post_process):
         raise ValueError(
@@ -200,7 +203,12 @@ def _check_inputs(model: WanModel, x, timestep, text, image) -> VideoGeometry:
     geometry = VideoGeometry(*token_grid(tuple(x.shape[2:]), cfg.patch_size))
     B, S = x.shape[0], geometry.tokens
     P, _ = model.cp()
-    if S % P:
+    if padded and P > S:
+        raise ValueError(
+            f"context_parallel_size ({P}) must be at most the tokens ({S} = {geometry.frames} x "
+            f"{geometry.height} x {geometry.width}): every CP rank holds at least one real token"
+        )
+    if S % P and not padded:
         raise ValueError(
             f"tokens ({S} = {geometry.frames} x {geometry.height} x "
             f"{geometry.width}) must be divisible by context_parallel_size ({P})"

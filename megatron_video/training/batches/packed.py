@@ -39,6 +39,7 @@ from megatron_video.layouts.placement import CostModel, Placement, PlacementPlan
 from megatron_video.models.embedders import patchify
 
 from ..config import Config, bucket_grid
+from ..ti2v import i2v_probability_of
 from .clips import ClipSource, ShardClipSource, clip_source, load_clip_store
 from .fixed import clip_draws
 from .protocol import LedgerSteps, RankCoords, checked_step_batches
@@ -66,6 +67,7 @@ class PackedMicroBatch:
     loss_mask: torch.Tensor  # [1, s]
     num_loss_tokens: int  # of the whole step (all DP ranks and micro-batches)
     scale: float  # num_microbatches x dp_size (0 for a dummy micro-batch)
+    condition: Optional[torch.Tensor] = None  # [1, s] bool: I2V first-frame tokens (TI2V)
 
 
 class PackedBatchMaker(LedgerSteps):
@@ -171,6 +173,9 @@ class PackedBatchMaker(LedgerSteps):
     def step_batches(self, step: int) -> Iterator[PackedMicroBatch]:
         batch = self._draw(step)
         n_loss = sum(self.clips[k].loss_tokens for k in batch.clip_ids)
+        # TI2V: an I2V clip's first-frame tokens carry no loss (every DP rank counts the step's)
+        first = [self.clips[k].positions for k in batch.clip_ids if self._i2v(step, k)]
+        n_loss -= sum(first)
         self.last_step_tokens = sum(self.clips[k].tokens for k in batch.clip_ids)
         mbs = [self.micro_batch(step, list(b), n_loss) for b in batch.bins[self.dp_rank]]
         if self.log is not None and not self._logged:
@@ -216,15 +221,24 @@ class PackedBatchMaker(LedgerSteps):
         if key is None:
             z = torch.zeros(n, C)
             t = torch.full((nb,) if self.kind == "teacher_forcing" else (1,), 0.5)
-            return z, z.clone(), t, torch.ones(1), False
+            return z, z.clone(), t, torch.ones(1), False, False
         if self.need_latents:
             lat = self.source.latents(key, ranges).float() * self.latent_scale
             clean = patchify(lat[None], self.patch)[0]
         else:  # a middle pipeline stage: no clip is read (its input is the previous stage's)
             clean = torch.zeros(n, C)
         tf = self.kind == "teacher_forcing"  # t: [blocks] per AR block, [1] per clip
-        noise, sigma, t, drop, _ = clip_draws(cfg, step, self.index[key], n, C, nb if tf else 0)
-        return clean, noise, t, sigma, drop
+        noise, sigma, t, drop, i2v = clip_draws(cfg, step, self.index[key], n, C, nb if tf else 0)
+        return clean, noise, t, sigma, drop, i2v and self.kind == "full"
+
+    def _i2v(self, step: int, key: str) -> bool:
+        """Whether clip ``key`` is an I2V clip at ``step`` (``clip_draws``' last draw; False
+        without first-frame conditioning or for teacher forcing)."""
+        if self.kind != "full" or i2v_probability_of(self.config) == 0:
+            return False
+        clip, cfg = self.clips[key], self.config
+        C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
+        return clip_draws(cfg, step, self.index[key], clip.frame_tokens, C, 0)[4]
 
     def _captions(self, keys: Sequence[Optional[str]]):
         d = self.config.data
@@ -261,6 +275,12 @@ class PackedBatchMaker(LedgerSteps):
             x, noise = packed.pack(cleans)[None][:, local], packed.pack(noises)[None][:, local]
             t, target = torch.cat(ts), torch.zeros_like(x)
         ids, mask = self._captions(slots)
+        loss_mask, condition = packed.loss_mask(local)[None], None
+        i2v = torch.tensor([bool(p[5]) for p in per], dtype=torch.bool)
+        if bool(i2v.any()):  # I2V first frames: clean, timestep 0, no loss (diffusion.ti2v)
+            clip = packed.clip_of(local)
+            cond = (clip >= 0) & (packed.token_thw(local)[:, 0] == 0) & i2v[clip.clamp(min=0)]
+            loss_mask, condition = loss_mask & ~cond[None], cond[None]
         return PackedMicroBatch(
             clip_ids=list(keys),
             packed=packed,
@@ -275,7 +295,8 @@ class PackedBatchMaker(LedgerSteps):
             caption_ids=ids,
             caption_mask=mask,
             drop=torch.tensor([p[4] for p in per], dtype=torch.bool),
-            loss_mask=packed.loss_mask(local)[None],
+            loss_mask=loss_mask,
             num_loss_tokens=max(1, num_loss_tokens),
             scale=float(self.num_microbatches * self.dp_size) if real else 0.0,
+            condition=condition,
         )

@@ -228,12 +228,13 @@ def _check_placed_blocks(config: Config) -> None:
     _tokens_per_cp_rank(config, 0)
     _, Hp, Wp = token_grid_of(config)
     block, cp = m.frames_per_block * Hp * Wp, config.parallel.context_parallel_size
-    if config.train.sample and block % cp:
+    if config.train.sample and cp > block:
         raise ValueError(
             f"train.sample (True) streams blocks of {block} tokens (model.frames_per_block "
-            f"{m.frames_per_block} x {Hp * Wp}), which parallel.context_parallel_size ({cp}) "
-            f"must divide (diffusion/streaming.py cuts each block contiguously); set "
-            f"train.sample=false"
+            f"{m.frames_per_block} x {Hp * Wp}), which must be at least "
+            f"parallel.context_parallel_size ({cp}): every CP rank holds at least one real token "
+            f"of a block (diffusion/streaming.py pads a block to a multiple of the CP size); "
+            f"set train.sample=false"
         )
 
 

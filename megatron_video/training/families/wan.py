@@ -264,12 +264,13 @@ def _check_i2v(config: Config) -> None:
     if p == 0:
         return
     check_first_frame_patch(config.model.patch_size)
-    if config.data.buckets is not None:
+    if config.data.buckets is not None and config.model.family != "wan":
         given = config.data.i2v_probability
         why = "" if given is not None else ", the default for Wan 2.2's 48-channel latents"
         raise ValueError(
-            f"data.i2v_probability ({p}{why}) must be 0 with data.buckets: packed clips take "
-            f"no first-frame conditioning; set data.i2v_probability: 0"
+            f"data.i2v_probability ({p}{why}) must be 0 with data.buckets for model.family "
+            f"{config.model.family!r}: packed teacher-forcing clips take no first-frame "
+            f"conditioning (model.family 'wan' does); set data.i2v_probability: 0"
         )
 
 
