@@ -22,6 +22,7 @@ from megatron_video.data.video_qa import QA_VOCAB, TEXT_LEN
 from ..config import Config
 from ..family_spec import FamilySpec, SampleLayout, register_family
 from ..vlm import LanguageModelObjective, VideoQABatches
+from .video_llava import _check_rl, _mini_batches_fit
 
 __all__ = ["QwenVLFamily", "QWEN_VL", "hf_config_of", "to_qwen_sample"]
 
@@ -239,6 +240,7 @@ def _check_hf_config(config: Config) -> None:
 
 def _check(config: Config, world_size: int) -> None:
     m, d, p, t = config.model, config.data, config.parallel, config.train
+    _mini_batches_fit(config, world_size)
     if m.hf_config is not None:
         _check_hf_config(config)
     g = geometry_of(config)
@@ -275,9 +277,13 @@ def _check(config: Config, world_size: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class QwenVLFamily(FamilySpec):
-    """``qwen_vl``: no VAE; the trainer's supervised step only (no Megatron-LM entry yet)."""
+    """``qwen_vl``: no VAE; the trainer's supervised step or GRPO (``train.objective: grpo``,
+    ``training.grpo``); no Megatron-LM entry yet."""
 
     needs_vae: bool = False
+
+    def check_rl(self, config: Config) -> None:
+        _check_rl(config)
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
         from megatron_video.models.qwen_vl import language_config
@@ -331,6 +337,7 @@ QWEN_VL = register_family(
         objectives=("lm",),
         check=_check,
         model_fields=("hf_config",),
+        trainers=(("grpo", "megatron_video.training.grpo:GRPOTrainer"),),
         summary="Qwen2.5-VL (GPTModel with M-RoPE + transformers' vision tower) with MM-SP: "
         "temporal patches sharded for the vision tower, one all-to-all-v into the 2D attention",
     )
