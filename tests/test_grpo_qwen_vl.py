@@ -13,6 +13,7 @@
 """
 
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from test_qwen_vl import _rmsnorm_in_input_dtype, token_type_ids
 from torch.testing import assert_close
 
 NEW = 6  # greedy tokens compared with transformers
+GRPO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen_vl_grpo.yaml"
 CP_OPTIONS = ("ours", "long_rl")
 
 
@@ -287,3 +289,78 @@ def test_rollouts_and_grpo_loss_u2xr2_equal_cp1(pool4):
     assert sum(r["units"] for _, r in per_rank) == 5
     losses = [per_rank[0][0][(name, "oracle")][0] for name in CP_OPTIONS]
     assert abs(losses[0] - losses[1]) > 1e-6  # the options differ on these rollouts
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer: qwen_vl prompts, one GRPO step of examples/configs/qwen_vl_grpo.yaml, bad input
+# ---------------------------------------------------------------------------------------------
+def test_qwen_prompts_are_the_supervised_questions():
+    """``prompts_of`` on a qwen_vl batch: the prompt ends where the supervised target starts, the
+    answer is that target, the text is video_llava's prompt's, the video is the sample's."""
+    from megatron_video.training.config import load_config
+    from megatron_video.training.families.qwen_vl import END_ID, QwenVLBatches
+    from megatron_video.training.grpo import prompts_of
+    from megatron_video.training.vlm import VideoQABatches
+
+    cfg = load_config(str(GRPO))
+    qb, lb = QwenVLBatches(cfg, 0, 1), VideoQABatches(cfg, 0, 1)
+    mb, ref = qb.from_positions([3, 8]), lb.from_positions([3, 8])
+    rows = 0
+    for (video, prompt, answer, pos), (_, want, want_answer, want_pos) in zip(
+        prompts_of(mb), prompts_of(ref)
+    ):
+        pv, grid = video
+        assert tuple(grid.tolist()) == (5, 4, 4) and pv.shape[0] == 80
+        assert torch.equal(pv, mb.pixel_values_videos[rows : rows + 80])
+        rows += 80
+        assert (answer, pos) == (want_answer, want_pos)
+        end = int(torch.nonzero(prompt[0] == END_ID)[0, 0])
+        assert torch.equal(prompt[0, end + 1 :], want[0, 1:]), (prompt, want)  # after the video
+
+
+def _train_one_step(out):
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    over = ["train.steps=1", "train.micro_batch_size=1", "rl.group_size=2"]
+    over += ["train.tensorboard=false", "train.save=false", f"output={out}"]
+    t = Trainer(load_config(str(GRPO), over), progress=False)
+    try:
+        calls = _count_vision(t.model)
+        before = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+        metrics = t.run()
+        moved = {k for k, p in t.model.named_parameters() if not torch.equal(before[k], p)}
+        history = metrics.get("history") if metrics else None
+        return type(t).__name__, len(calls), moved, history
+    finally:
+        t.close()
+
+
+def test_qwen_vl_grpo_example_trains_a_step(pool4, tmp_path):
+    """One GRPO step of the example (one prompt, 2 responses) at U2xR2: the vision tower runs
+    once per rank (the embedding cache) and stays frozen, the LLM moves, KL 0 at the start."""
+    per_rank = pool4.run(_train_one_step, str(tmp_path / "run"))
+    hist = next(r[3] for r in per_rank if r[3])
+    assert len(hist) == 1 and hist[0]["kl"] == 0 and hist[0]["response_len"] == 1
+    assert 0 <= hist[0]["reward_mean"] <= 1.1 and hist[0]["grad_norm"] > 0, hist
+    for name, calls, moved, _ in per_rank:
+        assert name == "GRPOTrainer" and calls == 1
+        assert moved and not any(k.startswith("visual.") for k in moved), moved
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("rl.mini_batches=3", r"rl\.mini_batches \(3\) must divide"),
+        ("parallel.fsdp=true", r"parallel\.fsdp"),
+        ("rl.clip=1.5", r"rl\.clip \(1\.5\)"),
+    ],
+)
+def test_bad_qwen_vl_grpo_config_names_the_field(override, match):
+    from megatron_video.training.config import load_config, validate
+
+    with pytest.raises(ValueError, match=match):
+        validate(load_config(str(GRPO), [override]), 4)
