@@ -93,7 +93,7 @@ def encode_video(model, images, grad: bool = False) -> VideoTokens:
     and ``response_logprobs``; ``grad``: keep the graph (``rl.train_encoder``). Qwen2.5-VL:
     ``images = (pixel_values_videos, video_grid_thw)`` (``rl_qwen_vl.encode_video``)."""
     if qwen.is_qwen_vl(model):
-        return qwen.encode_video(model, images, grad)
+        return VideoTokens(*qwen.encode_video(model, images, grad))
     _, rank, cp = _cp(model)
     local = images.index_select(0, frame_shards([images.shape[0]], cp).local_units(rank))
     with torch.set_grad_enabled(grad):

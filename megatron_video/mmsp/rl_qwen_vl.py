@@ -45,10 +45,9 @@ def _grid(video_grid_thw) -> tuple:
 
 
 def encode_video(model, video, grad: bool = False):
-    """``video = (pixel_values_videos, video_grid_thw)`` of one video -> ``rl.VideoTokens`` of
-    this rank's temporal patches (``num_frames``: the temporal patches; ``grid``: (t, h, w))."""
-    from .rl import VideoTokens
-
+    """``video = (pixel_values_videos, video_grid_thw)`` of one video -> ``(visual tokens of this
+    rank's temporal patches [n_local * h*w/4, hidden], temporal patches, (t, h, w))``, the fields
+    of ``rl.VideoTokens``."""
     pv, grid_thw = video
     t, h, w = _grid(grid_thw)
     _, rank, cp = cp_of(model)
@@ -66,7 +65,7 @@ def encode_video(model, video, grad: bool = False):
     local = units.index_select(0, frame_shards([t], cp).local_units(rank).to(pv.device))
     with torch.set_grad_enabled(grad):
         out = model._encode_units(local, (h, w))
-    return VideoTokens(out.reshape(-1, out.shape[-1]), t, (t, h, w))
+    return out.reshape(-1, out.shape[-1]), t, (t, h, w)
 
 
 def check_prompt(model, visual, prompt_ids) -> None:
