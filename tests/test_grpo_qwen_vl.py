@@ -122,6 +122,12 @@ def test_greedy_rollout_equals_transformers_generate(monkeypatch):
         monkeypatch.setattr(rl_qwen_vl, "text_offset", lambda *a: 0)
         flat = rl.rollout(model, visual, ids, cfg_rl, prompt_seed=0)
         assert float((flat.logprobs[0, 1:] - want_lp[1:]).abs().max()) > 1e-4
+        # bad input names the parameter: a prompt missing a placeholder, a video of the wrong size
+        short = ids[ids != cfg.video_token_id][None]
+        with pytest.raises(ValueError, match=r"prompt_ids \(\(1, 9\), 0 video tokens\) must"):
+            rl.rollout(model, visual, short, cfg_rl, prompt_seed=0)
+        with pytest.raises(ValueError, match=r"pixel_values_videos rows \(79\) must equal"):
+            rl.encode_video(model, (pv[:-1], grid[0]))
 
 
 # ---------------------------------------------------------------------------------------------

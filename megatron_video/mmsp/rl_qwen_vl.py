@@ -109,6 +109,11 @@ def llm_input(model, visual, ids, prompt_len: int):
     marked = ids.clone()
     marked[:, prompt_len:] = -1  # text for the layout and the M-RoPE ids
     layout = combined_layout(marked, vid, cp)
+    if layout.seq_len > model.language_model.max_sequence_length:  # before any collective
+        raise ValueError(
+            f"prompt + response ({ids.shape[1]} tokens, padded to {layout.seq_len}) must be <= "
+            f"language_max_sequence_length ({model.language_model.max_sequence_length})"
+        )
     t, h, w = visual.grid
     tpu = h * w // model.merge**2
     shards = frame_shards([t], cp)
