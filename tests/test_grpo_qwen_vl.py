@@ -23,6 +23,7 @@ from torch.testing import assert_close
 
 NEW = 6  # greedy tokens compared with transformers
 GRPO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen_vl_grpo.yaml"
+SFT = GRPO.with_name("qwen_vl.yaml")
 CP_OPTIONS = ("ours", "long_rl")
 
 
@@ -324,36 +325,50 @@ def test_qwen_prompts_are_the_supervised_questions():
         assert torch.equal(prompt[0, end + 1 :], want[0, 1:]), (prompt, want)  # after the video
 
 
-def _train_one_step(out):
+def _sft_then_grpo_step(out):
+    """One supervised step of qwen_vl.yaml (saved), then one GRPO step of qwen_vl_grpo.yaml from
+    it (``model.init_from``): per rank the trainer, vision calls, the parameters GRPO moved,
+    whether it started from the supervised weights, the GRPO history (logging rank)."""
     import warnings
 
     from megatron_video.training.config import load_config
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    over = ["train.steps=1", "train.micro_batch_size=1", "rl.group_size=2"]
-    over += ["train.tensorboard=false", "train.save=false", f"output={out}"]
-    t = Trainer(load_config(str(GRPO), over), progress=False)
+    small = ["train.steps=1", "train.micro_batch_size=1", "train.tensorboard=false"]
+    sft = Trainer(load_config(str(SFT), small + [f"output={out}/sft"]), progress=False)
+    try:
+        sft.run()
+        trained = {k: p.detach().clone() for k, p in sft.model.named_parameters()}
+    finally:
+        sft.close()
+    over = small + ["rl.group_size=2", "train.save=false", f"model.init_from={out}/sft"]
+    t = Trainer(load_config(str(GRPO), over + [f"output={out}/grpo"]), progress=False)
     try:
         calls = _count_vision(t.model)
         before = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+        started = all(torch.equal(before[k], v) for k, v in trained.items())
+        started = started and all(
+            torch.equal(p, trained[k]) for k, p in t.reference.named_parameters()
+        )
         metrics = t.run()
         moved = {k for k, p in t.model.named_parameters() if not torch.equal(before[k], p)}
         history = metrics.get("history") if metrics else None
-        return type(t).__name__, len(calls), moved, history
+        return type(t).__name__, len(calls), moved, started, history
     finally:
         t.close()
 
 
-def test_qwen_vl_grpo_example_trains_a_step(pool4, tmp_path):
-    """One GRPO step of the example (one prompt, 2 responses) at U2xR2: the vision tower runs
-    once per rank (the embedding cache) and stays frozen, the LLM moves, KL 0 at the start."""
-    per_rank = pool4.run(_train_one_step, str(tmp_path / "run"))
-    hist = next(r[3] for r in per_rank if r[3])
+def test_qwen_vl_grpo_example_trains_a_step_from_sft(pool4, tmp_path):
+    """One GRPO step of the example (one prompt, 2 responses) at U2xR2 from a one-step
+    supervised run: policy and reference start from its weights (KL 0), the vision tower runs
+    once per rank (the embedding cache) and stays frozen, the LLM moves."""
+    per_rank = pool4.run(_sft_then_grpo_step, str(tmp_path))
+    hist = next(r[4] for r in per_rank if r[4])
     assert len(hist) == 1 and hist[0]["kl"] == 0 and hist[0]["response_len"] == 1
     assert 0 <= hist[0]["reward_mean"] <= 1.1 and hist[0]["grad_norm"] > 0, hist
-    for name, calls, moved, _ in per_rank:
-        assert name == "GRPOTrainer" and calls == 1
+    for name, calls, moved, started, _ in per_rank:
+        assert name == "GRPOTrainer" and calls == 1 and started
         assert moved and not any(k.startswith("visual.") for k in moved), moved
 
 
@@ -363,10 +378,11 @@ def test_qwen_vl_grpo_example_trains_a_step(pool4, tmp_path):
         ("rl.mini_batches=3", r"rl\.mini_batches \(3\) must divide"),
         ("parallel.fsdp=true", r"parallel\.fsdp"),
         ("rl.clip=1.5", r"rl\.clip \(1\.5\)"),
+        ("model.init_from=/nowhere", r"model\.init_from \('/nowhere'\) must be"),
     ],
 )
 def test_bad_qwen_vl_grpo_config_names_the_field(override, match):
     from megatron_video.training.config import load_config, validate
 
     with pytest.raises(ValueError, match=match):
-        validate(load_config(str(GRPO), [override]), 4)
+        validate(load_config(str(GRPO), ["model.init_from=null", override]), 4)

@@ -22,7 +22,7 @@ from megatron_video.data.video_qa import QA_VOCAB, TEXT_LEN
 from ..config import Config
 from ..family_spec import FamilySpec, SampleLayout, register_family
 from ..vlm import LanguageModelObjective, VideoQABatches
-from .video_llava import _check_rl, _mini_batches_fit
+from .video_llava import _check_rl, _init_from_dir, _mini_batches_fit
 
 __all__ = ["QwenVLFamily", "QWEN_VL", "hf_config_of", "to_qwen_sample"]
 
@@ -268,11 +268,13 @@ def _check(config: Config, world_size: int) -> None:
             f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
             f"and parallel.fsdp ({p.fsdp}) false for model.family 'qwen_vl'"
         )
-    if t.sample or d.source != "synthetic" or m.init_from is not None:
+    if t.sample or d.source != "synthetic":
         raise ValueError(
-            f"train.sample ({t.sample}) must be false, data.source ({d.source!r}) 'synthetic' and "
-            f"model.init_from ({m.init_from!r}) unset for model.family 'qwen_vl'"
+            f"train.sample ({t.sample}) must be false and data.source ({d.source!r}) 'synthetic' "
+            f"for model.family 'qwen_vl'"
         )
+    if m.init_from is not None:
+        _init_from_dir(m.init_from)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,7 +304,12 @@ class QwenVLFamily(FamilySpec):
     ):
         from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
 
-        return MMSPQwenVLModel(hf_config_of(config), tcfg, max_sequence_length=_seq_length(config))
+        model = MMSPQwenVLModel(hf_config_of(config), tcfg, max_sequence_length=_seq_length(config))
+        if config is not None and config.model.init_from is not None:  # collective
+            from ..checkpoint import load_model_weights
+
+            load_model_weights(_init_from_dir(config.model.init_from), model)
+        return model
 
     def megatron_lm_config(self, base, config: Config):
         raise ValueError(
@@ -336,7 +343,7 @@ QWEN_VL = register_family(
         name="qwen_vl",
         objectives=("lm",),
         check=_check,
-        model_fields=("hf_config",),
+        model_fields=("hf_config", "init_from"),
         trainers=(("grpo", "megatron_video.training.grpo:GRPOTrainer"),),
         summary="Qwen2.5-VL (GPTModel with M-RoPE + transformers' vision tower) with MM-SP: "
         "temporal patches sharded for the vision tower, one all-to-all-v into the 2D attention",
