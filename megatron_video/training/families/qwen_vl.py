@@ -8,6 +8,8 @@ from that file instead (the model section's sizes must agree; the patch sizes an
 are the file's). Each sample is written
 as the HF processor writes it (``to_qwen_sample``): ``<vision_start>``, the expanded video
 placeholders, ``<vision_end>``, the question; the frames patchified in the processor's order.
+Supervised or GRPO (``train.objective: grpo``, ``training.grpo``); ``model.init_from`` (a run
+folder) starts the model from a run's newest checkpoint.
 """
 
 from __future__ import annotations
