@@ -24,7 +24,6 @@ from megatron_video.data.video_qa import QA_VOCAB, TEXT_LEN
 from ..config import Config
 from ..family_spec import FamilySpec, SampleLayout, register_family
 from ..vlm import LanguageModelObjective, VideoQABatches
-from .video_llava import _check_rl, _init_from_dir, _mini_batches_fit
 
 __all__ = ["QwenVLFamily", "QWEN_VL", "hf_config_of", "to_qwen_sample"]
 
@@ -241,6 +240,8 @@ def _check_hf_config(config: Config) -> None:
 
 
 def _check(config: Config, world_size: int) -> None:
+    from .video_llava import _init_from_dir, _mini_batches_fit  # here: the registration order
+
     m, d, p, t = config.model, config.data, config.parallel, config.train
     _mini_batches_fit(config, world_size)
     if m.hf_config is not None:
@@ -287,6 +288,8 @@ class QwenVLFamily(FamilySpec):
     needs_vae: bool = False
 
     def check_rl(self, config: Config) -> None:
+        from .video_llava import _check_rl
+
         _check_rl(config)
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
@@ -309,6 +312,7 @@ class QwenVLFamily(FamilySpec):
         model = MMSPQwenVLModel(hf_config_of(config), tcfg, max_sequence_length=_seq_length(config))
         if config is not None and config.model.init_from is not None:  # collective
             from ..checkpoint import load_model_weights
+            from .video_llava import _init_from_dir
 
             load_model_weights(_init_from_dir(config.model.init_from), model)
         return model
