@@ -33,7 +33,8 @@ def is_qwen_vl(model) -> bool:
 
 def cp_of(model):
     """``(CP group, rank, size)``; at CP = 1 the language model's one-rank CP group."""
-    group = model.cp_group if model.cp_group is not None else model.language_model.pg_collection.cp
+    group = getattr(model, "cp_group", None)  # None: CP = 1 (a plain QwenVLModel has none)
+    group = group if group is not None else model.language_model.pg_collection.cp
     return group, group.rank(), model.cp_size
 
 
