@@ -7,11 +7,13 @@ roll out and score a prompt on it, beside ``video_llava``'s (``mmsp.rl``).
 * ``llm_input``: prompt (+ response) ids, the video placeholders already expanded as the processor
   writes them, into the LLM's zigzag CP layout (stage 2) with the global 3-D M-RoPE ids
   (``models.qwen_vl.mrope_position_ids``, transformers' ``get_rope_index``) cut to this rank.
-* ``text_offset``: decode positions. Past the prefix every token is text, and a text token sits
-  at the previous token's largest id + 1 on all three axes (``get_rope_index``): a token at
-  sequence index ``i >= P`` has t = h = w = ``i + offset``, ``offset = max(ids of token P - 1) +
-  1 - P``. (Not the prefix's largest id: after a video the text restarts at the video's start +
-  ``max(h, w) / merge``, below its last temporal id.)
+* ``text_offset``: decode positions. Past the prefix every token is text, and a text token after
+  text sits at the previous token's id + 1 on all three axes (``get_rope_index``): a token at
+  sequence index ``i >= P`` has t = h = w = ``i + offset``, ``offset`` the first response
+  token's id - ``P`` (``mrope_position_ids`` of the prompt + one text token: after a prompt
+  ending in text, the last token's id + 1; after a video the text restarts at the video's
+  start + ``max(h, w) / merge``, below its last temporal id, so it is not the prefix's largest
+  id + 1).
 """
 
 from __future__ import annotations
@@ -93,9 +95,12 @@ def _positions(model, visual, ids) -> torch.Tensor:
 
 
 def text_offset(model, visual, prompt_ids) -> int:
-    """``max(M-RoPE ids of the last prefix token) + 1 - P``: a text token at index ``i >= P``
-    sits at ``i +`` this on every axis (as ``mrope_position_ids`` of the longer sequence)."""
-    return int(_positions(model, visual, prompt_ids)[:, 0, -1].max()) + 1 - prompt_ids.shape[1]
+    """The first response token's M-RoPE id (all three axes) - ``P``: a text token at index
+    ``i >= P`` sits at ``i +`` this on every axis (as ``mrope_position_ids`` of the longer
+    sequence)."""
+    P = prompt_ids.shape[1]
+    ids = torch.cat([prompt_ids.cpu(), torch.full((1, 1), -1, dtype=prompt_ids.dtype)], 1)
+    return int(_positions(model, visual, ids)[0, 0, P]) - P
 
 
 def llm_input(model, visual, ids, prompt_len: int):
