@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# qwen_vl_grpo: ~60 s here (4 prompts x 4 responses x 3 steps at CP 4); tests/test_grpo_qwen_vl.py
-# trains it for one step at a smaller batch
+# qwen_vl_grpo: 45-75 s here (4 prompts x 4 responses x 3 steps at CP 4, measured on the shared
+# 2-core machine); tests/test_grpo_qwen_vl.py trains one step of it (smaller batch) from an SFT step
 VALIDATED_ONLY = ("qwen_vl_grpo",)
 CONFIGS = [
     p
