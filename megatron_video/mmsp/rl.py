@@ -33,6 +33,7 @@ from ..attention.kv_cache import CacheStep, KVCache
 from ..layouts.mmsp import frame_shards
 from ..layouts.zigzag import shard_global_ids
 from ..parallel import comm
+from . import rl_qwen_vl as qwen
 from .rl_config import RLConfig
 from .sharding import plan_batch, reshard_to_llm
 
@@ -67,6 +68,8 @@ class Rollout:
 
 
 def _cp(model):
+    if qwen.is_qwen_vl(model):
+        return qwen.cp_of(model)
     group = model.cp_group if model.cp_group is not None else model.pg_collection.cp  # CP 1: 1 rank
     return group, group.rank(), model.context_parallel_lm
 
@@ -77,16 +80,20 @@ def _cp(model):
 @dataclasses.dataclass
 class VideoTokens:
     """This CP rank's visual tokens of one video (``local [n_local * img_seq_len, h]``) and the
-    video's frame count."""
+    video's frame count (Qwen2.5-VL: temporal patches; ``grid`` its ``(t, h, w)``)."""
 
     local: torch.Tensor
     num_frames: int
+    grid: Optional[tuple] = None
 
 
-def encode_video(model, images: torch.Tensor, grad: bool = False) -> VideoTokens:
+def encode_video(model, images, grad: bool = False) -> VideoTokens:
     """One video ``images [F, 3, H, W]`` through the vision model + projector, this CP rank's
     share of the frames only (MM-SP stage 1). Computed once per step and handed to ``rollout``
-    and ``response_logprobs``; ``grad``: keep the graph (``rl.train_encoder``)."""
+    and ``response_logprobs``; ``grad``: keep the graph (``rl.train_encoder``). Qwen2.5-VL:
+    ``images = (pixel_values_videos, video_grid_thw)`` (``rl_qwen_vl.encode_video``)."""
+    if qwen.is_qwen_vl(model):
+        return VideoTokens(*qwen.encode_video(model, images, grad))
     _, rank, cp = _cp(model)
     local = images.index_select(0, frame_shards([images.shape[0]], cp).local_units(rank))
     with torch.set_grad_enabled(grad):
@@ -94,29 +101,49 @@ def encode_video(model, images: torch.Tensor, grad: bool = False) -> VideoTokens
     return VideoTokens(out.reshape(-1, out.shape[-1]), images.shape[0])
 
 
-def _llm_input(model, visual, ids):
-    """``(combined [s_local, 1, h] in the zigzag CP layout, MMSPBatch)`` of one sequence."""
+def _max_len(model) -> int:
+    if qwen.is_qwen_vl(model):
+        return model.language_model.max_sequence_length
+    return model._language_max_sequence_length
+
+
+def _llm_input(model, visual, ids, prompt_len: int):
+    """``(combined [s_local, 1, h] in the zigzag CP layout, MMSPBatch, position ids)`` of one
+    sequence: the position ids are Qwen2.5-VL's M-RoPE ids of this rank ``[3, 1, s_local]``, None
+    for ``video_llava`` (1-D RoPE from the sequence index). ``ids[:, prompt_len:]`` is response."""
     group, rank, cp = _cp(model)
-    token = model.image_token_index
-    frames = [visual.num_frames]
-    batch = plan_batch(ids, frames, token, model.img_seq_len, rank, cp, group=group)
-    if batch.layout.seq_len > model._language_max_sequence_length:
+    if qwen.is_qwen_vl(model):
+        combined, batch, pos = qwen.llm_input(model, visual, ids, prompt_len)
+    else:
+        token = model.image_token_index
+        frames = [visual.num_frames]
+        batch = plan_batch(ids, frames, token, model.img_seq_len, rank, cp, group=group)
+    if batch.layout.seq_len > _max_len(model):
         raise ValueError(
             f"prompt + response ({int(batch.layout.lengths.max())} combined tokens, padded to "
             f"{batch.layout.seq_len}) must be <= language_max_sequence_length "
-            f"({model._language_max_sequence_length})"
+            f"({_max_len(model)})"
         )
+    if qwen.is_qwen_vl(model):
+        return combined, batch, pos
     text_ids = ids.clone()
     text_ids[text_ids == token] = 0
     pos = torch.arange(ids.shape[1])[None]
     text = model.language_model.embedding(input_ids=text_ids, position_ids=pos)
     text = text.transpose(0, 1).reshape(-1, text.shape[-1])
-    return reshard_to_llm(visual.local, text, batch, group).transpose(0, 1).contiguous(), batch
+    combined = reshard_to_llm(visual.local, text, batch, group).transpose(0, 1).contiguous()
+    return combined, batch, None
 
 
 def _rope(model, positions: torch.Tensor, length: int):
-    """Megatron's RoPE table for the given global positions ``[s, 1, 1, d]`` (no CP cut)."""
-    emb = model.language_model.rotary_pos_emb(length, packed_seq=True)
+    """Megatron's RoPE table for the given global positions ``[s, 1, 1, d]`` (no CP cut);
+    Qwen2.5-VL: M-RoPE of the ids ``positions [3, 1, s]``."""
+    lm = model.language_model
+    if qwen.is_qwen_vl(model):
+        return lm.rotary_pos_emb(
+            positions.to(lm.embedding.word_embeddings.weight.device), lm.mrope_section
+        )
+    emb = lm.rotary_pos_emb(length, packed_seq=True)
     return emb.index_select(0, positions.to(emb.device))
 
 
@@ -153,7 +180,7 @@ def _sample(logits: torch.Tensor, gen: torch.Generator, temperature: float, top_
 def _prefill(model, visual, prompt_ids):
     """Prefill the prefix once: ``(cache, P, logits of the last prefix token [V])``."""
     group, _, cp = _cp(model)
-    combined, batch = _llm_input(model, visual, prompt_ids)
+    combined, batch, mpos = _llm_input(model, visual, prompt_ids, prompt_ids.shape[1])
     P, seq = int(batch.layout.lengths[0]), batch.layout.seq_len
     pos_all = torch.cat([shard_global_ids(r, cp, seq, "zigzag") for r in range(cp)])
 
@@ -162,18 +189,20 @@ def _prefill(model, visual, prompt_ids):
 
     cache = KVCache()
     step = CacheStep(cache, pos_all, append=True, new_mask=masks.predicate(causal_real))
-    logits = _lm(model, combined, step, _rope(model, batch.plan.positions, seq))
+    rope = _rope(model, batch.plan.positions if mpos is None else mpos, seq)
+    logits = _lm(model, combined, step, rope)
     cache.keep(lambda tags: tags < P)  # padding never enters the cache
     logits = comm.all_gather_cat(logits[:, 0].contiguous(), group, tag="rl.prefill_logits")
     return cache, P, logits[int(torch.nonzero(pos_all == P - 1)[0, 0])]
 
 
-def _decode_step(model, cache, P, L, last, t):
+def _decode_step(model, cache, P, L, last, t, offset=None):
     """Logits ``[G, V]`` of every response's token ``t`` from its token ``t - 1`` (``last [G]``):
     one new token per response at position ``P + t - 1``, cut over the CP ranks (padded to a
     multiple of CP), attending the prefix and its own earlier tokens in the cache (``cache_mask``
     on the tags: prefix ``< P``, response ``g``'s token ``j``: ``P + g * L + j``); its keys /
-    values are appended (the padding's evicted), so no token is ever recomputed."""
+    values are appended (the padding's evicted), so no token is ever recomputed. ``offset``
+    (Qwen2.5-VL): the token's M-RoPE id on every axis is ``P + t - 1 + offset``."""
     group, _, cp = _cp(model)
     G = last.shape[0]
     n = -(-G // cp) * cp
@@ -189,7 +218,10 @@ def _decode_step(model, cache, P, L, last, t):
 
     lm = model.language_model
     hidden = lm.embedding(input_ids=ids[mine][None], position_ids=None)  # [s, 1, h]
-    rope = _rope(model, torch.full((s,), P + t - 1), P + t)
+    if offset is None:
+        rope = _rope(model, torch.full((s,), P + t - 1), P + t)
+    else:
+        rope = _rope(model, torch.full((3, 1, s), P + t - 1 + offset), P + t)
     step = CacheStep(
         cache,
         tags,
@@ -209,14 +241,13 @@ def _recompute_logits(model, visual, prompt_ids, tokens, t):
     group, _, cp = _cp(model)
     out = []
     for g in range(tokens.shape[0]):
-        combined, batch = _llm_input(
-            model, visual, torch.cat([prompt_ids, tokens[g : g + 1, :t]], 1)
-        )
+        ids = torch.cat([prompt_ids, tokens[g : g + 1, :t]], 1)
+        combined, batch, mpos = _llm_input(model, visual, ids, prompt_ids.shape[1])
         seq, last = batch.layout.seq_len, int(batch.layout.lengths[0]) - 1
         pos_all = torch.cat([shard_global_ids(r, cp, seq, "zigzag") for r in range(cp)])
         logits = model.language_model(
             input_ids=None,
-            position_ids=None,
+            position_ids=mpos,
             attention_mask=None,
             decoder_input=combined,
             runtime_gather_output=True,
@@ -226,7 +257,9 @@ def _recompute_logits(model, visual, prompt_ids, tokens, t):
     return torch.stack(out)
 
 
-def _check_prompt(model, prompt_ids):
+def _check_prompt(model, visual, prompt_ids):
+    if qwen.is_qwen_vl(model):
+        return qwen.check_prompt(model, visual, prompt_ids)
     n_img = int((prompt_ids == model.image_token_index).sum())
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or n_img != 1:
         raise ValueError(
@@ -251,13 +284,18 @@ def rollout(
     ``eos_id`` (included) or after ``cfg.max_new_tokens``. ``kv_cache``: decode against the
     prefix's and the responses' cached keys / values (one new token per response and step);
     False: recompute the whole sequence for every token (the reference; benchmarks)."""
-    _check_prompt(model, prompt_ids)
+    _check_prompt(model, visual, prompt_ids)
     G, L = cfg.group_size, cfg.max_new_tokens
-    combined_len = prompt_ids.shape[1] - 1 + visual.num_frames * model.img_seq_len
-    if combined_len + L > model._language_max_sequence_length:
+    offset = None
+    if qwen.is_qwen_vl(model):
+        combined_len = prompt_ids.shape[1]
+        offset = qwen.text_offset(model, visual, prompt_ids)
+    else:
+        combined_len = prompt_ids.shape[1] - 1 + visual.num_frames * model.img_seq_len
+    if combined_len + L > _max_len(model):
         raise ValueError(
             f"prompt ({combined_len} combined tokens) + rl.max_new_tokens ({L}) must be <= "
-            f"language_max_sequence_length ({model._language_max_sequence_length})"
+            f"language_max_sequence_length ({_max_len(model)})"
         )
     cache, P, last = _prefill(model, visual, prompt_ids)
     temp = logprob_temperature(cfg)
@@ -272,7 +310,7 @@ def rollout(
     logits = last.expand(G, -1)
     for t in range(L):
         if t > 0 and kv_cache:
-            logits = _decode_step(model, cache, P, L, tokens[:, t - 1], t)
+            logits = _decode_step(model, cache, P, L, tokens[:, t - 1], t, offset)
         elif t > 0:
             logits = _recompute_logits(model, visual, prompt_ids, tokens, t)
         lp = torch.log_softmax(logits.double() / temp, dim=-1)
@@ -302,7 +340,7 @@ def response_logprobs(model, visual, prompt_ids, tokens, lengths, temperature=1.
     for g in range(tokens.shape[0]):
         n = int(lengths[g])
         ids = torch.cat([prompt_ids, tokens[g : g + 1, :n]], dim=1)
-        combined, batch = _llm_input(model, visual, ids)
+        combined, batch, mpos = _llm_input(model, visual, ids, prompt_ids.shape[1])
         P = int(batch.layout.lengths[0]) - n
         seq = batch.layout.seq_len
         labels = torch.zeros(seq, dtype=torch.long)
@@ -312,7 +350,7 @@ def response_logprobs(model, visual, prompt_ids, tokens, lengths, temperature=1.
         valid = (index >= 0) & (index < n)
         logits = model.language_model(
             input_ids=None,
-            position_ids=None,
+            position_ids=mpos,
             attention_mask=None,
             decoder_input=combined,
             runtime_gather_output=True,

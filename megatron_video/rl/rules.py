@@ -83,6 +83,6 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
         why = "its sampler is not wired to the Flow-GRPO step yet (rl.flow_grpo)"
     raise ValueError(
         f"train.objective ('grpo') and the rl section are for model.family in "
-        f"{list(rl_families)}; "
+        f"{sorted(rl_families)}; "
         f"{family!r} has no GRPO: {why} (docs/wan.md, 'Reinforcement learning')"
     )

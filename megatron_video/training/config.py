@@ -342,7 +342,7 @@ class TrainSection:
     nonfinite_policy: str = "stop"  # non-finite loss / grad norm: skip (count, no update) | stop
     max_skipped_steps: int = 10  # policy skip: stop after this many skipped steps in a row
     rank_timeout_s: float = 300.0  # a rank that makes no progress this long ends the job
-    objective: str = "supervised"  # supervised | grpo (video_llava: RL with the rl section)
+    objective: str = "supervised"  # supervised | grpo (video_llava, qwen_vl: the rl section)
 
     def validate(self, has_gpu: Optional[bool] = None) -> None:
         """Every field but the global batch; ``has_gpu`` None: no device rule (validate)."""

@@ -1,5 +1,6 @@
-"""``train.objective: grpo``: GRPO of ``video_llava`` with MR-SP (``mmsp.rl``) in the supervised
-trainer's job: the same build, checkpoints, resume and outputs (``Trainer``), another step.
+"""``train.objective: grpo``: GRPO of ``video_llava`` and ``qwen_vl`` with MR-SP (``mmsp.rl``) in
+the supervised trainer's job: the same build, checkpoints, resume and outputs (``Trainer``),
+another step.
 
 Each DP rank takes the prompts of its micro-batches (DP ranks own whole groups). Per prompt the
 video is encoded once (this CP rank's frames: the embedding cache), ``rl.group_size`` responses are
@@ -26,17 +27,21 @@ from . import checkpoint as ckpt
 from .batches.protocol import checked_step_batches
 from .model_factory import build_model
 from .trainer import Trainer
-from .vlm import VideoQABatch
 
 __all__ = ["GRPOTrainer", "prompts_of"]
 
-ENCODER = ("vision_model.", "vision_projection.")
+ENCODER = ("vision_model.", "vision_projection.", "visual.")  # video_llava's; qwen_vl's
 RL_KEYS = ("reward_mean", "reward_std", "kl", "response_len", "clip_frac")
 
 
-def prompts_of(mb: VideoQABatch) -> List[Tuple[torch.Tensor, torch.Tensor, int, int]]:
-    """``(frames [T, 3, H, W], prompt ids [1, n], answer id, sample position)`` of each sample:
-    the prompt is the text up to the question's last token (the answer is what the policy says)."""
+def prompts_of(mb) -> List[Tuple[object, torch.Tensor, int, int]]:
+    """``(video, prompt ids [1, n], answer id, sample position)`` of each sample: the prompt is
+    the text up to the question's last token (the answer is what the policy says). ``video``:
+    ``frames [T, 3, H, W]`` of a ``VideoQABatch``; ``(pixel_values_videos, video_grid_thw [3])``
+    of a ``qwen_vl`` batch (placeholders expanded, HF labels: the first labelled token is the
+    answer)."""
+    if hasattr(mb, "video_grid_thw"):
+        return _qwen_prompts(mb)
     out, frames = [], 0
     for j in range(mb.input_ids.shape[0]):
         T = int(mb.num_image_tiles[j])
@@ -51,6 +56,27 @@ def prompts_of(mb: VideoQABatch) -> List[Tuple[torch.Tensor, torch.Tensor, int, 
         )
         frames += T
     return out
+
+
+def _qwen_prompts(mb) -> List[Tuple[object, torch.Tensor, int, int]]:
+    out, rows = [], 0
+    for j in range(mb.input_ids.shape[0]):
+        grid = mb.video_grid_thw[j]
+        n = int(grid.prod())
+        k = int(torch.nonzero(mb.labels[j] != -100)[0, 0])
+        video = (mb.pixel_values_videos[rows : rows + n], grid)
+        out.append(
+            (video, mb.input_ids[j : j + 1, :k], int(mb.labels[j, k]), int(mb.sample_ids[j]))
+        )
+        rows += n
+    return out
+
+
+def _to(video, device, dtype):
+    """A video of ``prompts_of`` on ``device`` (pixels in ``dtype``)."""
+    if isinstance(video, tuple):
+        return video[0].to(device, dtype), video[1]
+    return video.to(device, dtype)
 
 
 class GRPOTrainer(Trainer):
@@ -92,7 +118,7 @@ class GRPOTrainer(Trainer):
         try:  # a prompt too long or a bad reward: raised by a whole DP group (same prompts)
             for i, mb in enumerate(checked_step_batches(self.batches, step)):
                 for frames, prompt, answer, position in prompts_of(mb):
-                    frames, prompt = frames.to(self.device, dtype), prompt.to(self.device)
+                    frames, prompt = _to(frames, self.device, dtype), prompt.to(self.device)
                     visual = rl.encode_video(policy, frames)  # once: rollout, reference, policy
                     ro = rl.rollout(policy, visual, prompt, cfg, prompt_seed=position)
                     rewards = rl.score(cfg, ro, answer_id=answer, format_ids=ANSWER_IDS)

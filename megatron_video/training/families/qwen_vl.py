@@ -8,6 +8,8 @@ from that file instead (the model section's sizes must agree; the patch sizes an
 are the file's). Each sample is written
 as the HF processor writes it (``to_qwen_sample``): ``<vision_start>``, the expanded video
 placeholders, ``<vision_end>``, the question; the frames patchified in the processor's order.
+Supervised or GRPO (``train.objective: grpo``, ``training.grpo``); ``model.init_from`` (a run
+folder) starts the model from a run's newest checkpoint.
 """
 
 from __future__ import annotations
@@ -238,7 +240,10 @@ def _check_hf_config(config: Config) -> None:
 
 
 def _check(config: Config, world_size: int) -> None:
+    from .video_llava import _init_from_dir, _mini_batches_fit  # here: the registration order
+
     m, d, p, t = config.model, config.data, config.parallel, config.train
+    _mini_batches_fit(config, world_size)
     if m.hf_config is not None:
         _check_hf_config(config)
     g = geometry_of(config)
@@ -266,18 +271,26 @@ def _check(config: Config, world_size: int) -> None:
             f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
             f"and parallel.fsdp ({p.fsdp}) false for model.family 'qwen_vl'"
         )
-    if t.sample or d.source != "synthetic" or m.init_from is not None:
+    if t.sample or d.source != "synthetic":
         raise ValueError(
-            f"train.sample ({t.sample}) must be false, data.source ({d.source!r}) 'synthetic' and "
-            f"model.init_from ({m.init_from!r}) unset for model.family 'qwen_vl'"
+            f"train.sample ({t.sample}) must be false and data.source ({d.source!r}) 'synthetic' "
+            f"for model.family 'qwen_vl'"
         )
+    if m.init_from is not None:
+        _init_from_dir(m.init_from)
 
 
 @dataclass(frozen=True, kw_only=True)
 class QwenVLFamily(FamilySpec):
-    """``qwen_vl``: no VAE; the trainer's supervised step only (no Megatron-LM entry yet)."""
+    """``qwen_vl``: no VAE; the trainer's supervised step or GRPO (``train.objective: grpo``,
+    ``training.grpo``); no Megatron-LM entry yet."""
 
     needs_vae: bool = False
+
+    def check_rl(self, config: Config) -> None:
+        from .video_llava import _check_rl
+
+        _check_rl(config)
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
         from megatron_video.models.qwen_vl import language_config
@@ -296,7 +309,13 @@ class QwenVLFamily(FamilySpec):
     ):
         from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
 
-        return MMSPQwenVLModel(hf_config_of(config), tcfg, max_sequence_length=_seq_length(config))
+        model = MMSPQwenVLModel(hf_config_of(config), tcfg, max_sequence_length=_seq_length(config))
+        if config is not None and config.model.init_from is not None:  # collective
+            from ..checkpoint import load_model_weights
+            from .video_llava import _init_from_dir
+
+            load_model_weights(_init_from_dir(config.model.init_from), model)
+        return model
 
     def megatron_lm_config(self, base, config: Config):
         raise ValueError(
@@ -330,7 +349,8 @@ QWEN_VL = register_family(
         name="qwen_vl",
         objectives=("lm",),
         check=_check,
-        model_fields=("hf_config",),
+        model_fields=("hf_config", "init_from"),
+        trainers=(("grpo", "megatron_video.training.grpo:GRPOTrainer"),),
         summary="Qwen2.5-VL (GPTModel with M-RoPE + transformers' vision tower) with MM-SP: "
         "temporal patches sharded for the vision tower, one all-to-all-v into the 2D attention",
     )

@@ -1,0 +1,395 @@
+"""GRPO / MR-SP on Qwen2.5-VL (``mmsp.rl`` with ``mmsp.rl_qwen_vl``), float64, tiny random config.
+
+* CP = 1, in process: the KV-cache greedy rollout equals transformers' own
+  ``Qwen2_5_VLForConditionalGeneration.generate`` (greedy, the same converted weights) token for
+  token, its log-probs equal transformers' (float64 forward of the generated sequence: the 3-D
+  M-RoPE ids of the prefill and of every decoded token are transformers'); decoding at a 1-D text position (no
+  ``rope_deltas``) must not. The vision tower runs once per prompt.
+* U2xR2 on 4 gloo ranks: greedy and seeded sampled rollouts equal CP = 1's (tokens; log-probs to
+  rounding), KV cache = recompute; on fixed rollouts (test_grpo_loss_options' fixtures) the GRPO
+  loss and every gradient equal the explicit float64 formula (``oracle_loss``) on the CP = 1
+  ``QwenVLModel`` forward of prompt + response, for ours and Long-RL's options; the vision tower
+  runs once per prompt (its share of the temporal patches on each rank).
+"""
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from test_grpo_loss_options import LENGTHS, OPTIONS, REWARDS, G, L, T, _rollouts, oracle_loss
+from test_qwen_vl import _rmsnorm_in_input_dtype, token_type_ids
+from torch.testing import assert_close
+
+NEW = 6  # greedy tokens compared with transformers
+GRPO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen_vl_grpo.yaml"
+SFT = GRPO.with_name("qwen_vl.yaml")
+CP_OPTIONS = ("ours", "long_rl")
+
+
+def _hf(cfg, scale=1.0, seed=0):
+    """transformers' model, float64, weights moved well away from the init (greedy decoding of a
+    near-init model repeats one token: the comparison would not see the positions)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _prompt(cfg):
+    """``(prompt ids [1, T], pixel_values_videos, video_grid_thw [1, 3])``: text, ``<start>``,
+    a video of 5 temporal patches (>= CP = 4, odd) on a 4 x 4 patch grid, ``<end>``, text."""
+    g = torch.Generator().manual_seed(11)
+    t, h, w = 5, 4, 4
+    n = t * h * w // 4
+    ids = [*torch.randint(3, 90, (3,), generator=g).tolist(), cfg.vision_start_token_id]
+    ids += [cfg.video_token_id] * n + [cfg.vision_end_token_id]
+    ids += torch.randint(3, 90, (4,), generator=g).tolist()
+    pv = torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=g, dtype=torch.float64)
+    return torch.tensor([ids]), pv, torch.tensor([[t, h, w]])
+
+
+def _ours(cfg, weights, tp=1, cp=1, comm_type=None):
+    from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
+    from megatron_video.models.qwen_vl import language_config
+
+    lcfg = language_config(cfg, tp, cp, comm_type, params_dtype=torch.float64)
+    model = MMSPQwenVLModel(cfg, lcfg).double()
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def _count_vision(model):
+    """Wrap the vision tower's forward: returns the list its calls append to."""
+    calls, fwd = [], model.visual.forward
+
+    def counted(*a, **k):
+        calls.append(1)
+        return fwd(*a, **k)
+
+    model.visual.forward = counted
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
+# CP = 1: greedy KV-cache rollout = transformers' generate
+# ---------------------------------------------------------------------------------------------
+def test_greedy_rollout_equals_transformers_generate(monkeypatch):
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    from megatron_video.mmsp import rl, rl_qwen_vl
+    from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
+    from megatron_video.models.wan.convert import _one_process
+
+    monkeypatch.setattr(m.Qwen2_5_VLRMSNorm, "forward", _rmsnorm_in_input_dtype)
+    cfg = tiny_hf_config()
+    hf = _hf(cfg)
+    ids, pv, grid = _prompt(cfg)
+    out = hf.generate(
+        input_ids=ids,
+        pixel_values_videos=pv,
+        video_grid_thw=grid,
+        mm_token_type_ids=token_type_ids(ids),
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    P, want = ids.shape[1], out[0, ids.shape[1] :]
+    with torch.no_grad():  # generate's scores are float32: the log-probs from its float64 forward
+        logits = hf(
+            input_ids=out,
+            pixel_values_videos=pv,
+            video_grid_thw=grid,
+            mm_token_type_ids=token_type_ids(out),
+        ).logits[0]
+    want_lp = torch.log_softmax(logits[P - 1 : P - 1 + NEW], -1)[torch.arange(NEW), want]
+    assert want.unique().numel() > 2, want  # the weights decode varied tokens
+    cfg_rl = rl.RLConfig(group_size=2, max_new_tokens=NEW, temperature=0)
+    with _one_process():
+        model = _ours(cfg, to_megatron(hf.state_dict(), cfg))
+        calls = _count_vision(model)
+        visual = rl.encode_video(model, (pv, grid[0]))
+        ro = rl.rollout(model, visual, ids, cfg_rl, prompt_seed=0)
+        assert len(calls) == 1  # the vision tower ran once: the rollout reuses its tokens
+        for g in range(2):
+            assert torch.equal(ro.tokens[g], want), (ro.tokens, want)
+            assert_close(ro.logprobs[g], want_lp, rtol=0, atol=1e-9)
+        # teeth: decoded tokens at the 1-D text position (no M-RoPE offset) score differently
+        monkeypatch.setattr(rl_qwen_vl, "text_offset", lambda *a: 0)
+        flat = rl.rollout(model, visual, ids, cfg_rl, prompt_seed=0)
+        assert float((flat.logprobs[0, 1:] - want_lp[1:]).abs().max()) > 1e-4
+        # bad input names the parameter: a prompt missing a placeholder, a video of the wrong size
+        short = ids[ids != cfg.video_token_id][None]
+        with pytest.raises(ValueError, match=r"prompt_ids \(\(1, 9\), 0 video tokens\) must"):
+            rl.rollout(model, visual, short, cfg_rl, prompt_seed=0)
+        with pytest.raises(ValueError, match=r"pixel_values_videos rows \(79\) must equal"):
+            rl.encode_video(model, (pv[:-1], grid[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# U2xR2: rollouts = CP 1, loss and gradients = the explicit formula on fixed rollouts
+# ---------------------------------------------------------------------------------------------
+def _oracle_lp(model, visual_in, ids, tokens, grad=False, temperature=1.0):
+    """``QwenVLModel`` (CP = 1) forward of prompt + each response: log-probs ``[G, L]``."""
+    pv, grid = visual_in
+    P = ids.shape[1]
+    rows = []
+    for g in range(tokens.shape[0]):
+        full = torch.cat([ids, tokens[g : g + 1]], dim=1)
+        with torch.set_grad_enabled(grad):
+            logits = model(full, pv, grid)
+            lp = torch.log_softmax(logits[0].double() / temperature, dim=-1)
+            rows.append(lp[P - 1 + torch.arange(L), tokens[g]])
+    return torch.stack(rows)
+
+
+def _perturbed(full, salt, scale):
+    out = {}
+    for k, v in full.items():
+        g = torch.Generator().manual_seed(zlib.crc32((salt + k).encode()))
+        out[k] = v if k.startswith("visual.") else v + scale * torch.randn(v.shape, generator=g)
+    return out
+
+
+def _grads(model, group):
+    from megatron_video.parallel import comm
+
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        if group is not None:
+            comm.all_reduce(g, group)  # what DDP's dp_cp reduction sums
+        out[name] = g
+    return out
+
+
+def _freeze_visual(model):
+    for name, p in model.named_parameters():
+        if name.startswith("visual."):
+            p.requires_grad_(False)
+
+
+def _cp1(cfg, w0, w1, wref, video, ids, tokens):
+    """Rollouts and the oracle's loss / gradients at CP = 1."""
+    from megatron_video.mmsp import rl
+    from megatron_video.testing.parallel import model_parallel
+
+    out = {}
+    with model_parallel():
+        model = _ours(cfg, w0)
+        visual = rl.encode_video(model, video)
+        for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=1.3))):
+            c = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
+            out[("ro", name)] = rl.rollout(model, visual, ids, c, prompt_seed=2)
+        offsets = [
+            1.2 * (2 * torch.rand(G, L, generator=torch.Generator().manual_seed(i)) - 1).double()
+            for i in range(len(tokens))
+        ]
+        out["old"] = [
+            _oracle_lp(model, video, ids, t, temperature=T) + o for t, o in zip(tokens, offsets)
+        ]
+        model.load_state_dict(wref)
+        out["ref"] = [_oracle_lp(model, video, ids, t, temperature=T) for t in tokens]
+        model.load_state_dict(w1)
+        _freeze_visual(model)
+        for name in CP_OPTIONS:
+            model.zero_grad(set_to_none=True)
+            lp = [_oracle_lp(model, video, ids, t, grad=True, temperature=T) for t in tokens]
+            loss = oracle_loss(lp, out["old"], out["ref"], REWARDS, OPTIONS[name])
+            loss.backward()
+            out[(name, "oracle")] = (float(loss), _grads(model, None))
+    return out
+
+
+def _u2xr2(cfg, weights, video, ids, tokens, old):
+    """Rollouts with ``w0``, the GRPO loss of ``w1`` against ``wref`` at U2xR2."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.mmsp import rl
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import model_parallel
+
+    w0, w1, wref = weights
+    out = {}
+    with model_parallel(cp=4, hierarchical_cp=[2, 2]):
+        group = ps.get_context_parallel_group()
+        policy = _ours(cfg, w1, cp=4, comm_type="a2a+p2p")
+        reference = _ours(cfg, wref, cp=4, comm_type="a2a+p2p")
+        _freeze_visual(policy)
+        calls = _count_vision(policy)
+        visual = rl.encode_video(policy, video)
+        policy.load_state_dict(w0)  # rollouts with the old policy
+        for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=1.3))):
+            c = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
+            out[("ro", name)] = [
+                rl.rollout(policy, visual, ids, c, prompt_seed=2, kv_cache=kv) for kv in (1, 0)
+            ]
+        policy.load_state_dict(w1)
+        ros = [
+            rl.Rollout(t, torch.tensor(n), torch.where(t > 0, o, torch.zeros_like(o)))
+            for t, n, o in zip(tokens, LENGTHS, old)
+        ]
+        for name in CP_OPTIONS:
+            c = rl.RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
+            norms = rl.token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
+            policy.zero_grad(set_to_none=True)
+            total = torch.zeros(1, dtype=torch.float64)
+            for ro, r, norm in zip(ros, REWARDS, norms):
+                rewards = torch.tensor(r, dtype=torch.float64)
+                loss, _ = rl.grpo_loss(policy, reference, visual, ids, ro, rewards, c, norm)
+                loss.backward()
+                total += loss.detach()
+            comm.all_reduce(total, group)
+            out[(name, "u2xr2")] = (float(total), _grads(policy, group))
+        out["vision_calls"] = len(calls)
+        out["units"] = visual.local.shape[0] // int(video[1][0, 1:].prod() // 4)
+    return out
+
+
+def _run():
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
+
+    saved = m.Qwen2_5_VLRMSNorm.forward
+    m.Qwen2_5_VLRMSNorm.forward = _rmsnorm_in_input_dtype
+    try:
+        cfg = tiny_hf_config()
+        w0 = to_megatron(_hf(cfg, scale=0.6).state_dict(), cfg)
+        w1, wref = _perturbed(w0, "w1", 0.05), _perturbed(w0, "ref", 0.3)
+        ids, pv, grid = _prompt(cfg)
+        video = (pv, grid)
+        tokens, _ = _rollouts()
+        cp1 = _cp1(cfg, w0, w1, wref, video, ids, tokens)
+        return cp1, _u2xr2(cfg, (w0, w1, wref), video, ids, tokens, cp1["old"])
+    finally:
+        m.Qwen2_5_VLRMSNorm.forward = saved
+
+
+def test_rollouts_and_grpo_loss_u2xr2_equal_cp1(pool4):
+    per_rank = pool4.run(_run)
+    for rank, (cp1, res) in enumerate(per_rank):
+        for name in ("greedy", "sampled"):  # token for token, log-probs to rounding
+            want = cp1[("ro", name)]
+            for ro in res[("ro", name)]:  # KV cache, recompute
+                assert torch.equal(ro.tokens, want.tokens), (name, rank, ro.tokens, want.tokens)
+                assert_close(ro.logprobs, want.logprobs, rtol=0, atol=1e-10)
+        assert want.tokens.unique().numel() > 2, want.tokens
+        for name in CP_OPTIONS:
+            loss_ref, grads_ref = cp1[(name, "oracle")]
+            loss, grads = res[(name, "u2xr2")]
+            assert loss == pytest.approx(loss_ref, rel=1e-10, abs=1e-12), (name, rank)
+            assert grads.keys() == grads_ref.keys()
+            for k, g in grads_ref.items():
+                scale = float(g.abs().max()) + 1e-30
+                assert_close(grads[k], g, rtol=1e-8, atol=1e-10 * scale, msg=f"{name}/{rank} {k}")
+            assert any(float(g.abs().max()) > 0 for g in grads.values())
+        assert res["vision_calls"] == 1  # once per prompt and step: rollouts + loss reuse it
+        assert res["units"] in (1, 2)  # this rank's share of the 5 temporal patches
+    assert sum(r["units"] for _, r in per_rank) == 5
+    losses = [per_rank[0][0][(name, "oracle")][0] for name in CP_OPTIONS]
+    assert abs(losses[0] - losses[1]) > 1e-6  # the options differ on these rollouts
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer: qwen_vl prompts, one GRPO step of examples/configs/qwen_vl_grpo.yaml, bad input
+# ---------------------------------------------------------------------------------------------
+def test_qwen_prompts_are_the_supervised_questions():
+    """``prompts_of`` on a qwen_vl batch: the prompt ends where the supervised target starts, the
+    answer is that target, the text is video_llava's prompt's, the video is the sample's."""
+    from megatron_video.training.config import load_config
+    from megatron_video.training.families.qwen_vl import END_ID, QwenVLBatches
+    from megatron_video.training.grpo import prompts_of
+    from megatron_video.training.vlm import VideoQABatches
+
+    cfg = load_config(str(GRPO))
+    qb, lb = QwenVLBatches(cfg, 0, 1), VideoQABatches(cfg, 0, 1)
+    mb, ref = qb.from_positions([3, 8]), lb.from_positions([3, 8])
+    rows = 0
+    for (video, prompt, answer, pos), (_, want, want_answer, want_pos) in zip(
+        prompts_of(mb), prompts_of(ref)
+    ):
+        pv, grid = video
+        assert tuple(grid.tolist()) == (5, 4, 4) and pv.shape[0] == 80
+        assert torch.equal(pv, mb.pixel_values_videos[rows : rows + 80])
+        rows += 80
+        assert (answer, pos) == (want_answer, want_pos)
+        end = int(torch.nonzero(prompt[0] == END_ID)[0, 0])
+        assert torch.equal(prompt[0, end + 1 :], want[0, 1:]), (prompt, want)  # after the video
+
+
+def first_token_reward(tokens, lengths, answer_id, format_ids):
+    """A reward that differs between responses (an untrained policy rarely says the answer, and a
+    group of equal rewards has no gradient): the first token's id / 100."""
+    return tokens[:, 0].double() / 100
+
+
+def _sft_then_grpo_step(out):
+    """One supervised step of qwen_vl.yaml (saved), then one GRPO step of qwen_vl_grpo.yaml from
+    it (``model.init_from``): per rank the trainer, vision calls, the parameters GRPO moved,
+    whether it started from the supervised weights, the GRPO history (logging rank)."""
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    small = ["train.steps=1", "train.micro_batch_size=1", "train.tensorboard=false"]
+    sft = Trainer(load_config(str(SFT), small + [f"output={out}/sft"]), progress=False)
+    try:
+        sft.run()
+        trained = {k: p.detach().clone() for k, p in sft.model.named_parameters()}
+    finally:
+        sft.close()
+    over = small + ["rl.group_size=3", "train.save=false", f"model.init_from={out}/sft"]
+    over += ["rl.reward=test_grpo_qwen_vl:first_token_reward"]
+    t = Trainer(load_config(str(GRPO), over + [f"output={out}/grpo"]), progress=False)
+    try:
+        calls = _count_vision(t.model)
+        before = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+        started = all(torch.equal(before[k], v) for k, v in trained.items())
+        started = started and all(
+            torch.equal(p, trained[k]) for k, p in t.reference.named_parameters()
+        )
+        metrics = t.run()
+        moved = {k for k, p in t.model.named_parameters() if not torch.equal(before[k], p)}
+        history = metrics.get("history") if metrics else None
+        return type(t).__name__, len(calls), moved, started, history
+    finally:
+        t.close()
+
+
+def test_qwen_vl_grpo_example_trains_a_step_from_sft(pool4, tmp_path):
+    """One GRPO step of the example (one prompt, 3 responses) at U2xR2 from a one-step
+    supervised run: policy and reference start from its weights (KL 0), the vision tower runs
+    once per rank (the embedding cache) and stays frozen, the LLM moves."""
+    per_rank = pool4.run(_sft_then_grpo_step, str(tmp_path))
+    hist = next(r[4] for r in per_rank if r[4])
+    assert len(hist) == 1 and hist[0]["kl"] == 0 and hist[0]["response_len"] == 1
+    assert hist[0]["reward_std"] > 0 and hist[0]["grad_norm"] > 0, hist
+    for name, calls, moved, started, _ in per_rank:
+        assert name == "GRPOTrainer" and calls == 1 and started
+        assert moved and not any(k.startswith("visual.") for k in moved), moved
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("rl.mini_batches=3", r"rl\.mini_batches \(3\) must divide"),
+        ("parallel.fsdp=true", r"parallel\.fsdp"),
+        ("rl.clip=1.5", r"rl\.clip \(1\.5\)"),
+        ("model.init_from=/nowhere", r"model\.init_from \('/nowhere'\) must be"),
+    ],
+)
+def test_bad_qwen_vl_grpo_config_names_the_field(override, match):
+    from megatron_video.training.config import load_config, validate
+
+    with pytest.raises(ValueError, match=match):
+        validate(load_config(str(GRPO), ["model.init_from=null", override]), 4)
