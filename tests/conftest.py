@@ -14,7 +14,11 @@ from megatron_video.testing import WorkerPool
 
 pytest_plugins = ["megatron_video.testing.env_split"]  # the one_env mark and --no-megatron
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# intra-op threads of this process: up to 2; MEGATRON_VIDEO_TEST_THREADS overrides (.ci/run sets 1:
+# its two environments run at once on 2 cores, and 2 OpenMP threads each oversubscribe them)
+torch.set_num_threads(
+    int(os.environ.get("MEGATRON_VIDEO_TEST_THREADS", max(1, min(2, os.cpu_count() or 1))))
+)
 
 
 @pytest.fixture(scope="session")
