@@ -212,15 +212,9 @@ def _longlive_recache(run, cache: KVCache, fulls, rule: WindowRule, f0, cond, S,
     tags, _, mask = _block_tags(T, M, S)  # mask None: all new tokens attend all of them
     tags = torch.where(tags >= 0, tags + start, tags)
     step = CacheStep(cache, tags, append=True, new_mask=mask)
-    run(
-        _padded(x, T)[:, rank * s : (rank + 1) * s],
-        0.0,
-        cond,
-        step,
-        start // nb,
-        (f0 - start) // nb,
-    )
-    cache.keep(lambda tags: tags >= 0)
+    mine = _padded(x, T)[:, rank * s : (rank + 1) * s]  # this rank's contiguous share
+    run(mine, 0.0, cond, step, start // nb, blocks=(f0 - start) // nb)
+    cache.keep(lambda tags: tags >= 0)  # the padding never stays
 
 
 def _block_tags(T: int, n: int, S: int):
