@@ -83,14 +83,17 @@ def block_model(model, height: int, width: int, frames_per_block: int, cp_rank: 
     """``block_model(x, t, cond, step, j)`` of ``stream_autoregressive``: this CP rank's
     contiguous share of block ``j``'s tokens (padded to a multiple of ``cp_size``,
     ``streaming.padded_block_tokens``) at absolute latent frames ``j*nb ..``. A padding token
-    takes the grid position of a real one (any: it attends nothing and is never attended)."""
+    takes the grid position of a real one (any: it attends nothing and is never attended).
+    ``blocks=n``: the ``n`` consecutive blocks ``j .. j+n-1`` as one padded sequence (LongLive's
+    one-pass re-cache, ``streaming._longlive_recache``)."""
     from .streaming import padded_block_tokens
 
     S = height * width
-    s = padded_block_tokens(frames_per_block * S, cp_size) // cp_size
-    local = (cp_rank * s + torch.arange(s)) % (frames_per_block * S)
 
-    def call(x, t, cond, step, j):
+    def call(x, t, cond, step, j, blocks=1):
+        n = blocks * frames_per_block * S
+        s = padded_block_tokens(n, cp_size) // cp_size
+        local = (cp_rank * s + torch.arange(s)) % n
         frames = j * frames_per_block + local // S
         geometry = _geometry(model, height, width, frames)
         return _call(model, x, t, cond, frames, local % S, geometry, step)

@@ -9,7 +9,10 @@ sharded over the CP group like training (``attention.kv_cache``). ``WindowRule``
 are kept: the first ``sink`` frames and the last ``window`` frames before the block; RoPE
 positions are absolute latent frames (docs/generation.md, "Sink and window"). With a window that
 covers the video this equals ``cp_sampling.sample_autoregressive`` (the recompute sampler).
-Prompt switches re-encode the kept frames under the new prompt (KV re-cache), block-causally.
+Prompt switches re-encode the kept frames under the new prompt (KV re-cache), block-causally
+(``recache="block_causal"``, ours), or as LongLive v1.0 does (``recache="longlive"``,
+``_longlive_recache``: the last ``window + nb`` frames in one bidirectional pass, the sink's
+old-prompt keys / values kept; docs/generation.md, "LongLive's re-cache").
 Any CP size up to a block's tokens: a block whose tokens the CP size does not divide is padded to a
 multiple of it (``padded_block_tokens``); the padding attends nothing, is never attended (the
 new tokens' mask ``masks.packed([0, nb*S])``), is evicted from the cache after each append and is
@@ -33,8 +36,11 @@ from .samplers import flow_timesteps
 
 __all__ = ["WindowRule", "stream_autoregressive", "BlockModel", "padded_block_tokens"]
 
-# block_model(x [B, s, C] this CP rank's tokens of block j, t [B, s], cond, step, j) -> velocity
-BlockModel = Callable[[Tensor, Tensor, Any, CacheStep, int], Tensor]
+# block_model(x [B, s, C] this CP rank's tokens of block j, t [B, s], cond, step, j) -> velocity;
+# LongLive's re-cache also calls it with ``blocks=n``: this rank's contiguous share of the ``n``
+# consecutive blocks ``j .. j+n-1`` (their tokens padded to a multiple of the CP size)
+BlockModel = Callable[..., Tensor]
+RECACHE = ("block_causal", "longlive")
 
 
 @dataclass(frozen=True)
@@ -147,9 +153,9 @@ def _hold_first_frame(block_model: BlockModel, first_frame: Optional[Tensor], mi
     image[:, :S] = first_frame
     image = image[:, mine]
 
-    def held(x, t, cond, step, j):
+    def held(x, t, cond, step, j, **kw):
         if j or step.append:  # later blocks; the clean block 0 holds the image already
-            return block_model(x, t, cond, step, j)
+            return block_model(x, t, cond, step, j, **kw)
         m, img = hold.to(x.device), image.repeat(x.shape[0] // image.shape[0], 1, 1)
         x = torch.where(m[None, :, None], img.to(x.dtype), x)
         t = torch.where(m[None, :], torch.zeros_like(t), t)
@@ -159,6 +165,91 @@ def _hold_first_frame(block_model: BlockModel, first_frame: Optional[Tensor], mi
         return torch.where(hold.to(x.device)[None, :, None], image.to(x), x)
 
     return held, start
+
+
+def _check_recache(recache, global_sink) -> None:
+    if recache not in RECACHE:
+        raise ValueError(f"recache ({recache!r}) must be one of {RECACHE}")
+    if global_sink is not True:
+        raise ValueError(
+            f"global_sink ({global_sink!r}) must be True (LongLive's default, the only one "
+            f"supported: its global_sink false writes the first frames of the re-cached window into "
+            f"the sink slots, a moving sink that WindowRule does not express)"
+        )
+
+
+def _longlive_span(rule: WindowRule, f0: int) -> Tuple[int, bool]:
+    """``(first re-cached frame, keep the sink's cached entries)`` of LongLive v1.0's re-cache at
+    a switch at frame ``f0`` (``_recache_after_switch`` with ``global_sink: true``). Its
+    ``local_attn_size`` is ``L = sink + window + nb`` (its cache: the sink plus ``window + nb``
+    rolling frames; a noisy block attends the sink, ``window`` frames and itself; ``L = -1``:
+    ``window`` None). It re-runs frames ``[max(0, f0 - L), f0)``; when that starts after frame 0
+    (``is_recompute``) the sink slots are protected, so only the last ``window + nb`` frames are
+    written (the first ``sink`` re-run frames are attended by nobody: dropped here) and the sink
+    keeps its old-prompt keys / values; from frame 0 every frame, the sink too, is re-encoded."""
+    nb = rule.frames_per_block
+    if rule.window is None or f0 - rule.window - nb <= rule.sink:
+        return 0, False
+    return f0 - rule.window - nb, True
+
+
+def _longlive_recache(run, cache: KVCache, fulls, rule: WindowRule, f0, cond, S, N, rank):
+    """LongLive's KV re-cache at a switch at frame ``f0`` under ``cond``: the frames of
+    ``_longlive_span`` in ONE pass at timestep 0 (RoPE at their absolute frames), attending to
+    each other bidirectionally (no block mask) and to the kept sink entries. ``fulls``: the full
+    clean blocks ``[b, nb*S, C]`` by index; the span is cut contiguously over the ``N`` CP ranks
+    (padded to a multiple of ``N``; the padding attends nothing, is never attended, evicted)."""
+    nb = rule.frames_per_block
+    start, keep_sink = _longlive_span(rule, f0)
+    if keep_sink:  # global sink: the sink's keys / values stay as they were cached
+        cache.keep(lambda tags: (tags >= 0) & (tags < rule.sink))
+    else:
+        cache.clear()
+    x = torch.cat([fulls[k] for k in range(start // nb, f0 // nb)], dim=1)
+    M = x.shape[1]
+    T = padded_block_tokens(M, N)
+    s = T // N
+    tags, _, mask = _block_tags(T, M, S)  # mask None: all new tokens attend all of them
+    tags = torch.where(tags >= 0, tags + start, tags)
+    step = CacheStep(cache, tags, append=True, new_mask=mask)
+    mine = _padded(x, T)[:, rank * s : (rank + 1) * s]  # this rank's contiguous share
+    run(mine, 0.0, cond, step, start // nb, blocks=(f0 - start) // nb)
+    cache.keep(lambda tags: tags >= 0)  # the padding never stays
+
+
+def _block_tags(T: int, n: int, S: int):
+    """``(block-relative frame of each of the ``T`` new tokens, padded?, their mask)``: the ``n``
+    real tokens first; padding gets ``PAD_TAG`` (evicted after each append) and attends / is
+    attended by none (``masks.packed([0, n])``)."""
+    frame_of = torch.arange(T) // S
+    padded = T > n
+    if padded:
+        frame_of[n:] = PAD_TAG
+    return frame_of, padded, masks.packed([0, n]) if padded else None
+
+
+def _prune(blocks: Dict[int, Tensor], rule: WindowRule, f0: int) -> Dict[int, Tensor]:
+    """The ``blocks`` (by index) whose frames ``rule`` keeps for the block starting at ``f0``."""
+    nb = rule.frames_per_block
+    return {k: x for k, x in blocks.items() if bool(rule.kept(torch.tensor(k * nb), f0))}
+
+
+def _runner(block_model: BlockModel, null_cond, guidance_scale: float):
+    """``run(x, t_value, cond, step, j, blocks=1)``: the velocity of ``block_model`` at timestep
+    ``t_value``, classifier-free guided when ``null_cond`` is given and the scale is not 1."""
+
+    def run(x, t_value, c, step, j, blocks=1):
+        t = torch.full(x.shape[:2], t_value, dtype=x.dtype, device=x.device)
+        kw = {} if blocks == 1 else {"blocks": blocks}
+
+        def fn(xx, tt, cc):
+            return block_model(xx, tt, cc, step, j, **kw)
+
+        if null_cond is None or guidance_scale == 1.0:
+            return fn(x, t, c)
+        return guided_denoise(fn, x, t, c, null_cond, guidance_scale)
+
+    return run
 
 
 def stream_autoregressive(
@@ -177,6 +268,8 @@ def stream_autoregressive(
     rule: Optional[WindowRule] = None,
     switches: Sequence[Tuple[int, Any]] = (),
     first_frame: Optional[Tensor] = None,
+    recache: str = "block_causal",
+    global_sink: bool = True,
     progress: bool = False,
 ) -> Iterator[Tuple[int, Tensor, KVCache]]:
     """Yield ``(j, block j's clean tokens [b, nb*S, C] (every rank), cache)`` for each block.
@@ -189,29 +282,21 @@ def stream_autoregressive(
     are projected once per prompt (``KVCache.text_kv``, kept across switches row by row).
     ``first_frame [b, S, C]`` (TI2V / I2V, the same on every rank): the tokens of latent frame 0,
     held in block 0 as in training (their input the image, timestep 0, velocity 0).
-    Collective over ``groups`` (None: one process).
+    ``recache``: ``"block_causal"`` (ours) or ``"longlive"`` (``_longlive_recache``; then every
+    rank keeps the full clean blocks of the last ``window + nb`` frames and the sink);
+    ``global_sink``: LongLive's option, only True. Collective over ``groups`` (None: one process).
     """
     nb, S = frames_per_block, tokens_per_frame
     rule, N, rank, mine, T = _setup(rule, nb, S, groups)
     switch_at = _check_switches(switches, num_blocks, nb)
-    frame_of = torch.arange(T) // S  # block-relative frame of each new token
-    padded = T > nb * S
-    if padded:  # padding: its own tag (evicted after each append), attends / is attended by none
-        frame_of[nb * S :] = PAD_TAG
-    new_mask = masks.packed([0, nb * S]) if padded else None
+    _check_recache(recache, global_sink)
+    frame_of, padded, new_mask = _block_tags(T, nb * S, S)
     block_model, start = _hold_first_frame(block_model, first_frame, mine, S, nb, T)
     ts = [float(v) for v in flow_timesteps(num_steps, shift)]
-    cache, done = KVCache(), {}  # done: this rank's clean share of the blocks still kept
-
-    def run(x, t_value, c, step, j):
-        t = torch.full(x.shape[:2], t_value, dtype=x.dtype, device=x.device)
-
-        def fn(xx, tt, cc):
-            return block_model(xx, tt, cc, step, j)
-
-        if null_cond is None or guidance_scale == 1.0:
-            return fn(x, t, c)
-        return guided_denoise(fn, x, t, c, null_cond, guidance_scale)
+    cache, done, fulls = KVCache(), {}, {}  # this rank's clean share / full blocks still kept
+    longlive = recache == "longlive"
+    span = WindowRule(nb, rule.sink, None if rule.window is None else rule.window + nb)
+    run = _runner(block_model, null_cond, guidance_scale)
 
     def append(x, c, j):
         run(x, 0.0, c, CacheStep(cache, frame_of + j * nb, append=True, new_mask=new_mask), j)
@@ -221,10 +306,11 @@ def stream_autoregressive(
     bar = tqdm(total=num_blocks, disable=not progress, desc="blocks", leave=False)
     for j in range(num_blocks):
         f0 = j * nb
-        keep = rule.kept(torch.arange(f0), f0)
-        done = {k: x for k, x in done.items() if bool(keep[k * nb])}  # the kept blocks
-        if j in switch_at:  # KV re-cache: the kept frames, block-causally, under the new prompt
-            cond = switch_at[j]
+        done, fulls = _prune(done, rule, f0), _prune(fulls, span, f0)  # the kept blocks
+        cond = switch_at.get(j, cond)
+        if j in switch_at and longlive:
+            _longlive_recache(run, cache, fulls, rule, f0, cond, S, N, rank)
+        elif j in switch_at:  # KV re-cache: the kept frames, block-causally, under the new prompt
             cache.clear()
             for k in sorted(done):
                 append(done[k], cond, k)
@@ -241,6 +327,7 @@ def stream_autoregressive(
         done[j] = x
         full = x if N == 1 else comm.all_gather_cat(x, groups.cp_group, dim=1, tag="stream.block")
         full = full[:, : nb * S]
+        fulls = {**fulls, j: full} if longlive else fulls
         bar.update(1)
         yield j, full, cache
     bar.close()

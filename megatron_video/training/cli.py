@@ -210,6 +210,14 @@ def _add_generate(sub) -> None:
         default=None,
         help="latent frames attended before a block (default: the trained length less a block)",
     )
+    g.add_argument(
+        "--recache",
+        choices=("block_causal", "longlive"),
+        default="block_causal",
+        help="KV re-cache at a --switch: block_causal (ours: sink + window re-encoded block by "
+        "block) or longlive (LongLive v1.0: the last window + one block in one bidirectional "
+        "pass, the sink's old-prompt keys / values kept)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--text-encoder", default=None, help="wan_ar: local UMT5 / T5 folder (encoder + tokenizer)"
@@ -458,6 +466,7 @@ def _generate(args) -> int:
             output=args.output,
             sink=args.sink,
             window=args.window,
+            recache=args.recache,
             seed=args.seed,
             text_encoder=args.text_encoder,
             vae=args.vae,

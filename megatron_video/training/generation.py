@@ -184,10 +184,13 @@ class Generator:
         window: Optional[int] = None,
         switches: Sequence[Tuple[int, Any]] = (),
         first_frame: Optional[torch.Tensor] = None,
+        recache: str = "block_causal",
     ) -> Iterator[Tuple[int, torch.Tensor, Any]]:
         """``stream_autoregressive`` with the model: ``(j, block tokens [b, nb*S, C], cache)``.
         ``window`` default: the trained latent frames less one block (the longest context the
-        model saw), so a video of the trained length equals the recompute sampler."""
+        model saw), so a video of the trained length equals the recompute sampler. ``recache``:
+        the prompt-switch KV re-cache, ``"block_causal"`` (ours) or ``"longlive"`` (LongLive
+        v1.0's, its ``local_attn_size`` being ``sink + window + frames_per_block``)."""
         from megatron_video.diffusion.ar_models import block_model
         from megatron_video.diffusion.streaming import WindowRule, stream_autoregressive
 
@@ -213,6 +216,7 @@ class Generator:
             rule=WindowRule(nb, sink, window),
             switches=switches,
             first_frame=first_frame,
+            recache=recache,
             progress=self.progress,
         )
 
@@ -457,9 +461,13 @@ def _check_window(nb: int, sink, window) -> None:
 
 
 def _check_request(
-    config: Config, family, frames: int, switches, image, sink=0, window=None
+    config: Config, family, frames: int, switches, image, sink=0, window=None, recache=None
 ) -> Tuple[int, list]:
+    from megatron_video.diffusion.streaming import RECACHE
+
     nb = config.model.frames_per_block
+    if recache is not None and recache not in RECACHE:
+        raise ValueError(f"--recache ({recache!r}) must be one of {', '.join(RECACHE)}")
     if not family.autoregressive:
         raise ValueError(
             f"model.family ({config.model.family!r}) is not autoregressive: `megatron-video "
@@ -516,6 +524,7 @@ def generate(
     output: str = "generated",
     sink: int = 0,
     window: Optional[int] = None,
+    recache: str = "block_causal",
     seed: int = 0,
     text_encoder: Optional[str] = None,
     vae: Optional[str] = None,
@@ -526,8 +535,9 @@ def generate(
     initialised process group: CP over all its ranks (Ulysses over the heads that divide, ring for
     the rest; a world of one: a single process). The Wan families read ``text_encoder`` (a local
     UMT5 / T5 folder) and ``vae`` (a local ``AutoencoderKLWan`` folder; default the checkpoint's
-    ``vae.diffusers``). Returns the paths, frames, per-block times and (logging rank) the
-    generated ``tokens [1, F*h*w, C]``."""
+    ``vae.diffusers``). ``recache``: the prompt-switch KV re-cache, ``"block_causal"`` (ours)
+    or ``"longlive"`` (LongLive v1.0's; docs/generation.md). Returns the paths, frames,
+    per-block times and (logging rank) the generated ``tokens [1, F*h*w, C]``."""
     import torch.distributed as dist
 
     from megatron_video.compat import ensure_cpu_mode
@@ -536,7 +546,7 @@ def generate(
 
     config, folder, step = read_checkpoint_config(checkpoint)
     family = get_family(config.model.family)
-    F, lat_switches = _check_request(config, family, frames, switches, image, sink, window)
+    F, lat_switches = _check_request(config, family, frames, switches, image, sink, window, recache)
     prompts = [prompt] + [p for _, p in lat_switches]
     conds, null, decode, first = _conditions(config, family, prompts, image, text_encoder, vae)
     if not torch.cuda.is_available():
@@ -559,7 +569,7 @@ def generate(
     first = None if first is None else first.to(dev)
     blocks = Generator(model, config, family, groups).ar_blocks(
         cond, null, noise_block, F // nb, sink=sink, window=window, switches=switch_conds,
-        first_frame=first,
+        first_frame=first, recache=recache,
     )  # fmt: skip
     times, t0 = [], time.time()
     with torch.no_grad():
