@@ -17,9 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_loss_options import LENGTHS, OPTIONS, REWARDS, G, L, T, _rollouts, oracle_loss
-from test_qwen_vl import _rmsnorm_in_input_dtype, token_type_ids
 from torch.testing import assert_close
+
+from megatron_video.testing.grpo_options_case import (
+    LENGTHS,
+    OPTIONS,
+    REWARDS,
+    G,
+    L,
+    T,
+    _rollouts,
+    oracle_loss,
+)
+from megatron_video.testing.qwen_vl_case import _rmsnorm_in_input_dtype, token_type_ids
 
 NEW = 6  # greedy tokens compared with transformers
 GRPO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "qwen_vl_grpo.yaml"

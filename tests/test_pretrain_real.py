@@ -182,7 +182,7 @@ def _runs(*runs) -> list:
     shim = cmds[0][0].index(str(SHIM))
     prefix, env = cmds[0][0][: shim + 1], cmds[0][1]
     assert all(c[: shim + 1] == prefix and e == env for c, e in cmds), "one torchrun line"
-    logs = Path(runs[0][1]).parent / "logs"
+    logs = Path(runs[0][1]).parent / f"logs_{Path(runs[0][1]).name}"
     logs.mkdir()
     plan = [
         {"argv": c[shim + 1 :], "log": str(logs / f"{i}_{r[0]}"), "may_fail": r[3]}
@@ -328,12 +328,14 @@ FOUR = ("--train-iters", "4", "--save-interval", "4", "--eval-interval", "2")
 @pytest.fixture(scope="module")
 def family_runs(wan_shards, tmp_path_factory):
     """The ``llava`` line (8 iterations) and the ST-DiT, AR DiT, Wan and Wan AR lines (4 each,
-    evaluated after 2 and 4), one after another in one torchrun."""
+    evaluated after 2 and 4), each in a torchrun of its own: in one torchrun, after the runs
+    before it, the ``wan_ar`` line once failed its first collective ("Connection reset by peer",
+    CI 2026-12-06) -- lines of different entries and families one after another are not proven
+    safe, so only a line and its own resumes share a torchrun."""
     root = tmp_path_factory.mktemp("mlm_families")
     wan = ("--video-override", f"data.shards={wan_shards}")
     extra = {"llava": (), "stdit": FOUR, "ar_dit": FOUR, "wan": FOUR + wan, "wan_ar": FOUR + wan}
-    results = _runs(*[(name, root / name, e, False) for name, e in extra.items()])
-    return dict(zip(extra, results))
+    return {name: _runs((name, root / name, e, False))[0] for name, e in extra.items()}
 
 
 @real

@@ -15,15 +15,7 @@ import torch
 
 from megatron_video.models.qwen_vl import config as qcfg
 from megatron_video.models.qwen_vl import weights as W
-
-VID = 91
-
-
-def _rmsnorm_in_input_dtype(self, x):
-    """transformers' ``Qwen2_5_VLRMSNorm.forward``, computing in float64 for float64 input."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * h.to(x.dtype)
+from megatron_video.testing.qwen_vl_case import VID, _rmsnorm_in_input_dtype, token_type_ids
 
 
 @pytest.fixture
@@ -73,10 +65,6 @@ def sample(kind: str, cfg):
     labels[ids == VID] = -100
     labels[:, :2] = -100
     return ids, pv, grid, labels
-
-
-def token_type_ids(ids):
-    return (ids == VID).int() * 2  # mm_token_type_ids: text 0, video 2
 
 
 def ce(logits, shifted_labels):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generation import C_IN, STEPS, TOL, B, _build, _conds, _err
+
+from megatron_video.testing.streaming_case import C_IN, STEPS, TOL, B, _build, _conds, _err
 
 H, W = 1, 3
 S = H * W
