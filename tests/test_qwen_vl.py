@@ -274,7 +274,11 @@ def _mmsp_run(case_names, with_text=False):
                 group = ps.get_context_parallel_group() if cp > 1 else None
                 if with_text:  # a batch without video through the same model first
                     out[(case, "text")] = _mmsp_step(model, sample("text", cfg), group)
-                loss, grads = _mmsp_step(model, data, group)
+                # r4: each rank given only its temporal patches' rows (a loader decoding only
+                # its frames, data.qwen_video_qa); the other layouts every row
+                loss, grads = _mmsp_step(
+                    model, _local_rows(data, cp) if case == "r4" else data, group
+                )
                 units, error = 0, None
                 if group is not None:
                     b = model.last_mmsp_batch
@@ -284,6 +288,18 @@ def _mmsp_run(case_names, with_text=False):
         return out
     finally:
         m.Qwen2_5_VLRMSNorm.forward = saved
+
+
+def _local_rows(data, cp):
+    """``data`` with only this CP rank's temporal patches' pixel rows."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.layouts.mmsp import frame_shards
+
+    ids, pv, grid, labels = data
+    units = frame_shards(grid[:, 0].tolist(), cp).local_units(ps.get_context_parallel_rank())
+    rows = pv.reshape(-1, int(grid[0, 1] * grid[0, 2]), pv.shape[-1])[units]
+    return ids, rows.reshape(-1, pv.shape[-1]), grid, labels
 
 
 def _short_video_error(model, cfg, cp):

@@ -81,6 +81,16 @@ class MMSPQwenVLModel(QwenVLModel):
                     f"({tuple(video_grid_thw[0, 1:].tolist())}) under context parallelism"
                 )
 
+    def _local_pixel_rows(self, video_grid_thw):
+        """Rows of this rank's temporal patches (``frame_shards``): a loader that decodes only
+        this rank's frames (``data.qwen_video_qa``) hands ``pixel_values_videos`` of those."""
+        if self.cp_size == 1 or video_grid_thw is None or not len(video_grid_thw):
+            return None
+        self._check_cp_videos(video_grid_thw)
+        shards = frame_shards([int(t) for t in video_grid_thw[:, 0].tolist()], self.cp_size)
+        hw = int(video_grid_thw[0, 1] * video_grid_thw[0, 2])
+        return int(shards.local_units(self.cp_group.rank()).numel()) * hw
+
     def plan(self, input_ids, video_grid_thw) -> MMSPBatch:
         """This rank's MM-SP plan: temporal patches over the CP group, the combined sequence in
         the zigzag layout; the ranks check that they hold the same ``input_ids`` and grids."""
@@ -108,7 +118,8 @@ class MMSPQwenVLModel(QwenVLModel):
         h = self.config.hidden_size
         if video_grid_thw is not None and len(video_grid_thw):
             hw = [int(x) for x in video_grid_thw[0, 1:].tolist()]
-            units = pixel_values_videos.reshape(batch.shards.total_units, hw[0] * hw[1], -1)
+            # every unit's rows, or only this rank's (a loader decoding only its frames)
+            units = pixel_values_videos.reshape(-1, hw[0] * hw[1], pixel_values_videos.shape[-1])
             visual = encode_local(lambda u: self._encode_units(u, hw), units, batch)
         else:
             visual = torch.zeros(0, h, dtype=self.config.params_dtype)

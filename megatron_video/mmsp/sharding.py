@@ -86,17 +86,23 @@ def encode_local(
 ) -> torch.Tensor:
     """Stage 1: ``encoder`` on this rank's units only.
 
-    ``units [total_units, ...]`` are all the micro-batch's units (a data loader may instead hand
-    each rank ``units[batch.shards.local_units(rank)]``, i.e. decode only its frames);
-    ``encoder(local_units)`` must return ``[n_local, tokens_per_unit, h]`` and treat units
-    independently. Returns this rank's visual tokens ``[n_local * tokens_per_unit, h]``.
+    ``units [total_units, ...]`` are all the micro-batch's units, or only this rank's
+    ``units[batch.shards.local_units(rank)]`` (a data loader that decodes only this rank's frames,
+    e.g. ``data.qwen_video_qa``); ``encoder(local_units)`` must return ``[n_local,
+    tokens_per_unit, h]`` and treat units independently. Returns this rank's visual tokens
+    ``[n_local * tokens_per_unit, h]``.
     """
-    if units.shape[0] != batch.shards.total_units:
+    idx = batch.shards.local_units(batch.plan.rank)
+    if units.shape[0] == batch.shards.total_units:
+        local = units.index_select(0, idx.to(units.device))
+    elif units.shape[0] == idx.numel():
+        local = units
+    else:
         raise ValueError(
             f"units ({units.shape[0]}) must hold every unit of the micro-batch "
-            f"({batch.shards.total_units} = sum(num_frames) / tubelet_size)"
+            f"({batch.shards.total_units} = sum(num_frames) / tubelet_size) or this rank's "
+            f"({idx.numel()})"
         )
-    local = units.index_select(0, batch.shards.local_units(batch.plan.rank).to(units.device))
     out = encoder(local)
     if out.dim() != 3 or out.shape[:2] != (local.shape[0], batch.tokens_per_unit):
         raise ValueError(

@@ -150,10 +150,18 @@ class QwenVLModel(MegatronModule):
             )
         rows = 0 if video_grid_thw is None else int(video_grid_thw.prod(-1).sum())
         have = 0 if pixel_values_videos is None else pixel_values_videos.shape[0]
-        if have != rows:
+        local = self._local_pixel_rows(video_grid_thw)
+        if have != rows and have != local:
+            also = "" if local is None else f" or this CP rank's share ({local})"
             raise ValueError(
-                f"pixel_values_videos rows ({have}) must equal sum(t*h*w) of video_grid_thw ({rows})"
+                f"pixel_values_videos rows ({have}) must equal sum(t*h*w) of video_grid_thw "
+                f"({rows}){also}"
             )
+
+    def _local_pixel_rows(self, video_grid_thw):
+        """The rows of this rank's share of the videos' temporal patches where a loader may hand
+        only those (MM-SP's subclass); None here: every row."""
+        return None
 
     def _full_input(self, input_ids, pixel_values_videos, video_grid_thw):
         emb = self._text_embeddings(input_ids)  # [T, b, h]
