@@ -141,3 +141,43 @@ def test_bad_inputs_named(data, tmp_path):
     bare.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
     with pytest.raises(ValueError, match="chat_template must render one"):
         QwenVideoQA(root / "ds", bare).prompt()
+
+
+def test_processing_from_folder_and_model_mismatch_named(data, tmp_path):
+    import json
+
+    from megatron_video.data.qwen_video_qa import check_matches_model, processing_from_folder
+    from megatron_video.models.qwen_vl.config import tiny_hf_config
+
+    _, tok = data
+    # the published Qwen2.5-VL-7B-Instruct preprocessor_config.json's fields
+    cfg = dict(min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2,
+               merge_size=2, image_mean=[0.48145466, 0.4578275, 0.40821073],
+               image_std=[0.26862954, 0.26130258, 0.27577711])  # fmt: skip
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(cfg))
+    p = processing_from_folder(tmp_path)
+    assert (p.patch, p.temporal, p.merge, p.min_pixels, p.max_pixels) == (14, 2, 2, 3136, 12845056)
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        json.dumps(dict(cfg, size={"shortest_edge": 4, "longest_edge": 8}, fps=1.0))
+    )
+    p = processing_from_folder(tmp_path)
+    assert (p.min_pixels, p.max_pixels, p.fps) == (4, 8, 1.0)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(dict(image_std=[0.5] * 3)))
+    with pytest.raises(ValueError, match=r"image_std \(\[0.5, 0.5, 0.5\]\) must be CLIP's"):
+        processing_from_folder(tmp_path)
+    with pytest.raises(ValueError, match="must hold a"):
+        processing_from_folder(tmp_path / "nowhere")
+    hf = tiny_hf_config()  # patch 4, temporal 2, merge 2
+    names = {"video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>"}
+    names["vision_end_token_id"] = "<|vision_end|>"
+    ids = {n: tok.convert_tokens_to_ids(t) for n, t in names.items()}
+    proc = VideoProcessing(patch=4, min_pixels=256, max_pixels=4096)
+    with pytest.raises(
+        ValueError, match=r"tokenizer's <\|video_pad\|> id \(6\) must equal .*video_token_id \(91\)"
+    ):
+        check_matches_model(proc, hf, tok)
+    for k, v in ids.items():
+        setattr(hf, k, v)
+    check_matches_model(proc, hf, tok)
+    with pytest.raises(ValueError, match=r"processor patch \(14\) must equal .* \(4\)"):
+        check_matches_model(VideoProcessing(), hf, tok)

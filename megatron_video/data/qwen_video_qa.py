@@ -40,6 +40,8 @@ __all__ = [
     "sample_frame_indices",
     "plan_video",
     "pixel_rows",
+    "processing_from_folder",
+    "check_matches_model",
 ]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -68,6 +70,64 @@ class VideoProcessing:
             raise ValueError(
                 f"fps ({self.fps}) must be a finite positive number and max_frames "
                 f"({self.max_frames}) >= temporal ({self.temporal})"
+            )
+
+
+def processing_from_folder(folder: Union[str, Path]) -> VideoProcessing:
+    """``VideoProcessing`` of an HF Qwen2.5-VL folder: ``video_preprocessor_config.json``, else
+    ``preprocessor_config.json`` (``patch_size``, ``temporal_patch_size``, ``merge_size``,
+    ``size`` or ``min_pixels`` / ``max_pixels``, ``fps``, ``min_frames``, ``max_frames``; absent
+    keys keep ``Qwen2VLVideoProcessor``'s defaults). Its mean / std must be CLIP's."""
+    import json
+
+    d = Path(folder)
+    file = next((d / n for n in ("video_preprocessor_config.json", "preprocessor_config.json")
+                 if (d / n).is_file()), None)  # fmt: skip
+    if file is None:
+        raise ValueError(f"folder ({str(folder)!r}) must hold a (video_)preprocessor_config.json")
+    cfg = json.loads(file.read_text())
+    for name, want in (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)):
+        got = cfg.get(name, want)
+        if len(got) != 3 or any(abs(a - b) > 1e-6 for a, b in zip(got, want)):
+            raise ValueError(f"{file.name} {name} ({got}) must be CLIP's ({list(want)})")
+    size = cfg.get("size") or {}
+    base = VideoProcessing()
+    kw = dict(
+        patch=cfg.get("patch_size", base.patch),
+        temporal=cfg.get("temporal_patch_size", base.temporal),
+        merge=cfg.get("merge_size", base.merge),
+        min_pixels=size.get("shortest_edge", cfg.get("min_pixels", base.min_pixels)),
+        max_pixels=size.get("longest_edge", cfg.get("max_pixels", base.max_pixels)),
+        fps=float(cfg.get("fps") or base.fps),
+        min_frames=cfg.get("min_frames", base.min_frames),
+        max_frames=cfg.get("max_frames", base.max_frames),
+    )
+    return VideoProcessing(**kw)
+
+
+def check_matches_model(proc: VideoProcessing, hf_config, tokenizer) -> None:
+    """``ValueError`` naming the field where the processing or the tokenizer disagrees with the
+    model's ``Qwen2_5_VLConfig`` (patch sizes, the video / vision start / end token ids)."""
+    v = hf_config.vision_config
+    for field, ours, theirs in (
+        ("patch", proc.patch, v.patch_size),
+        ("temporal", proc.temporal, v.temporal_patch_size),
+        ("merge", proc.merge, v.spatial_merge_size),
+    ):
+        if ours != theirs:
+            raise ValueError(
+                f"processor {field} ({ours}) must equal the model config's vision_config ({theirs})"
+            )
+    for tok, field in (
+        (VIDEO_PAD, "video_token_id"),
+        ("<|vision_start|>", "vision_start_token_id"),
+        ("<|vision_end|>", "vision_end_token_id"),
+    ):
+        got = tokenizer.convert_tokens_to_ids(tok)
+        if got != getattr(hf_config, field):
+            raise ValueError(
+                f"tokenizer's {tok} id ({got}) must equal the model config's {field} "
+                f"({getattr(hf_config, field)})"
             )
 
 
