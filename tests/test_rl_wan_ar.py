@@ -78,8 +78,8 @@ def _reward(video):
     return video[:, :, 0].mean(dim=1)  # channel 0's mean of each rollout's tokens
 
 
-def _models(tp=1, cp=1):
-    policy, reference = _build("wan_ar", tp, cp).train(), _build("wan_ar", tp, cp)
+def _models(tp=1, cp=1, family="wan_ar"):
+    policy, reference = _build(family, tp, cp).train(), _build(family, tp, cp)
     for p in policy.parameters():
         p.requires_grad_(True)
     for p in reference.parameters():
@@ -87,12 +87,12 @@ def _models(tp=1, cp=1):
     return policy, reference
 
 
-def _case(groups=None, layout=None, tp=1, cp=1):
+def _case(groups=None, layout=None, tp=1, cp=1, family="wan_ar"):
     from megatron_video.rl.ar_flow import ar_grpo_backward, ar_rollout
 
-    policy, reference = _models(tp, cp)
+    policy, reference = _models(tp, cp, family)
     ro = ar_rollout(
-        policy, _conds("wan_ar")[0], layout or _layout(), grid=(H, W), groups=groups,
+        policy, _conds(family)[0], layout or _layout(), grid=(H, W), groups=groups,
         group_size=G, num_steps=STEPS, noise_level=NOISE, shift=SHIFT, seed=SEED,
         position=POSITION, dtype=torch.float64,
     )  # fmt: skip
@@ -102,7 +102,7 @@ def _case(groups=None, layout=None, tp=1, cp=1):
         policy, reference, ro, rewards, list(range(STEPS)), noise_level=NOISE,
         clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL,
     )  # fmt: skip
-    out = dict(video=ro.video, logprobs=ro.logprobs, rewards=rewards, stats=stats)
+    out = dict(video=ro.video, logprobs=ro.logprobs, rewards=rewards, stats=stats, family=family)
     out["grads"] = _full_grads(policy)
     if groups is None:  # CP = 1: the states are the video's tokens in frame order
         out["states"] = ro.states
@@ -125,7 +125,7 @@ def _timesteps():
     return [SHIFT * t / (1.0 + (SHIFT - 1.0) * t) for t in u]
 
 
-def _dense_velocity(model, clean, noisy, t):
+def _dense_velocity(model, clean, noisy, t, family="wan_ar"):
     """The noisy half's velocity ``[G, F*S, C]`` of ``[clean ; noisy]`` (frame order) under the
     dense mask written from the rule, every noisy block at timestep ``t``."""
     from megatron_video.attention import masks
@@ -141,8 +141,8 @@ def _dense_velocity(model, clean, noisy, t):
         model, fr, torch.arange(2 * F * S) % S, H, W, masks.from_dense(clean_q | noisy_q)
     )
     tt = torch.cat([torch.zeros(G, F * S), torch.full((G, F * S), t)], dim=1).double()
-    text = _conds("wan_ar")[0][0].expand(G, -1, -1)
-    return v(torch.cat([clean, noisy], dim=1), tt, (text,))[:, F * S :]
+    cond = tuple(c.expand(G, *c.shape[1:]) for c in _conds(family)[0])
+    return v(torch.cat([clean, noisy], dim=1), tt, cond)[:, F * S :]
 
 
 def _oracle_step(model, got, i):
@@ -152,7 +152,7 @@ def _oracle_step(model, got, i):
     dt = sigma_prev - sigma
     std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * NOISE
     x, x_next = got["states"][i], got["states"][i + 1]
-    v = _dense_velocity(model, got["video"], x, sigma)
+    v = _dense_velocity(model, got["video"], x, sigma, got["family"])
     mean = (
         x * (1 + std_dev_t**2 / (2 * sigma) * dt)
         + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
@@ -172,7 +172,7 @@ def _oracle_loss(got, normalise=True, clip=True):
     adv = adv[:, None]
     J = F // NB
     with _one_process():
-        policy, reference = _models()
+        policy, reference = _models(family=got["family"])
         _nudge(policy)
         total = 0.0
         for i in range(STEPS):
@@ -210,6 +210,24 @@ def test_loss_and_gradients_equal_the_oracle(cp1):
     for name, g in grads.items():
         assert _rel(cp1["grads"][name], g) <= 1e-10, name
     assert 0 < cp1["stats"]["clip_frac"] < 1, cp1["stats"]  # both sides of the clip are seen
+
+
+def test_ar_dit_logprobs_loss_and_gradients_equal_the_oracle():
+    """The same library on ``ar_dit``'s model calls (its trainer: ``ARDiTGRPOTrainer``)."""
+    from megatron_video.models.wan.convert import _one_process
+
+    with _one_process():
+        got = _case(family="ar_dit")
+        with torch.no_grad():
+            model, _ = _models(family="ar_dit")
+            want = [_oracle_step(model, got, i)[2] for i in range(STEPS)]
+    for i in range(STEPS):
+        assert _rel(got["logprobs"][:, :, i], want[i]) <= 1e-10, i
+    loss, grads = _oracle_loss(got)
+    assert abs(got["stats"]["loss"] - loss) <= 1e-10 * abs(loss), (got["stats"]["loss"], loss)
+    for name, g in grads.items():
+        err = float((got["grads"][name] - g).norm())
+        assert err <= 1e-10 * max(float(g.norm()), 1e-3), (name, err)
 
 
 @pytest.mark.parametrize("variant", ["no_normalisation", "no_clip"])

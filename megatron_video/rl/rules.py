@@ -69,10 +69,7 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
     """``ValueError``: ``train.objective: grpo`` is not built for this diffusion family (or its
     objective), and why (``rl_families``: the families that have it)."""
     if autoregressive:
-        why = (
-            "its trainer is not wired (rl.ar_flow streams the rollouts and re-runs the steps "
-            "for the AR model calls; model.family 'wan_ar' has the trainer)"
-        )
+        why = "its trainer is not wired (rl.ar_flow streams the AR families' rollouts)"
     elif objective == "edm":
         why = (
             "diffusion.objective 'edm' has no stochastic sampler with a Gaussian per-step "
