@@ -266,18 +266,23 @@ def test_layouts_equal_cp1(pool4, cp1, layout):
     ],
 )
 def test_bad_rollout_arguments_raise_before_any_collective(kw, field):
-    """No process group exists here: a check that ran after a collective would fail otherwise."""
+    """The groups and the model are tripwires: a check that ran after touching either (the first
+    collective needs both) would fail with an AssertionError, not the ValueError."""
     from megatron_video.diffusion.streaming import WindowRule
     from megatron_video.rl.ar_flow import ar_rollout
 
-    assert not torch.distributed.is_initialized()
+    class Tripwire:
+        def __getattr__(self, name):
+            raise AssertionError(f"touched {name} before the checks")
+
     args = dict(group_size=G, noise_level=NOISE, num_steps=STEPS)
     window = kw.pop("rule_window", None)
     args.update(kw)
     rule = None if window is None else WindowRule(NB, 0, window)
-    model = torch.nn.Linear(1, 1)  # never called
     with pytest.raises(ValueError, match=field):
-        ar_rollout(model, (None,), _layout(), grid=(H, W), rule=rule, **args)
+        ar_rollout(
+            Tripwire(), (None,), _layout(), grid=(H, W), groups=Tripwire(), rule=rule, **args
+        )
 
 
 @pytest.mark.parametrize(
