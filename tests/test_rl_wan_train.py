@@ -107,7 +107,7 @@ def test_layouts_and_dp_give_the_same_steps(trained):
         (dict(data=dict(i2v_probability=0.5)), r"data.i2v_probability \(0.5\) must be null"),
         (dict(data=dict(num_frames=9)), r"data.num_frames \(9\) must give latent token frames"),
         (dict(family="video_dit"), r"'video_dit' has no GRPO: diffusion.objective 'edm' has no"),
-        (dict(family="wan_ar"), r"'wan_ar' has no GRPO: its rollouts must stream"),
+        (dict(family="wan_ar", rl=dict(group_size=1)), r"rl.group_size \(1\) must be >= 2"),
         (dict(train=dict(objective="supervised"), rl=dict()), r"read with train.objective 'grpo'"),
     ],
 )

@@ -252,6 +252,20 @@ def _runner(block_model: BlockModel, null_cond, guidance_scale: float):
     return run
 
 
+def _euler(x: Tensor, v: Tensor, i: int, j: int, ts) -> Tensor:
+    """The flow ODE's Euler step ``i`` (the default ``transition``)."""
+    return x + (ts[i + 1] - ts[i]) * v
+
+
+def _denoise(run, x: Tensor, cond, step, j: int, ts, transition):
+    """Block ``j`` from noise ``x`` along ``ts``: ``(the last step's input, the clean block)``."""
+    last_input = x
+    for i in range(len(ts) - 1):
+        last_input = x
+        x = transition(x, run(x, ts[i], cond, step, j), i, j, ts)
+    return last_input, x
+
+
 def stream_autoregressive(
     block_model: BlockModel,
     noise_block: Callable[[int], Tensor],
@@ -271,6 +285,7 @@ def stream_autoregressive(
     recache: str = "block_causal",
     global_sink: bool = True,
     progress: bool = False,
+    transition: Optional[Callable] = None,
 ) -> Iterator[Tuple[int, Tensor, KVCache]]:
     """Yield ``(j, block j's clean tokens [b, nb*S, C] (every rank), cache)`` for each block.
 
@@ -284,8 +299,8 @@ def stream_autoregressive(
     held in block 0 as in training (their input the image, timestep 0, velocity 0).
     ``recache``: ``"block_causal"`` (ours) or ``"longlive"`` (``_longlive_recache``; then every
     rank keeps the full clean blocks of the last ``window + nb`` frames and the sink);
-    ``global_sink``: LongLive's option, only True. Collective over ``groups`` (None: one process).
-    """
+    ``global_sink``: LongLive's option, only True. ``transition(x, v, i, j, ts)``: the step (Euler;
+    ``rl.ar_flow``: Flow-GRPO's SDE). Collective over ``groups`` (None: one process)."""
     nb, S = frames_per_block, tokens_per_frame
     rule, N, rank, mine, T = _setup(rule, nb, S, groups)
     switch_at = _check_switches(switches, num_blocks, nb)
@@ -319,9 +334,7 @@ def stream_autoregressive(
         if j == 0:
             x = start(x)
         step = CacheStep(cache, frame_of + f0, new_mask=new_mask)
-        for i in range(num_steps):
-            last_input = x
-            x = x + (ts[i + 1] - ts[i]) * run(x, ts[i], cond, step, j)
+        last_input, x = _denoise(run, x, cond, step, j, ts, transition or _euler)
         if j + 1 < num_blocks:  # the finished block's clean keys / values
             append(_appended(last_input, x), cond, j)
         done[j] = x

@@ -5,7 +5,7 @@ Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)"."""
 
 from __future__ import annotations
 
-__all__ = ["VLM_REWARD", "check_flow_rl", "refuse_rl"]
+__all__ = ["VLM_REWARD", "check_flow_rl", "refuse_rl", "check_rollout"]
 
 VLM_REWARD = "megatron_video.mmsp.rl:exact_match_reward"
 
@@ -69,10 +69,7 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
     """``ValueError``: ``train.objective: grpo`` is not built for this diffusion family (or its
     objective), and why (``rl_families``: the families that have it)."""
     if autoregressive:
-        why = (
-            "its rollouts must stream block by block through the KV cache "
-            "(diffusion.streaming), which the Flow-GRPO step is not wired into yet"
-        )
+        why = "its trainer is not wired (rl.ar_flow streams the AR families' rollouts)"
     elif objective == "edm":
         why = (
             "diffusion.objective 'edm' has no stochastic sampler with a Gaussian per-step "
@@ -86,3 +83,24 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
         f"{sorted(rl_families)}; "
         f"{family!r} has no GRPO: {why} (docs/wan.md, 'Reinforcement learning')"
     )
+
+
+def check_rollout(group_size, noise_level, num_steps) -> None:
+    """The arguments of a rollout, checked before its first collective: ``ValueError`` naming
+    ``rl.group_size`` (an int >= 2: GRPO normalises within a group), ``rl.noise_level`` (> 0:
+    the transition's density needs noise) or ``rl.sampling_steps`` (an int >= 1)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(
+            f"rl.group_size ({group_size!r}) must be an int >= 2 (GRPO normalises the rewards "
+            f"within a group of rollouts)"
+        )
+    if (
+        isinstance(noise_level, bool)
+        or not isinstance(noise_level, (int, float))
+        or not (noise_level > 0)
+    ):
+        raise ValueError(
+            f"rl.noise_level ({noise_level!r}) must be > 0 (the SDE step's Gaussian needs noise)"
+        )
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"rl.sampling_steps ({num_steps!r}) must be an int >= 1")

@@ -277,5 +277,6 @@ AR_DIT = register_family(
         model=ARVideoDiT,
         check=_check_ar_dit,
         packed_kind="teacher_forcing",
+        trainers=(("grpo", "megatron_video.training.grpo_wan_ar:ARDiTGRPOTrainer"),),
     )
 )

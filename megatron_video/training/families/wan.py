@@ -309,13 +309,9 @@ class WanFamily(DiffusionFamily):
         return raw_encoders(config) if config.data.source == "energon" else None
 
     def check_rl(self, config: Config) -> None:
-        """``train.objective: grpo``: Flow-GRPO for ``wan`` (``rl.rules``); ``wan_ar`` refused."""
-        from megatron_video.rl.rules import check_flow_rl, refuse_rl
+        """``train.objective: grpo``: Flow-GRPO (``rl.rules``; ``wan_ar``: streamed rollouts)."""
+        from megatron_video.rl.rules import check_flow_rl
 
-        from ..family_spec import rl_families
-
-        if self.autoregressive:
-            refuse_rl(self.name, config.objective, True, rl_families())
         check_flow_rl(config, tokens_placed(config, self))
 
     def transformer_config(self, config: Config, has_gpu: bool = False) -> WanConfig:
@@ -421,5 +417,6 @@ WAN_AR = register_family(
         model=WanModel,
         check=_check_wan_ar,
         packed_kind="teacher_forcing",
+        trainers=(("grpo", "megatron_video.training.grpo_wan_ar:WanARGRPOTrainer"),),
     )
 )
