@@ -245,11 +245,27 @@ def test_parallel_auto_trains_the_planned_layout(pool4, vae_dir, family):
     for rank, res in enumerate(per_rank):
         p = res["parallel"]
         got = (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"])
-        got += (p["ulysses_size"], p["ring_size"], p["recompute"], p["auto"])
-        assert got == (lay.tp, lay.pp, lay.ulysses, lay.ring, lay.recompute, False), (rank, p)
+        got += (p["ulysses_size"], p["ring_size"], p["recompute"], p["fsdp"], p["auto"])
+        want = (lay.tp, lay.pp, lay.ulysses, lay.ring, lay.recompute, lay.fsdp, False)
+        assert got == want, (rank, p)
         assert res["printed"].count("parallel: auto ->") == (rank == 0)
         assert res["loss"] is None or torch.isfinite(torch.tensor(res["loss"]))
     assert config_from_dict({"parallel": "auto"}).parallel.auto
+
+
+def test_parallel_auto_applies_an_fsdp_plan():
+    """Where the planner's best layout has FSDP (Wan 14B on 8 H100), ``parallel: auto`` trains it
+    with ``parallel.fsdp`` on (the 4-rank tiny run above, whose best layout is DDP, checks the
+    other side)."""
+    from megatron_video.training.config import load_config
+    from megatron_video.training.planning import auto_layout
+
+    cfg, best = auto_layout(load_config(WAN14B), 8, 8, "h100")
+    assert best.layout.fsdp, best.layout
+    p = cfg.parallel
+    got = (p.tensor_model_parallel_size, p.ulysses_size, p.ring_size, p.recompute, p.fsdp)
+    lay = best.layout
+    assert got == (lay.tp, lay.ulysses, lay.ring, lay.recompute, True), p
 
 
 def test_megatron_lm_entry_plan_prints_the_flags(capsys):

@@ -7,6 +7,7 @@
 * The data-parallel partition of each step's clips (the sample ledger's draw).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,6 +153,21 @@ def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
             samples_per_shard=5,
         )
     res = pool4.run(_dp_partition, tmp, source)
+    # the exact clips, from the documented rule (data/ledger.py, docs/data.md): epoch 0 visits
+    # the sorted clip ids in the permutation seeded by (data.seed, 0); with equal clips a step
+    # takes the next global batch of them
+    from megatron_video.data.synthetic import caption_for
+
+    n = 16 if source == "shards" else d.num_samples
+    keys = sorted(f"s{i}" for i in range(n)) if source == "shards" else list(range(n))
+    order = [keys[i] for i in np.random.default_rng([d.seed, 0]).permutation(n)]
+    full = ProceduralVideoDataset(
+        n, num_frames=d.num_frames, height=d.height, width=d.width, seed=d.seed
+    )
+
+    def caption(k):
+        return f"clip {k[1:]}" if source == "shards" else caption_for(full.attributes(k))
+
     everything = []
     gbs = res[0][2]
     assert gbs == 4 and sorted((r[0], r[1]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -164,6 +180,8 @@ def test_dp_partition_on_ranks(pool4, tmp_path_factory, source):
             assert len(views[0]) == gbs // 2
         union = by_dp[0][0] + by_dp[1][0]
         assert len(set(union)) == gbs, "no sample twice within a global batch"
+        want = sorted(caption(k) for k in order[step * gbs : (step + 1) * gbs])
+        assert sorted(union) == want, (step, union, want)
         if source == "shards":
             everything.extend(union)
     if source == "shards":  # distinct clips (captions): none twice within the epoch

@@ -74,11 +74,13 @@ def _load(model, full):
             p.copy_(v)
 
 
-def _oracle_lp(model, images, ids, tokens, grad=False, temperature=1.0):
+def _oracle_lp(model, images, ids, tokens, grad=False, temperature=1.0, argmax=False):
     """Megatron CP = 1 forward of prompt + each response: per-token log-probs ``[G, L]`` at the
-    rollout temperature (1 for greedy)."""
+    rollout temperature (1 for greedy); ``argmax``: also the argmax token ``[G, L]`` of the
+    logits at each response position (after the response's earlier tokens) and its margin over
+    the runner-up logit ``[G, L]``."""
     P = ids.shape[1] - 1 + F * model.img_seq_len
-    rows = []
+    rows, best, gap = [], [], []
     for g in range(tokens.shape[0]):
         full = torch.cat([ids, tokens[g : g + 1]], dim=1)
         pos = torch.arange(full.shape[1])[None]
@@ -88,6 +90,11 @@ def _oracle_lp(model, images, ids, tokens, grad=False, temperature=1.0):
             )
             lp = torch.log_softmax(logits[0].double() / temperature, dim=-1)
             rows.append(lp[P - 1 + torch.arange(L), tokens[g]])
+            top = logits[0, P - 1 + torch.arange(L)].detach().double().topk(2, dim=-1)
+            best.append(top.indices[:, 0])
+            gap.append(top.values[:, 0] - top.values[:, 1])
+    if argmax:
+        return torch.stack(rows), torch.stack(best), torch.stack(gap)
     return torch.stack(rows)
 
 
