@@ -58,7 +58,8 @@ def test_bucket_of_keeps_the_most_of_the_frame():
         assert b == min(i for i, s in enumerate(shares) if s >= max(shares) - 1e-12)
         p = grid.plan(f"c{_}", 9, H, W)
         assert p.bucket == b
-        assert p.kept_fraction == pytest.approx(shares[b], rel=0.02)  # pixel rounding
+        # pixel rounding: worst relative difference 1.05e-3 over these 300 frames (measured)
+        assert p.kept_fraction == pytest.approx(shares[b], rel=1e-2)
 
 
 def test_resize_crop_keeps_aspect_covers_and_centres():

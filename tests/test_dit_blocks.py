@@ -197,7 +197,8 @@ def test_head_rmsnorm_is_per_head(megatron_tp1):
     x2[:, :, 1] *= 7.0  # heads do not mix: the other heads are untouched, head 1 is scale-free
     others = [0, 2, 3]
     assert torch.equal(norm(x2)[:, :, others], norm(x)[:, :, others])
-    torch.testing.assert_close(norm(x2)[:, :, 1], norm(x)[:, :, 1], rtol=1e-4, atol=1e-4)
+    # scale-free up to eps = 1e-5 in the rsqrt: |diff| 1.6e-5 measured (|out| <= 2.4)
+    torch.testing.assert_close(norm(x2)[:, :, 1], norm(x)[:, :, 1], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("hkv", [H, 2])

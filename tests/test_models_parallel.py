@@ -197,17 +197,19 @@ def test_step_matches_single_rank(pool4, vae_dir, family):
         assert res["reference"]["loss"] == pytest.approx(ref["loss"], rel=1e-6)
         for label in ("cp4_u2xr2", "tp2_cp2", "dp2_cp2", "cp4_ring_inner"):
             got = res[label]
-            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (family, label, rank)
-            _check_close(
-                got["params"], ref["params"], "initial weight", f"{family}/{label}/rank{rank}"
-            )
+            # measured on the three families, four layouts, every rank: loss within 1.0e-7
+            # relative, initial weights bit-equal, sample within 6.7e-6 (|sample| <= 6.5)
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), (family, label, rank)
+            assert set(got["params"]) == set(ref["params"]), (family, label)
+            for name, value in ref["params"].items():
+                assert torch.equal(got["params"][name], value), (family, label, rank, name)
             _check_close(got["grads"], ref["grads"], "gradient", f"{family}/{label}/rank{rank}")
             # context-parallel sampling (partition, denoise in parallel, gather) == one rank
             assert_close(
                 got["sample"],
                 ref["sample"],
-                rtol=1e-4,
-                atol=1e-4,
+                rtol=0,
+                atol=5e-5,
                 msg=lambda m: f"{family}/{label} sample: {m}",
             )
     assert sorted(r["cp4_u2xr2"]["cp_rank"] for r in per_rank) == [0, 1, 2, 3]

@@ -9,8 +9,8 @@ energon``; training/clip_source.py ``RawClipSource``): no precompute step.
   local token reads a zero frame). Both kinds: ``full`` (T2V) and ``teacher_forcing`` (clean and
   noisy copy of a frame from the same latents). Negative control: halo 0 differs (and the
   encoder guard refuses it).
-* The CLI as a user runs it: ``megatron-video train --cpu --nproc 4`` on the raw dataset, 2 steps
-  with a checkpoint, then resumed to step 3.
+* The CLI as a user runs it: ``megatron-video train --cpu --nproc 4`` on the raw dataset, 3 steps
+  with a checkpoint after each, then resumed from the first: the next two losses bitwise.
 * The raw path equals the shards path: the same clip set, grids, token counts, costs and step
   draws as ``precompute`` with ``data.buckets``; one trainer step at CP 4 gives the same loss.
 * Bad input: ``data.source: synthetic`` with ``data.buckets``; a truncated or undecodable clip
@@ -252,22 +252,28 @@ def _cli(config_file, out, steps):
 
 
 def _resume_in_process(config_file, out, steps):
-    """What a second ``megatron-video train`` of the same config does, in the pool's ranks."""
+    """What a second ``megatron-video train`` of the same config does, in the pool's ranks; the
+    step indices it trained (a restart from scratch would train them all)."""
     from megatron_video.training.config import load_config
     from megatron_video.training.trainer import Trainer
 
-    cfg = load_config(config_file, [f"output={out}", f"train.steps={steps}"])
-    t = Trainer(cfg, progress=False)
+    over = [f"output={out}", f"train.steps={steps}", "train.save_interval=0"]  # save at the end
+    t = Trainer(load_config(config_file, over), progress=False)
+    ran, step_fn = [], t.train_step
+    t.train_step = lambda step: (ran.append(step), step_fn(step))[1]
     try:
         t.run()
     finally:
         t.close()
+    return ran
 
 
 @pytest.mark.process_launch
 def test_cli_trains_from_raw_clips_and_resumes(pool4, data, tmp_path):
-    """The command line trains 2 steps from raw clips; a run of the same config resumes from its
-    checkpoint and replays the ledger (in the pool's ranks: one launch is what the CLI adds)."""
+    """The command line trains 3 steps from raw clips (a checkpoint after each); pointed back at
+    the checkpoint of step 1, a run of the same config resumes there, replays the ledger and
+    trains steps 2 and 3 to the uninterrupted run's losses, bitwise (the second one depends on
+    the restored Adam moments); in the pool's ranks: one launch is what the CLI adds."""
     import yaml
 
     from megatron_video.training import checkpoint as ckpt
@@ -276,28 +282,31 @@ def test_cli_trains_from_raw_clips_and_resumes(pool4, data, tmp_path):
     cfg = _config("video_dit", data, **CP4)
     cfg.train.global_batch_size = 2
     cfg.train.save = cfg.train.resume = True
+    cfg.train.save_interval = 1
     cfg.train.progress = False
     config_file, out = tmp_path / "raw.yaml", tmp_path / "run"
     config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
     t0 = time.time()
-    console = _cli(config_file, out, 2)
+    console = _cli(config_file, out, 3)
     assert "raw energon clips (each CP rank decodes and encodes its own halo windows)" in console
     assert "6 clips (1 images)" in console and "[megatron-video] step 0:" in console
     first = json.loads((out / "metrics.json").read_text())["history"]
-    assert ckpt.latest_step(out / "checkpoints") == 2
-    pool4.run(_resume_in_process, str(config_file), str(out), 3, ranks_per_node=2)
+    assert ckpt.latest_step(out / "checkpoints") == 3 and len(first) == 3
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")  # resume at 1
+    ran = pool4.run(_resume_in_process, str(config_file), str(out), 3, ranks_per_node=2)
+    assert ran == [[1, 2]] * 4, ran  # resumed: step 0 was not trained again
     history = json.loads((out / "metrics.json").read_text())["history"]
-    assert ckpt.latest_step(out / "checkpoints") == 3 and len(history) == 3
-    assert [h["loss"] for h in history[:2]] == [h["loss"] for h in first]
+    assert ckpt.latest_step(out / "checkpoints") == 3 and [h["step"] for h in history] == [0, 1, 2]
+    assert [h["loss"] for h in history] == [h["loss"] for h in first]  # steps 1, 2: resumed
     assert all(torch.isfinite(torch.tensor([h["loss"] for h in history])))
 
     def steps_in_ledger(step):
         ledger = json.loads(ckpt.read_data_state(out / "checkpoints", step, "ledger"))
         return ledger["steps_before"] + len(ledger["steps"])
 
-    assert (steps_in_ledger(2), steps_in_ledger(3)) == (2, 3)  # the resumed run extended it
+    assert (steps_in_ledger(1), steps_in_ledger(3)) == (1, 3)  # the resumed run extended it
     ledger = ckpt.read_data_state(out / "checkpoints", 3, "ledger")
-    print(f"CLI 2 steps + 1 resumed in {time.time() - t0:.0f} s; ledger {ledger}")
+    print(f"CLI 3 steps + 2 resumed in {time.time() - t0:.0f} s; ledger {ledger}")
 
 
 # ---------------------------------------------------------------------------------------------
