@@ -175,7 +175,7 @@ def test_loss_options_u2xr2_equal_long_rl_formula(pool4):
     ],
 )
 def test_new_rl_fields_refuse_bad_values(field, value, match):
-    from megatron_video.mmsp.rl_config import RLConfig
+    from megatron_video.rl.config import RLConfig
 
     with pytest.raises(ValueError, match=match):
         RLConfig(**{field: value})
@@ -183,7 +183,7 @@ def test_new_rl_fields_refuse_bad_values(field, value, match):
 
 def test_token_normalisers():
     from megatron_video.mmsp.rl import token_normalisers
-    from megatron_video.mmsp.rl_config import RLConfig
+    from megatron_video.rl.config import RLConfig
 
     assert token_normalisers(RLConfig(), [9, 7], 40, 2) == [40.0, 40.0]
     micro = RLConfig(loss_agg="micro_token_mean")

@@ -33,8 +33,8 @@ from ..attention.kv_cache import CacheStep, KVCache
 from ..layouts.mmsp import frame_shards
 from ..layouts.zigzag import shard_global_ids
 from ..parallel import comm
+from ..rl.config import RLConfig
 from . import rl_qwen_vl as qwen
-from .rl_config import RLConfig
 from .sharding import plan_batch, reshard_to_llm
 
 __all__ = [

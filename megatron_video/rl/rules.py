@@ -71,7 +71,7 @@ def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) ->
     if autoregressive:
         why = (
             "its rollouts must stream block by block through the KV cache "
-            "(diffusion.streaming), which the Flow-GRPO step is not wired into yet"
+            "(generation.streaming), which the Flow-GRPO step is not wired into yet"
         )
     elif objective == "edm":
         why = (
