@@ -22,7 +22,8 @@ from ..generation import cp_sampling as cps
 from ..generation.wan_sampling import wan_velocity
 from ..models.embedders import patchify, unpatchify
 from ..models.wan.interop import _check_inputs, _cp_group
-from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward, seeded_normal
+from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward
+from .seeding import seeded_normal
 
 __all__ = ["WanRollout", "wan_rollout", "wan_videos", "wan_grpo_backward"]
 
