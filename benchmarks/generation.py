@@ -2,7 +2,7 @@
 
 One ``ar_dit`` (random weights, float32, CPU) generates a 16-block video three ways:
 ``recompute`` = ``cp_sampling.sample_autoregressive`` (the whole ``[clean ; noisy]`` sequence at
-every denoising step), ``cached`` = ``diffusion.streaming`` with an unbounded window, and
+every denoising step), ``cached`` = ``generation.streaming`` with an unbounded window, and
 ``cached sink+window`` (sink 2, window 8 latent frames). Printed: seconds per block against
 the block index, the 16-block totals and their ratio, and the peak bytes of tensors alive
 (``testing.LiveTensors``). Then on a gloo pool of 4 CPU ranks, for CP 1 / 2 (U2) / 4 (U2 x R2):
@@ -71,8 +71,8 @@ def noise(blocks: int, grid: int):
 
 def cached_run(model, blocks, grid, steps, groups=None, rule=None, stop_after=None):
     """Per-block seconds (and CPU seconds), cache bytes after each block."""
-    from megatron_video.diffusion.ar_models import block_model
-    from megatron_video.diffusion.streaming import stream_autoregressive
+    from megatron_video.generation.ar_models import block_model
+    from megatron_video.generation.streaming import stream_autoregressive
 
     S = grid * grid
     n = noise(blocks, grid)
@@ -101,8 +101,8 @@ def cached_run(model, blocks, grid, steps, groups=None, rule=None, stop_after=No
 
 
 def recompute_run(model, blocks, grid, steps):
-    from megatron_video.diffusion.ar_models import recompute_velocity
-    from megatron_video.diffusion.cp_sampling import sample_autoregressive
+    from megatron_video.generation.ar_models import recompute_velocity
+    from megatron_video.generation.cp_sampling import sample_autoregressive
     from megatron_video.layouts.balanced_sp import BalancedSPLayout
 
     layout = BalancedSPLayout(blocks * NB, grid * grid, NB, 1)
@@ -130,7 +130,7 @@ def peak_bytes(fn) -> int:
 
 
 def single_process(a):
-    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.generation.streaming import WindowRule
     from megatron_video.testing.parallel import model_parallel
 
     torch.set_num_threads(1)

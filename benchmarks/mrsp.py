@@ -97,8 +97,9 @@ class _ReEncoded:
 def _step(policy, reference, images, ids, G, cached, encoder_s):
     """One GRPO step of one prompt; returns the encoder calls."""
     from megatron_video.mmsp import rl
+    from megatron_video.rl.config import RLConfig
 
-    cfg = rl.RLConfig(group_size=G, max_new_tokens=2, temperature=1.0)
+    cfg = RLConfig(group_size=G, max_new_tokens=2, temperature=1.0)
     calls = []
     if cached:
         calls.append(1)
@@ -144,10 +145,11 @@ def _decode_case(frames, L):
 
     from megatron_video.compat import destroy_model_parallel
     from megatron_video.mmsp import rl
+    from megatron_video.rl.config import RLConfig
 
     policy, _ = _models(4)
     images, ids = _prompt(frames)
-    cfg = rl.RLConfig(group_size=4, max_new_tokens=L, temperature=1.0)
+    cfg = RLConfig(group_size=4, max_new_tokens=L, temperature=1.0)
     out = {}
     try:
         visual = rl.encode_video(policy, images)

@@ -1,4 +1,4 @@
-"""Streaming AR generation with a KV cache (``diffusion.streaming``, ``attention.kv_cache``), float64.
+"""Streaming AR generation with a KV cache (``generation.streaming``, ``attention.kv_cache``), float64.
 
 Oracles, none of them the cache code: (1) the recompute sampler ``cp_sampling.sample_autoregressive``
 (the whole ``[clean ; noisy]`` sequence at every step) for an unbounded window, with and without
@@ -56,7 +56,7 @@ def _patched(obj, name, value):
 
 def _stale():
     """A deliberately stale cache: the last noisy input's keys / values appended, not the clean."""
-    from megatron_video.diffusion import streaming
+    from megatron_video.generation import streaming
 
     return _patched(streaming, "_appended", lambda last_input, clean: last_input)
 
@@ -91,8 +91,8 @@ def _image():
 def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=(), image=False):
     """Every block of the cached generator concatenated ``[b, frames*S, C]``, and the cache's
     bytes on this rank after the last block (``image``: frame 0 conditioned on ``_image()``)."""
-    from megatron_video.diffusion.ar_models import block_model
-    from megatron_video.diffusion.streaming import stream_autoregressive
+    from megatron_video.generation.ar_models import block_model
+    from megatron_video.generation.streaming import stream_autoregressive
 
     cond, null = _conds(family)
     noise = _noise(frames)
@@ -120,8 +120,8 @@ def _cached(model, family, groups=None, *, frames=F, w=1.0, rule=None, switches=
 
 
 def _recompute(model, family, w=1.0):
-    from megatron_video.diffusion.ar_models import recompute_velocity
-    from megatron_video.diffusion.cp_sampling import sample_autoregressive
+    from megatron_video.generation.ar_models import recompute_velocity
+    from megatron_video.generation.cp_sampling import sample_autoregressive
     from megatron_video.layouts.balanced_sp import BalancedSPLayout
 
     cond, null = _conds(family)
@@ -155,9 +155,9 @@ def _oracle(
     k_frame)`` is the attention rule (side 0 clean, 1 noisy); ``prefilled``: frame -> clean tokens.
     ``image [B, S, C]``: frame 0's noisy copy is the image at timestep 0, never updated (TI2V)."""
     from megatron_video.attention import masks
-    from megatron_video.diffusion.ar_models import sequence_velocity
     from megatron_video.diffusion.cfg import guided_denoise
     from megatron_video.diffusion.samplers import flow_timesteps
+    from megatron_video.generation.ar_models import sequence_velocity
 
     n = len(frames)
     fr = torch.tensor(frames).repeat_interleave(S)
@@ -242,7 +242,7 @@ def _switch_oracle(model, family, sink, window, switch, w, frames=F):
 
 
 def _cp1_cases(family):
-    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.generation.streaming import WindowRule
     from megatron_video.testing.parallel import model_parallel
 
     out, differ = {}, {}  # errors (<= TOL); differences that must be far above rounding
@@ -279,7 +279,7 @@ def _text_cache_cases(model, family):
     projects only the positive rows (a smaller matmul may sum in another order). Each layer
     projects the text once per prompt: all 2B rows for the first, only the B positive rows at
     the switch (the negative rows kept)."""
-    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.generation.streaming import WindowRule
 
     rule = WindowRule(NB, sink=0, window=2)
     runs = {
@@ -332,7 +332,7 @@ CP_RUN = dict(frames=8, w=3.0, switches=[(4, 1)], image=True)
 
 @functools.lru_cache(maxsize=None)  # per worker process: once per family for every degree
 def _cp1_reference(family):
-    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.generation.streaming import WindowRule
     from megatron_video.testing.parallel import model_parallel
 
     with model_parallel(seed=0):
@@ -341,7 +341,7 @@ def _cp1_reference(family):
 
 def _cp_cases(family, U, R, tp):
     from megatron_video.attention.ulysses import kv_heads_for_a2a
-    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.generation.streaming import WindowRule
     from megatron_video.testing.parallel import video_parallel
 
     ref, ref_bytes = _cp1_reference(family)
@@ -422,8 +422,8 @@ UNEVEN = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 1)]  # (U, R, TP): 9 tokens ->
 def _uneven_cached(model, family, groups=None):
     """CFG, sink 3 + window 3 (block 3 drops frames 3-5), a prompt switch at frame 6 and a
     conditioning first frame, on blocks of 9 tokens (``UH x UW`` per frame)."""
-    from megatron_video.diffusion.ar_models import block_model
-    from megatron_video.diffusion.streaming import WindowRule, stream_autoregressive
+    from megatron_video.generation.ar_models import block_model
+    from megatron_video.generation.streaming import WindowRule, stream_autoregressive
 
     S3 = UH * UW
     cond, null = _conds(family)
@@ -462,7 +462,7 @@ def _uneven_cases(family, U, R, tp):
     import types
 
     from megatron_video.attention import masks
-    from megatron_video.diffusion import streaming
+    from megatron_video.generation import streaming
     from megatron_video.testing.parallel import video_parallel
 
     ref = _uneven_reference(family)
@@ -485,7 +485,7 @@ def test_cp_size_not_dividing_a_block_equals_cp1(pool4, family, degree):
 
 
 def test_cp_size_above_a_block_is_refused_before_collectives():
-    from megatron_video.diffusion.streaming import stream_autoregressive
+    from megatron_video.generation.streaming import stream_autoregressive
 
     groups = type("G", (), {"cp_size": 16, "cp_rank": 0})()
     with pytest.raises(ValueError, match=r"CP size \(16\) must be at most the tokens of a block"):

@@ -45,6 +45,8 @@ def _run():
     from megatron_video.compat import destroy_model_parallel
     from megatron_video.mmsp import rl
     from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
+    from megatron_video.rl.config import RLConfig
+    from megatron_video.rl.grpo import token_normalisers
 
     sizes = VideoLLaVASizes(**SIZES)
     images, ids = _data()
@@ -102,8 +104,8 @@ def _run():
             for t, n, o_lp in zip(tokens, LENGTHS, old)
         ]
         for name, opt in OPTIONS.items():
-            cfg = rl.RLConfig(group_size=G, max_new_tokens=L, temperature=T, **opt)
-            norms = rl.token_normalisers(cfg, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
+            cfg = RLConfig(group_size=G, max_new_tokens=L, temperature=T, **opt)
+            norms = token_normalisers(cfg, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
             policy.zero_grad(set_to_none=True)
             total, clipped = torch.zeros(1, dtype=torch.float64), 0.0
             for ro, r, norm in zip(ros, REWARDS, norms):
@@ -117,7 +119,7 @@ def _run():
             out[(name, "u2xr2")] = (float(stats[0]), _full(policy, "grad"), float(stats[1]))
         # rollouts: the KV cache (prefix and responses cached) = recomputing everything per token
         for name, kw in (("sampled", dict(temperature=1.3, top_p=0.9)), ("greedy", {})):
-            cfg = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
+            cfg = RLConfig(group_size=3, max_new_tokens=4, **kw)
             out[("kv", name)] = [
                 rl.rollout(policy, visual, ids, cfg, prompt_seed=2, kv_cache=kv) for kv in (1, 0)
             ]
@@ -175,15 +177,15 @@ def test_loss_options_u2xr2_equal_long_rl_formula(pool4):
     ],
 )
 def test_new_rl_fields_refuse_bad_values(field, value, match):
-    from megatron_video.mmsp.rl_config import RLConfig
+    from megatron_video.rl.config import RLConfig
 
     with pytest.raises(ValueError, match=match):
         RLConfig(**{field: value})
 
 
 def test_token_normalisers():
-    from megatron_video.mmsp.rl import token_normalisers
-    from megatron_video.mmsp.rl_config import RLConfig
+    from megatron_video.rl.config import RLConfig
+    from megatron_video.rl.grpo import token_normalisers
 
     assert token_normalisers(RLConfig(), [9, 7], 40, 2) == [40.0, 40.0]
     micro = RLConfig(loss_agg="micro_token_mean")
@@ -211,6 +213,7 @@ def test_shipped_choice_and_numeric_rewards():
     <think>..</think> <answer>..</answer>; the answer inside <answer> (spaces removed) else the
     response; 0.9 * accuracy + 0.1 * format; through rl.score as rl.reward module:function."""
     from megatron_video.mmsp import rewards, rl
+    from megatron_video.rl.config import RLConfig
 
     good = "<think>the ball moves left</think> <answer>(B) left</answer>"
     texts = [good, "<answer>b.</answer>", "B", "<think>x</think><answer>C</answer>", "A or B"]
@@ -224,7 +227,7 @@ def test_shipped_choice_and_numeric_rewards():
     assert rewards.format_score("<think>a</think>\n<answer>b</answer>") == 1.0
     assert rewards.format_score("<answer>b</answer> <think>a</think>") == 0.0
     # as rl.reward: the trainer's sample fields pass through; a missing answer names the function
-    cfg = rl.RLConfig(group_size=3, reward="megatron_video.mmsp.rewards:numeric_reward")
+    cfg = RLConfig(group_size=3, reward="megatron_video.mmsp.rewards:numeric_reward")
     ro = rl.Rollout(tokens, lengths, torch.zeros(tokens.shape, dtype=torch.float64))
     assert rl.score(cfg, ro, answer="1024", decode=_decode).tolist() == pytest.approx(r.tolist())
     with pytest.raises(ValueError, match=r"rewards:numeric_reward raised TypeError: .*answer"):

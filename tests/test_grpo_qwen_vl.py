@@ -95,6 +95,7 @@ def test_greedy_rollout_equals_transformers_generate(monkeypatch):
     from megatron_video.mmsp import rl, rl_qwen_vl
     from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
     from megatron_video.models.wan.convert import _one_process
+    from megatron_video.rl.config import RLConfig
 
     monkeypatch.setattr(m.Qwen2_5_VLRMSNorm, "forward", _rmsnorm_in_input_dtype)
     cfg = tiny_hf_config()
@@ -119,7 +120,7 @@ def test_greedy_rollout_equals_transformers_generate(monkeypatch):
         ).logits[0]
     want_lp = torch.log_softmax(logits[P - 1 : P - 1 + NEW], -1)[torch.arange(NEW), want]
     assert want.unique().numel() > 2, want  # the weights decode varied tokens
-    cfg_rl = rl.RLConfig(group_size=2, max_new_tokens=NEW, temperature=0)
+    cfg_rl = RLConfig(group_size=2, max_new_tokens=NEW, temperature=0)
     with _one_process():
         model = _ours(cfg, to_megatron(hf.state_dict(), cfg))
         calls = _count_vision(model)
@@ -189,6 +190,7 @@ def _freeze_visual(model):
 def _cp1(cfg, w0, w1, wref, video, ids, tokens):
     """Rollouts and the oracle's loss / gradients at CP = 1."""
     from megatron_video.mmsp import rl
+    from megatron_video.rl.config import RLConfig
     from megatron_video.testing.parallel import model_parallel
 
     out = {}
@@ -196,7 +198,7 @@ def _cp1(cfg, w0, w1, wref, video, ids, tokens):
         model = _ours(cfg, w0)
         visual = rl.encode_video(model, video)
         for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=1.3))):
-            c = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
+            c = RLConfig(group_size=3, max_new_tokens=4, **kw)
             out[("ro", name)] = rl.rollout(model, visual, ids, c, prompt_seed=2)
         offsets = [
             1.2 * (2 * torch.rand(G, L, generator=torch.Generator().manual_seed(i)) - 1).double()
@@ -224,6 +226,8 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
 
     from megatron_video.mmsp import rl
     from megatron_video.parallel import comm
+    from megatron_video.rl.config import RLConfig
+    from megatron_video.rl.grpo import token_normalisers
     from megatron_video.testing.parallel import model_parallel
 
     w0, w1, wref = weights
@@ -237,7 +241,7 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
         visual = rl.encode_video(policy, video)
         policy.load_state_dict(w0)  # rollouts with the old policy
         for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=1.3))):
-            c = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
+            c = RLConfig(group_size=3, max_new_tokens=4, **kw)
             out[("ro", name)] = [
                 rl.rollout(policy, visual, ids, c, prompt_seed=2, kv_cache=kv) for kv in (1, 0)
             ]
@@ -247,8 +251,8 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
             for t, n, o in zip(tokens, LENGTHS, old)
         ]
         for name in CP_OPTIONS:
-            c = rl.RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
-            norms = rl.token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
+            c = RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
+            norms = token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
             policy.zero_grad(set_to_none=True)
             total = torch.zeros(1, dtype=torch.float64)
             for ro, r, norm in zip(ros, REWARDS, norms):

@@ -18,11 +18,12 @@ ORDER = [
     "layouts",
     "attention",
     "models",
-    "mmsp",
     "diffusion",
     "data",
     "planner",
-    "rl",
+    "generation",  # the CP samplers, streaming AR generation: rl and training call it
+    "rl",  # GRPO's shared parts and the diffusion RL: mmsp's GRPO imports them
+    "mmsp",
     "training",
 ]
 # Known upward imports still to be removed (none): entries are ("path under megatron_video/", layer).

@@ -6,7 +6,7 @@ The multi-rank equivalence of whole models and of CP sampling is in ``test_model
 import pytest
 import torch
 
-from megatron_video.diffusion import cp_sampling as cps
+from megatron_video.generation import cp_sampling as cps
 from megatron_video.layouts.balanced_sp import BalancedSPLayout
 from megatron_video.models.embedders import patchify, token_grid, unpatchify
 

@@ -54,6 +54,7 @@ def _run(case_names):
     from megatron_video.compat import destroy_model_parallel
     from megatron_video.mmsp import rl
     from megatron_video.mmsp.factory import VideoLLaVASizes, video_llava_model
+    from megatron_video.rl.config import RLConfig
 
     sizes = VideoLLaVASizes(**SIZES)
     images, ids = _data()
@@ -73,8 +74,8 @@ def _run(case_names):
         w.update({k: v for k, v in w0.items() if k.startswith(("vision_model.", "vision_proj"))})
     destroy_model_parallel()
     cfgs = {
-        "greedy": rl.RLConfig(group_size=G, max_new_tokens=L, temperature=0.0),
-        "sampled": rl.RLConfig(group_size=G, max_new_tokens=L, temperature=1.3, top_p=0.9),
+        "greedy": RLConfig(group_size=G, max_new_tokens=L, temperature=0.0),
+        "sampled": RLConfig(group_size=G, max_new_tokens=L, temperature=1.3, top_p=0.9),
     }
     for case in case_names:
         tp, cp, hier, comm_type = CASES[case]
@@ -110,7 +111,7 @@ def _run(case_names):
                     out[(case, "loss")] = (float(total), _full(policy, "grad"), stats.tolist())
             out[(case, "rollouts")] = {k: (v.tokens, v.logprobs) for k, v in ro.items()}
             try:  # a prompt that does not fit: ValueError on every rank, before any collective
-                rl.rollout(policy, visual, ids, rl.RLConfig(max_new_tokens=200), prompt_seed=0)
+                rl.rollout(policy, visual, ids, RLConfig(max_new_tokens=200), prompt_seed=0)
                 out[(case, "too_long")] = None
             except ValueError as e:
                 out[(case, "too_long")] = str(e)
@@ -197,21 +198,23 @@ def _nan_reward(tokens, lengths):
 
 def test_rl_config_bad_input():
     from megatron_video.mmsp import rl
+    from megatron_video.rl.config import RLConfig
+    from megatron_video.rl.rewards import check_rewards, resolve_reward
 
     with pytest.raises(ValueError, match="rl.group_size"):
-        rl.RLConfig(group_size=1)
+        RLConfig(group_size=1)
     with pytest.raises(ValueError, match="rl.top_p"):
-        rl.RLConfig(top_p=0.0)
+        RLConfig(top_p=0.0)
     with pytest.raises(ValueError, match="my_reward.*shape"):
-        rl.check_rewards(torch.zeros(3), 4, "my_reward")
+        check_rewards(torch.zeros(3), 4, "my_reward")
     with pytest.raises(ValueError, match="my_reward.*non-finite"):
-        rl.check_rewards(torch.tensor([0.0, float("nan")]), 2, "my_reward")
+        check_rewards(torch.tensor([0.0, float("nan")]), 2, "my_reward")
     with pytest.raises(ValueError, match="rl.reward"):
-        rl.load_reward("megatron_video.mmsp.rl:nope")
-    cfg = rl.RLConfig(group_size=2)
+        resolve_reward("megatron_video.mmsp.rl:nope")
+    cfg = RLConfig(group_size=2)
     ro = rl.Rollout(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), torch.zeros(2, 2))
     assert rl.score(cfg, ro, answer_id=6, format_ids=[5, 6]).tolist() == [0.1, 1.1]
-    bad = rl.RLConfig(group_size=2, reward="test_mrsp:_nan_reward")
+    bad = RLConfig(group_size=2, reward="test_mrsp:_nan_reward")
     with pytest.raises(ValueError, match="test_mrsp:_nan_reward.*non-finite"):
         rl.score(bad, ro)
     r = rl.exact_match_reward(torch.tensor([[5, 1], [6, 2]]), torch.tensor([2, 2]), 5, [5, 6])
@@ -221,13 +224,15 @@ def test_rl_config_bad_input():
 def test_a_group_of_one_response_is_refused():
     """G = 1: no standard deviation, so no advantage; a named ValueError, never NaN."""
     from megatron_video.mmsp import rl
+    from megatron_video.rl.config import RLConfig
+    from megatron_video.rl.grpo import group_advantages
 
     with pytest.raises(ValueError, match=r"group size \(1\) must be >= 2"):
-        rl.group_advantages(torch.tensor([1.0]), 1e-6)
+        group_advantages(torch.tensor([1.0]), 1e-6)
     ro = rl.Rollout(torch.tensor([[5, 1]]), torch.tensor([2]), torch.zeros(1, 2))
     with pytest.raises(ValueError, match=r"group size \(1\) must be >= 2"):  # before the model
-        rl.grpo_loss(None, None, None, None, ro, torch.tensor([1.0]), rl.RLConfig(), 2)
-    adv = rl.group_advantages(torch.tensor([0.5, 0.5]), 1e-6)  # equal rewards: 0, not NaN
+        rl.grpo_loss(None, None, None, None, ro, torch.tensor([1.0]), RLConfig(), 2)
+    adv = group_advantages(torch.tensor([0.5, 0.5]), 1e-6)  # equal rewards: 0, not NaN
     assert adv.tolist() == [0.0, 0.0]
 
 

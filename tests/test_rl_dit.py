@@ -42,7 +42,7 @@ def _set_weights(model, extra: float = 0.0):
 
 
 def _case(layout):
-    from megatron_video.diffusion import cp_sampling as cps
+    from megatron_video.generation import cp_sampling as cps
     from megatron_video.parallel import comm
     from megatron_video.rl.video_dit import dit_grpo_backward, dit_rollout, dit_tokens
     from megatron_video.testing.parallel import video_parallel
@@ -131,7 +131,7 @@ def _train(tmp):
     import warnings
     from pathlib import Path
 
-    from megatron_video.mmsp.rl_config import RLConfig
+    from megatron_video.rl.config import RLConfig
     from megatron_video.testing.configs import tiny_config
     from megatron_video.training.trainer import Trainer
 

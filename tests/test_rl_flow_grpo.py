@@ -93,7 +93,7 @@ def _models(comm_type):
 
 
 def _case(comm_type="p2p"):
-    from megatron_video.diffusion import cp_sampling as cps
+    from megatron_video.generation import cp_sampling as cps
     from megatron_video.models.wan.interop import _cp_group
     from megatron_video.rl.wan import wan_grpo_backward, wan_rollout, wan_videos
 

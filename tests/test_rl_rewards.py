@@ -8,7 +8,8 @@ import torch
 
 from megatron_video.data.synthetic import ShapeAttributes, render_video
 from megatron_video.rl import rewards
-from megatron_video.rl.flow_grpo import group_advantages, sde_std, select_steps
+from megatron_video.rl.flow_grpo import sde_std, select_steps
+from megatron_video.rl.grpo import group_advantages
 
 
 def _clip(colour):

@@ -129,7 +129,7 @@ def _dense_velocity(model, clean, noisy, t, family="wan_ar"):
     """The noisy half's velocity ``[G, F*S, C]`` of ``[clean ; noisy]`` (frame order) under the
     dense mask written from the rule, every noisy block at timestep ``t``."""
     from megatron_video.attention import masks
-    from megatron_video.diffusion.ar_models import sequence_velocity
+    from megatron_video.generation.ar_models import sequence_velocity
 
     frame = torch.arange(F).repeat_interleave(S)
     side = torch.cat([torch.zeros(F * S), torch.ones(F * S)]).long()
@@ -268,7 +268,7 @@ def test_layouts_equal_cp1(pool4, cp1, layout):
 def test_bad_rollout_arguments_raise_before_any_collective(kw, field):
     """The groups and the model are tripwires: a check that ran after touching either (the first
     collective needs both) would fail with an AssertionError, not the ValueError."""
-    from megatron_video.diffusion.streaming import WindowRule
+    from megatron_video.generation.streaming import WindowRule
     from megatron_video.rl.ar_flow import ar_rollout
 
     class Tripwire:

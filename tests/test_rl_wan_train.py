@@ -30,7 +30,7 @@ RL = dict(
 
 
 def _config(root, layout: str, **rl):
-    from megatron_video.mmsp.rl_config import RLConfig
+    from megatron_video.rl.config import RLConfig
 
     parallel, world = LAYOUTS[layout]
     cfg = tiny_wan_config("wan", root, root / "shards", **parallel)

@@ -34,8 +34,8 @@ def _noise():
 
 
 def _stream(model, family, groups=None, recache="longlive"):
-    from megatron_video.diffusion.ar_models import block_model
-    from megatron_video.diffusion.streaming import WindowRule, stream_autoregressive
+    from megatron_video.generation.ar_models import block_model
+    from megatron_video.generation.streaming import WindowRule, stream_autoregressive
 
     cond, null = _conds(family)
     noise = _noise()
@@ -61,8 +61,8 @@ def _stream(model, family, groups=None, recache="longlive"):
 
 def _velocity(model, frames, step, cond, null):
     """``v(x, t)``: the guided velocity of tokens at absolute latent ``frames`` (one call)."""
-    from megatron_video.diffusion.ar_models import sequence_velocity
     from megatron_video.diffusion.cfg import guided_denoise
+    from megatron_video.generation.ar_models import sequence_velocity
 
     fn = sequence_velocity(model, frames, torch.arange(frames.numel()) % S, H, W, step)
 
@@ -168,7 +168,7 @@ def test_longlive_recache_u2xr2_equals_cp1(pool4, cp1, family):
 
 
 def test_recache_options_are_checked():
-    from megatron_video.diffusion.streaming import stream_autoregressive
+    from megatron_video.generation.streaming import stream_autoregressive
 
     def run(**kw):
         next(stream_autoregressive(None, None, 2, 1, 1, None, **kw))
@@ -183,7 +183,7 @@ def test_generate_recache_flag_reaches_the_stream(tmp_path, monkeypatch):
     """``megatron-video generate --recache longlive`` -> ``generate(recache=)`` ->
     ``Generator.ar_blocks`` -> ``stream_autoregressive(recache=)``; default ours; a bad value
     is a ValueError naming ``--recache`` before the model is built."""
-    from megatron_video.diffusion import streaming
+    from megatron_video.generation import streaming
     from megatron_video.testing.wan import tiny_wan_config
     from megatron_video.training import generation, trainer
     from megatron_video.training.cli import main

@@ -185,7 +185,7 @@ def _wan(kind: str):
 
 
 def _sample_ours(kind: str, hier=None):
-    from megatron_video.diffusion.wan_sampling import sample_wan
+    from megatron_video.generation.wan_sampling import sample_wan
     from megatron_video.models.wan import from_diffusers
 
     model = from_diffusers(_wan(kind), cp_comm_type="a2a+p2p" if hier else "p2p")
@@ -258,7 +258,7 @@ def test_sample_wan_u2xr2_equals_cp1(pool4, sampled_cp1, kind):
 def _sample_uneven(hier=None, leak=False):
     """``sample_wan`` with CFG on 3 latent frames (18 tokens), plain and with a TI2V first-frame
     latent; ``leak``: the padding deliberately unmasked (must differ from CP 1)."""
-    from megatron_video.diffusion import wan_sampling
+    from megatron_video.generation import wan_sampling
     from megatron_video.models.wan import from_diffusers
 
     model = from_diffusers(_wan("t2v"), cp_comm_type="a2a+p2p" if hier else "p2p")

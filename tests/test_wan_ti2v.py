@@ -260,7 +260,7 @@ def _sample_inputs():
 
 
 def _sample_ours(hier=None):
-    from megatron_video.diffusion.wan_sampling import sample_wan
+    from megatron_video.generation.wan_sampling import sample_wan
     from megatron_video.models.wan import from_diffusers
 
     model = from_diffusers(
@@ -387,7 +387,7 @@ def test_default_i2v_probability(root):
 
 
 def test_sample_image_of_wrong_shape(root):
-    from megatron_video.diffusion.wan_sampling import sample_wan
+    from megatron_video.generation.wan_sampling import sample_wan
     from megatron_video.models.wan import from_diffusers
     from megatron_video.models.wan.convert import _one_process
 

@@ -16,15 +16,17 @@ One RL step per prompt (video + question), on every CP rank of an ``MMSPLLaVAMod
 * ``grpo_loss``: group-normalised advantages, clipped ratio to the rollout policy (``rl.clip`` /
   ``clip_high`` / ``dual_clip``), k3 KL to the reference (``kl_clamp``), log-probs at the rollout
   temperature, normalised by the response tokens of the global batch or per micro-batch
-  (``loss_agg``). Map: docs/mmsp.md ("GRPO").
+  (``loss_agg``).
+
+The parts every GRPO shares (advantages, the clipped ratio with the k3 KL, the token normalisers,
+rollout seeding, the reward checks and registry) are in ``megatron_video.rl`` (``rl.grpo``,
+``rl.seeding``, ``rl.rewards``); this module is the VLM's side. Map: docs/mmsp.md ("GRPO").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import zlib
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -33,24 +35,20 @@ from ..attention.kv_cache import CacheStep, KVCache
 from ..layouts.mmsp import frame_shards
 from ..layouts.zigzag import shard_global_ids
 from ..parallel import comm
+from ..rl.config import RLConfig
+from ..rl.grpo import group_advantages, grpo_token_terms, logprob_temperature
+from ..rl.rewards import check_rewards, resolve_reward
+from ..rl.seeding import rollout_generator
 from . import rl_qwen_vl as qwen
-from .rl_config import RLConfig
 from .sharding import plan_batch, reshard_to_llm
 
 __all__ = [
-    "RLConfig",
     "Rollout",
     "VideoTokens",
     "encode_video",
     "rollout",
     "response_logprobs",
-    "group_advantages",
-    "grpo_token_terms",
-    "logprob_temperature",
-    "token_normalisers",
     "grpo_loss",
-    "check_rewards",
-    "load_reward",
     "score",
     "exact_match_reward",
 ]
@@ -279,9 +277,9 @@ def rollout(
     kv_cache: bool = True,
 ) -> Rollout:
     """``cfg.group_size`` responses to one prompt (``prompt_ids [1, T]``, one image token;
-    ``visual`` from ``encode_video``). Response ``g`` samples from ``torch.Generator`` seeded with
-    ``(cfg.seed, prompt_seed, g)``, so any layout draws the same tokens; a response ends at
-    ``eos_id`` (included) or after ``cfg.max_new_tokens``. ``kv_cache``: decode against the
+    ``visual`` from ``encode_video``). Response ``g`` samples from the generator of ``(cfg.seed,
+    prompt_seed, g)`` (``rl.seeding.rollout_generator``), so any layout draws the same tokens; a
+    response ends at ``eos_id`` (included) or after ``cfg.max_new_tokens``. ``kv_cache``: decode against the
     prefix's and the responses' cached keys / values (one new token per response and step);
     False: recompute the whole sequence for every token (the reference; benchmarks)."""
     _check_prompt(model, visual, prompt_ids)
@@ -299,10 +297,7 @@ def rollout(
         )
     cache, P, last = _prefill(model, visual, prompt_ids)
     temp = logprob_temperature(cfg)
-    gens = [
-        torch.Generator().manual_seed(zlib.crc32(f"{cfg.seed}/{prompt_seed}/{g}".encode()))
-        for g in range(G)
-    ]
+    gens = [rollout_generator(cfg.seed, prompt_seed, g) for g in range(G)]
     tokens = torch.zeros(G, L, dtype=torch.long)
     logprobs = torch.zeros(G, L, dtype=torch.float64)
     lengths = torch.full((G,), L, dtype=torch.long)
@@ -361,64 +356,6 @@ def response_logprobs(model, visual, prompt_ids, tokens, lengths, temperature=1.
     return out
 
 
-def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(r - mean_G) / (std_G + eps)``, ``std`` the unbiased sample standard deviation.
-    ``ValueError`` for fewer than 2 rewards (a group of one has no standard deviation)."""
-    if rewards.dim() != 1:
-        raise ValueError(f"group_advantages: rewards ({tuple(rewards.shape)}) must be [G]")
-    if rewards.numel() < 2:
-        raise ValueError(
-            f"group_advantages: the group size ({rewards.numel()}) must be >= 2 (rl.group_size: "
-            f"the standard deviation of one reward is undefined)"
-        )
-    r = rewards.double()
-    return (r - r.mean()) / (r.std() + eps)
-
-
-def logprob_temperature(cfg: RLConfig) -> float:
-    """The temperature of every log-prob of the objective: the rollout's (Long-RL divides the
-    logits by it too), 1 for greedy rollouts (temperature 0)."""
-    return float(cfg.temperature) if cfg.temperature > 0 else 1.0
-
-
-def grpo_token_terms(lp, old_lp, ref_lp, adv, cfg: RLConfig):
-    """Per-token loss ``pg + kl_coef * k3`` and ``(loss, k3, clipped)`` (clipped: the tokens whose
-    gradient the clip or the dual clip removed). With ``d = clamp(lp - old, +-20)``, ratio
-    ``exp(d)``, the clipped ratio ``exp(clamp(d, log(1 - clip), log(1 + clip_high)))``:
-    ``pg = max(-A ratio, -A clipped)``; with ``dual_clip`` and ``A < 0`` also ``min(pg,
-    -A dual_clip)``; ``k3 = exp(e) - e - 1`` with ``e = clamp(ref - lp, +-20)``, clamped to
-    ``+-kl_clamp`` when set. The rules of Long-RL's ``compute_policy_loss`` / ``compute_kl
-    ("low_var_kl")`` (verl/trainer/core_algos.py); with the defaults it is the symmetric PPO clip
-    and the plain k3 (the +-20 clamps only keep ``exp`` finite)."""
-    high = cfg.clip if cfg.clip_high is None else cfg.clip_high
-    d = torch.clamp(lp - old_lp, -20.0, 20.0)
-    ratio = torch.exp(d)
-    clipped_ratio = torch.exp(torch.clamp(d, math.log(1 - cfg.clip), math.log1p(high)))
-    pg1, pg2 = -adv * ratio, -adv * clipped_ratio
-    pg = torch.maximum(pg1, pg2)
-    clipped = pg1 < pg2
-    if cfg.dual_clip is not None and adv < 0:
-        pg3 = -adv * cfg.dual_clip
-        clipped = clipped | (pg > pg3)
-        pg = torch.minimum(pg, pg3 * torch.ones_like(pg))
-    e = torch.clamp(ref_lp - lp, -20.0, 20.0)
-    k3 = torch.exp(e) - e - 1
-    if cfg.kl_clamp is not None:
-        k3 = torch.clamp(k3, -cfg.kl_clamp, cfg.kl_clamp)
-    return pg + cfg.kl_coef * k3, k3, clipped
-
-
-def token_normalisers(cfg: RLConfig, micro_tokens: Sequence[int], global_tokens: int, dp: int):
-    """The divisor of each micro-batch's token sum (this DP rank's micro-batches of one
-    mini-batch, ``micro_tokens`` response tokens each): ``global_token_mean`` (ours) divides by
-    ``global_tokens``, the response tokens of the mini-batch over all DP ranks;
-    ``micro_token_mean`` (Long-RL's ``loss_avg_mode: token``) takes each micro-batch's token mean,
-    averaged over the micro-batches and the DP ranks (``mean / n_micro``, DDP's DP average)."""
-    if cfg.loss_agg == "global_token_mean":
-        return [float(global_tokens)] * len(micro_tokens)
-    return [float(t) * len(micro_tokens) * dp for t in micro_tokens]
-
-
 def grpo_loss(
     policy, reference, visual, prompt_ids, ro: Rollout, rewards, cfg, total_tokens, ref_visual=None
 ):
@@ -446,27 +383,6 @@ def grpo_loss(
     return loss / total_tokens, {"kl_sum": kl, "clipped": clipped}
 
 
-def check_rewards(rewards, group_size: int, fn_name: str) -> torch.Tensor:
-    """The reward function's output as float64 ``[G]``, or ``ValueError`` naming the function."""
-    try:
-        shape = tuple(torch.as_tensor(rewards).shape)
-        r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(
-            f"rl.reward function {fn_name} returned {type(rewards).__name__}, not numbers ({e})"
-        ) from e
-    if shape != (group_size,):
-        raise ValueError(
-            f"rl.reward function {fn_name} returned shape {shape}; "
-            f"it must return one reward per response ({group_size},)"
-        )
-    if not torch.isfinite(r).all():
-        raise ValueError(
-            f"rl.reward function {fn_name} returned a non-finite reward ({r.tolist()})"
-        )
-    return r
-
-
 def exact_match_reward(
     tokens: torch.Tensor, lengths: torch.Tensor, answer_id: int, format_ids: Sequence[int] = ()
 ) -> torch.Tensor:
@@ -477,25 +393,12 @@ def exact_match_reward(
     return (first == answer_id).double() + 0.1 * fmt
 
 
-def load_reward(spec: str) -> Callable:
-    """``module:function`` -> the function (``ValueError`` naming ``rl.reward`` if missing)."""
-    import importlib
-
-    mod, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"rl.reward ({spec!r}) must name an importable module:function ({e})"
-        ) from e
-
-
 def score(cfg: RLConfig, ro: Rollout, **sample) -> torch.Tensor:
     """Rewards ``[G]`` of one group: ``cfg.reward`` on ``(tokens, lengths, **sample)``, checked
     (``check_rewards``) before anything uses them, identically on every rank. Any exception of
     the function becomes a ``ValueError`` naming it and the exception's type and message (the
     trainer's agree-then-raise path: every rank raises, none waits in a collective)."""
-    fn = load_reward(cfg.reward)
+    fn = resolve_reward(cfg.reward)
     try:
         rewards = fn(ro.tokens, ro.lengths, **sample)
     except Exception as e:

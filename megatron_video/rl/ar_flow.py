@@ -1,6 +1,6 @@
-"""Flow-GRPO of the AR families (``wan_ar``; the model calls of ``diffusion.ar_models``, so
+"""Flow-GRPO of the AR families (``wan_ar``; the model calls of ``generation.ar_models``, so
 ``ar_dit`` too): rollouts stream block by block through the KV-cache generator
-(``diffusion.streaming.stream_autoregressive``, its ``transition`` the SDE step of
+(``generation.streaming.stream_autoregressive``, its ``transition`` the SDE step of
 ``rl.flow_grpo``), the loss re-runs each trained denoising step teacher-forced.
 
 Rollout: block ``j``'s step ``i`` is the Gaussian transition of ``flow_grpo.sde_transition`` with
@@ -8,7 +8,7 @@ the velocity of the streaming model call (the noisy block against the cached cle
 of the earlier blocks); its log-probability is the Gaussian log-density averaged over the block's
 elements (``logprobs [G, J, N]``: one transition per block and step, as PPO's per-token ratio).
 Noise: block ``j``'s initial noise and step ``i``'s draw of rollout ``k`` are whole draws keyed by
-``(seed, position, k, "i.j")`` (``flow_grpo.seeded_normal``), cut like the generator cuts the
+``(seed, position, k, "i.j")`` (``seeding.seeded_normal``), cut like the generator cuts the
 block, so every CP layout samples the same video.
 
 Loss: denoising step ``i`` of every block at once in ONE teacher-forced forward on the Balanced SP
@@ -31,19 +31,15 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor
 
-from ..diffusion.ar_models import block_model, recompute_velocity
 from ..diffusion.cfg import guided_denoise
-from ..diffusion.streaming import WindowRule, padded_block_tokens, stream_autoregressive
 from ..diffusion.teacher_forcing import local_frame_tokens
+from ..generation.ar_models import block_model, recompute_velocity
+from ..generation.streaming import WindowRule, padded_block_tokens, stream_autoregressive
 from ..parallel import comm
-from .flow_grpo import (
-    gaussian_logprob,
-    group_advantages,
-    group_mean,
-    sde_transition,
-    seeded_normal,
-)
+from .flow_grpo import gaussian_logprob, group_mean, sde_transition
+from .grpo import group_advantages
 from .rules import check_rollout
+from .seeding import seeded_normal
 
 __all__ = ["ARRollout", "ar_rollout", "ar_grpo_backward", "ar_step_terms"]
 
@@ -207,7 +203,7 @@ def _timesteps(num_steps: int, shift: float):
 
 def _channels(model) -> int:
     """The model's patch-token channels (``in_channels`` times the patch volume)."""
-    from ..diffusion.ar_models import _unwrap
+    from ..generation.ar_models import _unwrap
 
     cfg = _unwrap(model).config
     return cfg.in_channels * math.prod(cfg.patch_size)

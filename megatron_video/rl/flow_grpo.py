@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import zlib
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..parallel import comm
+from .grpo import group_advantages
 
 __all__ = [
     "sde_std",
@@ -41,12 +41,10 @@ __all__ = [
     "group_mean",
     "FlowRollout",
     "flow_sde_rollout",
-    "group_advantages",
     "select_steps",
     "GRPOTerms",
     "flow_grpo_step_loss",
     "grpo_backward",
-    "seeded_normal",
     "TRAIN_STEPS",
 ]
 
@@ -158,19 +156,6 @@ def flow_sde_rollout(
     return FlowRollout(states, torch.stack(lps, dim=1), ts, numel)
 
 
-def group_advantages(rewards: Tensor, eps: float = 1e-6, normalise: bool = True) -> Tensor:
-    """``(r - mean_G) / (std_G + eps)`` (``std`` unbiased) of one group's rewards ``[G]``;
-    ``normalise=False``: ``r - mean_G``. ``ValueError`` for a group of fewer than 2."""
-    if rewards.dim() != 1 or rewards.numel() < 2:
-        raise ValueError(
-            f"rl.group_size: the rewards of a group ({tuple(rewards.shape)}) must be [G], G >= 2 "
-            f"(GRPO normalises within a group)"
-        )
-    r = rewards.double()
-    centred = r - r.mean()
-    return centred / (r.std() + eps) if normalise else centred
-
-
 def select_steps(
     num_steps: int, mode: str, count: int, train_step: int = 0, seed: int = 0
 ) -> List[int]:
@@ -270,11 +255,3 @@ def grpo_backward(
         stats["ratio"] += float(terms.ratio.sum()) / n
         stats["clip_frac"] += float(terms.clipped.double().sum()) / n
     return stats
-
-
-def seeded_normal(shape: Sequence[int], seed: int, position, k: int, step: int) -> Tensor:
-    """A float64 standard normal ``shape`` from the generator keyed by ``(seed, position, k,
-    step)``: rollout ``k`` of the sample ``position``, denoising ``step`` (-1: the initial noise)."""
-    key = zlib.crc32(f"flow_grpo:{seed}:{position}:{k}:{step}".encode())
-    gen = torch.Generator().manual_seed(key)
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)

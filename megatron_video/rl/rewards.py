@@ -1,5 +1,6 @@
-"""Rewards of the diffusion GRPO (``train.objective: grpo`` of ``wan``): the registry, the checks
-and two shipped rewards that need no download.
+"""Rewards of every GRPO: the registry (``resolve_reward``), the checks every reward's output
+passes (``check_rewards``; the VLMs' ``mmsp.rl.score`` uses both) and the diffusion GRPO's
+``score`` with two shipped rewards that need no download.
 
 A reward is ``fn(latents, **sample) -> [G]``: ``latents [G, C, F, H, W]`` (the group's generated
 latents, full, the same on every rank of the CP group) and keywords ``caption`` (str),

@@ -14,10 +14,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ..diffusion import cp_sampling as cps
 from ..diffusion.cfg import guided_denoise
 from ..diffusion.samplers import flow_timesteps
-from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward, seeded_normal
+from ..generation import cp_sampling as cps
+from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward
+from .seeding import seeded_normal
 
 __all__ = ["DiTRollout", "dit_rollout", "dit_tokens", "dit_grpo_backward"]
 

@@ -1,5 +1,5 @@
 """Flow-GRPO of Wan (``rl.flow_grpo``) on the model call of our CP sampler
-(``diffusion.wan_sampling``): the same velocity (``wan_velocity``), the same contiguous token cut
+(``generation.wan_sampling``): the same velocity (``wan_velocity``), the same contiguous token cut
 per CP rank, so rollouts and the policy update run under any Ulysses x ring layout of the model.
 
 Seeding: the initial noise and every step's noise of rollout ``k`` of the sample at stream
@@ -16,13 +16,14 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..diffusion import cp_sampling as cps
 from ..diffusion.cfg import guided_denoise
 from ..diffusion.samplers import flow_timesteps
-from ..diffusion.wan_sampling import wan_velocity
+from ..generation import cp_sampling as cps
+from ..generation.wan_sampling import wan_velocity
 from ..models.embedders import patchify, unpatchify
 from ..models.wan.interop import _check_inputs, _cp_group
-from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward, seeded_normal
+from .flow_grpo import FlowRollout, flow_sde_rollout, grpo_backward
+from .seeding import seeded_normal
 
 __all__ = ["WanRollout", "wan_rollout", "wan_videos", "wan_grpo_backward"]
 

@@ -40,8 +40,9 @@ def _models(cfg, cp: int, seq: int):
 
 def _step(policy, reference, video, ids, G, L):
     from megatron_video.mmsp import rl
+    from megatron_video.rl.config import RLConfig
 
-    cfg = rl.RLConfig(group_size=G, max_new_tokens=L, temperature=1.0)
+    cfg = RLConfig(group_size=G, max_new_tokens=L, temperature=1.0)
     visual = rl.encode_video(policy, video)
     ro = rl.rollout(policy, visual, ids, cfg, prompt_seed=0)
     rewards = torch.arange(G, dtype=torch.float64)

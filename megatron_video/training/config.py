@@ -14,9 +14,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import yaml
 
 from ..data.buckets import BucketConfig, BucketGrid
-from ..mmsp.rl_config import RLConfig
 from ..models.vae_geometry import VAEGeometry, project_vae_geometry, wan_vae_folder_geometry
 from ..parallel.topology import check_ranks_per_node, check_ulysses_in_node, default_cp_groups
+from ..rl.config import RLConfig
 from .family_spec import get_family
 
 __all__ = [
@@ -384,7 +384,7 @@ class Config:
     vae: VAESection = field(default_factory=VAESection)
     diffusion: DiffusionSection = field(default_factory=DiffusionSection)
     train: TrainSection = field(default_factory=TrainSection)
-    rl: RLConfig = field(default_factory=RLConfig)  # train.objective grpo (mmsp.rl_config)
+    rl: RLConfig = field(default_factory=RLConfig)  # train.objective grpo (rl.config)
     output: str = "runs/train"
 
     @property

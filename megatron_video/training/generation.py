@@ -1,8 +1,8 @@
 """Generation from a trained model: what ``train.sample`` and ``megatron-video generate`` call.
 
-T2V families (``video_dit``, ``stdit``): the context-parallel samplers of ``diffusion.cp_sampling``
+T2V families (``video_dit``, ``stdit``): the context-parallel samplers of ``generation.cp_sampling``
 (noise partitioned with the model's layout, denoised in parallel, gathered). AR families
-(``ar_dit``, ``wan_ar``): the streaming generator with a KV cache (``diffusion.streaming``), block by
+(``ar_dit``, ``wan_ar``): the streaming generator with a KV cache (``generation.streaming``), block by
 block, any length, sink + rolling window, prompt switches. ``generate`` loads a checkpoint of the
 trainer (its ``video_config.json`` fixes the model), streams the blocks and VAE-decodes each finished
 block into an mp4 and a GIF. Design: docs/generation.md.
@@ -99,9 +99,9 @@ class Generator:
 
     def t2v_tokens(self, cond, null, noise: torch.Tensor) -> torch.Tensor:
         """Full clean tokens ``[b, N, C]`` of a T2V family from the full ``noise`` (collective)."""
-        from megatron_video.diffusion import cp_sampling as cps
-        from megatron_video.diffusion.ar_models import WAN_TIMESTEP_SCALE, is_wan
-        from megatron_video.diffusion.wan_sampling import _proj_out_to_patchify
+        from megatron_video.generation import cp_sampling as cps
+        from megatron_video.generation.ar_models import WAN_TIMESTEP_SCALE, is_wan
+        from megatron_video.generation.wan_sampling import _proj_out_to_patchify
 
         df, geo, model = self.config.diffusion, self.geometry, self.model
         guided = dict(
@@ -134,8 +134,8 @@ class Generator:
     def _placed_net(self, x, tt, c):
         """The model on a token-placed batch (``batches.placed``): each sample its own packed
         sequence of one clip (padding attends nothing and is dropped after the gather)."""
-        from megatron_video.diffusion.ar_models import WAN_TIMESTEP_SCALE, is_wan
-        from megatron_video.diffusion.wan_sampling import _proj_out_to_patchify
+        from megatron_video.generation.ar_models import WAN_TIMESTEP_SCALE, is_wan
+        from megatron_video.generation.wan_sampling import _proj_out_to_patchify
 
         packed, plan, _ = self.placed
         B, model = x.shape[0], self.model
@@ -191,8 +191,8 @@ class Generator:
         model saw), so a video of the trained length equals the recompute sampler. ``recache``:
         the prompt-switch KV re-cache, ``"block_causal"`` (ours) or ``"longlive"`` (LongLive
         v1.0's, its ``local_attn_size`` being ``sink + window + frames_per_block``)."""
-        from megatron_video.diffusion.ar_models import block_model
-        from megatron_video.diffusion.streaming import WindowRule, stream_autoregressive
+        from megatron_video.generation.ar_models import block_model
+        from megatron_video.generation.streaming import WindowRule, stream_autoregressive
 
         c, df = self.config, self.config.diffusion
         nb = c.model.frames_per_block
@@ -323,7 +323,7 @@ def training_sample(trainer, num_samples: Optional[int] = None):
     """``train.sample``: held-out captions generated and VAE-decoded: ``(generated, data, VAE
     reconstruction, captions)`` videos on the logging rank, None elsewhere (collective); the
     Wan families: ``wan_training_sample``."""
-    from megatron_video.diffusion import cp_sampling as cps
+    from megatron_video.generation import cp_sampling as cps
     from megatron_video.models.embedders import patchify
 
     c = trainer.config
@@ -463,7 +463,7 @@ def _check_window(nb: int, sink, window) -> None:
 def _check_request(
     config: Config, family, frames: int, switches, image, sink=0, window=None, recache=None
 ) -> Tuple[int, list]:
-    from megatron_video.diffusion.streaming import RECACHE
+    from megatron_video.generation.streaming import RECACHE
 
     nb = config.model.frames_per_block
     if recache is not None and recache not in RECACHE:

@@ -22,6 +22,7 @@ import torch
 from megatron_video.data.video_qa import ANSWER_IDS
 from megatron_video.mmsp import rl
 from megatron_video.parallel import comm
+from megatron_video.rl.grpo import token_normalisers
 
 from . import checkpoint as ckpt
 from .batches.protocol import checked_step_batches
@@ -139,7 +140,7 @@ class GRPOTrainer(Trainer):
         micro_tokens = [sum(int(g[4].lengths.sum()) for g in groups if g[0] == i) for i in micro]
         tokens = torch.tensor([float(sum(micro_tokens))], dtype=torch.float64)
         comm.all_reduce(tokens, self.dp_group, tag="rl.tokens")  # the mini-batch's, all DP ranks
-        norms = rl.token_normalisers(cfg, micro_tokens, int(tokens), self.dp_size)
+        norms = token_normalisers(cfg, micro_tokens, int(tokens), self.dp_size)
         norms = dict(zip(micro, norms))
         scale = self.dp_size * self.cp_size  # DDP averages the gradients over DP x CP
         sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, clipped (this rank's share)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_video.diffusion import cp_sampling as cps
+from megatron_video.generation import cp_sampling as cps
 from megatron_video.rl.video_dit import dit_grpo_backward, dit_rollout, dit_tokens
 
 from .grpo_wan import FlowGRPOTrainer

@@ -20,7 +20,7 @@ from typing import Tuple
 
 import torch
 
-from megatron_video.diffusion import cp_sampling as cps
+from megatron_video.generation import cp_sampling as cps
 from megatron_video.models.embedders import unpatchify
 from megatron_video.parallel import comm
 from megatron_video.rl.flow_grpo import select_steps

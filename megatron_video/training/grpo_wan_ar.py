@@ -62,7 +62,7 @@ class ARDiTGRPOTrainer(WanARGRPOTrainer):
     reward gets ``videos`` decoded by the project VAE, as ``grpo_dit.DiTGRPOTrainer``'s."""
 
     def _group(self, mb, j: int, step: int, dtype):
-        from megatron_video.diffusion import cp_sampling as cps
+        from megatron_video.generation import cp_sampling as cps
 
         ids = mb.caption_ids[j : j + 1].to(self.device)
         mask = mb.caption_mask[j : j + 1].to(self.device)

@@ -233,7 +233,7 @@ def _check_placed_blocks(config: Config) -> None:
             f"train.sample (True) streams blocks of {block} tokens (model.frames_per_block "
             f"{m.frames_per_block} x {Hp * Wp}), which must be at least "
             f"parallel.context_parallel_size ({cp}): every CP rank holds at least one real token "
-            f"of a block (diffusion/streaming.py pads a block to a multiple of the CP size); "
+            f"of a block (generation/streaming.py pads a block to a multiple of the CP size); "
             f"set train.sample=false"
         )
 

@@ -118,7 +118,7 @@ def recompute_velocity(model, layout, rank: int, height: int, width: int, mask=N
     """``velocity`` of the recompute sampler (``sample_autoregressive``) on the rank's
     ``[clean_r ; noisy_r]`` (``layout`` a ``BalancedSPLayout``; ``mask`` default: its
     teacher-forcing mask)."""
-    from .teacher_forcing import TeacherForcingMask
+    from ..diffusion.teacher_forcing import TeacherForcingMask
 
     mask = TeacherForcingMask(layout) if mask is None else mask
     frames = layout.rope_frame_positions(rank)

@@ -1,6 +1,7 @@
 """The ``rl:`` section of the training config (GRPO, ``train.objective: grpo``): plain values,
 validated where declared; no torch, so the config and the command line stay light. Used by
-``mmsp.rl`` and ``training.grpo``."""
+every GRPO: the VLMs' (``mmsp.rl``, ``training.grpo``) and the diffusion families'
+(``training.grpo_wan``, ``training.grpo_dit``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 tokens attending to the cached clean keys / values of the kept earlier frames and to themselves
 (the teacher-forcing rule: noisy -> earlier clean blocks and its own block), then runs the finished
 block once at timestep 0 to append its clean keys / values (clean -> kept clean frames and its own
-block). The family supplies the model call on one block (``diffusion.ar_models``); the cache is
+block). The family supplies the model call on one block (``generation.ar_models``); the cache is
 sharded over the CP group like training (``attention.kv_cache``). ``WindowRule`` says which frames
 are kept: the first ``sink`` frames and the last ``window`` frames before the block; RoPE
 positions are absolute latent frames (docs/generation.md, "Sink and window"). With a window that
@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 
 from ..attention import masks
 from ..attention.kv_cache import CacheStep, KVCache
+from ..diffusion.cfg import guided_denoise
+from ..diffusion.samplers import flow_timesteps
 from ..parallel import comm
-from .cfg import guided_denoise
-from .samplers import flow_timesteps
 
 __all__ = ["WindowRule", "stream_autoregressive", "BlockModel", "padded_block_tokens"]
 

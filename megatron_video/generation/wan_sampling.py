@@ -1,4 +1,4 @@
-"""Wan through the context-parallel sampler (``diffusion.cp_sampling``): ``sample_wan`` partitions
+"""Wan through the context-parallel sampler (``generation.cp_sampling``): ``sample_wan`` partitions
 the full noise with Wan's layout (a contiguous token cut per CP rank, as ``diffusers_forward``),
 integrates the flow on each rank's shard with the model as the velocity, and gathers. It equals
 single-process sampling with the same noise (tests/test_wan_io.py), at any CP size up to the
@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from megatron_video.attention import masks
-from megatron_video.diffusion import cp_sampling as cps
 from megatron_video.diffusion.ti2v import check_first_frame_patch
+from megatron_video.generation import cp_sampling as cps
 from megatron_video.models.embedders import patchify, unpatchify
 from megatron_video.models.wan.interop import _check_inputs, _cp_group
 from megatron_video.models.wan.model import WanModel

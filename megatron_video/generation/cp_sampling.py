@@ -12,10 +12,15 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..diffusion.cfg import guided_denoise
+from ..diffusion.edm import edm_scalings, expand_like
+from ..diffusion.samplers import (
+    edm_euler_sampler,
+    edm_heun_sampler,
+    flow_euler_sampler,
+    flow_timesteps,
+)
 from ..parallel import comm
-from .cfg import guided_denoise
-from .edm import edm_scalings, expand_like
-from .samplers import edm_euler_sampler, edm_heun_sampler, flow_euler_sampler, flow_timesteps
 
 __all__ = [
     "partition_tokens",
