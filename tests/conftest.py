@@ -62,10 +62,12 @@ def _train_video_llava(path: str, output: str) -> None:
 
     warnings.filterwarnings("ignore")
     over = [f"output={output}", "train.steps=1", "train.sample=false", "train.tensorboard=false"]
+    over += ["train.warmup_steps=0"]  # the one step moves the weights (init_from's check)
     t = Trainer(load_config(path, over), progress=False)
     try:
+        seed = llm_weight_sum(t.model)
         t.run()
-        return llm_weight_sum(t.model)
+        return dict(seed=seed, trained=llm_weight_sum(t.model))
     finally:
         t.close()
 

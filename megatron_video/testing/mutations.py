@@ -4,6 +4,8 @@ Each breakage switches one guarded feature off. ``MEGATRON_VIDEO_MUTATIONS=1`` t
 into the mutation check: every test listed in ``GUARDS`` runs with its breakage applied (in the
 test process and, per task, in the worker pool's ranks, which read ``MEGATRON_VIDEO_MUTATION``),
 and must fail. A new resume, loading or caching feature adds its breakage and its guards here.
+``MEGATRON_VIDEO_MUTATIONS=1 MEGATRON_VIDEO_MUTATION=NAME pytest ...`` runs any tests under one
+breakage.
 """
 
 import contextlib
@@ -108,9 +110,17 @@ def breakage_of(nodeid: str):
 try:
     import pytest
 
+    _FORCED: List[str] = []  # MEGATRON_VIDEO_MUTATION given to the run: that breakage for all
+
+    def pytest_configure(config):
+        if os.environ.get(MODE_ENV) == "1" and os.environ.get(ENV):
+            _FORCED[:] = [os.environ[ENV]]
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
-        name = breakage_of(item.nodeid) if os.environ.get(MODE_ENV) == "1" else None
+        name = None
+        if os.environ.get(MODE_ENV) == "1":
+            name = _FORCED[0] if _FORCED else breakage_of(item.nodeid)
         if name is None:
             yield
             return
