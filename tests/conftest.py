@@ -5,14 +5,17 @@ and shared by every test module; each ``pool.run`` resets Megatron / topology st
 a pool that saw a failure or a timeout is killed and restarted on its next use.
 """
 
+import json
 import os
 
 import pytest
 import torch
 
 from megatron_video.testing import WorkerPool
+from megatron_video.testing.mrsp_case import llm_weight_sum
 
-pytest_plugins = ["megatron_video.testing.env_split"]  # the one_env mark and --no-megatron
+# the one_env mark and --no-megatron; the mutation check (MEGATRON_VIDEO_MUTATIONS=1)
+pytest_plugins = ["megatron_video.testing.env_split", "megatron_video.testing.mutations"]
 
 # intra-op threads of this process: up to 2; MEGATRON_VIDEO_TEST_THREADS overrides (.ci/run sets 1:
 # its two environments run at once on 2 cores, and 2 OpenMP threads each oversubscribe them)
@@ -59,9 +62,12 @@ def _train_video_llava(path: str, output: str) -> None:
 
     warnings.filterwarnings("ignore")
     over = [f"output={output}", "train.steps=1", "train.sample=false", "train.tensorboard=false"]
+    over += ["train.warmup_steps=0"]  # the one step moves the weights (init_from's check)
     t = Trainer(load_config(path, over), progress=False)
     try:
+        seed = llm_weight_sum(t.model)
         t.run()
+        return dict(seed=seed, trained=llm_weight_sum(t.model))
     finally:
         t.close()
 
@@ -74,5 +80,6 @@ def video_llava_sft(pool4, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("video_llava_sft") / "run"
     config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "video_llava.yaml"
-    pool4.run(_train_video_llava, str(config), str(out))
+    weights = pool4.run(_train_video_llava, str(config), str(out))[0]
+    (out.parent / "llm_weight_sum.json").write_text(json.dumps(weights))  # init_from's check
     return out

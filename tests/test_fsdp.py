@@ -116,27 +116,30 @@ def _resume_across(tmp):
     warnings.filterwarnings("ignore")
     out = {}
     for fsdp, other in ((True, "u2_dp2"), (False, "dp4")):
-        t = Trainer(_config(tmp, f"save_{fsdp}", fsdp, "dp4"), progress=False)
+        t = Trainer(_config(tmp, f"save_{fsdp}", fsdp, "dp4", steps=4), progress=False)
         try:
             run = [t.train_step(s)["loss"] for s in range(2)]
             t.save(2)  # the state step index 2 starts from
-            out[("run", fsdp)] = run + [t.train_step(2)["loss"]]
+            out[("run", fsdp)] = run + [t.train_step(s)["loss"] for s in (2, 3)]
         finally:
             t.close()
-        t = Trainer(_config(tmp, f"load_{fsdp}", not fsdp, other), progress=False)
+        t = Trainer(_config(tmp, f"load_{fsdp}", not fsdp, other, steps=4), progress=False)
         try:
             step = t.load(f"{tmp}/save_{fsdp}/checkpoints", step=2)
-            out[("resumed", fsdp)] = (step, t.train_step(step)["loss"])
+            out[("resumed", fsdp)] = (step, [t.train_step(s)["loss"] for s in (step, step + 1)])
         finally:
             t.close()
     return out
 
 
 def test_checkpoint_moves_between_fsdp_and_ddp(pool4, vae_dir):
+    """Two steps after the resume equal the uninterrupted run's (the first is taken before any
+    update; the second needs the restored Adam moments: dropped, it moves by ~4e-3)."""
     r = pool4.run(_resume_across, vae_dir)[0]
     for fsdp in (True, False):
-        run, (step, loss) = r[("run", fsdp)], r[("resumed", fsdp)]
-        assert step == 2 and loss == pytest.approx(run[2], rel=1e-5), (fsdp, run, loss)
+        run, (step, losses) = r[("run", fsdp)], r[("resumed", fsdp)]
+        assert step == 2 and losses == pytest.approx(run[2:], rel=1e-5), (fsdp, run, losses)
+        print("fsdp" if fsdp else "ddp", "saved; uninterrupted", run[2:], "resumed", losses)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ once per prompt on each rank with its share of the frames and stays frozen, or, 
 starts policy and reference from a supervised checkpoint (KL 0 at the first step); a reward that
 fails on some DP ranks stops every rank; bad input names the field."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ def _run(path, overrides, steps=(2,)):
 
     import torch
 
+    from megatron_video.testing.mrsp_case import llm_weight_sum
     from megatron_video.training.config import load_config
     from megatron_video.training.trainer import Trainer
 
@@ -49,6 +51,7 @@ def _run(path, overrides, steps=(2,)):
         inner = enc.forward
         enc.forward = lambda x: calls.append(x.shape[0]) or inner(x)
         before = [p.detach().clone() for p in enc.parameters()]
+        start = llm_weight_sum(t.model)  # the policy as built (model.init_from loaded)
         try:
             metrics = t.run()
             history = [
@@ -59,7 +62,9 @@ def _run(path, overrides, steps=(2,)):
                 for h in metrics.get("history", [])
             ]
             moved = any(not torch.equal(a, p) for a, p in zip(before, enc.parameters()))
-            out.append(dict(history=history, calls=calls, moved=moved, logger=t.is_logger))
+            out.append(
+                dict(history=history, calls=calls, moved=moved, logger=t.is_logger, start=start)
+            )
             if metrics:
                 out[-1]["files"] = sorted(p.name for p in Path(t.config.output).iterdir())
         finally:
@@ -88,7 +93,9 @@ def _same_step0(a, b):
     assert x["clip_frac"] == y["clip_frac"] and abs(x["loss"] - y["loss"]) < 1e-6, (x, y)
     assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5), (x, y)
     assert a[1]["reward_mean"] == b[1]["reward_mean"], (a[1], b[1])
-    assert a[1]["loss"] == pytest.approx(b[1]["loss"], rel=0.15), (a[1], b[1])
+    # measured: 4.5e-4 relative (fp32 noise through Adam's first update); 10x that
+    assert a[1]["loss"] == pytest.approx(b[1]["loss"], rel=4.5e-3), (a[1], b[1])
+    print("step 1 loss", a[1]["loss"], b[1]["loss"], abs(a[1]["loss"] / b[1]["loss"] - 1))
 
 
 def test_grpo_layouts_resume_and_embedding_cache(pool4, tmp_path):
@@ -127,6 +134,11 @@ def test_train_encoder_and_init_from(pool4, video_llava_sft, tmp_path):
     for r in res:
         assert r[-1]["calls"] == [9, 9] and r[-1]["moved"], r  # the reference: its own encoder
     assert _logged(res)[-1]["history"][0]["kl"] == 0
+    # the policy starts from the supervised weights (the SFT run's own sum at its end), not the
+    # seed's
+    sft = json.loads((Path(video_llava_sft).parent / "llm_weight_sum.json").read_text())
+    assert abs(sft["trained"] / sft["seed"] - 1) > 1e-6, sft  # the supervised step moved them
+    assert all(r[-1]["start"] == pytest.approx(sft["trained"], rel=1e-12) for r in res), (res, sft)
 
 
 def test_mini_batches_update_several_times_so_the_clip_acts(pool4, tmp_path):

@@ -102,3 +102,10 @@ def _freeze_vision(model):
     for name, p in model.named_parameters():
         if name.startswith(("vision_model.", "vision_projection.")):
             p.requires_grad_(False)
+
+
+def llm_weight_sum(model) -> float:
+    """The float64 sum of a ``video_llava`` model's language-model weights (whole on every rank
+    without TP): ``model.init_from``'s check that the policy starts from the supervised run."""
+    llm = model.language_model
+    return float(sum(p.detach().double().sum() for p in llm.parameters()))

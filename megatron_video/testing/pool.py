@@ -31,6 +31,9 @@ from typing import Any, Callable, List, Optional
 
 import torch.multiprocessing as mp
 
+from .mutations import ENV as MUTATION_ENV
+from .mutations import broken
+
 __all__ = ["WorkerPool", "RankError"]
 
 
@@ -171,10 +174,11 @@ def _worker_main(
         msg = task_q.get()
         if msg is None:
             break
-        task_id, fn, args, kwargs, rpn = msg
+        task_id, fn, args, kwargs, rpn, breakage = msg
         os.environ.update(_node_env(rank, world_size, rpn))
         try:
-            out = fn(*args, **kwargs)
+            with broken(breakage):  # the mutation check's breakage of the calling test, if any
+                out = fn(*args, **kwargs)
             # Fail here, not in the queue's feeder thread (whose errors would never reach the
             # parent, which would then wait for the timeout), when a result cannot be pickled.
             ForkingPickler.dumps(out)
@@ -343,5 +347,5 @@ class WorkerPool:
             raise ValueError(f"ranks_per_node ({rpn}) must divide world_size ({self.world_size})")
         task_id = next(self._ids)
         for q in self._task_qs:
-            q.put((task_id, fn, args, kwargs, rpn))
+            q.put((task_id, fn, args, kwargs, rpn, os.environ.get(MUTATION_ENV)))
         return self._collect(task_id, what=getattr(fn, "__qualname__", str(fn)))

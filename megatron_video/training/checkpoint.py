@@ -554,12 +554,34 @@ def load_checkpoint(
             state[key] = value
     load_model_state(model, state)  # FSDP: into each parameter's shard
     load_optimizer_state(optimizer, loaded["optimizer"])
+    _report_schedule_change(scheduler, loaded["scheduler"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         set_rng_state(loaded["rng"])
     if int(loaded["step"]) != step:
         raise ValueError(f"checkpoint {path} holds step {loaded['step']}, expected {step}")
     return step
+
+
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def _report_schedule_change(scheduler, saved: dict) -> None:
+    """Name what a scheduler that overrides the checkpoint's LR schedule changes (the config's
+    ``train.steps``, ``lr``, ... differ from the saved run's; steps counted in samples)."""
+    if not getattr(scheduler, "override_opt_param_scheduler", False) or dist.get_rank():
+        return
+    changed = [
+        f"{k} {saved[k]} -> {getattr(scheduler, k)}"
+        for k in _SCHEDULE_KEYS
+        if k in saved and saved[k] != getattr(scheduler, k)
+    ]
+    if changed:
+        print(
+            "[megatron-video] resume: the LR schedule follows the config, not the checkpoint: "
+            + ", ".join(changed),
+            flush=True,
+        )
 
 
 def load_model_weights(directory, model, step: Optional[int] = None) -> int:

@@ -310,6 +310,10 @@ class Trainer:
             end_wd=t.weight_decay,
             wd_incr_steps=decay * gbs,
             wd_incr_style="constant",
+            # on resume the schedule is the config's (Megatron-LM's --override-opt_param-scheduler),
+            # counted from the checkpoint's step: a resumed run equals the uninterrupted one
+            override_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=False,
         )
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         if t.bf16:

@@ -1,0 +1,135 @@
+"""Named breakages and the tests that must catch them (``tests/test_mutations.py``).
+
+Each breakage switches one guarded feature off. ``MEGATRON_VIDEO_MUTATIONS=1`` turns a pytest run
+into the mutation check: every test listed in ``GUARDS`` runs with its breakage applied (in the
+test process and, per task, in the worker pool's ranks, which read ``MEGATRON_VIDEO_MUTATION``),
+and must fail. A new resume, loading or caching feature adds its breakage and its guards here.
+``MEGATRON_VIDEO_MUTATIONS=1 MEGATRON_VIDEO_MUTATION=NAME pytest ...`` runs any tests under one
+breakage.
+"""
+
+import contextlib
+import os
+from typing import Callable, Dict, Iterator, List
+
+__all__ = ["BREAKAGES", "GUARDS", "ENV", "MODE_ENV", "broken", "breakage_of"]
+
+ENV = "MEGATRON_VIDEO_MUTATION"  # the breakage of the running test (read by the pool's ranks)
+MODE_ENV = "MEGATRON_VIDEO_MUTATIONS"  # "1": run the guards with their breakages
+
+
+def _resume_from_scratch():
+    from megatron_video.training.trainer import Trainer
+
+    return Trainer, "maybe_resume", lambda self: 0
+
+
+def _init_from_ignored():
+    from megatron_video.training import checkpoint
+
+    return checkpoint, "load_model_weights", lambda directory, model, step=None: 0
+
+
+def _optimizer_state_dropped():
+    from megatron_video.training import checkpoint
+
+    return checkpoint, "load_optimizer_state", lambda optimizer, state: None
+
+
+def _stale_cache():
+    from megatron_video.diffusion import streaming
+
+    return streaming, "_appended", lambda last_input, clean: last_input
+
+
+def _ledger_replays_a_clip():
+    from megatron_video.data.ledger import StepSampler
+
+    start = StepSampler._start_queue
+
+    def replaying(self):  # the first clip the epoch consumed comes back
+        start(self)
+        done = sorted(self.ledger.consumed(), key=str)
+        if done:
+            self.queue.insert(0, done[0])
+
+    return StepSampler, "_start_queue", replaying
+
+
+BREAKAGES: Dict[str, Callable] = {
+    "resume_from_scratch": _resume_from_scratch,
+    "init_from_ignored": _init_from_ignored,
+    "optimizer_state_dropped": _optimizer_state_dropped,
+    "stale_cache": _stale_cache,
+    "ledger_replays_a_clip": _ledger_replays_a_clip,
+}
+
+# breakage -> the tests (node ids) that must fail under it: the cheapest that guard it
+GUARDS: Dict[str, List[str]] = {
+    "resume_from_scratch": [
+        "tests/test_train_mixed.py::test_short_run_then_resume_at_another_dp_size",
+    ],
+    "init_from_ignored": ["tests/test_grpo_train.py::test_train_encoder_and_init_from"],
+    "optimizer_state_dropped": ["tests/test_fsdp.py::test_checkpoint_moves_between_fsdp_and_ddp"],
+    "stale_cache": [
+        "tests/test_generation.py::test_cached_generator_equals_no_cache_oracles[ar_dit]",
+    ],
+    "ledger_replays_a_clip": [
+        "tests/test_balance.py::test_every_clip_exactly_once_across_an_interruption",
+    ],
+}
+
+
+@contextlib.contextmanager
+def broken(name) -> Iterator[None]:
+    """Apply breakage ``name`` (none when ``name`` is falsy) for the duration."""
+    if not name:
+        yield
+        return
+    if name not in BREAKAGES:
+        raise ValueError(f"{ENV} ({name!r}) must be one of {sorted(BREAKAGES)}")
+    owner, attr, replacement = BREAKAGES[name]()
+    saved = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    setattr(owner, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, saved)
+
+
+def breakage_of(nodeid: str):
+    """The breakage test ``nodeid`` guards (a parametrized id counts for its function), or None."""
+    base = nodeid.split("[")[0]
+    names = [name for name, ids in GUARDS.items() if nodeid in ids or base in ids]
+    if len(names) > 1:  # pragma: no cover - checked by tests/test_mutations.py
+        raise ValueError(f"{nodeid} guards {names}: one breakage per test")
+    return names[0] if names else None
+
+
+# -- pytest plugin (tests/conftest.py): in the mutation mode, each guard runs broken ------------
+try:
+    import pytest
+
+    _FORCED: List[str] = []  # MEGATRON_VIDEO_MUTATION given to the run: that breakage for all
+
+    def pytest_configure(config):
+        if os.environ.get(MODE_ENV) == "1" and os.environ.get(ENV):
+            _FORCED[:] = [os.environ[ENV]]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        name = None
+        if os.environ.get(MODE_ENV) == "1":
+            name = _FORCED[0] if _FORCED else breakage_of(item.nodeid)
+        if name is None:
+            yield
+            return
+        os.environ[ENV] = name  # the pool sends it with each task
+        try:
+            with broken(name):
+                yield
+        finally:
+            os.environ.pop(ENV, None)
+
+except ImportError:  # pragma: no cover - pytest is a test dependency
+    pass
