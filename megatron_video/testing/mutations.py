@@ -37,7 +37,7 @@ def _optimizer_state_dropped():
 
 
 def _stale_cache():
-    from megatron_video.diffusion import streaming
+    from megatron_video.generation import streaming
 
     return streaming, "_appended", lambda last_input, clean: last_input
 
