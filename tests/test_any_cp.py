@@ -397,3 +397,31 @@ def test_each_rank_reads_only_the_frames_of_its_tokens(tmp_path):
         for key in mine:
             counts[key] = counts.get(key, 0) + 1
     assert len(counts) == 42 and sum(counts.values()) <= 42 + 4, counts  # 2 clips x 21 frames
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 1), (1, 2), (2, 2)])
+def test_ar_start_up_line_reports_the_imbalance(tmp_path, ulysses, ring):
+    """``wan_ar`` at 7 blocks of 3 latent frames (2 clips): the start-up line says why the
+    teacher-forcing clips are placed by token and reports the plan's attention balance, the one
+    the planner's cost counts (``planner.cost.placement_overhead``)."""
+    from megatron_video.planner.cost import Layout, placement_overhead
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.placed import PlacedBatchMaker
+    from megatron_video.training.planning import model_shape
+
+    layout = {(2, 1): "u2", (1, 2): "r2", (2, 2): "u2xr2"}[(ulysses, ring)]
+    cfg = _config("wan_ar", tmp_path, layout)
+    src = _RecordingSource((21, 2, 6), cfg.data.text_embed_dim, cfg.data.caption_len)
+    coords = RankCoords(cp_rank=0, ulysses_size=ulysses, ring_size=ring)
+    lines = []
+    maker = PlacedBatchMaker(
+        cfg, coords, "teacher_forcing", latent_scale=1.0, source=src, log=lines.append
+    )
+    mb = next(maker.step_batches(0))
+    assert len(lines) == 1 and "21 token frames (blocks of latent frames)" in lines[0], lines
+    balance = mb.plan.balance()
+    assert f"attention pairs max/mean {balance:.3f}" in lines[0], lines
+    lay = Layout(ulysses=ulysses, ring=ring, micro_batch_size=len(mb.clip_ids))
+    pad, planned = placement_overhead(model_shape(cfg), lay)
+    assert planned == pytest.approx(balance, abs=1e-12)
+    assert pad == mb.packed.seq_len / (len(mb.clip_ids) * 2 * 21 * 3)
