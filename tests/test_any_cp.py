@@ -5,7 +5,7 @@ two clips: 126 tokens, padded to 128). One step of the family's own pieces (``ma
 ``make_objective``, the model) for ``wan`` (T2V), ``wan`` with I2V first-frame conditioning (TI2V)
 and ``video_dit`` at U2xR2, U4, R4, TP2xCP2 (4 ranks) and U4xR2, U2xR4 (8 ranks), none of which
 divides 21 frames: the loss and every parameter gradient equal CP = 1 (the contiguous fixed-shape
-path) to 1e-10. Config rules: a CP size over a clip's tokens, ST-DiT's whole frames.
+path) to 1e-10; a noise slice off by one token or a pad token with loss fails the comparison.
 """
 
 import zlib
@@ -167,6 +167,7 @@ def _step(kind: str, root, layout: str, break_it=None) -> dict:
         placed = type(batches).__name__ == "PlacedBatchMaker"
         i2v = getattr(mb, "i2v", None)
         out = dict(loss=float(loss), grads=_full_grads(model, groups), placed=placed)
+        out["pads"] = mb.packed.clip_of(mb.local) < 0 if placed else None
         out.update(
             drop=mb.drop, i2v=i2v, sample=_sample(kind, cfg, fam, model, groups, batches, mb)
         )
@@ -265,6 +266,27 @@ def test_ar_7_blocks_at_cp2_and_cp4_match_cp1(pool4, root, kind):
     for layout in AR_LAYOUTS:
         per_rank = pool4.run(_step, kind, root, layout, ranks_per_node=LAYOUTS[layout][3])
         print(f"{kind}/{layout}: max grad rel diff {_compare(ref, per_rank, kind + layout):.1e}")
+
+
+def _noise_off_by_one(mb):
+    """A slice off by one token: each token's noise taken from its neighbour."""
+    mb.noise = torch.roll(mb.noise, 1, dims=1)
+
+
+def _pad_with_loss(mb):
+    """A pad token that carries loss."""
+    mb.loss_mask = mb.loss_mask | (mb.packed.clip_of(mb.local) < 0)[None]
+
+
+@pytest.mark.parametrize("break_it", [_noise_off_by_one, _pad_with_loss])
+def test_a_broken_placement_fails_the_comparison(pool4, root, break_it):
+    """The comparison above catches a placement broken on purpose (``wan`` at U2xR2)."""
+    ref = _reference(pool4, "wan", root)
+    per_rank = pool4.run(_step, "wan", root, "u2xr2", break_it, ranks_per_node=2)
+    if break_it is _pad_with_loss:  # the 2 pad tokens of the 128 lie on some rank
+        assert any(bool((r["pads"]).any()) for r in per_rank)
+    with pytest.raises(AssertionError):
+        _compare(ref, per_rank, "broken on purpose")
 
 
 def _trainer_step(root, parallel: dict) -> dict:
@@ -376,3 +398,31 @@ def test_each_rank_reads_only_the_frames_of_its_tokens(tmp_path):
         for key in mine:
             counts[key] = counts.get(key, 0) + 1
     assert len(counts) == 42 and sum(counts.values()) <= 42 + 4, counts  # 2 clips x 21 frames
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 1), (1, 2), (2, 2)])
+def test_ar_start_up_line_reports_the_imbalance(tmp_path, ulysses, ring):
+    """``wan_ar`` at 7 blocks of 3 latent frames (2 clips): the start-up line says why the
+    teacher-forcing clips are placed by token and reports the plan's attention balance, the one
+    the planner's cost counts (``planner.cost.placement_overhead``)."""
+    from megatron_video.planner.cost import Layout, placement_overhead
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.batches.placed import PlacedBatchMaker
+    from megatron_video.training.planning import model_shape
+
+    layout = {(2, 1): "u2", (1, 2): "r2", (2, 2): "u2xr2"}[(ulysses, ring)]
+    cfg = _config("wan_ar", tmp_path, layout)
+    src = _RecordingSource((21, 2, 6), cfg.data.text_embed_dim, cfg.data.caption_len)
+    coords = RankCoords(cp_rank=0, ulysses_size=ulysses, ring_size=ring)
+    lines = []
+    maker = PlacedBatchMaker(
+        cfg, coords, "teacher_forcing", latent_scale=1.0, source=src, log=lines.append
+    )
+    mb = next(maker.step_batches(0))
+    assert len(lines) == 1 and "21 token frames (blocks of latent frames)" in lines[0], lines
+    balance = mb.plan.balance()
+    assert f"attention pairs max/mean {balance:.3f}" in lines[0], lines
+    lay = Layout(ulysses=ulysses, ring=ring, micro_batch_size=len(mb.clip_ids))
+    pad, planned = placement_overhead(model_shape(cfg), lay)
+    assert planned == pytest.approx(balance, abs=1e-12)
+    assert pad == mb.packed.seq_len / (len(mb.clip_ids) * 2 * 21 * 3)

@@ -320,3 +320,41 @@ def test_plan_json_at_81_frames_lists_cp_2_4_8_16_and_counts_the_padding(capsys)
         S = -(-b * T // (2 * R)) * 2 * R
         want = plan_placement([Clip(T)] * b, 1, R, seq_len=S).balance()
         assert -(-b * T // R) / (b * T / R) == pytest.approx(want, abs=1e-12), (T, b, R)
+
+
+@pytest.mark.parametrize("family", ["wan_ar", "ar_dit"])
+def test_plan_counts_the_teacher_forcing_imbalance_at_7_blocks_of_3(tmp_path, family):
+    """LongLive's 21 latent frames in 7 blocks of 3 (Balanced SP does not divide them at CP 2 or
+    4: placed by token) on a 1 x 3 token grid: the plan's padding and attention balance are the
+    trainer's own placement's (``PackedVideo(...).plan``, as ``batches.placed`` plans a micro-batch
+    of ``b`` teacher-forcing clips), and the cost's ``parts["placement"]`` counts them: above 0
+    where the balance or padding is above 1, 0 where Balanced SP divides (24 frames at CP 2 / 4)."""
+    import dataclasses
+
+    from megatron_video.layouts.packed_video import PackedVideo, VideoClip
+    from megatron_video.planner import Cluster, get_hardware, step_cost
+    from megatron_video.planner.cost import placement_overhead
+    from megatron_video.training.planning import model_shape
+
+    shape = model_shape(tiny_config(family, tmp_path))
+    assert shape.attention == "teacher_forcing" and shape.token_placement
+    shape = dataclasses.replace(shape, frames=21, positions=3, block_frames=3)
+    hw, imbalanced = get_hardware("h100"), 0
+    for U, R in [(2, 1), (1, 2), (2, 2), (1, 4), (4, 1)]:
+        for b in (1, 2):
+            lay = Layout(ulysses=U, ring=R, micro_batch_size=b)
+            clip = VideoClip(21, 1, 3, kind="teacher_forcing", frames_per_block=3)
+            packed = PackedVideo((clip,) * b).padded_to(2 * U * R)
+            want = (packed.seq_len / (b * 126), packed.plan(U, R).balance())
+            got = placement_overhead(shape, lay)
+            assert got == pytest.approx(want, abs=1e-12), (U, R, b, got, want)
+            cost = step_cost(shape, lay, Cluster(gpus=U * R, gpus_per_node=8), hw)
+            assert (cost.parts["placement"] > 0) == (max(want) > 1), (U, R, b, cost.parts)
+            imbalanced += want[1] > 1
+            even = dataclasses.replace(shape, frames=24)  # 8 blocks: Balanced SP divides
+            assert placement_overhead(even, lay) == (1.0, 1.0)
+            assert (
+                step_cost(even, lay, Cluster(gpus=U * R, gpus_per_node=8), hw).parts["placement"]
+                == 0
+            )
+    assert imbalanced >= 2  # at R2 and R4 the ring ranks' attention work differs

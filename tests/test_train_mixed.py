@@ -9,6 +9,7 @@
 * Resume: the ledger in the checkpoint; every clip exactly once per epoch across an interruption,
   at the same DP size and at another one (DP 2 -> DP 1 and DP 1 -> DP 4), also through the trainer.
 * Pipeline: PP 2 x CP 2 equals PP 1 (Megatron's schedule with ``variable_seq_lengths``).
+* TI2V with data.buckets (``wan``, ``wan_ar``): CP 4 equals CP 1; train and resume.
 * Bad input: a clip over the token budget, ``stdit`` / ``data.source`` with ``data.buckets``:
   ``ValueError`` naming the field; the CLI exits 2.
 """
@@ -503,30 +504,41 @@ def _config81(root, i2v, **parallel):
     return cfg
 
 
-def _ti2v_piece_step(root, U, R, i2v):
-    """``_piece_step`` of ``wan`` on the 81-frame set with first-frame conditioning ``i2v``."""
+def _config_ar(root, i2v, **parallel):
+    """``wan_ar`` (teacher forcing, blocks of 1 latent frame) on the mixed set, TI2V ``i2v``."""
+    cfg = _config("wan_ar", root, **parallel)
+    cfg.data.i2v_probability = i2v
+    return cfg
+
+
+def _ti2v_piece_step(root, U, R, i2v, make=_config81):
+    """``_piece_step`` of ``make``'s config (``wan`` on the 81-frame set, or ``wan_ar``) with
+    first-frame conditioning ``i2v``; ``conds``: the first-frame tokens held (no loss)."""
     from megatron_video.parallel import comm
     from megatron_video.testing.parallel import video_parallel
     from megatron_video.training.families import get_family
 
-    cfg = _config81(root, i2v, context_parallel_size=U * R, ulysses_size=U, ring_size=R)
+    cfg = make(root, i2v, context_parallel_size=U * R, ulysses_size=U, ring_size=R)
     cfg.parallel.ranks_per_node = 2
     cfg.train.global_batch_size = 2
     with video_parallel(U, R, ranks_per_node=2, seed=0) as groups:
         model = _model64(cfg)
         maker = _maker(cfg, U=U, R=R, cp_rank=groups.cp_rank)
-        obj = get_family("wan").make_packed_objective(cfg)
+        obj = get_family(cfg.model.family).make_packed_objective(cfg)
         total, mbs = torch.zeros((), dtype=torch.float64), list(maker.step_batches(0))
         conds = []
         for mb in mbs:
+            # held: tokens that would bear loss and do not (the I2V first frames)
+            held = mb.packed.loss_mask(mb.local)[None] & ~mb.loss_mask
+            conds.append(int(held.sum()))
+            if mb.condition is not None:  # full clips: the model's condition is the held tokens
+                assert torch.equal(mb.condition, held)
+            if mb.t.dim() == 2:  # teacher forcing: the noisy frame 0 at timestep 0
+                assert bool((mb.t[held] == 0).all())
             args, kwargs = obj.model_call(_float64(mb), True)
             share = obj.loss(model(*args, **kwargs), mb)
             share.backward()
             total += share.detach()
-            c = mb.condition
-            conds.append(0 if c is None else int(c.sum()))
-            if c is not None:  # first-frame tokens: no loss
-                assert not bool((mb.loss_mask & c).any())
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         if groups.cp_size > 1:
             comm.all_reduce(total, groups.cp_group, tag="test.loss")
@@ -537,29 +549,32 @@ def _ti2v_piece_step(root, U, R, i2v):
         return dict(loss=float(total), grads=grads, clips=clips, conds=conds, n_loss=n_loss)
 
 
-def test_ti2v_with_buckets_at_cp4_equals_cp1(pool4, root81):
-    """TI2V (every clip I2V) with data.buckets, 81-frame clips packed with short ones, float64:
-    CP 4 (U2xR2) equals CP 1 (loss, every gradient); the first-frame tokens are held (no loss,
-    counted out of the step's loss tokens: ``h·w`` per clip) and change the loss."""
+@pytest.mark.parametrize("family", ["wan", "wan_ar"])
+def test_ti2v_with_buckets_at_cp4_equals_cp1(pool4, root, root81, family):
+    """TI2V (every clip I2V) with data.buckets, float64 -- ``wan``: 81-frame clips packed with
+    short ones; ``wan_ar``: packed teacher-forcing clips, whose noisy frame 0 is the clean latent
+    at timestep 0: CP 4 (U2xR2) equals CP 1 (loss, every gradient); the first-frame tokens are
+    held (no loss, counted out of the step's loss tokens: ``h·w`` per clip) and change the loss."""
     from megatron_video.testing.mixed import packed_maker
 
-    ref = pool4.run(_ti2v_piece_step, root81, 1, 1, 1.0)[0]
-    t2v = pool4.run(_ti2v_piece_step, root81, 1, 1, 0.0)[0]
-    cfg = _config81(root81, 1.0)
+    make, root = (_config81, root81) if family == "wan" else (_config_ar, root)
+    ref = pool4.run(_ti2v_piece_step, root, 1, 1, 1.0, make)[0]
+    t2v = pool4.run(_ti2v_piece_step, root, 1, 1, 0.0, make)[0]
+    cfg = make(root, 1.0)
     clips = packed_maker(cfg).clips
     ids = [k for c in ref["clips"] for k in c]
-    assert any(clips[k].frames == 21 for k in ids)
+    assert family == "wan_ar" or any(clips[k].frames == 21 for k in ids)
     positions = sum(clips[k].positions for k in ids)
     assert ref["n_loss"] == t2v["n_loss"] - positions and sum(ref["conds"]) == positions
-    assert abs(ref["loss"] - t2v["loss"]) > 1e-6
-    for res in pool4.run(_ti2v_piece_step, root81, 2, 2, 1.0):
+    assert abs(ref["loss"] - t2v["loss"]) > 1e-6 and sum(t2v["conds"]) == 0
+    for res in pool4.run(_ti2v_piece_step, root, 2, 2, 1.0, make):
         assert res["clips"] == ref["clips"] and sum(res["conds"]) <= positions
         d_loss = abs(res["loss"] - ref["loss"])
         d_grad = max(float((res["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
         assert d_loss < 1e-12 and d_grad < 1e-11, (d_loss, d_grad)
 
 
-def _run81(root, out, i2v):
+def _run81(root, out, i2v, make=_config81):
     """3 steps saved after each (a constant LR: a step's LR does not depend on
     ``train.steps``), then a fresh trainer resumed from step 1 runs steps 1 and 2 again (step 2
     after an optimizer step from the restored state): ``(losses of the run, the resumed steps'
@@ -572,7 +587,7 @@ def _run81(root, out, i2v):
     warnings.filterwarnings("ignore")
 
     def config(name):
-        cfg = _config81(root, i2v, context_parallel_size=4, ulysses_size=2, ring_size=2)
+        cfg = make(root, i2v, context_parallel_size=4, ulysses_size=2, ring_size=2)
         cfg.parallel.ranks_per_node, cfg.output, cfg.train.steps = 2, str(out / name), 3
         cfg.train.save, cfg.train.save_interval = True, 1
         cfg.train.lr_decay_style = "constant"
@@ -611,15 +626,17 @@ def test_81_frame_bucket_trains_and_resumes_at_cp4(pool4, root81, tmp_path):
     assert any(clips[k].frames == 21 for k in trained)  # an 81-frame clip in the run
 
 
-def test_wan_ar_ti2v_with_buckets_is_refused(root):
-    """``wan`` TI2V packs (above); ``wan_ar``'s packed teacher-forcing clips take no first frame:
-    ``ValueError`` naming ``data.i2v_probability``, its value and the rule."""
-    from megatron_video.training.config import validate
+def test_wan_ar_ti2v_with_buckets_trains_and_resumes_at_cp4(pool4, root, tmp_path):
+    """``wan_ar`` TI2V (``data.i2v_probability`` 0.5) with data.buckets at CP 4 (U2xR2): 3 steps
+    with I2V clips among them (finite losses); resumed from step 1's checkpoint, steps 1 and 2
+    repeat bitwise."""
+    from megatron_video.data.ledger import SampleLedger
+    from megatron_video.testing.mixed import packed_maker
 
-    cfg = _config("wan_ar", root)
-    cfg.data.i2v_probability = 0.5
-    with pytest.raises(ValueError, match=r"data.i2v_probability \(0.5\) must be 0 with data.bu"):
-        validate(cfg, 1)
-    cfg = _config("wan", root)
-    cfg.data.i2v_probability = 0.5
-    validate(cfg, 1)
+    got = pool4.run(_run81, root, tmp_path, 0.5, _config_ar, ranks_per_node=2)[0]
+    assert got["step"] == 1 and len(got["losses"]) == 3
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    assert got["resumed"] == got["losses"][1:]
+    maker = packed_maker(_config_ar(root, 0.5))
+    steps = SampleLedger.from_json(got["ledger"]).steps
+    assert len(steps) == 3 and any(maker._i2v(s, k) for s, keys in steps for k in keys)

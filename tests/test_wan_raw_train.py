@@ -7,7 +7,9 @@ diffusers ``AutoencoderKLWan`` of ``vae.diffusers``; captions go through ``data.
   rank's frames, for tiny Wan 2.1 and Wan 2.2 VAEs; a halo-0 control differs.
 * One step of the trainer at U2xR2 from raw clips equals the same step from shards that
   ``precompute`` wrote from the same clips (the independent check of encoding in the partition),
-  with and without ``data.buckets``; train, save and resume from raw clips.
+  with and without ``data.buckets``; train, save and resume from raw clips. At 81 frames (21
+  latent frames, placed by token at U2xR2): each rank decodes only its window plus the halo, and
+  the float64 step (loss, every gradient) equals the step from shards of the same clip.
 * Wrong inputs: ``ValueError`` naming the field, its value and the rule.
 """
 
@@ -378,3 +380,111 @@ def test_81_frames_u2xr2_each_rank_decodes_its_window_plus_halo(root, ds81):
     assert covered == {(key, f) for key in {k for k, _ in covered} for f in range(21)}
     assert len(decoded) == 4  # one clip over the 4 ranks
     print(f"raw frames decoded per (rank, clip) at 81 frames, U2xR2, halo 2: {decoded}")
+
+
+def _placed_steps(configs) -> list:
+    """Rank side: ``_placed_step`` of each config in turn (one pool run)."""
+    return [_placed_step(cfg) for cfg in configs]
+
+
+def _placed_step(cfg) -> dict:
+    """Rank side (U2xR2): one float64 step of ``wan``'s own pieces (placed by token at 21 latent
+    frames) from ``cfg``'s source -- raw clips through a float64 VAE, or shards; the CP-summed
+    loss and parameter gradients, this rank's clean tokens and the raw windows it decoded."""
+    from megatron_video.parallel import comm
+    from megatron_video.testing.parallel import video_parallel
+    from megatron_video.training.batches import RankCoords
+    from megatron_video.training.families import get_family
+    from megatron_video.training.families.wan import wan_transformer_config
+
+    fam = get_family(cfg.model.family)
+    with video_parallel(2, 2, ranks_per_node=2, seed=0) as groups:
+        model = fam.build_model(wan_transformer_config(cfg, params_dtype=torch.float64), config=cfg)
+        enc = fam.raw_video_encoders(cfg)
+        if enc is not None:
+            enc.encoder.vae.double()
+        coords = RankCoords(cp_rank=groups.cp_rank, ulysses_size=2, ring_size=2)
+        sample = fam.sample_layout(cfg, 4)
+        maker = fam.make_batches(cfg, coords=coords, vae=enc, latent_scale=1.0, layout=None)
+        mb = next(maker.step_batches(0))
+        clean = mb.x.clone()
+        for k, v in vars(mb).items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                setattr(mb, k, v.double())
+        objective = fam.make_objective(cfg, groups, sample)
+        args, kwargs = objective.model_call(mb, True)
+        share = objective.loss(model(*args, **kwargs), mb)
+        share.backward()
+        loss = share.detach().clone()
+        comm.all_reduce(loss, groups.cp_group, tag="test.loss")
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        for g in grads.values():
+            comm.all_reduce(g, groups.cp_group, tag="test.grad")
+        reads = [(k, w.raw_start, w.raw_end) for k, w in getattr(maker.source, "reads", [])]
+        frames = mb.packed.token_thw(mb.local)[:, 0]
+        mine = sorted(set(frames[mb.packed.clip_of(mb.local) >= 0].tolist()))
+        return dict(loss=float(loss), grads=grads, clean=clean, reads=reads, frames=mine,
+                    placed=type(maker).__name__, keys=list(mb.clip_ids),
+                    halo=getattr(maker.source, "halo", None))  # fmt: skip
+
+
+def test_81_frames_u2xr2_step_from_raw_equals_precomputed_shards(pool4, root, ds81, monkeypatch):
+    """Float64, 81 raw frames (21 latent frames) at U2xR2, placed by token: one step of ``wan``
+    whose VAE runs inside the SP partition (each rank decodes only its window plus the exact halo,
+    never more) equals the step from ``precompute``'s shards of the same clip (whole-clip
+    encoding, SP 1, the same float64 VAE): the clean tokens bitwise, the loss and every parameter
+    gradient to 1e-10 relative. (The tiny VAE's exact halo, 19 latents, reaches frame 0 from
+    every rank of a 21-frame clip; the control at halo 2, where the last rank's window starts
+    later, differs.)"""
+    from megatron_video.data.text import HFTextEncoder
+    from megatron_video.training import precompute
+    from megatron_video.training.config import validate
+
+    wan_vae_encoder = precompute.wan_vae_encoder
+
+    def float64_vae(*args):
+        encode = wan_vae_encoder(*args)
+        encode.vae.double()
+        return encode
+
+    def config(source):
+        cfg = _config(root, "wan", source=source, **CP4)
+        cfg.data.num_frames = 81
+        cfg.train.micro_batch_size = cfg.train.global_batch_size = 1  # one clip over 4 ranks
+        if source == "energon":
+            cfg.data.path = str(ds81)
+        else:
+            cfg.data.shards = str(root / "shards81")
+        return cfg
+
+    monkeypatch.setattr(precompute, "wan_vae_encoder", float64_vae)
+    text = HFTextEncoder.from_pretrained(str(root / "umt5"), TEXT_LEN)
+    precompute.precompute_latents(config("energon"), root / "shards81", text_encoder=text)
+    configs = [config("energon"), config("shards"), config("energon")]
+    configs[2].vae.halo_latents = 2  # control: below the exact halo, later windows start later
+    for cfg in configs:
+        validate(cfg, 4)
+    per_rank = pool4.run(_placed_steps, configs, ranks_per_node=2)
+    got = dict(energon=[r[0] for r in per_rank], shards=[r[1] for r in per_rank])
+    ref, short = got["shards"][0], per_rank[3][2]
+    assert short["reads"][0][1] > 0 and not torch.equal(short["clean"], per_rank[3][1]["clean"])
+    assert abs(short["loss"] - ref["loss"]) > 1e-6 * ref["loss"], short["loss"]
+    floor = 1e-6 * max(float(g.abs().max()) for g in ref["grads"].values())
+    worst = 0.0
+    for rank, (raw, shard) in enumerate(zip(got["energon"], got["shards"])):
+        assert raw["placed"] == shard["placed"] == "PlacedBatchMaker"
+        assert raw["keys"] == shard["keys"] and not shard["reads"]
+        assert torch.equal(raw["clean"], shard["clean"]), rank
+        assert abs(raw["loss"] - ref["loss"]) <= 1e-10 * ref["loss"], (rank, raw["loss"])
+        for name, g in ref["grads"].items():
+            err = float((raw["grads"][name] - g).abs().max()) / max(float(g.abs().max()), floor)
+            assert err <= 1e-10, (rank, name, err)
+            worst = max(worst, err)
+        halo, ls, le = raw["halo"], raw["frames"][0], raw["frames"][-1] + 1  # one run of frames
+        assert halo > 0 and le - ls < 21
+        start = 0 if ls - halo <= 0 else 4 * (ls - halo - 1)
+        assert {(a, b) for _, a, b in raw["reads"]} == {(start, 1 + 4 * (le - 1))}, rank
+    print(
+        f"81 frames U2xR2 raw vs shards (halo {halo}): loss {ref['loss']:.10f}, max grad rel "
+        f"diff {worst:.1e}; raw frames decoded per rank {[r['reads'] for r in got['energon']]}"
+    )

@@ -322,14 +322,22 @@ def placed_by_token(shape: ModelShape, cp: int) -> bool:
     return False
 
 
+# tokens per frame at which the planner plans a teacher-forcing micro-batch (a full-size plan
+# costs seconds per layout): the trainer's own plan up to it; above it within 1e-3 of the
+# full-size plan (measured at 21 frames in blocks of 3, 880 and 3600 tokens a frame, CP 2-16)
+TF_PLAN_POSITIONS = 64
+
+
 @functools.lru_cache(maxsize=4096)
-def _tf_balance(frames: int, block_frames: int, b: int, U: int, R: int) -> float:
+def _tf_balance(frames: int, block_frames: int, positions: int, b: int, U: int, R: int) -> float:
     """Attention pairs max / mean over the ring ranks of ``b`` teacher-forcing clips of ``frames``
-    frames placed by ``plan_placement``, at one token per frame (the block structure decides the
-    imbalance; a full-size plan costs seconds per layout)."""
-    N = U * R
-    clips = [Clip(2 * frames, "teacher_forcing", block_frames)] * b
-    return plan_placement(clips, U, R, seq_len=-(-frames * b // N) * 2 * N).balance()
+    frames of ``positions`` tokens (capped at ``TF_PLAN_POSITIONS``) placed by ``plan_placement``
+    and padded to a multiple of 2 CP, as the trainer places them (``batches.placed``). Where a
+    block's clean and noisy copies cannot be dealt evenly the ring ranks' attention work differs:
+    LongLive's 7 blocks of 3 frames at CP 2 / 4 on a small grid (``tests/test_planner.py``)."""
+    N, n = U * R, min(positions, TF_PLAN_POSITIONS)
+    clips = [Clip(2 * frames * n, "teacher_forcing", block_frames * n)] * b
+    return plan_placement(clips, U, R, seq_len=-(-frames * n * b // N) * 2 * N).balance()
 
 
 def placement_overhead(shape: ModelShape, lay: Layout) -> Tuple[float, float]:
@@ -339,14 +347,16 @@ def placement_overhead(shape: ModelShape, lay: Layout) -> Tuple[float, float]:
     of 2 CP (exact), then placed by ``layouts.placement.plan_placement``. Full attention: every real
     query attends its clip's ``T`` tokens and the planner cuts anywhere, so the busiest ring rank
     holds ``ceil(b T / R)`` real tokens (max / mean ``ceil(b T / R) / (b T / R)``; equal to the
-    planner's own plan, ``tests/test_planner.py``). Teacher forcing: the planner's plan at one
-    token per frame (``_tf_balance``). ``(1.0, 1.0)`` where the clips are not placed by token."""
+    planner's own plan, ``tests/test_planner.py``). Teacher forcing: the planner's plan at the
+    tokens of a frame up to ``TF_PLAN_POSITIONS`` (``_tf_balance``). ``(1.0, 1.0)`` where the
+    clips are not placed by token."""
     if not placed_by_token(shape, lay.cp):
         return 1.0, 1.0
     b, N, R, T = lay.micro_batch_size, lay.cp, lay.ring, shape.seq
     pad = (-(-b * T // (2 * N)) * 2 * N) / (b * T)
     if shape.attention == "teacher_forcing":
-        return pad, _tf_balance(shape.frames, shape.block_frames, b, lay.ulysses, R)
+        frames, block, n = shape.frames, shape.block_frames, shape.positions
+        return pad, _tf_balance(frames, block, n, b, lay.ulysses, R)
     return pad, -(-b * T // R) / (b * T / R)
 
 

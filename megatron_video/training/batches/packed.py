@@ -229,16 +229,26 @@ class PackedBatchMaker(LedgerSteps):
             clean = torch.zeros(n, C)
         tf = self.kind == "teacher_forcing"  # t: [blocks] per AR block, [1] per clip
         noise, sigma, t, drop, i2v = clip_draws(cfg, step, self.index[key], n, C, nb if tf else 0)
-        return clean, noise, t, sigma, drop, i2v and self.kind == "full"
+        return clean, noise, t, sigma, drop, i2v
 
     def _i2v(self, step: int, key: str) -> bool:
-        """Whether clip ``key`` is an I2V clip at ``step`` (``clip_draws``' last draw; False
-        without first-frame conditioning or for teacher forcing)."""
-        if self.kind != "full" or i2v_probability_of(self.config) == 0:
+        """Whether clip ``key`` is an I2V clip at ``step`` (``clip_draws``' last draw, after the
+        same draws as ``_clip_tensors``; False without first-frame conditioning)."""
+        if i2v_probability_of(self.config) == 0:
             return False
         clip, cfg = self.clips[key], self.config
         C = cfg.vae.latent_channels * self.patch[0] * self.patch[1] * self.patch[2]
-        return clip_draws(cfg, step, self.index[key], clip.frame_tokens, C, 0)[4]
+        nb = clip.frames // clip.frames_per_block if self.kind == "teacher_forcing" else 0
+        return clip_draws(cfg, step, self.index[key], clip.frame_tokens, C, nb)[4]
+
+    def _first_frames(self, packed: PackedVideo, ids: torch.Tensor, i2v: torch.Tensor):
+        """``[len(ids)]`` bool: the tokens ``ids`` of an I2V clip's latent frame 0 (teacher
+        forcing: of its noisy copy; the clean copy carries no loss anyway)."""
+        clip = packed.clip_of(ids)
+        cond = (clip >= 0) & (packed.token_thw(ids)[:, 0] == 0) & i2v[clip.clamp(min=0)]
+        if self.kind == "teacher_forcing":
+            cond &= packed.side(ids) == 1
+        return cond
 
     def _captions(self, keys: Sequence[Optional[str]]):
         d = self.config.data
@@ -267,8 +277,13 @@ class PackedBatchMaker(LedgerSteps):
         ranges = self.clip_ranges(packed, local)
         per = [self._clip_tensors(step, k, c, r) for k, c, r in zip(slots, clips, ranges)]
         cleans, noises, ts = [p[0] for p in per], [p[1] for p in per], [p[2] for p in per]
-        if self.kind == "teacher_forcing":
+        i2v, tf = torch.tensor([bool(p[5]) for p in per], dtype=torch.bool), self.kind != "full"
+        if tf:
             x, t, target = packed_teacher_forcing_inputs(packed, cleans, noises, ts)
+            if bool(i2v.any()):  # I2V: the noisy frame 0 is the clean latent at timestep 0
+                held = self._first_frames(packed, torch.arange(packed.seq_len), i2v)
+                x[0, held] = packed.pack([torch.cat([c, c]) for c in cleans])[held]
+                t[0, held] = 0.0
             x, t, target = x[:, local], t[:, local], target[:, local]
             noise = torch.zeros_like(x)
         else:
@@ -276,11 +291,9 @@ class PackedBatchMaker(LedgerSteps):
             t, target = torch.cat(ts), torch.zeros_like(x)
         ids, mask = self._captions(slots)
         loss_mask, condition = packed.loss_mask(local)[None], None
-        i2v = torch.tensor([bool(p[5]) for p in per], dtype=torch.bool)
         if bool(i2v.any()):  # I2V first frames: clean, timestep 0, no loss (diffusion.ti2v)
-            clip = packed.clip_of(local)
-            cond = (clip >= 0) & (packed.token_thw(local)[:, 0] == 0) & i2v[clip.clamp(min=0)]
-            loss_mask, condition = loss_mask & ~cond[None], cond[None]
+            cond = self._first_frames(packed, local, i2v)[None]
+            loss_mask, condition = loss_mask & ~cond, None if tf else cond
         return PackedMicroBatch(
             clip_ids=list(keys),
             packed=packed,

@@ -257,21 +257,14 @@ def _check_source(config: Config) -> None:
 
 
 def _check_i2v(config: Config) -> None:
-    """First-frame (I2V) conditioning: whole first-frame tokens, fixed shapes."""
+    """First-frame (I2V) conditioning: whole first-frame tokens (fixed shapes or
+    ``data.buckets``)."""
     from megatron_video.diffusion.ti2v import check_first_frame_patch
 
     p = i2v_probability_of(config)
     if p == 0:
         return
     check_first_frame_patch(config.model.patch_size)
-    if config.data.buckets is not None and config.model.family != "wan":
-        given = config.data.i2v_probability
-        why = "" if given is not None else ", the default for Wan 2.2's 48-channel latents"
-        raise ValueError(
-            f"data.i2v_probability ({p}{why}) must be 0 with data.buckets for model.family "
-            f"{config.model.family!r}: packed teacher-forcing clips take no first-frame "
-            f"conditioning (model.family 'wan' does); set data.i2v_probability: 0"
-        )
 
 
 def _check_wan(config: Config, world_size: int) -> None:
