@@ -13,7 +13,7 @@ block, two ways, on a gloo pool of 4 CPU ranks (1 thread each), at CP 1, 2 (U2) 
 
 Per rank, side by side in one run: the peak bytes of tensors alive during the rollout
 (``testing.LiveTensors``, a second pass: counted per storage, no allocator noise; the model's
-weights and the noise excluded) and the CPU seconds per block (``time.process_time``, the first
+weights excluded) and the CPU seconds per block (``time.process_time``, the first
 pass: robust on shared cores), the max over the ranks. The rollout is the sampler's ODE form;
 Flow-GRPO's SDE step adds one Gaussian draw per step, nothing per token of attention.
 
