@@ -71,15 +71,15 @@ def cond():
 
 
 def streaming(model, blocks, nb, grid, steps, groups=None):
-    """CPU seconds per block of the streaming rollout."""
+    """CPU seconds per block of the streaming rollout, and the video ``[1, F*S, C]``."""
     from megatron_video.diffusion.ar_models import block_model
     from megatron_video.diffusion.streaming import stream_autoregressive
 
     S, n = grid * grid, noise(blocks, nb, grid)
     N, rank = (1, 0) if groups is None else (groups.cp_size, groups.cp_rank)
-    cpu, c0 = [], time.process_time()
+    cpu, out, c0 = [], [], time.process_time()
     with torch.no_grad():
-        for _ in stream_autoregressive(
+        for _, block, _ in stream_autoregressive(
             block_model(model, grid, grid, nb, rank, N),
             lambda j: n[:, j * nb * S : (j + 1) * nb * S],
             blocks,
@@ -90,12 +90,14 @@ def streaming(model, blocks, nb, grid, steps, groups=None):
             num_steps=steps,
         ):
             cpu.append(time.process_time() - c0)
+            out.append(block)
             c0 = time.process_time()
-    return cpu
+    return cpu, torch.cat(out, dim=1)
 
 
 def recompute(model, blocks, nb, grid, steps, groups=None):
-    """CPU seconds per block of the recompute rollout (the whole sequence at every step)."""
+    """CPU seconds per block of the recompute rollout (the whole sequence at every step), and
+    this rank's clean tokens with their ids in the video."""
     from megatron_video.diffusion.ar_models import recompute_velocity
     from megatron_video.diffusion.cp_sampling import sample_autoregressive
     from megatron_video.layouts.balanced_sp import BalancedSPLayout
@@ -117,10 +119,10 @@ def recompute(model, blocks, nb, grid, steps, groups=None):
     ids = layout.local_global_ids(rank)[half:] - blocks * nb * grid * grid
     t0 = time.process_time()
     with torch.no_grad():
-        sample_autoregressive(timed, layout, rank, noise(blocks, nb, grid)[:, ids], cond(),
-                              num_steps=steps)  # fmt: skip
+        clean = sample_autoregressive(timed, layout, rank, noise(blocks, nb, grid)[:, ids],
+                                      cond(), num_steps=steps)  # fmt: skip
     ends = [t0] + stamps[steps - 1 :: steps]
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in zip(ends, ends[1:])], (clean, layout.local_global_ids(rank)[:half])
 
 
 def peak_bytes(fn, model) -> int:
@@ -141,11 +143,13 @@ def rank_case(blocks: int, nb: int, grid: int, steps: int, U: int, R: int) -> di
         groups = None if U * R == 1 else groups
         model = build()
         streaming(model, 1, nb, grid, 1, groups)  # warm-up
-        out = {}
+        out, got = {}, {}
         for name, fn in (("streaming", streaming), ("recompute", recompute)):
-            cpu = fn(model, blocks, nb, grid, steps, groups)
+            cpu, got[name] = fn(model, blocks, nb, grid, steps, groups)
             peak = peak_bytes(lambda: fn(model, blocks, nb, grid, steps, groups), model)
             out[name] = dict(cpu=cpu, peak=peak)
+    clean, ids = got["recompute"]  # the same video both ways (this rank's tokens)
+    out["max_diff"] = float((got["streaming"][:, ids] - clean).abs().max())
     return out
 
 
@@ -153,7 +157,7 @@ def table(results: dict, blocks: int) -> str:
     """``results[(U, R)]``: the ranks' ``rank_case`` outputs -> the side-by-side table."""
     lines = [
         "CP         streaming: peak MiB  s/block  last block s | "
-        "recompute: peak MiB  s/block  last block s | recompute/streaming time"
+        "recompute: peak MiB  s/block  last block s | recompute/streaming time | max |diff|"
     ]
     for (U, R), ranks in results.items():
         row = f"{U * R} (U{U}xR{R})"
@@ -165,6 +169,7 @@ def table(results: dict, blocks: int) -> str:
             tot[name] = per
             row += f"  {peak:18.2f}  {per:7.3f}  {last:12.3f} |"
         row += f"  {tot['recompute'] / tot['streaming']:23.1f}x"
+        row += f" | {max(r['max_diff'] for r in ranks):.1e}"
         lines.append(row)
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """benchmarks/rl_rollout.py does not rot: its smallest case (4 blocks of 1 latent frame of 2 x 2
-tokens, 1 step) on the 4-rank pool at CP 1 and 4 (U2 x R2) times every block of both rollouts on every
-rank, the recompute rollout holds more tensor bytes at its peak than the streaming one, a CP 4
-rank's streaming peak is below a CP 1 rank's, and the side-by-side table prints."""
+tokens, 1 step) on the 4-rank pool at CP 1 and 4 (U2 x R2) times every block of both rollouts on
+every rank, both give the same video, the recompute rollout holds more tensor bytes at its peak
+than the streaming one, a CP 4 rank's streaming peak is below a CP 1 rank's, and the side-by-side
+table prints."""
 
 import importlib.util
 from pathlib import Path
@@ -27,6 +28,7 @@ def test_smallest_case(pool4):
             for name in ("streaming", "recompute"):
                 assert len(out[name]["cpu"]) == 4 and min(out[name]["cpu"]) >= 0, out
             assert out["recompute"]["peak"] > out["streaming"]["peak"] > 0, out
+            assert out["max_diff"] < 1e-4, out  # the same video both ways (float32)
     peak = {k: max(r["streaming"]["peak"] for r in v) for k, v in results.items()}
     assert peak[(2, 2)] < peak[(1, 1)], peak
     lines = _bench().table(results, 4).splitlines()
