@@ -2,7 +2,7 @@
 
 The demo's model (``examples/configs/demo.yaml``: 4 layers, hidden 96, 4 heads, LoRA 16, patch 1,
 29 frames of 32 x 32 -> 8 latent frames of 4 x 4, the shipped VAE ``examples/vae/demo_vae.pt``)
-as ``video_dit`` with flow matching (the demo's ``ar_dit`` has no GRPO yet: its rollouts must
+as ``video_dit`` with flow matching (the demo's ``ar_dit`` has no GRPO trainer yet: its rollouts
 stream through the KV cache), from the seed's weights, trained by ``train.objective: grpo``
 (``training.grpo_dit``) on ``--num-samples`` procedural clips (cycled, so every step scores the
 same captions and the steps' means compare) with a shipped reward (``--reward``, default
