@@ -64,12 +64,16 @@ def _prompt(cfg):
     return torch.tensor([ids]), pv, torch.tensor([[t, h, w]])
 
 
-def _ours(cfg, weights, tp=1, cp=1, comm_type=None):
+def _ours_empty(cfg, tp=1, cp=1, comm_type=None):
     from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
     from megatron_video.models.qwen_vl import language_config
 
     lcfg = language_config(cfg, tp, cp, comm_type, params_dtype=torch.float64)
-    model = MMSPQwenVLModel(cfg, lcfg).double()
+    return MMSPQwenVLModel(cfg, lcfg).double()
+
+
+def _ours(cfg, weights, tp=1, cp=1, comm_type=None):
+    model = _ours_empty(cfg, tp, cp, comm_type)
     model.load_state_dict(weights, strict=True)
     return model
 
@@ -166,7 +170,8 @@ def _perturbed(full, salt, scale):
     return out
 
 
-def _grads(model, group):
+def _grads(model, group, tp_group=None):
+    from megatron_video.models.qwen_vl.weights import tp_gather
     from megatron_video.parallel import comm
 
     out = {}
@@ -176,7 +181,7 @@ def _grads(model, group):
         g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
         if group is not None:
             comm.all_reduce(g, group)  # what DDP's dp_cp reduction sums
-        out[name] = g
+        out[name] = tp_gather(name, g, p, tp_group)
     return out
 
 
@@ -184,6 +189,29 @@ def _freeze_visual(model):
     for name, p in model.named_parameters():
         if name.startswith("visual."):
             p.requires_grad_(False)
+
+
+def _oracle(model, weights, video, ids, tokens):
+    """``(old, ref, {option: (loss, gradients)})``: the explicit formula at CP = 1 on the fixed
+    rollouts (``model`` holds ``w0``: the old log-probs, offset so the ratio and the clip act)."""
+    w0, w1, wref = weights
+    offsets = [
+        1.2 * (2 * torch.rand(G, L, generator=torch.Generator().manual_seed(i)) - 1).double()
+        for i in range(len(tokens))
+    ]
+    old = [_oracle_lp(model, video, ids, t, temperature=T) + o for t, o in zip(tokens, offsets)]
+    model.load_state_dict(wref)
+    ref = [_oracle_lp(model, video, ids, t, temperature=T) for t in tokens]
+    model.load_state_dict(w1)
+    _freeze_visual(model)
+    out = {}
+    for name in CP_OPTIONS:
+        model.zero_grad(set_to_none=True)
+        lp = [_oracle_lp(model, video, ids, t, grad=True, temperature=T) for t in tokens]
+        loss = oracle_loss(lp, old, ref, REWARDS, OPTIONS[name])
+        loss.backward()
+        out[name] = (float(loss), _grads(model, None))
+    return old, ref, out
 
 
 def _cp1(cfg, w0, w1, wref, video, ids, tokens):
@@ -198,23 +226,35 @@ def _cp1(cfg, w0, w1, wref, video, ids, tokens):
         for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=1.3))):
             c = rl.RLConfig(group_size=3, max_new_tokens=4, **kw)
             out[("ro", name)] = rl.rollout(model, visual, ids, c, prompt_seed=2)
-        offsets = [
-            1.2 * (2 * torch.rand(G, L, generator=torch.Generator().manual_seed(i)) - 1).double()
-            for i in range(len(tokens))
-        ]
-        out["old"] = [
-            _oracle_lp(model, video, ids, t, temperature=T) + o for t, o in zip(tokens, offsets)
-        ]
-        model.load_state_dict(wref)
-        out["ref"] = [_oracle_lp(model, video, ids, t, temperature=T) for t in tokens]
-        model.load_state_dict(w1)
-        _freeze_visual(model)
-        for name in CP_OPTIONS:
-            model.zero_grad(set_to_none=True)
-            lp = [_oracle_lp(model, video, ids, t, grad=True, temperature=T) for t in tokens]
-            loss = oracle_loss(lp, out["old"], out["ref"], REWARDS, OPTIONS[name])
+        out["old"], out["ref"], oracle = _oracle(model, (w0, w1, wref), video, ids, tokens)
+        for name, res in oracle.items():
+            out[(name, "oracle")] = res
+    return out
+
+
+def _grpo_losses(policy, reference, visual, ids, tokens, old, group, tp_group=None):
+    """``{option: (loss summed over CP, gradients reduced over CP and gathered over TP)}`` of
+    ``rl.grpo_loss`` on the fixed rollouts (two micro-batches), per option."""
+    from megatron_video.mmsp import rl
+    from megatron_video.parallel import comm
+
+    ros = [
+        rl.Rollout(t, torch.tensor(n), torch.where(t > 0, o, torch.zeros_like(o)))
+        for t, n, o in zip(tokens, LENGTHS, old)
+    ]
+    out = {}
+    for name in CP_OPTIONS:
+        c = rl.RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
+        norms = rl.token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
+        policy.zero_grad(set_to_none=True)
+        total = torch.zeros(1, dtype=torch.float64)
+        for ro, r, norm in zip(ros, REWARDS, norms):
+            rewards = torch.tensor(r, dtype=torch.float64)
+            loss, _ = rl.grpo_loss(policy, reference, visual, ids, ro, rewards, c, norm)
             loss.backward()
-            out[(name, "oracle")] = (float(loss), _grads(model, None))
+            total += loss.detach()
+        comm.all_reduce(total, group)
+        out[name] = (float(total), _grads(policy, group, tp_group))
     return out
 
 
@@ -223,7 +263,6 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
     from megatron.core import parallel_state as ps
 
     from megatron_video.mmsp import rl
-    from megatron_video.parallel import comm
     from megatron_video.testing.parallel import model_parallel
 
     w0, w1, wref = weights
@@ -242,43 +281,33 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
                 rl.rollout(policy, visual, ids, c, prompt_seed=2, kv_cache=kv) for kv in (1, 0)
             ]
         policy.load_state_dict(w1)
-        ros = [
-            rl.Rollout(t, torch.tensor(n), torch.where(t > 0, o, torch.zeros_like(o)))
-            for t, n, o in zip(tokens, LENGTHS, old)
-        ]
-        for name in CP_OPTIONS:
-            c = rl.RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
-            norms = rl.token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
-            policy.zero_grad(set_to_none=True)
-            total = torch.zeros(1, dtype=torch.float64)
-            for ro, r, norm in zip(ros, REWARDS, norms):
-                rewards = torch.tensor(r, dtype=torch.float64)
-                loss, _ = rl.grpo_loss(policy, reference, visual, ids, ro, rewards, c, norm)
-                loss.backward()
-                total += loss.detach()
-            comm.all_reduce(total, group)
-            out[(name, "u2xr2")] = (float(total), _grads(policy, group))
+        for name, res in _grpo_losses(policy, reference, visual, ids, tokens, old, group).items():
+            out[(name, "u2xr2")] = res
         out["vision_calls"] = len(calls)
         out["units"] = visual.local.shape[0] // int(video[1][0, 1:].prod() // 4)
     return out
 
 
+def _case():
+    """``(config, (w0, w1, wref), video, prompt ids, fixed rollout tokens)``."""
+    from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
+
+    cfg = tiny_hf_config()
+    w0 = to_megatron(_hf(cfg, scale=0.6).state_dict(), cfg)
+    w1, wref = _perturbed(w0, "w1", 0.05), _perturbed(w0, "ref", 0.3)
+    ids, pv, grid = _prompt(cfg)
+    return cfg, (w0, w1, wref), (pv, grid), ids, _rollouts()[0]
+
+
 def _run():
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-
-    from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
 
     saved = m.Qwen2_5_VLRMSNorm.forward
     m.Qwen2_5_VLRMSNorm.forward = _rmsnorm_in_input_dtype
     try:
-        cfg = tiny_hf_config()
-        w0 = to_megatron(_hf(cfg, scale=0.6).state_dict(), cfg)
-        w1, wref = _perturbed(w0, "w1", 0.05), _perturbed(w0, "ref", 0.3)
-        ids, pv, grid = _prompt(cfg)
-        video = (pv, grid)
-        tokens, _ = _rollouts()
-        cp1 = _cp1(cfg, w0, w1, wref, video, ids, tokens)
-        return cp1, _u2xr2(cfg, (w0, w1, wref), video, ids, tokens, cp1["old"])
+        cfg, weights, video, ids, tokens = _case()
+        cp1 = _cp1(cfg, *weights, video, ids, tokens)
+        return cp1, _u2xr2(cfg, weights, video, ids, tokens, cp1["old"])
     finally:
         m.Qwen2_5_VLRMSNorm.forward = saved
 
@@ -306,6 +335,83 @@ def test_rollouts_and_grpo_loss_u2xr2_equal_cp1(pool4):
     assert sum(r["units"] for _, r in per_rank) == 5
     losses = [per_rank[0][0][(name, "oracle")][0] for name in CP_OPTIONS]
     assert abs(losses[0] - losses[1]) > 1e-6  # the options differ on these rollouts
+
+
+# ---------------------------------------------------------------------------------------------
+# U4, R4, TP2xCP2: loss and gradients on the fixed rollouts = the explicit formula at CP = 1
+# ---------------------------------------------------------------------------------------------
+# name -> (tp, cp, cp_comm_type); one pool run (4 ranks on one simulated node: Ulysses 4) serves all
+LAYOUTS = {"u4": (1, 4, "a2a"), "r4": (1, 4, "p2p"), "tp2xcp2": (2, 2, "p2p")}
+
+
+def _sharded(cfg, full, tp, cp, comm_type):
+    """``MMSPQwenVLModel`` at TP ``tp`` x CP ``cp`` holding this TP rank's slices of ``full``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.models.qwen_vl.weights import tp_shard
+
+    model = _ours_empty(cfg, tp, cp, comm_type)
+    rank = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tp_shard(name, full[name], p, tp, rank))
+    return model
+
+
+def _layouts_run(names):
+    """The explicit formula's loss and gradients at CP = 1, then ``rl.grpo_loss``'s at each layout
+    of ``names`` (policy ``w1``, reference ``wref``, old log-probs of ``w0``; vision frozen)."""
+    from megatron.core import parallel_state as ps
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    from megatron_video.mmsp import rl
+    from megatron_video.testing.parallel import model_parallel
+
+    saved = m.Qwen2_5_VLRMSNorm.forward
+    m.Qwen2_5_VLRMSNorm.forward = _rmsnorm_in_input_dtype
+    try:
+        cfg, (w0, w1, wref), video, ids, tokens = _case()
+        with model_parallel():
+            old, _, out = _oracle(_ours(cfg, w0), (w0, w1, wref), video, ids, tokens)
+        res = {"cp1": out}
+        for name in names:
+            tp, cp, comm_type = LAYOUTS[name]
+            with model_parallel(tp=tp, cp=cp):
+                policy = _sharded(cfg, w1, tp, cp, comm_type)
+                reference = _sharded(cfg, wref, tp, cp, comm_type)
+                _freeze_visual(policy)
+                visual = rl.encode_video(policy, video)
+                groups = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_group()
+                res[name] = _grpo_losses(policy, reference, visual, ids, tokens, old, *groups)
+                res[name]["units"] = visual.local.shape[0] // 4  # 4 merged tokens a patch
+        return res
+    finally:
+        m.Qwen2_5_VLRMSNorm.forward = saved
+
+
+@pytest.fixture(scope="module")
+def layouts(pool4):
+    return pool4.run(_layouts_run, list(LAYOUTS), ranks_per_node=4)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grpo_loss_and_gradients_at_layout_equal_cp1(layouts, layout):
+    """Float64: the GRPO loss and every trained gradient (LLM; the vision tower frozen as GRPO
+    freezes it) at ``layout`` equal the explicit CP = 1 formula to 1e-10 relative, for ours and
+    Long-RL's options; each CP rank encoded its share of the 5 temporal patches."""
+    tp, cp, _ = LAYOUTS[layout]
+    for rank, res in enumerate(layouts):
+        for name in CP_OPTIONS:
+            loss_ref, grads_ref = res["cp1"][name]
+            loss, grads = res[layout][name]
+            assert abs(loss - loss_ref) <= 1e-10 * abs(loss_ref), (layout, name, rank)
+            assert grads.keys() == grads_ref.keys()
+            for k, g in grads_ref.items():
+                err = float((grads[k] - g).abs().max())
+                assert err <= 1e-10 * (float(g.abs().max()) + 1e-30), (layout, name, rank, k)
+            assert sum(float(g.abs().max()) > 0 for g in grads.values()) > len(grads) // 2
+    units = [res[layout]["units"] for res in layouts]
+    assert sum(units) == 5 * tp and max(units) - min(units) <= 1, units
 
 
 # ---------------------------------------------------------------------------------------------
