@@ -441,9 +441,46 @@ def test_qwen_prompts_are_the_supervised_questions():
         assert torch.equal(prompt[0, end + 1 :], want[0, 1:]), (prompt, want)  # after the video
 
 
-def first_token_reward(tokens, lengths, answer_id, format_ids):
+def test_qwen_vl_tokenizer_decodes_the_samples():
+    """The family's tokenizer (built offline: the questions' words + Qwen2.5-VL's vision tokens
+    at the config's ids) decodes a GRPO prompt to its question and the answer id to its word;
+    the trainer's ``decode`` skips the vision tokens and padded vocabulary rows."""
+    from megatron_video.data.video_qa import QA_VOCAB, qa_tokenizer
+    from megatron_video.training.config import load_config
+    from megatron_video.training.families import get_family
+    from megatron_video.training.families.qwen_vl import QwenVLBatches
+    from megatron_video.training.grpo import prompts_of
+
+    cfg = load_config(str(GRPO))
+    tok = get_family("qwen_vl").tokenizer(cfg)
+    batches = QwenVLBatches(cfg, 0, 1)
+    mb = batches.from_positions([3, 4, 5])
+    for _, prompt, answer, pos in prompts_of(mb):
+        item = batches.dataset[pos]
+        assert tok.decode(prompt[0], skip_special_tokens=True) == item["question"]
+        assert tok.decode([answer]) == item["answer"]
+        full = tok.decode(prompt[0])
+        assert full.startswith("<|vision_start|> <|video_pad|>") and "<|vision_end|>" in full
+    assert tok.decode([QA_VOCAB.index("red"), 63, 0], skip_special_tokens=True) == "red"
+    assert tok("what shape is it ?")["input_ids"] == [
+        QA_VOCAB.index(w) for w in "what shape is it ?".split()
+    ]
+    with pytest.raises(ValueError, match=r"special_tokens \('x': 3\) must be a new token"):
+        qa_tokenizer({"x": 3})
+
+
+def first_token_reward(tokens, lengths, answer_id, format_ids, answer, decode, **sample):
     """A reward that differs between responses (an untrained policy rarely says the answer, and a
-    group of equal rewards has no gradient): the first token's id / 100."""
+    group of equal rewards has no gradient): the first token's id / 100. It also checks what the
+    trainer hands text rewards: the answer word and the responses' words (``QA_VOCAB``'s; vision
+    tokens and padded vocabulary rows dropped)."""
+    from megatron_video.data.video_qa import QA_VOCAB
+
+    assert answer == QA_VOCAB[answer_id], (answer, answer_id)
+    for g in range(tokens.shape[0]):
+        ids = tokens[g, : int(lengths[g])].tolist()
+        want = " ".join(QA_VOCAB[i] for i in ids if 2 <= i < len(QA_VOCAB))
+        assert decode(ids) == want, (ids, decode(ids), want)
     return tokens[:, 0].double() / 100
 
 
