@@ -546,3 +546,27 @@ def test_bad_qwen_vl_grpo_config_names_the_field(override, match):
 
     with pytest.raises(ValueError, match=match):
         validate(load_config(str(GRPO), ["model.init_from=null", override]), 4)
+
+
+def test_reward_benchmark_runs_two_steps(tmp_path):
+    """benchmarks/qwen_vl_grpo_reward.py in this process at its smallest: one supervised step, two
+    GRPO steps scored by the shipped ``text_reward`` on the decoded answers (it raises without
+    ``answer`` / ``decode``), the JSON record and the curve written."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "qwen_vl_grpo_reward.py"
+    spec = importlib.util.spec_from_file_location("qwen_vl_grpo_reward", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--sft-steps", "1", "--grpo-steps", "2", "--prompts", "2", "--group", "2"]
+    args += ["--window", "1", "--out", str(tmp_path / "run")]
+    args += ["--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")]
+    record = script.main(args)
+    assert json.loads((tmp_path / "r.json").read_text()) == record
+    assert (tmp_path / "r.png").stat().st_size > 0
+    assert len(record["reward_mean"]) == 2 and len(record["sft_loss"]) == 1
+    for r in record["reward_mean"]:  # 4 answers a step, each 0 or 0.9 (one word: no format)
+        assert min(abs(r - 0.225 * k) for k in range(5)) < 1e-12, record
+    assert record["first_mean"] == record["reward_mean"][0]
+    assert record["last_mean"] == record["reward_mean"][1]

@@ -170,7 +170,7 @@ class GRPOTrainer(Trainer):
                 policy, self.reference, visual, prompt, ro, rewards, cfg, norms[i], ref_visual
             )
             (loss * scale).backward()
-            sums += torch.tensor([float(loss), stats["kl_sum"], stats["clipped"]])
+            sums += torch.tensor([float(loss.detach()), stats["kl_sum"], stats["clipped"]])
         self.tcfg.finalize_model_grads_func([self.ddp])
         comm.all_reduce(sums, self.groups.cp_group, tag="rl.loss")
         comm.all_reduce(sums, self.dp_group, tag="rl.loss")
