@@ -208,7 +208,7 @@ def _decode(ids):
     return "".join(CHARS[i] for i in ids)
 
 
-def test_shipped_choice_and_numeric_rewards():
+def test_shipped_choice_numeric_and_text_rewards():
     """Long-RL's R1-V rules (examples/reward_function/r1v.py): format = the whole response is
     <think>..</think> <answer>..</answer>; the answer inside <answer> (spaces removed) else the
     response; 0.9 * accuracy + 0.1 * format; through rl.score as rl.reward module:function."""
@@ -224,6 +224,14 @@ def test_shipped_choice_and_numeric_rewards():
     tokens, lengths = _encode(texts)
     r = rewards.numeric_reward(tokens, lengths, answer="1024", decode=_decode)
     assert r.tolist() == pytest.approx([1.0, 0.9, 0.0])
+    texts = [
+        "<think>the end</think> <answer> Red </answer>",
+        "red",
+        "red blue",
+        "<answer>r</answer>",
+    ]
+    words = rewards.text_reward(*_encode(texts), answer="red", decode=_decode)
+    assert words.tolist() == pytest.approx([1.0, 0.9, 0.0, 0.0])
     assert rewards.format_score("<think>a</think>\n<answer>b</answer>") == 1.0
     assert rewards.format_score("<answer>b</answer> <think>a</think>") == 0.0
     # as rl.reward: the trainer's sample fields pass through; a missing answer names the function

@@ -64,12 +64,16 @@ def _prompt(cfg):
     return torch.tensor([ids]), pv, torch.tensor([[t, h, w]])
 
 
-def _ours(cfg, weights, tp=1, cp=1, comm_type=None):
+def _ours_empty(cfg, tp=1, cp=1, comm_type=None):
     from megatron_video.mmsp.qwen_vl import MMSPQwenVLModel
     from megatron_video.models.qwen_vl import language_config
 
     lcfg = language_config(cfg, tp, cp, comm_type, params_dtype=torch.float64)
-    model = MMSPQwenVLModel(cfg, lcfg).double()
+    return MMSPQwenVLModel(cfg, lcfg).double()
+
+
+def _ours(cfg, weights, tp=1, cp=1, comm_type=None):
+    model = _ours_empty(cfg, tp, cp, comm_type)
     model.load_state_dict(weights, strict=True)
     return model
 
@@ -167,7 +171,8 @@ def _perturbed(full, salt, scale):
     return out
 
 
-def _grads(model, group):
+def _grads(model, group, tp_group=None):
+    from megatron_video.models.qwen_vl.weights import tp_gather
     from megatron_video.parallel import comm
 
     out = {}
@@ -177,7 +182,7 @@ def _grads(model, group):
         g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
         if group is not None:
             comm.all_reduce(g, group)  # what DDP's dp_cp reduction sums
-        out[name] = g
+        out[name] = tp_gather(name, g, p, tp_group)
     return out
 
 
@@ -185,6 +190,29 @@ def _freeze_visual(model):
     for name, p in model.named_parameters():
         if name.startswith("visual."):
             p.requires_grad_(False)
+
+
+def _oracle(model, weights, video, ids, tokens):
+    """``(old, ref, {option: (loss, gradients)})``: the explicit formula at CP = 1 on the fixed
+    rollouts (``model`` holds ``w0``: the old log-probs, offset so the ratio and the clip act)."""
+    w0, w1, wref = weights
+    offsets = [
+        1.2 * (2 * torch.rand(G, L, generator=torch.Generator().manual_seed(i)) - 1).double()
+        for i in range(len(tokens))
+    ]
+    old = [_oracle_lp(model, video, ids, t, temperature=T) + o for t, o in zip(tokens, offsets)]
+    model.load_state_dict(wref)
+    ref = [_oracle_lp(model, video, ids, t, temperature=T) for t in tokens]
+    model.load_state_dict(w1)
+    _freeze_visual(model)
+    out = {}
+    for name in CP_OPTIONS:
+        model.zero_grad(set_to_none=True)
+        lp = [_oracle_lp(model, video, ids, t, grad=True, temperature=T) for t in tokens]
+        loss = oracle_loss(lp, old, ref, REWARDS, OPTIONS[name])
+        loss.backward()
+        out[name] = (float(loss), _grads(model, None))
+    return old, ref, out
 
 
 def _cp1(cfg, w0, w1, wref, video, ids, tokens):
@@ -200,23 +228,37 @@ def _cp1(cfg, w0, w1, wref, video, ids, tokens):
         for name, kw in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=1.3))):
             c = RLConfig(group_size=3, max_new_tokens=4, **kw)
             out[("ro", name)] = rl.rollout(model, visual, ids, c, prompt_seed=2)
-        offsets = [
-            1.2 * (2 * torch.rand(G, L, generator=torch.Generator().manual_seed(i)) - 1).double()
-            for i in range(len(tokens))
-        ]
-        out["old"] = [
-            _oracle_lp(model, video, ids, t, temperature=T) + o for t, o in zip(tokens, offsets)
-        ]
-        model.load_state_dict(wref)
-        out["ref"] = [_oracle_lp(model, video, ids, t, temperature=T) for t in tokens]
-        model.load_state_dict(w1)
-        _freeze_visual(model)
-        for name in CP_OPTIONS:
-            model.zero_grad(set_to_none=True)
-            lp = [_oracle_lp(model, video, ids, t, grad=True, temperature=T) for t in tokens]
-            loss = oracle_loss(lp, out["old"], out["ref"], REWARDS, OPTIONS[name])
+        out["old"], out["ref"], oracle = _oracle(model, (w0, w1, wref), video, ids, tokens)
+        for name, res in oracle.items():
+            out[(name, "oracle")] = res
+    return out
+
+
+def _grpo_losses(policy, reference, visual, ids, tokens, old, group, tp_group=None):
+    """``{option: (loss summed over CP, gradients reduced over CP and gathered over TP)}`` of
+    ``rl.grpo_loss`` on the fixed rollouts (two micro-batches), per option."""
+    from megatron_video.mmsp import rl
+    from megatron_video.parallel import comm
+    from megatron_video.rl.config import RLConfig
+    from megatron_video.rl.grpo import token_normalisers
+
+    ros = [
+        rl.Rollout(t, torch.tensor(n), torch.where(t > 0, o, torch.zeros_like(o)))
+        for t, n, o in zip(tokens, LENGTHS, old)
+    ]
+    out = {}
+    for name in CP_OPTIONS:
+        c = RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
+        norms = token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
+        policy.zero_grad(set_to_none=True)
+        total = torch.zeros(1, dtype=torch.float64)
+        for ro, r, norm in zip(ros, REWARDS, norms):
+            rewards = torch.tensor(r, dtype=torch.float64)
+            loss, _ = rl.grpo_loss(policy, reference, visual, ids, ro, rewards, c, norm)
             loss.backward()
-            out[(name, "oracle")] = (float(loss), _grads(model, None))
+            total += loss.detach()
+        comm.all_reduce(total, group)
+        out[name] = (float(total), _grads(policy, group, tp_group))
     return out
 
 
@@ -225,9 +267,7 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
     from megatron.core import parallel_state as ps
 
     from megatron_video.mmsp import rl
-    from megatron_video.parallel import comm
     from megatron_video.rl.config import RLConfig
-    from megatron_video.rl.grpo import token_normalisers
     from megatron_video.testing.parallel import model_parallel
 
     w0, w1, wref = weights
@@ -246,43 +286,33 @@ def _u2xr2(cfg, weights, video, ids, tokens, old):
                 rl.rollout(policy, visual, ids, c, prompt_seed=2, kv_cache=kv) for kv in (1, 0)
             ]
         policy.load_state_dict(w1)
-        ros = [
-            rl.Rollout(t, torch.tensor(n), torch.where(t > 0, o, torch.zeros_like(o)))
-            for t, n, o in zip(tokens, LENGTHS, old)
-        ]
-        for name in CP_OPTIONS:
-            c = RLConfig(group_size=G, max_new_tokens=L, temperature=T, **OPTIONS[name])
-            norms = token_normalisers(c, [sum(n) for n in LENGTHS], sum(map(sum, LENGTHS)), 1)
-            policy.zero_grad(set_to_none=True)
-            total = torch.zeros(1, dtype=torch.float64)
-            for ro, r, norm in zip(ros, REWARDS, norms):
-                rewards = torch.tensor(r, dtype=torch.float64)
-                loss, _ = rl.grpo_loss(policy, reference, visual, ids, ro, rewards, c, norm)
-                loss.backward()
-                total += loss.detach()
-            comm.all_reduce(total, group)
-            out[(name, "u2xr2")] = (float(total), _grads(policy, group))
+        for name, res in _grpo_losses(policy, reference, visual, ids, tokens, old, group).items():
+            out[(name, "u2xr2")] = res
         out["vision_calls"] = len(calls)
         out["units"] = visual.local.shape[0] // int(video[1][0, 1:].prod() // 4)
     return out
 
 
+def _case():
+    """``(config, (w0, w1, wref), video, prompt ids, fixed rollout tokens)``."""
+    from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
+
+    cfg = tiny_hf_config()
+    w0 = to_megatron(_hf(cfg, scale=0.6).state_dict(), cfg)
+    w1, wref = _perturbed(w0, "w1", 0.05), _perturbed(w0, "ref", 0.3)
+    ids, pv, grid = _prompt(cfg)
+    return cfg, (w0, w1, wref), (pv, grid), ids, _rollouts()[0]
+
+
 def _run():
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-
-    from megatron_video.models.qwen_vl import tiny_hf_config, to_megatron
 
     saved = m.Qwen2_5_VLRMSNorm.forward
     m.Qwen2_5_VLRMSNorm.forward = _rmsnorm_in_input_dtype
     try:
-        cfg = tiny_hf_config()
-        w0 = to_megatron(_hf(cfg, scale=0.6).state_dict(), cfg)
-        w1, wref = _perturbed(w0, "w1", 0.05), _perturbed(w0, "ref", 0.3)
-        ids, pv, grid = _prompt(cfg)
-        video = (pv, grid)
-        tokens, _ = _rollouts()
-        cp1 = _cp1(cfg, w0, w1, wref, video, ids, tokens)
-        return cp1, _u2xr2(cfg, (w0, w1, wref), video, ids, tokens, cp1["old"])
+        cfg, weights, video, ids, tokens = _case()
+        cp1 = _cp1(cfg, *weights, video, ids, tokens)
+        return cp1, _u2xr2(cfg, weights, video, ids, tokens, cp1["old"])
     finally:
         m.Qwen2_5_VLRMSNorm.forward = saved
 
@@ -313,6 +343,83 @@ def test_rollouts_and_grpo_loss_u2xr2_equal_cp1(pool4):
 
 
 # ---------------------------------------------------------------------------------------------
+# U4, R4, TP2xCP2: loss and gradients on the fixed rollouts = the explicit formula at CP = 1
+# ---------------------------------------------------------------------------------------------
+# name -> (tp, cp, cp_comm_type); one pool run (4 ranks on one simulated node: Ulysses 4) serves all
+LAYOUTS = {"u4": (1, 4, "a2a"), "r4": (1, 4, "p2p"), "tp2xcp2": (2, 2, "p2p")}
+
+
+def _sharded(cfg, full, tp, cp, comm_type):
+    """``MMSPQwenVLModel`` at TP ``tp`` x CP ``cp`` holding this TP rank's slices of ``full``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_video.models.qwen_vl.weights import tp_shard
+
+    model = _ours_empty(cfg, tp, cp, comm_type)
+    rank = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tp_shard(name, full[name], p, tp, rank))
+    return model
+
+
+def _layouts_run(names):
+    """The explicit formula's loss and gradients at CP = 1, then ``rl.grpo_loss``'s at each layout
+    of ``names`` (policy ``w1``, reference ``wref``, old log-probs of ``w0``; vision frozen)."""
+    from megatron.core import parallel_state as ps
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    from megatron_video.mmsp import rl
+    from megatron_video.testing.parallel import model_parallel
+
+    saved = m.Qwen2_5_VLRMSNorm.forward
+    m.Qwen2_5_VLRMSNorm.forward = _rmsnorm_in_input_dtype
+    try:
+        cfg, (w0, w1, wref), video, ids, tokens = _case()
+        with model_parallel():
+            old, _, out = _oracle(_ours(cfg, w0), (w0, w1, wref), video, ids, tokens)
+        res = {"cp1": out}
+        for name in names:
+            tp, cp, comm_type = LAYOUTS[name]
+            with model_parallel(tp=tp, cp=cp):
+                policy = _sharded(cfg, w1, tp, cp, comm_type)
+                reference = _sharded(cfg, wref, tp, cp, comm_type)
+                _freeze_visual(policy)
+                visual = rl.encode_video(policy, video)
+                groups = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_group()
+                res[name] = _grpo_losses(policy, reference, visual, ids, tokens, old, *groups)
+                res[name]["units"] = visual.local.shape[0] // 4  # 4 merged tokens a patch
+        return res
+    finally:
+        m.Qwen2_5_VLRMSNorm.forward = saved
+
+
+@pytest.fixture(scope="module")
+def layouts(pool4):
+    return pool4.run(_layouts_run, list(LAYOUTS), ranks_per_node=4)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grpo_loss_and_gradients_at_layout_equal_cp1(layouts, layout):
+    """Float64: the GRPO loss and every trained gradient (LLM; the vision tower frozen as GRPO
+    freezes it) at ``layout`` equal the explicit CP = 1 formula to 1e-10 relative, for ours and
+    Long-RL's options; each CP rank encoded its share of the 5 temporal patches."""
+    tp, cp, _ = LAYOUTS[layout]
+    for rank, res in enumerate(layouts):
+        for name in CP_OPTIONS:
+            loss_ref, grads_ref = res["cp1"][name]
+            loss, grads = res[layout][name]
+            assert abs(loss - loss_ref) <= 1e-10 * abs(loss_ref), (layout, name, rank)
+            assert grads.keys() == grads_ref.keys()
+            for k, g in grads_ref.items():
+                err = float((grads[k] - g).abs().max())
+                assert err <= 1e-10 * (float(g.abs().max()) + 1e-30), (layout, name, rank, k)
+            assert sum(float(g.abs().max()) > 0 for g in grads.values()) > len(grads) // 2
+    units = [res[layout]["units"] for res in layouts]
+    assert sum(units) == 5 * tp and max(units) - min(units) <= 1, units
+
+
+# ---------------------------------------------------------------------------------------------
 # the trainer: qwen_vl prompts, one GRPO step of examples/configs/qwen_vl_grpo.yaml, bad input
 # ---------------------------------------------------------------------------------------------
 def test_qwen_prompts_are_the_supervised_questions():
@@ -339,9 +446,46 @@ def test_qwen_prompts_are_the_supervised_questions():
         assert torch.equal(prompt[0, end + 1 :], want[0, 1:]), (prompt, want)  # after the video
 
 
-def first_token_reward(tokens, lengths, answer_id, format_ids):
+def test_qwen_vl_tokenizer_decodes_the_samples():
+    """The family's tokenizer (built offline: the questions' words + Qwen2.5-VL's vision tokens
+    at the config's ids) decodes a GRPO prompt to its question and the answer id to its word;
+    the trainer's ``decode`` skips the vision tokens and padded vocabulary rows."""
+    from megatron_video.data.video_qa import QA_VOCAB, qa_tokenizer
+    from megatron_video.training.config import load_config
+    from megatron_video.training.families import get_family
+    from megatron_video.training.families.qwen_vl import QwenVLBatches
+    from megatron_video.training.grpo import prompts_of
+
+    cfg = load_config(str(GRPO))
+    tok = get_family("qwen_vl").tokenizer(cfg)
+    batches = QwenVLBatches(cfg, 0, 1)
+    mb = batches.from_positions([3, 4, 5])
+    for _, prompt, answer, pos in prompts_of(mb):
+        item = batches.dataset[pos]
+        assert tok.decode(prompt[0], skip_special_tokens=True) == item["question"]
+        assert tok.decode([answer]) == item["answer"]
+        full = tok.decode(prompt[0])
+        assert full.startswith("<|vision_start|> <|video_pad|>") and "<|vision_end|>" in full
+    assert tok.decode([QA_VOCAB.index("red"), 63, 0], skip_special_tokens=True) == "red"
+    assert tok("what shape is it ?")["input_ids"] == [
+        QA_VOCAB.index(w) for w in "what shape is it ?".split()
+    ]
+    with pytest.raises(ValueError, match=r"special_tokens \('x': 3\) must be a new token"):
+        qa_tokenizer({"x": 3})
+
+
+def first_token_reward(tokens, lengths, answer_id, format_ids, answer, decode, **sample):
     """A reward that differs between responses (an untrained policy rarely says the answer, and a
-    group of equal rewards has no gradient): the first token's id / 100."""
+    group of equal rewards has no gradient): the first token's id / 100. It also checks what the
+    trainer hands text rewards: the answer word and the responses' words (``QA_VOCAB``'s; vision
+    tokens and padded vocabulary rows dropped)."""
+    from megatron_video.data.video_qa import QA_VOCAB
+
+    assert answer == QA_VOCAB[answer_id], (answer, answer_id)
+    for g in range(tokens.shape[0]):
+        ids = tokens[g, : int(lengths[g])].tolist()
+        want = " ".join(QA_VOCAB[i] for i in ids if 2 <= i < len(QA_VOCAB))
+        assert decode(ids) == want, (ids, decode(ids), want)
     return tokens[:, 0].double() / 100
 
 
@@ -407,3 +551,27 @@ def test_bad_qwen_vl_grpo_config_names_the_field(override, match):
 
     with pytest.raises(ValueError, match=match):
         validate(load_config(str(GRPO), ["model.init_from=null", override]), 4)
+
+
+def test_reward_benchmark_runs_two_steps(tmp_path):
+    """benchmarks/qwen_vl_grpo_reward.py in this process at its smallest: one supervised step, two
+    GRPO steps scored by the shipped ``text_reward`` on the decoded answers (it raises without
+    ``answer`` / ``decode``), the JSON record and the curve written."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "qwen_vl_grpo_reward.py"
+    spec = importlib.util.spec_from_file_location("qwen_vl_grpo_reward", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--sft-steps", "1", "--grpo-steps", "2", "--prompts", "2", "--group", "2"]
+    args += ["--window", "1", "--out", str(tmp_path / "run")]
+    args += ["--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")]
+    record = script.main(args)
+    assert json.loads((tmp_path / "r.json").read_text()) == record
+    assert (tmp_path / "r.png").stat().st_size > 0
+    assert len(record["reward_mean"]) == 2 and len(record["sft_loss"]) == 1
+    for r in record["reward_mean"]:  # 4 answers a step, each 0 or 0.9 (one word: no format)
+        assert min(abs(r - 0.225 * k) for k in range(5)) < 1e-12, record
+    assert record["first_mean"] == record["reward_mean"][0]
+    assert record["last_mean"] == record["reward_mean"][1]

@@ -4,7 +4,7 @@ models, in Megatron's ``LLaVAModel`` text convention (``VideoQADataset``).
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Mapping, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ __all__ = [
     "QUESTIONS",
     "TEXT_LEN",
     "VideoQADataset",
+    "qa_tokenizer",
 ]
 
 IMAGE_TOKEN_INDEX = -200
@@ -95,3 +96,32 @@ class VideoQADataset(torch.utils.data.Dataset):
             "answer": answer,
             "answer_id": self.ids[answer],
         }
+
+
+def qa_tokenizer(special_tokens: Optional[Mapping[str, int]] = None):
+    """The questions' tokenizer, built in memory (nothing downloaded): a transformers
+    ``PreTrainedTokenizerFast`` over a ``tokenizers`` WordLevel model whose ids are
+    ``QA_VOCAB``'s (``<pad>`` 0 and ``<unk>`` 1 special, words split at spaces, decoded joined by
+    spaces) plus ``special_tokens`` (name -> id, e.g. Qwen2.5-VL's ``<|video_pad|>``) as special
+    tokens. ``decode(ids, skip_special_tokens=True)`` drops the special tokens; an id of none of
+    them (a padded vocabulary row) decodes to nothing."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(QA_VOCAB)}
+    extra = dict(special_tokens or {})
+    for name, i in extra.items():
+        if name in vocab or i in vocab.values():
+            raise ValueError(
+                f"special_tokens ({name!r}: {i}) must be a new token at a new id (QA_VOCAB "
+                f"holds ids 0..{len(QA_VOCAB) - 1})"
+            )
+        vocab[name] = int(i)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=list(extra),
+    )

@@ -1,4 +1,5 @@
-"""Shipped GRPO rewards for multiple-choice and numeric answers (``rl.reward: module:function``).
+"""Shipped GRPO rewards for multiple-choice, numeric and short text answers (``rl.reward:
+module:function``).
 
 The rules are Long-RL's R1-V reward (NVlabs/Long-RL, examples/reward_function/r1v.py): the format
 score is 1 when the whole response is ``<think>...</think> <answer>...</answer>``; the answer is
@@ -6,7 +7,8 @@ the content of ``<answer>...</answer>`` with spaces and newlines removed (the wh
 response when there is none); the reward is ``(1 - format_weight) * accuracy + format_weight *
 format`` (``format_weight`` 0.1). Long-RL grades the answer with ``mathruler``'s symbolic
 ``grade_answer``; here a multiple-choice answer is graded by its option letter and a numeric one
-by its value (relative tolerance 1e-6), without a symbolic-math dependency.
+by its value (relative tolerance 1e-6), a text answer (a word, e.g. a colour) by its text with
+case and spaces ignored, without a symbolic-math dependency.
 
 The token-level functions take ``(tokens [G, L], lengths [G])`` as every ``rl.reward`` does, plus
 the sample's ``answer`` (the ground truth as text) and ``decode`` (token ids -> text, the
@@ -26,8 +28,10 @@ __all__ = [
     "extract_answer",
     "choice_accuracy",
     "numeric_accuracy",
+    "text_accuracy",
     "choice_reward",
     "numeric_reward",
+    "text_reward",
 ]
 
 FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
@@ -71,6 +75,15 @@ def numeric_accuracy(response: str, truth: str, rel_tol: float = 1e-6) -> float:
     return 1.0 if given is not None and abs(given - want) <= rel_tol * max(1.0, abs(want)) else 0.0
 
 
+def text_accuracy(response: str, truth: str) -> float:
+    """1.0 when the answer equals the truth with case and spaces ignored (``Red``, ``<think>..
+    </think> <answer> red </answer>`` for ``red``)."""
+    want = truth.replace(" ", "").replace("\n", "").lower()
+    if not want:
+        raise ValueError(f"answer ({truth!r}) must be a non-empty text")
+    return 1.0 if extract_answer(response).replace(" ", "").lower() == want else 0.0
+
+
 def _reward(accuracy, tokens, lengths, answer, decode, format_weight) -> torch.Tensor:
     if not 0 <= format_weight <= 1:
         raise ValueError(f"format_weight ({format_weight!r}) must be in [0, 1]")
@@ -107,3 +120,16 @@ def numeric_reward(
 ) -> torch.Tensor:
     """Numeric answers: ``0.9 * numeric_accuracy + 0.1 * format_score`` per response ``[G]``."""
     return _reward(numeric_accuracy, tokens, lengths, answer, decode, format_weight)
+
+
+def text_reward(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    answer: str,
+    decode: Callable[[Sequence[int]], str],
+    format_weight: float = 0.1,
+    **_sample,
+) -> torch.Tensor:
+    """Short text answers: ``0.9 * text_accuracy + 0.1 * format_score`` per response ``[G]``."""
+    return _reward(text_accuracy, tokens, lengths, answer, decode, format_weight)

@@ -384,10 +384,15 @@ def grpo_loss(
 
 
 def exact_match_reward(
-    tokens: torch.Tensor, lengths: torch.Tensor, answer_id: int, format_ids: Sequence[int] = ()
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    answer_id: int,
+    format_ids: Sequence[int] = (),
+    **_sample,
 ) -> torch.Tensor:
     """The built-in reward of the synthetic video QA: 1 when the response's first token is the
-    answer, plus 0.1 (format) when it is one of ``format_ids`` (an attribute word)."""
+    answer, plus 0.1 (format) when it is one of ``format_ids`` (an attribute word). Other sample
+    fields (``answer``, ``decode``) are ignored."""
     first = tokens[:, 0]
     fmt = torch.tensor([int(t) in set(format_ids) for t in first.tolist()], dtype=torch.float64)
     return (first == answer_id).double() + 0.1 * fmt

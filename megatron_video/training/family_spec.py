@@ -163,6 +163,12 @@ class FamilySpec(abc.ABC):
         (latents and caption embeddings come precomputed). None by default."""
         return None
 
+    def tokenizer(self, config):
+        """The tokenizer of the family's text ids (a transformers tokenizer: ``decode``), which
+        hands GRPO's ``rl.reward`` the decoded answer and ``decode``; None (the default): the
+        reward gets token ids only."""
+        return None
+
     def checkpoint_files(self, config, params_dtype) -> Dict[str, str]:
         """Extra JSON files (name -> text) each checkpoint of the trainer carries (e.g. what an
         export reads); covered by the checkpoint's manifest. None by default."""

@@ -6,15 +6,17 @@ Each DP rank takes the prompts of its micro-batches (DP ranks own whole groups).
 video is encoded once (this CP rank's frames: the embedding cache), ``rl.group_size`` responses are
 sampled (seeded by ``rl.seed``, the sample's position in the stream and the response, so any layout
 and a resumed run sample the same tokens: there is no rollout RNG state to checkpoint) and scored by
-``rl.reward``; then the GRPO loss of the policy against the frozen reference (the starting weights:
-``model.init_from``'s or the seed's, sharded like the policy) is back-propagated, normalised by the
-response tokens of the whole global batch. The vision encoder is frozen unless
-``rl.train_encoder``: then the policy's forward re-encodes with gradients and the reference encodes
-with its own encoder (3 encoder calls per prompt instead of 1). Map: docs/mmsp.md ("GRPO").
+``rl.reward`` (with the decoded ``answer`` and ``decode`` where the family has a tokenizer:
+``FamilySpec.tokenizer``); then the GRPO loss of the policy against the frozen reference (the
+starting weights: ``model.init_from``'s or the seed's, sharded like the policy) is
+back-propagated, normalised by the response tokens of the whole global batch. The vision encoder
+is frozen unless ``rl.train_encoder``: then the policy's forward re-encodes with gradients and the
+reference encodes with its own encoder (3 encoder calls per prompt instead of 1). Map: docs/mmsp.md ("GRPO").
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Tuple
 
 import torch
@@ -109,6 +111,16 @@ class GRPOTrainer(Trainer):
     def _build(self) -> None:
         super()._build()
         self.reference.to(next(self.model.parameters()).dtype)  # bf16 under Float16Module
+        self.tokenizer = self.family.tokenizer(self.config)
+
+    def _text_fields(self, answer_id: int) -> Dict[str, object]:
+        """What a text reward reads besides the ids, where the family has a tokenizer:
+        ``answer`` (the answer token decoded) and ``decode`` (ids -> text, special tokens
+        skipped: the completion as the tokenizer writes it)."""
+        if self.tokenizer is None:
+            return {}
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        return {"answer": decode([answer_id]), "decode": decode}
 
     def _rollouts(self, step: int) -> List[tuple]:
         """``(micro-batch index, frames, prompt, visual, rollout, rewards)`` of this rank's
@@ -122,7 +134,13 @@ class GRPOTrainer(Trainer):
                     frames, prompt = _to(frames, self.device, dtype), prompt.to(self.device)
                     visual = rl.encode_video(policy, frames)  # once: rollout, reference, policy
                     ro = rl.rollout(policy, visual, prompt, cfg, prompt_seed=position)
-                    rewards = rl.score(cfg, ro, answer_id=answer, format_ids=ANSWER_IDS)
+                    rewards = rl.score(
+                        cfg,
+                        ro,
+                        answer_id=answer,
+                        format_ids=ANSWER_IDS,
+                        **self._text_fields(answer),
+                    )
                     groups.append((i, frames, prompt, visual, ro, rewards))
         except ValueError as e:
             reason = str(e)
@@ -153,7 +171,7 @@ class GRPOTrainer(Trainer):
                 policy, self.reference, visual, prompt, ro, rewards, cfg, norms[i], ref_visual
             )
             (loss * scale).backward()
-            sums += torch.tensor([float(loss), stats["kl_sum"], stats["clipped"]])
+            sums += torch.tensor([float(loss.detach()), stats["kl_sum"], stats["clipped"]])
         self.tcfg.finalize_model_grads_func([self.ddp])
         comm.all_reduce(sums, self.groups.cp_group, tag="rl.loss")
         comm.all_reduce(sums, self.dp_group, tag="rl.loss")

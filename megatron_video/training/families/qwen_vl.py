@@ -338,6 +338,16 @@ class QwenVLFamily(FamilySpec):
             groups.cp_group if groups is not None and groups.cp_size > 1 else None
         )
 
+    def tokenizer(self, config: Config):
+        """The questions' word tokenizer (``data.video_qa.qa_tokenizer``: the data's ids) with
+        Qwen2.5-VL's image, video, vision start and end tokens at this config's ids."""
+        from megatron_video.data.video_qa import qa_tokenizer
+
+        g, hf = geometry_of(config), hf_config_of(config)
+        names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        ids = (hf.image_token_id, g.video_id, g.start_id, g.end_id)
+        return qa_tokenizer(dict(zip(names, ids)))
+
     def make_batches(self, config: Config, **kw) -> QwenVLBatches:
         batches = QwenVLBatches(config, kw["coords"].dp_rank, kw["coords"].dp_size)
         batches.geometry = geometry_of(config)
