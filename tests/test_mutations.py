@@ -53,6 +53,8 @@ def test_every_breakage_is_caught(tmp_path):
         module = case.get("classname").replace(".", "/") + ".py"
         outcome = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
         cases[f"{module}::{case.get('name')}"] = outcome
+        for c in case.iter("failure"):  # what each guard reported (pytest -s shows it)
+            print(f"{module}::{case.get('name')}: {(c.get('message') or '')[:300]}")
     for name, guards in mutations.GUARDS.items():
         for guard in guards:
             got = {k: v for k, v in cases.items() if k == guard or k.split("[")[0] == guard}
