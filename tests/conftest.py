@@ -15,7 +15,7 @@ from megatron_video.testing import WorkerPool
 from megatron_video.testing.mrsp_case import llm_weight_sum
 
 # the one_env mark and --no-megatron; the mutation check (MEGATRON_VIDEO_MUTATIONS=1)
-pytest_plugins = ["megatron_video.testing.env_split", "megatron_video.testing.mutations"]
+pytest_plugins = ["megatron_video.testing.env_split", "megatron_video.testing.mutation_plugin"]
 
 # intra-op threads of this process: up to 2; MEGATRON_VIDEO_TEST_THREADS overrides (.ci/run sets 1:
 # its two environments run at once on 2 cores, and 2 OpenMP threads each oversubscribe them)

@@ -1,15 +1,15 @@
 """Named breakages and the tests that must catch them (``tests/test_mutations.py``).
 
 Each breakage switches one guarded feature off. ``MEGATRON_VIDEO_MUTATIONS=1`` turns a pytest run
-into the mutation check: every test listed in ``GUARDS`` runs with its breakage applied (in the
-test process and, per task, in the worker pool's ranks, which read ``MEGATRON_VIDEO_MUTATION``),
-and must fail. A new resume, loading or caching feature adds its breakage and its guards here.
-``MEGATRON_VIDEO_MUTATIONS=1 MEGATRON_VIDEO_MUTATION=NAME pytest ...`` runs any tests under one
-breakage.
+into the mutation check (the pytest plugin ``testing.mutation_plugin``): every test listed in
+``GUARDS`` runs with its breakage applied (in the test process and, per task, in the worker pool's
+ranks, which read ``MEGATRON_VIDEO_MUTATION``), and must fail. A new resume, loading or caching
+feature adds its breakage and its guards here. ``MEGATRON_VIDEO_MUTATIONS=1
+MEGATRON_VIDEO_MUTATION=NAME pytest ...`` runs any tests under one breakage. Imports neither pytest
+nor Megatron (the breakages import what they patch when applied).
 """
 
 import contextlib
-import os
 from typing import Callable, Dict, Iterator, List
 
 __all__ = ["BREAKAGES", "GUARDS", "ENV", "MODE_ENV", "broken", "breakage_of"]
@@ -104,32 +104,3 @@ def breakage_of(nodeid: str):
     if len(names) > 1:  # pragma: no cover - checked by tests/test_mutations.py
         raise ValueError(f"{nodeid} guards {names}: one breakage per test")
     return names[0] if names else None
-
-
-# -- pytest plugin (tests/conftest.py): in the mutation mode, each guard runs broken ------------
-try:
-    import pytest
-
-    _FORCED: List[str] = []  # MEGATRON_VIDEO_MUTATION given to the run: that breakage for all
-
-    def pytest_configure(config):
-        if os.environ.get(MODE_ENV) == "1" and os.environ.get(ENV):
-            _FORCED[:] = [os.environ[ENV]]
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_call(item):
-        name = None
-        if os.environ.get(MODE_ENV) == "1":
-            name = _FORCED[0] if _FORCED else breakage_of(item.nodeid)
-        if name is None:
-            yield
-            return
-        os.environ[ENV] = name  # the pool sends it with each task
-        try:
-            with broken(name):
-                yield
-        finally:
-            os.environ.pop(ENV, None)
-
-except ImportError:  # pragma: no cover - pytest is a test dependency
-    pass
