@@ -188,8 +188,17 @@ def test_qwen_vl_energon_refuses_a_mismatched_folder(tmp_path):
 
     from megatron_video.training.config import load_config, validate
 
+    from megatron_video.data.qwen_video_qa import plan_video
+    from megatron_video.training.families.qwen_vl import hf_config_of
+    from megatron_video.training.qwen_vl_energon import energon_source, max_length
+
     overrides = _energon_setup(tmp_path)
-    validate(load_config(str(YAML), overrides), 4)
+    cfg = load_config(str(YAML), overrides)
+    validate(cfg, 4)
+    # the nominal sequence length counted from metadata is the longest sample's
+    qa, proc = energon_source(cfg, hf_config_of(cfg))
+    lens = [qa.text(plan_video(r, proc), r["caption"])[0].numel() for r in qa.records.values()]
+    assert max_length(qa, proc) == max(lens)
     proc = tmp_path / "hf" / "video_preprocessor_config.json"
     good = proc.read_text()
     proc.write_text(json.dumps(dict(json.loads(good), patch_size=8)))

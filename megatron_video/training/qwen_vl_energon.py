@@ -50,14 +50,20 @@ def energon_source(config: Config, hf_config):
 
 
 def max_length(qa, proc) -> int:
-    """The longest expanded sample of the dataset (nominal: metrics and the position table)."""
+    """The longest expanded sample of the dataset (nominal: metrics and the position table):
+    the prompt once (one ``<|video_pad|>``, a special token), each clip's visual tokens from its
+    metadata and its answer's tokens in one batched call, as ``QwenVideoQA.text`` counts them."""
     from megatron_video.data.qwen_video_qa import plan_video
 
-    best = 0
-    for rec in qa.records.values():
-        ids, _ = qa.text(plan_video(rec, proc), rec["caption"])
-        best = max(best, int(ids.numel()))
-    return best
+    tok, recs = qa.tokenizer, list(qa.records.values())
+    if not recs:
+        return 0
+    prompt = len(tok(qa.prompt(), add_special_tokens=False)["input_ids"]) - 1
+    answers = tok([r["caption"] + "<|im_end|>" for r in recs], add_special_tokens=False)
+    return max(
+        prompt + plan_video(r, proc).num_tokens // proc.merge**2 + len(a)
+        for r, a in zip(recs, answers["input_ids"])
+    )
 
 
 @dataclass
