@@ -186,9 +186,8 @@ def test_qwen_vl_energon_refuses_a_mismatched_folder(tmp_path):
 
     import pytest
 
-    from megatron_video.training.config import load_config, validate
-
     from megatron_video.data.qwen_video_qa import plan_video
+    from megatron_video.training.config import load_config, validate
     from megatron_video.training.families.qwen_vl import hf_config_of
     from megatron_video.training.qwen_vl_energon import energon_source, max_length
 
