@@ -5,7 +5,10 @@
   patchified in the processor's order (an odd frame count repeats the last frame);
 * the example validates for its 4-rank launch;
 * steps of the trainer on 4 gloo ranks (CP = 4 as U2 x R2 with MM-SP: each rank encodes its share
-  of the temporal patches) give finite losses that fall.
+  of the temporal patches) give finite losses that fall;
+* ``data.source: energon`` (``training/qwen_vl_energon.py``): one step at U2 x R2 from a tiny
+  energon dataset, each rank decoding only its temporal patches' frames; a folder whose processor
+  or tokenizer does not match the model is refused naming ``model.hf_config``.
 """
 
 from pathlib import Path
