@@ -133,6 +133,8 @@ def test_bad_inputs_named(data, tmp_path):
         qa.sample(key, cp_rank=0, cp_size=8)  # fps 2: 7 sampled frames -> 6 -> 3 patches
     with pytest.raises(ValueError, match="cp_rank"):
         qa.sample(key, cp_rank=4, cp_size=4)
+    with pytest.raises(ValueError, match=r"units \(\[3\]\) must be clip .*'s temporal patches"):
+        qa.sample(key, cp_rank=0, cp_size=2, units=[3])  # 3 patches: 0..2
     with pytest.raises(ValueError, match="fps"):
         VideoProcessing(fps=0.0)
     with pytest.raises(ValueError, match=r"fps \(0.0\) must be > 0"):

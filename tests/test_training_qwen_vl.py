@@ -5,7 +5,10 @@
   patchified in the processor's order (an odd frame count repeats the last frame);
 * the example validates for its 4-rank launch;
 * steps of the trainer on 4 gloo ranks (CP = 4 as U2 x R2 with MM-SP: each rank encodes its share
-  of the temporal patches) give finite losses that fall.
+  of the temporal patches) give finite losses that fall;
+* ``data.source: energon`` (``training/qwen_vl_energon.py``): one step at U2 x R2 from a tiny
+  energon dataset, each rank decoding only its temporal patches' frames; a folder whose processor
+  or tokenizer does not match the model is refused naming ``model.hf_config``.
 """
 
 from pathlib import Path
@@ -115,3 +118,98 @@ def test_patch_order_is_the_hf_processors():
     out = proc(images=[frame[0].numpy()], return_tensors="pt", input_data_format="channels_first")
     assert out["image_grid_thw"].tolist() == [[1, 4, 2]]
     assert torch.allclose(out["pixel_values"].float(), patchify(frame), atol=1e-6)
+
+
+# -- data.source energon: video QA from a prepared energon dataset (training/qwen_vl_energon.py) --
+def _energon_setup(root):
+    """Two 30-frame 10 fps 16x16 clips (sampled at 4 fps: 12 frames, 6 temporal patches) and a
+    tiny Qwen2.5-VL folder whose tokenizer and processor match the model section."""
+    from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
+    from megatron_video.testing.qwen_processor import write_tiny_folder
+
+    paths = write_procedural_videos(root / "src", 2, num_frames=30, height=16, width=16, fps=10)
+    prepare_dataset(root / "src", root / "ds")
+    texts = [p.with_suffix(".txt").read_text() for p in paths] + ["Describe this video."]
+    write_tiny_folder(root / "hf", texts)
+    return [
+        "data.source=energon",
+        f"data.path={root / 'ds'}",
+        f"model.hf_config={root / 'hf'}",
+        "model.ffn_hidden_size=128",
+        "train.micro_batch_size=2",
+    ]
+
+
+def _train_energon(tmp, overrides):
+    import warnings
+
+    from megatron_video.data.qwen_video_qa import QwenVideoQA
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    overrides = overrides + ["train.steps=1", "train.warmup_steps=0", "train.progress=false"]
+    overrides += ["train.tensorboard=false", "train.save=false", f"output={tmp}/run"]
+    t = Trainer(load_config(str(YAML), overrides), progress=False)
+    try:
+        metrics = t.run()
+        decoded = t.batches.decoded_frames
+        b = t.model.last_mmsp_batch
+        mine = b.shards.local_units(b.plan.rank)
+        # the rows this rank decoded are the full (CP = 1) samples' rows of the model's units
+        qa = QwenVideoQA(t.config.data.path, t.batches.qa.tokenizer, t.batches.proc)
+        full = [qa.sample(k)["pixel_values_videos"] for k in t.batches.keys[:2]]
+        full = torch.cat(full).reshape(b.shards.total_units, -1, full[0].shape[-1])
+        t.batches.qa.decoded_frames = 0
+        got = t.batches.micro_batch(0, 0).pixel_values_videos
+        same = torch.equal(got, full[mine].reshape(-1, got.shape[-1]))
+        return (metrics if t.is_logger else None), decoded, int(mine.numel()), same
+    finally:
+        t.close()
+
+
+def test_qwen_vl_trains_from_energon_each_rank_decoding_its_frames(pool4, tmp_path):
+    """One step at U2 x R2 from a 2-clip energon dataset: finite loss; every rank's pixel rows are
+    the full samples' rows of the temporal patches the model encodes there (the second clip's
+    shards rotate), and it decodes at most its share of the source frames."""
+    overrides = _energon_setup(tmp_path)
+    res = pool4.run(_train_energon, str(tmp_path / "w"), overrides)
+    loss = res[0][0]["history"][0]["loss"]
+    assert torch.isfinite(torch.tensor(loss)) and res[0][0]["parallel"]["cp"] == 4
+    assert all(r[3] for r in res), [r[3] for r in res]
+    assert sorted(r[2] for r in res) == [3, 3, 3, 3]  # 12 temporal patches over 4 ranks
+    for _, decoded, units, _ in res:
+        # a temporal patch is 2 sampled frames 2.5 source frames apart: at most 6 source frames
+        assert 0 < decoded <= units * 6, (decoded, units)
+    assert sum(r[1] for r in res) <= 2 * 30  # no frame decoded twice within a clip
+
+
+def test_qwen_vl_energon_refuses_a_mismatched_folder(tmp_path):
+    import json
+
+    import pytest
+
+    from megatron_video.data.qwen_video_qa import plan_video
+    from megatron_video.training.config import load_config, validate
+    from megatron_video.training.families.qwen_vl import hf_config_of
+    from megatron_video.training.qwen_vl_energon import energon_source, max_length
+
+    overrides = _energon_setup(tmp_path)
+    cfg = load_config(str(YAML), overrides)
+    validate(cfg, 4)
+    # the nominal sequence length counted from metadata is the longest sample's
+    qa, proc = energon_source(cfg, hf_config_of(cfg))
+    lens = [qa.text(plan_video(r, proc), r["caption"])[0].numel() for r in qa.records.values()]
+    assert max_length(qa, proc) == max(lens)
+    proc = tmp_path / "hf" / "video_preprocessor_config.json"
+    good = proc.read_text()
+    proc.write_text(json.dumps(dict(json.loads(good), patch_size=8)))
+    with pytest.raises(ValueError, match=r"model.hf_config .*processor patch \(8\) must equal"):
+        validate(load_config(str(YAML), overrides), 4)
+    proc.write_text(good)
+    cfg = tmp_path / "hf" / "config.json"
+    cfg.write_text(json.dumps(dict(json.loads(cfg.read_text()), video_token_id=91)))
+    with pytest.raises(ValueError, match=r"model.hf_config .*video_token_id \(91\)"):
+        validate(load_config(str(YAML), overrides), 4)
+    with pytest.raises(ValueError, match=r"train.objective \('grpo'\) be 'supervised'"):
+        validate(load_config(str(YAML), overrides + ["train.objective=grpo"]), 4)

@@ -268,10 +268,13 @@ class QwenVideoQA:
         labels = torch.cat([torch.full((len(p_ids),), -100), torch.tensor(a_ids)])
         return ids, labels
 
-    def sample(self, key: str, cp_rank: int = 0, cp_size: int = 1) -> Dict:
+    def sample(self, key: str, cp_rank: int = 0, cp_size: int = 1, units=None) -> Dict:
         """Clip ``key`` as a sample: ``input_ids``, ``labels``, ``video_grid_thw [1, 3]``,
         ``second_per_grid_ts [1]``, ``local_units`` (this rank's temporal patches) and
-        ``pixel_values_videos`` -- only those patches' rows (every row at ``cp_size`` 1)."""
+        ``pixel_values_videos`` -- only those patches' rows (every row at ``cp_size`` 1).
+        ``units``: this rank's temporal patches of the clip where it is not a micro-batch's first
+        video (``frame_shards`` of several videos rotates the longer runs); default: the clip's
+        own ``frame_shards``."""
         check_int("cp_size", cp_size, 1)
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank ({cp_rank}) must be in [0, cp_size ({cp_size}))")
@@ -284,8 +287,11 @@ class QwenVideoQA:
                 f"cp_size ({cp_size}) must be <= clip {key!r}'s temporal patches ({plan.grid[0]} "
                 f"at fps {self.proc.fps}): every CP rank encodes at least one"
             )
-        shards = frame_shards([plan.grid[0]], cp_size)
-        units = shards.local_units(cp_rank).tolist()
+        if units is None:
+            units = frame_shards([plan.grid[0]], cp_size).local_units(cp_rank).tolist()
+        units = [int(u) for u in units]
+        if not units or min(units) < 0 or max(units) >= plan.grid[0]:
+            raise ValueError(f"units ({units}) must be clip {key!r}'s temporal patches")
         src = plan.unit_frames(units, self.proc.temporal)
         lo, hi = min(src), max(src)
         data, _ = self.store[f"{key}.{rec.get('ext', 'mp4')}"]

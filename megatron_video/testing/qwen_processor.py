@@ -47,3 +47,28 @@ def image_processor(*, patch: int, temporal: int, merge: int, min_pixels: int, m
     return Qwen2VLImageProcessorPil(
         patch_size=patch, temporal_patch_size=temporal, merge_size=merge, size=size
     )
+
+
+def write_tiny_folder(folder, texts: Sequence[str], *, fps: float = 4.0, max_pixels: int = 1024):
+    """A tiny Qwen2.5-VL HF folder: ``tiny_hf_config`` (its special-token ids the tokenizer's),
+    ``tiny_tokenizer(texts)`` and a ``video_preprocessor_config.json`` (patch 4, temporal 2,
+    merge 2, 256..``max_pixels`` pixels, ``fps``). Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from megatron_video.models.qwen_vl.config import tiny_hf_config
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer(texts)
+    tok.save_pretrained(str(out))
+    hf = tiny_hf_config()
+    for name, t in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                    ("vision_start_token_id", "<|vision_start|>"),
+                    ("vision_end_token_id", "<|vision_end|>")):  # fmt: skip
+        setattr(hf, name, tok.convert_tokens_to_ids(t))
+    hf.to_json_file(str(out / "config.json"))
+    proc = dict(patch_size=4, temporal_patch_size=2, merge_size=2, fps=fps,
+                size={"shortest_edge": 256, "longest_edge": max_pixels})  # fmt: skip
+    (out / "video_preprocessor_config.json").write_text(json.dumps(proc))
+    return out

@@ -1,7 +1,9 @@
 """The ``qwen_vl`` family: a tiny random Qwen2.5-VL trained with MM-SP on video questions.
 
 ``mmsp.qwen_vl.MMSPQwenVLModel`` (Megatron ``GPTModel`` with M-RoPE + transformers' vision tower)
-on ``data.video_qa``, no VAE. Sizes: the LLM from the ``model`` section; the vision tower depth 2,
+on ``data.video_qa`` or, with ``data.source: energon``, video QA from an energon dataset
+(``training/qwen_vl_energon.py``: the ``model.hf_config`` folder's tokenizer and processor, each CP
+rank decoding only its frames); no VAE. Sizes: the LLM from the ``model`` section; the vision tower depth 2,
 width ``hidden_size / 2``, 4-pixel patches, temporal patch 2, 2x2 merger. With
 ``model.hf_config`` (a Qwen2.5-VL ``config.json``, e.g. the published 7B's) every shape comes
 from that file instead (the model section's sizes must agree; the patch sizes and special tokens
@@ -203,11 +205,19 @@ class QwenVLObjective(LanguageModelObjective):
     """Cross-entropy on the answer token; the model returns ``(per-token loss, loss mask)``."""
 
     def model_call(self, mb: QwenVLBatch, first_stage: bool):
-        return (mb.input_ids, mb.pixel_values_videos, mb.video_grid_thw), dict(labels=mb.labels)
+        kw = dict(labels=mb.labels)
+        if getattr(mb, "second_per_grid_ts", None) is not None:  # energon clips: real timing
+            kw["second_per_grid_ts"] = mb.second_per_grid_ts
+        return (mb.input_ids, mb.pixel_values_videos, mb.video_grid_thw), kw
 
 
 def _seq_length(config: Config) -> int:
     d, cp, g = config.data, config.parallel.context_parallel_size, geometry_of(config)
+    if d.source == "energon":  # the dataset's longest sample (training/qwen_vl_energon.py)
+        from ..qwen_vl_energon import energon_source, max_length
+
+        need = max_length(*energon_source(config, hf_config_of(config)))
+        return -(-need // (2 * cp)) * (2 * cp)
     n = -(-d.num_frames // g.temporal) * (d.height // g.patch) * (d.width // g.patch) // g.merge**2
     need = TEXT_LEN - 1 + n + 2 + 1
     return -(-need // (2 * cp)) * (2 * cp)
@@ -271,11 +281,21 @@ def _check(config: Config, world_size: int) -> None:
             f"parallel.pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) must be 1 "
             f"and parallel.fsdp ({p.fsdp}) false for model.family 'qwen_vl'"
         )
-    if t.sample or d.source != "synthetic":
+    if t.sample or d.source not in ("synthetic", "energon"):
         raise ValueError(
             f"train.sample ({t.sample}) must be false and data.source ({d.source!r}) 'synthetic' "
-            f"for model.family 'qwen_vl'"
+            f"or 'energon' for model.family 'qwen_vl'"
         )
+    if d.source == "energon" and (m.hf_config is None or t.objective != "supervised"):
+        raise ValueError(
+            f"model.hf_config ({m.hf_config!r}) must name a Qwen2.5-VL folder (its tokenizer and "
+            f"video processor read the clips) and train.objective ({t.objective!r}) be "
+            f"'supervised' for data.source 'energon' with model.family 'qwen_vl'"
+        )
+    if d.source == "energon":  # the folder's tokenizer / processor against the model, every rank
+        from ..qwen_vl_energon import energon_source
+
+        energon_source(config, hf_config_of(config))
     if m.init_from is not None:
         _init_from_dir(m.init_from)
 
@@ -349,6 +369,10 @@ class QwenVLFamily(FamilySpec):
         return qa_tokenizer(dict(zip(names, ids)))
 
     def make_batches(self, config: Config, **kw) -> QwenVLBatches:
+        if config.data.source == "energon":  # each CP rank decodes only its frames
+            from ..qwen_vl_energon import QwenEnergonBatches
+
+            return QwenEnergonBatches(config, kw["coords"], hf_config_of(config))
         batches = QwenVLBatches(config, kw["coords"].dp_rank, kw["coords"].dp_size)
         batches.geometry = geometry_of(config)
         return batches
