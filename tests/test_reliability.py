@@ -60,6 +60,7 @@ def _trainer(tmp, name, source="synthetic", **parallel):
     else:
         cfg = tiny_config("ar_dit", tmp, **parallel)
     cfg.output = f"{tmp}/{name}"
+    cfg.train.steps = 4  # steps 0-3 in all: a resumed job follows its config's LR schedule
     if source == "energon":
         cfg.data.source, cfg.data.path = "energon", f"{tmp}/ds"
     if source == "shards":  # latents precomputed from the energon clips
