@@ -8,7 +8,10 @@
   of the temporal patches) give finite losses that fall;
 * ``data.source: energon`` (``training/qwen_vl_energon.py``): one step at U2 x R2 from a tiny
   energon dataset, each rank decoding only its temporal patches' frames; a folder whose processor
-  or tokenizer does not match the model is refused naming ``model.hf_config``.
+  or tokenizer does not match the model is refused naming ``model.hf_config``;
+* GRPO from the same energon data (``train.objective: grpo``): one step at U2 x R2, the prompts
+  the chat-templated questions with their videos, the reward reading each clip's answer text and
+  the folder's tokenizer, each rank decoding only its share of each video's frames.
 """
 
 from pathlib import Path
@@ -211,5 +214,59 @@ def test_qwen_vl_energon_refuses_a_mismatched_folder(tmp_path):
     cfg.write_text(json.dumps(dict(json.loads(cfg.read_text()), video_token_id=91)))
     with pytest.raises(ValueError, match=r"model.hf_config .*video_token_id \(91\)"):
         validate(load_config(str(YAML), overrides), 4)
-    with pytest.raises(ValueError, match=r"train.objective \('grpo'\) be 'supervised'"):
-        validate(load_config(str(YAML), overrides + ["train.objective=grpo"]), 4)
+
+
+SEEN = []  # (answer, decoded response) of each reward call in this process
+
+
+def recording_reward(tokens, lengths, answer_id, format_ids, answer, decode, **sample):
+    """Records what the trainer hands a text reward; a reward that differs between responses."""
+    SEEN.extend((answer, decode(tokens[g, : int(lengths[g])].tolist())) for g in range(len(tokens)))
+    return tokens[:, 0].double() / 100
+
+
+def _grpo_energon(tmp, overrides):
+    import warnings
+
+    from megatron_video.layouts.mmsp import frame_shards
+    from megatron_video.rl.rewards import resolve_reward
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    overrides = overrides + ["train.steps=1", "train.progress=false", "train.tensorboard=false"]
+    overrides += ["train.save=false", "model.init_from=null", "rl.group_size=2"]
+    overrides += ["rl.max_new_tokens=2", "rl.reward=test_training_qwen_vl:recording_reward"]
+    grpo = YAML.with_name("qwen_vl_grpo.yaml")
+    t = Trainer(load_config(str(grpo), overrides + [f"output={tmp}/grpo"]), progress=False)
+    try:
+        seen = resolve_reward(t.config.rl.reward).__globals__["SEEN"]
+        seen.clear()
+        metrics = t.run()
+        captions = [t.batches.qa.records[k]["caption"] for k in t.batches.keys]
+        units = sum(int(frame_shards([6], 4).local_units(t.cp_rank).numel()) for _ in captions)
+        return (
+            (metrics if t.is_logger else None),
+            t.batches.decoded_frames,
+            units,
+            list(seen),
+            captions,
+        )
+    finally:
+        t.close()
+
+
+def test_qwen_vl_grpo_from_energon_each_rank_decoding_its_frames(pool4, tmp_path):
+    """One GRPO step at U2 x R2 on the 2-clip energon dataset (2 responses each): finite loss; the
+    reward gets each clip's caption as ``answer`` and ``decode`` the folder's tokenizer; each rank
+    decodes at most its share of each clip's frames (each prompt's video sharded alone)."""
+    overrides = _energon_setup(tmp_path)
+    res = pool4.run(_grpo_energon, str(tmp_path / "w"), overrides)
+    hist = next(r[0] for r in res if r[0])["history"]
+    assert len(hist) == 1 and torch.isfinite(torch.tensor(hist[0]["loss"])), hist
+    assert sorted(r[2] for r in res) == [2, 2, 4, 4]  # 6 temporal patches a clip over 4 ranks
+    for _, decoded, units, seen, captions in res:
+        assert 0 < decoded <= units * 6, (decoded, units)  # 2 sampled frames 2.5 apart a patch
+        assert sorted({a for a, _ in seen}) == sorted(captions) and len(seen) == 4, seen
+        assert all(isinstance(d, str) for _, d in seen)
+    assert sum(r[1] for r in res) <= 2 * 30  # no frame decoded twice within a clip

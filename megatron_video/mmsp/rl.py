@@ -78,11 +78,13 @@ def _cp(model):
 @dataclasses.dataclass
 class VideoTokens:
     """This CP rank's visual tokens of one video (``local [n_local * img_seq_len, h]``) and the
-    video's frame count (Qwen2.5-VL: temporal patches; ``grid`` its ``(t, h, w)``)."""
+    video's frame count (Qwen2.5-VL: temporal patches; ``grid`` its ``(t, h, w)``,
+    ``second_per_grid_t`` the M-RoPE timing of a temporal patch, None: 1 s)."""
 
     local: torch.Tensor
     num_frames: int
     grid: Optional[tuple] = None
+    second_per_grid_t: Optional[float] = None
 
 
 def encode_video(model, images, grad: bool = False) -> VideoTokens:

@@ -48,10 +48,14 @@ def _grid(video_grid_thw) -> tuple:
 
 
 def encode_video(model, video, grad: bool = False):
-    """``video = (pixel_values_videos, video_grid_thw)`` of one video -> ``(visual tokens of this
-    rank's temporal patches [n_local * h*w/4, hidden], temporal patches, (t, h, w))``, the fields
-    of ``rl.VideoTokens``."""
-    pv, grid_thw = video
+    """``video = (pixel_values_videos, video_grid_thw[, second_per_grid_t])`` of one video ->
+    ``(visual tokens of this rank's temporal patches [n_local * h*w/4, hidden], temporal patches,
+    (t, h, w), second_per_grid_t)``, the fields of ``rl.VideoTokens``. ``pixel_values_videos``
+    holds every temporal patch's rows (``t*h*w``) or only this rank's (``n_local*h*w``: a loader
+    decoding only its frames, ``training/qwen_vl_energon.py``); ``second_per_grid_t`` (None: 1 s)
+    times the M-RoPE t ids as transformers' ``second_per_grid_ts``."""
+    pv, grid_thw = video[:2]
+    secs = float(video[2]) if len(video) > 2 and video[2] is not None else None
     t, h, w = _grid(grid_thw)
     _, rank, cp = cp_of(model)
     if t < cp:
@@ -59,16 +63,17 @@ def encode_video(model, video, grad: bool = False):
             f"video_grid_thw ({[t, h, w]}) temporal patches ({t}) must be >= "
             f"context_parallel_size ({cp}): every CP rank encodes a temporal patch"
         )
-    if pv.shape[0] != t * h * w:
+    mine = frame_shards([t], cp).local_units(rank)
+    if pv.shape[0] not in (t * h * w, mine.numel() * h * w):
         raise ValueError(
             f"pixel_values_videos rows ({pv.shape[0]}) must equal t*h*w of video_grid_thw "
-            f"({t * h * w})"
+            f"({t * h * w}) or this CP rank's temporal patches' rows ({mine.numel() * h * w})"
         )
-    units = pv.reshape(t, h * w, -1)
-    local = units.index_select(0, frame_shards([t], cp).local_units(rank).to(pv.device))
+    units = pv.reshape(-1, h * w, pv.shape[-1])
+    local = units if units.shape[0] < t else units.index_select(0, mine.to(pv.device))
     with torch.set_grad_enabled(grad):
         out = model._encode_units(local, (h, w))
-    return out.reshape(-1, out.shape[-1]), t, (t, h, w)
+    return out.reshape(-1, out.shape[-1]), t, (t, h, w), secs
 
 
 def check_prompt(model, visual, prompt_ids) -> None:
@@ -91,7 +96,9 @@ def check_prompt(model, visual, prompt_ids) -> None:
 
 def _positions(model, visual, ids) -> torch.Tensor:
     grid = torch.tensor([visual.grid])
-    return mrope_position_ids(ids.cpu(), model.hf_config, grid)  # [3, 1, T]
+    secs = getattr(visual, "second_per_grid_t", None)
+    secs = None if secs is None else [secs]
+    return mrope_position_ids(ids.cpu(), model.hf_config, grid, second_per_grid_ts=secs)
 
 
 def text_offset(model, visual, prompt_ids) -> int:

@@ -31,7 +31,7 @@ from .batches.protocol import checked_step_batches
 from .model_factory import build_model
 from .trainer import Trainer
 
-__all__ = ["GRPOTrainer", "prompts_of"]
+__all__ = ["GRPOTrainer", "prompts_of", "answers_of"]
 
 ENCODER = ("vision_model.", "vision_projection.", "visual.")  # video_llava's; qwen_vl's
 RL_KEYS = ("reward_mean", "reward_std", "kl", "response_len", "clip_frac")
@@ -62,12 +62,18 @@ def prompts_of(mb) -> List[Tuple[object, torch.Tensor, int, int]]:
 
 
 def _qwen_prompts(mb) -> List[Tuple[object, torch.Tensor, int, int]]:
+    """``video``: ``(pixel rows, grid)``, with the clip's ``second_per_grid_t`` where the batch has
+    timing; the rows are every temporal patch's or, where the batch says (``pixel_rows``: an
+    energon loader decoding only this CP rank's frames), this rank's."""
     out, rows = [], 0
+    counts, secs = getattr(mb, "pixel_rows", None), getattr(mb, "second_per_grid_ts", None)
     for j in range(mb.input_ids.shape[0]):
         grid = mb.video_grid_thw[j]
-        n = int(grid.prod())
+        n = int(grid.prod()) if counts is None else int(counts[j])
         k = int(torch.nonzero(mb.labels[j] != -100)[0, 0])
         video = (mb.pixel_values_videos[rows : rows + n], grid)
+        if secs is not None:
+            video = (*video, float(secs[j]))
         out.append(
             (video, mb.input_ids[j : j + 1, :k], int(mb.labels[j, k]), int(mb.sample_ids[j]))
         )
@@ -75,10 +81,17 @@ def _qwen_prompts(mb) -> List[Tuple[object, torch.Tensor, int, int]]:
     return out
 
 
+def answers_of(mb) -> List[object]:
+    """Each sample's answer text where the batch carries it (``answers``: energon video QA, the
+    clip's caption), else None (the reward reads the answer token decoded)."""
+    answers = getattr(mb, "answers", None)
+    return list(answers) if answers is not None else [None] * mb.input_ids.shape[0]
+
+
 def _to(video, device, dtype):
     """A video of ``prompts_of`` on ``device`` (pixels in ``dtype``)."""
     if isinstance(video, tuple):
-        return video[0].to(device, dtype), video[1]
+        return (video[0].to(device, dtype), *video[1:])
     return video.to(device, dtype)
 
 
@@ -113,14 +126,15 @@ class GRPOTrainer(Trainer):
         self.reference.to(next(self.model.parameters()).dtype)  # bf16 under Float16Module
         self.tokenizer = self.family.tokenizer(self.config)
 
-    def _text_fields(self, answer_id: int) -> Dict[str, object]:
+    def _text_fields(self, answer_id: int, text=None) -> Dict[str, object]:
         """What a text reward reads besides the ids, where the family has a tokenizer:
-        ``answer`` (the answer token decoded) and ``decode`` (ids -> text, special tokens
-        skipped: the completion as the tokenizer writes it)."""
+        ``answer`` (``text``, the sample's answer text, or else the answer token decoded) and
+        ``decode`` (ids -> text, special tokens skipped: the completion as the tokenizer writes
+        it)."""
         if self.tokenizer is None:
             return {}
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        return {"answer": decode([answer_id]), "decode": decode}
+        return {"answer": decode([answer_id]) if text is None else text, "decode": decode}
 
     def _rollouts(self, step: int) -> List[tuple]:
         """``(micro-batch index, frames, prompt, visual, rollout, rewards)`` of this rank's
@@ -130,7 +144,7 @@ class GRPOTrainer(Trainer):
         groups, reason = [], None
         try:  # a prompt too long or a bad reward: raised by a whole DP group (same prompts)
             for i, mb in enumerate(checked_step_batches(self.batches, step)):
-                for frames, prompt, answer, position in prompts_of(mb):
+                for (frames, prompt, answer, position), text in zip(prompts_of(mb), answers_of(mb)):
                     frames, prompt = _to(frames, self.device, dtype), prompt.to(self.device)
                     visual = rl.encode_video(policy, frames)  # once: rollout, reference, policy
                     ro = rl.rollout(policy, visual, prompt, cfg, prompt_seed=position)
@@ -139,7 +153,7 @@ class GRPOTrainer(Trainer):
                         ro,
                         answer_id=answer,
                         format_ids=ANSWER_IDS,
-                        **self._text_fields(answer),
+                        **self._text_fields(answer, text),
                     )
                     groups.append((i, frames, prompt, visual, ro, rewards))
         except ValueError as e:

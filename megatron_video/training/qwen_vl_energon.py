@@ -2,7 +2,8 @@
 prepared dataset (``data.path``) written by ``data.qwen_video_qa.QwenVideoQA`` in the Qwen2.5-VL
 processor's conventions, the tokenizer and ``(video_)preprocessor_config.json`` from the
 ``model.hf_config`` folder; each CP rank decodes only the frames of its temporal patches
-(``layouts.mmsp.frame_shards`` over the micro-batch's videos, as ``mmsp.qwen_vl`` shards them).
+(``layouts.mmsp.frame_shards`` over the micro-batch's videos, as ``mmsp.qwen_vl`` shards them; under
+``train.objective: grpo`` over each video alone, as ``mmsp.rl_qwen_vl`` shards a prompt's video).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class QwenEnergonBatch:
     second_per_grid_ts: torch.Tensor  # [b]
     labels: torch.Tensor  # [b, L] HF convention, -100 on padding
     sample_ids: Optional[torch.Tensor] = None
+    pixel_rows: Optional[List[int]] = None  # each sample's rows of pixel_values_videos
+    answers: Optional[List[str]] = None  # each sample's answer text (the clip's caption)
 
 
 class QwenEnergonBatches:
@@ -90,6 +93,7 @@ class QwenEnergonBatches:
         gbs = config.train.global_batch_size or self.micro * self.dp_size
         self.num_microbatches = gbs // (self.micro * self.dp_size)
         self.pad_id = self.qa.tokenizer.pad_token_id or 0
+        self.per_video = config.train.objective == "grpo"  # a prompt is its own sequence
 
     @property
     def decoded_frames(self) -> int:
@@ -111,6 +115,10 @@ class QwenEnergonBatches:
                     f"clip {k!r} (h, w) patches {g[1:]} must equal clip {keys[0]!r}'s "
                     f"{grids[0][1:]} in one micro-batch under context parallelism (data.path)"
                 )
+        if self.per_video:
+            return [
+                frame_shards([g[0]], self.cp_size).local_units(self.cp_rank).tolist() for g in grids
+            ]
         shards = frame_shards([g[0] for g in grids], self.cp_size)
         mine = shards.local_units(self.cp_rank).tolist()
         out, start = [], 0
@@ -135,6 +143,8 @@ class QwenEnergonBatches:
             second_per_grid_ts=torch.cat([x["second_per_grid_ts"] for x in s]),
             labels=torch.stack([pad(x["labels"], -100) for x in s]),
             sample_ids=torch.tensor([int(i) for i in positions]),
+            pixel_rows=[int(x["pixel_values_videos"].shape[0]) for x in s],
+            answers=[self.qa.records[k]["caption"] for k in keys],
         )
 
     def step_batches(self, step: int) -> Iterator[QwenEnergonBatch]:

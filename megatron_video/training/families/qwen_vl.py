@@ -217,6 +217,8 @@ def _seq_length(config: Config) -> int:
         from ..qwen_vl_energon import energon_source, max_length
 
         need = max_length(*energon_source(config, hf_config_of(config)))
+        if config.train.objective == "grpo":  # prompt + rl.max_new_tokens (an upper bound)
+            need += config.rl.max_new_tokens
         return -(-need // (2 * cp)) * (2 * cp)
     n = -(-d.num_frames // g.temporal) * (d.height // g.patch) * (d.width // g.patch) // g.merge**2
     need = TEXT_LEN - 1 + n + 2 + 1
@@ -286,11 +288,10 @@ def _check(config: Config, world_size: int) -> None:
             f"train.sample ({t.sample}) must be false and data.source ({d.source!r}) 'synthetic' "
             f"or 'energon' for model.family 'qwen_vl'"
         )
-    if d.source == "energon" and (m.hf_config is None or t.objective != "supervised"):
+    if d.source == "energon" and m.hf_config is None:
         raise ValueError(
             f"model.hf_config ({m.hf_config!r}) must name a Qwen2.5-VL folder (its tokenizer and "
-            f"video processor read the clips) and train.objective ({t.objective!r}) be "
-            f"'supervised' for data.source 'energon' with model.family 'qwen_vl'"
+            f"video processor read the clips) for data.source 'energon' with model.family 'qwen_vl'"
         )
     if d.source == "energon":  # the folder's tokenizer / processor against the model, every rank
         from ..qwen_vl_energon import energon_source
@@ -360,7 +361,15 @@ class QwenVLFamily(FamilySpec):
 
     def tokenizer(self, config: Config):
         """The questions' word tokenizer (``data.video_qa.qa_tokenizer``: the data's ids) with
-        Qwen2.5-VL's image, video, vision start and end tokens at this config's ids."""
+        Qwen2.5-VL's image, video, vision start and end tokens at this config's ids; with
+        ``data.source: energon`` the ``model.hf_config`` folder's (its chat template wrote the
+        prompts)."""
+        if config.data.source == "energon":
+            from transformers import AutoTokenizer
+
+            from ..qwen_vl_energon import hf_folder
+
+            return AutoTokenizer.from_pretrained(str(hf_folder(config)))
         from megatron_video.data.video_qa import qa_tokenizer
 
         g, hf = geometry_of(config), hf_config_of(config)
