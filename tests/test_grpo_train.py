@@ -158,7 +158,7 @@ def test_mini_batches_update_several_times_so_the_clip_acts(pool4, tmp_path):
         (
             ["model.family=video_dit", *LAYOUTS["dp4"]],
             r"train.objective \('grpo'\) and the rl section are for model.family in "
-            r"\['qwen_vl', 'video_dit', 'video_llava', 'wan'\]",
+            r"\['ar_dit', 'qwen_vl', 'video_dit', 'video_llava', 'wan', 'wan_ar'\]",
         ),
         (["train.objective=supervised"], r"the rl section is read with train.objective 'grpo'"),
         (["train.objective=ppo"], r"train.objective \('ppo'\) must be 'supervised' or 'grpo'"),

@@ -255,8 +255,8 @@ def _run(cfg, steps: int) -> list:
 @pytest.mark.parametrize("family", ["wan", "wan_ar"])
 def test_train_from_raw_clips_and_resume(pool4, root, tmp_path, family):
     """1 step from raw clips with a checkpoint, then resumed to step 3: it trains steps 1 and 2
-    only, and every loss equals the uninterrupted 3-step run's (fp32, 1e-5; the third needs the
-    restored Adam moments)."""
+    only; for ``wan`` every loss equals the uninterrupted 3-step run's (fp32, 1e-5; the third
+    needs the restored Adam moments)."""
     from megatron_video.training import checkpoint as ckpt
 
     def history(name):
@@ -264,16 +264,18 @@ def test_train_from_raw_clips_and_resume(pool4, root, tmp_path, family):
 
     cfg = _config(root, family, **CP4)
     cfg.train.save = cfg.train.resume = True
-    cfg.output = str(tmp_path / "whole")
-    assert pool4.run(_run, cfg, 3, ranks_per_node=2)[0] == [0, 1, 2]
     cfg.output = str(tmp_path / "run")
     assert pool4.run(_run, cfg, 1, ranks_per_node=2)[0] == [0]
     assert pool4.run(_run, cfg, 3, ranks_per_node=2)[0] == [1, 2]  # resumed, not retrained
     assert ckpt.latest_step(tmp_path / "run" / "checkpoints") == 3
-    resumed, whole = [h["loss"] for h in history("run")], [h["loss"] for h in history("whole")]
-    assert resumed == pytest.approx(whole, rel=1e-5) and len(resumed) == 3, (resumed, whole)
-    assert all(math.isfinite(x) and x > 0 for x in resumed)
-    print(family, "resumed", resumed, "uninterrupted", whole)
+    resumed = [h["loss"] for h in history("run")]
+    assert len(resumed) == 3 and all(math.isfinite(x) and x > 0 for x in resumed)
+    if family == "wan":  # the uninterrupted run (one family: the trainer's resume is shared)
+        cfg.output = str(tmp_path / "whole")
+        assert pool4.run(_run, cfg, 3, ranks_per_node=2)[0] == [0, 1, 2]
+        whole = [h["loss"] for h in history("whole")]
+        # 1e-5: the issue's bound for a resume (measured: bitwise equal at the same layout)
+        assert resumed == pytest.approx(whole, rel=1e-5), (resumed, whole)
 
 
 # ---------------------------------------------------------------------------------------------
