@@ -274,7 +274,7 @@ def test_train_from_raw_clips_and_resume(pool4, root, tmp_path, family):
         cfg.output = str(tmp_path / "whole")
         assert pool4.run(_run, cfg, 3, ranks_per_node=2)[0] == [0, 1, 2]
         whole = [h["loss"] for h in history("whole")]
-        # 1e-5: the bound for a resume (measured: bitwise equal at the same layout)
+        # 1e-5: the bound for a resume (the same layout repeats the same reductions)
         assert resumed == pytest.approx(whole, rel=1e-5), (resumed, whole)
 
 
