@@ -31,18 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-TINY = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    text_dim=32,
-    freq_dim=32,
-    ffn_dim=96,
-    num_layers=2,
-    rope_max_seq_len=64,
-)
+from megatron_video.testing.wan import TINY_WAN as TINY  # noqa: E402  (tests' tiny Wan)
+
 CHANNELS = 16  # a token: 4 latent channels x patch 1 x 2 x 2
 LAYOUTS = ((1, 1), (2, 1), (2, 2))  # (Ulysses, ring): CP 1, 2, 4
 
