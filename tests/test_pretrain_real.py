@@ -152,6 +152,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _store_port() -> int:
+    """A free port below the kernel's ephemeral range: a run's store binds it minutes after the
+    plan is written, and a port from the ephemeral range (``_free_port``) can be taken by then by
+    any outgoing connection (gloo opens many)."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low})")
+
+
 def _command(name: str, out: Path, *extra: str):
     """The documented line ``name`` + the CPU flags + the scaled-down flags (+ ``extra``)."""
     tokens = list(BLOCKS[name if name in ("dit", "llava") else "dit"])
@@ -177,17 +195,20 @@ def _command(name: str, out: Path, *extra: str):
 
 def _runs(*runs) -> list:
     """Each ``(name, out, extra, may_fail)`` of ``runs``, one after another in one torchrun (the
-    shim's ``--runs``: Megatron's global state destroyed between them); each run's result."""
+    shim's ``--runs``: each rank imports once and forks a fresh child per run); each run's
+    result."""
     cmds = [_command(name, out, *extra) for name, out, extra, _ in runs]
     shim = cmds[0][0].index(str(SHIM))
     prefix, env = cmds[0][0][: shim + 1], cmds[0][1]
     assert all(c[: shim + 1] == prefix and e == env for c, e in cmds), "one torchrun line"
     logs = Path(runs[0][1]).parent / f"logs_{Path(runs[0][1]).name}"
-    logs.mkdir()
+    logs.mkdir(parents=True)
     plan = [
         {"argv": c[shim + 1 :], "log": str(logs / f"{i}_{r[0]}"), "may_fail": r[3]}
         for i, ((c, _), r) in enumerate(zip(cmds, runs))
     ]
+    for run in plan:  # each run's own TCP store (the shim forks a fresh child per run)
+        run["port"] = _store_port()
     (logs / "runs.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
@@ -223,20 +244,39 @@ def _runs(*runs) -> list:
 
 
 @pytest.fixture(scope="module")
-def dit_runs(tmp_path_factory):
-    """The ``dit`` line: 8 iterations (saved at 4 and 8), then in the same torchrun: resumed from
-    its iteration-4 checkpoint, at TP 2 x CP 2, and resumed at DP 2 x CP 2."""
-    root = tmp_path_factory.mktemp("mlm_dit")
+def launches(wan_shards, tmp_path_factory) -> dict:
+    """All the documented launches in one torchrun (each a fresh process, forked after the
+    imports): the ``dit`` line's runs (:func:`_dit_plan`), each family's line
+    (:func:`_family_plan`) and the ``mixed`` line's runs (:func:`_mixed_plan`)."""
+    root = tmp_path_factory.mktemp("mlm")
+    plans = [_dit_plan(root / "dit"), _family_plan(root / "families", wan_shards)]
+    plans.append(_mixed_plan(root / "mixed"))
+    results = iter(_runs(*[run for _, runs, _ in plans for run in runs]))
+    return {name: shape([next(results) for _ in runs]) for name, runs, shape in plans}
+
+
+def _dit_plan(root: Path):
+    """The ``dit`` line: 8 iterations (saved at 4 and 8), then resumed from its iteration-4
+    checkpoint, at TP 2 x CP 2, and resumed at DP 2 x CP 2."""
     out = root / "run"
     load = ("--load", str(out), "--ckpt-step", "4")
     dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
-    first, resumed, tp, dp = _runs(
+    runs = [
         ("dit", out, (), False),
         ("dit", root / "resumed", load, False),
         ("tp2cp2", root / "tp2cp2", (), False),
         ("dit", root / "dp2", (*load, "--micro-batch-size", "1", *dp2), False),
-    )
-    return {"first": {**first, "out": out}, "resumed": resumed, "tp2cp2": tp, "dp2": dp}
+    ]
+
+    def shape(r):
+        return {"first": {**r[0], "out": out}, "resumed": r[1], "tp2cp2": r[2], "dp2": r[3]}
+
+    return "dit", runs, shape
+
+
+@pytest.fixture(scope="module")
+def dit_runs(launches):
+    return launches["dit"]
 
 
 @pytest.fixture(scope="module")
@@ -325,17 +365,18 @@ def wan_shards(tmp_path_factory):
 FOUR = ("--train-iters", "4", "--save-interval", "4", "--eval-interval", "2")
 
 
-@pytest.fixture(scope="module")
-def family_runs(wan_shards, tmp_path_factory):
+def _family_plan(root: Path, wan_shards: str):
     """The ``llava`` line (8 iterations) and the ST-DiT, AR DiT, Wan and Wan AR lines (4 each,
-    evaluated after 2 and 4), each in a torchrun of its own: in one torchrun, after the runs
-    before it, the ``wan_ar`` line once failed its first collective ("Connection reset by peer",
-    CI 2026-12-06) -- lines of different entries and families one after another are not proven
-    safe, so only a line and its own resumes share a torchrun."""
-    root = tmp_path_factory.mktemp("mlm_families")
+    evaluated after 2 and 4)."""
     wan = ("--video-override", f"data.shards={wan_shards}")
     extra = {"llava": (), "stdit": FOUR, "ar_dit": FOUR, "wan": FOUR + wan, "wan_ar": FOUR + wan}
-    return {name: _runs((name, root / name, e, False))[0] for name, e in extra.items()}
+    runs = [(name, root / name, e, False) for name, e in extra.items()]
+    return "families", runs, lambda r: dict(zip(extra, r))
+
+
+@pytest.fixture(scope="module")
+def family_runs(launches):
+    return launches["families"]
 
 
 @real
@@ -359,14 +400,12 @@ def test_other_families_train_and_evaluate(family, family_runs):
     assert sum(final for _, final, _ in run["evals"]) == 2
 
 
-@pytest.fixture(scope="module")
-def mixed_runs(tmp_path_factory):
+def _mixed_plan(root: Path):
     """The ``mixed`` line (data.buckets) on mixed-shape latent shards with images: 6 iterations,
-    a checkpoint at 3, evaluation at 3 and 6; then in the same torchrun: resumed from 3, at PP 2 x
-    CP 2, resumed at DP 2 x CP 2, and resumed with another global batch (refused)."""
+    a checkpoint at 3, evaluation at 3 and 6; then resumed from 3, at PP 2 x CP 2, resumed at DP 2
+    x CP 2, and resumed with another global batch (refused)."""
     from megatron_video.testing.mixed import write_tiny_mixed_shards
 
-    root = tmp_path_factory.mktemp("mlm_mixed")
     shards = write_tiny_mixed_shards("wan", root / "shards", num_samples=12)
     six = ("--train-iters", "6", "--save-interval", "3", "--eval-interval", "3")
     base = (*six, "--video-override", f"data.shards={shards}")
@@ -376,20 +415,24 @@ def mixed_runs(tmp_path_factory):
     dp2 = ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1")
     # --override-opt_param-scheduler: else Megatron's own warmup check stops the last one first
     gbs4 = (*load, "--global-batch-size", "4", "--override-opt_param-scheduler")
-    first, resumed, pp2, dp, refused = _runs(
+    runs = [
         ("mixed", root / "run", base, False),
         ("mixed", root / "resumed", (*base, *load), False),
         ("mixed", root / "pp2", (*base, *pp), False),
         ("mixed", root / "dp2", (*base, *load, *dp2), False),
         ("mixed", root / "gbs4", (*base, *gbs4), True),
-    )
-    return {
-        "first": {**first, "out": root / "run", "shards": shards},
-        "resumed": resumed,
-        "pp2": pp2,
-        "dp2": dp,
-        "gbs4": refused,
-    }
+    ]
+
+    def shape(r):
+        first = {**r[0], "out": root / "run", "shards": shards}
+        return {"first": first, "resumed": r[1], "pp2": r[2], "dp2": r[3], "gbs4": r[4]}
+
+    return "mixed", runs, shape
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(launches):
+    return launches["mixed"]
 
 
 @pytest.fixture(scope="module")

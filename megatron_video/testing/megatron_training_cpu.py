@@ -191,51 +191,60 @@ def main(argv: List[str]) -> None:
 
 def runs(path: str) -> None:
     """Several launches in one ``torchrun``: FILE is JSON, ``[{"argv": [SCRIPT, ARGS...], "log":
-    PREFIX, "may_fail": bool}, ...]``. Each run writes this rank's output to ``PREFIX.rankR`` and
-    ends with a line ``exit status N``; between runs Megatron's global state is destroyed
-    (``megatron.training.training.destroy_global_state``, what Megatron's in-process restart
-    calls) with the groups and state a run leaves (``testing.pool``'s reset). A run that fails,
-    unless it ``may_fail``, ends the process (and torchrun stops the other ranks)."""
+    PREFIX, "port": N, "may_fail": bool}, ...]``. Each rank imports Megatron once, then runs each
+    launch in a child it forks (:func:`_forked_run`): every run starts from a fresh process state
+    (Megatron's globals, groups, memory) without paying the imports again, and rendezvouses on a
+    TCP store of its own (rank 0's child hosts it on ``port``), so no key or connection of an
+    earlier run is seen. Each run writes this rank's output to ``PREFIX.rankR``, ending with a line
+    ``exit status N``. A run that fails, unless it ``may_fail``, ends the process (torchrun stops
+    the other ranks; their children die with them)."""
     import json
     import os
+
+    importlib.import_module("megatron.training.training")  # what every run imports, once
+    importlib.import_module("megatron_video.training.megatron_lm")
+    rank = os.environ.get("RANK", "0")
+    for run in json.loads(open(path).read()):
+        log = f"{run['log']}.rank{rank}"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _forked_run(run, log)  # never returns
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if status < 0:  # killed by a signal: the child wrote no status line
+            with open(log, "a") as f:
+                f.write(f"\nexit status {status} (signal {-status})\n")
+        if status and not run.get("may_fail"):
+            raise SystemExit(1)
+
+
+def _forked_run(run: dict, log: str) -> None:
+    """In the forked child: die with the parent, rendezvous on the run's own store, run the
+    launch as ``__main__`` with stdout / stderr in ``log``, exit with its status."""
+    import ctypes
+    import os
+    import signal
     import time
     import traceback
 
-    import torch.distributed as dist
-
-    from megatron_video.testing.pool import _reset_rank_state
-
-    plan = json.loads(open(path).read())
-    destroy = importlib.import_module("megatron.training.training").destroy_global_state
-    rank = os.environ.get("RANK", "0")
-    for run in plan:
-        sys.stdout.flush()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no child outlives its rank
+    os.environ.update(MASTER_PORT=str(run["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+    status, t0 = 0, time.time()
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            sys.argv = list(run["argv"])
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        print(f"exit status {status} after {time.time() - t0:.1f} s", flush=True)
         sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        with open(f"{run['log']}.rank{rank}", "w") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            status, t0 = 0, time.time()
-            try:
-                sys.argv = list(run["argv"])
-                runpy.run_path(sys.argv[0], run_name="__main__")
-            except SystemExit as e:
-                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-                status = 1
-            print(f"exit status {status} after {time.time() - t0:.1f} s", flush=True)
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
-        if status and not run.get("may_fail"):
-            raise SystemExit(status)
-        if dist.is_initialized():
-            dist.barrier()
-        destroy()
-        _reset_rank_state()
+    os._exit(status)
 
 
 if __name__ == "__main__":
