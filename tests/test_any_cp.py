@@ -175,13 +175,14 @@ def _step(kind: str, root, layout: str, break_it=None) -> dict:
 
 
 def _sample(kind, cfg, fam, model, groups, batches, mb):
-    """``train.sample``'s CP sampler (``training.generation.Generator.t2v_tokens``): 2 guided
+    """``train.sample``'s CP sampler (``generation.generator.Generator.t2v_tokens``): 2 guided
     steps from one noise on this layout's placement (T2V families)."""
     if fam.autoregressive:
         return None
+    from megatron_video.generation.generator import Generator
     from megatron_video.training.batches.fixed import sample_generator
     from megatron_video.training.config import token_grid_of
-    from megatron_video.training.generation import Generator
+    from megatron_video.training.generate import sample_spec
     from megatron_video.training.objectives import wan_text
 
     cfg.diffusion.sample_steps = 2
@@ -196,7 +197,9 @@ def _sample(kind, cfg, fam, model, groups, batches, mb):
         null = (torch.zeros_like(cond[0]),)
     placed = batches.placed(1) if hasattr(batches, "placed") else None
     geometry = fam.sample_layout(cfg, groups.cp_size).geometry
-    gen = Generator(model, cfg, fam, groups, geometry, None, batches.token_ids, placed=placed)
+    gen = Generator(
+        model, sample_spec(cfg, fam), groups, geometry, batches.token_ids, placed=placed
+    )
     with torch.no_grad():
         return gen.t2v_tokens(cond, null, noise)
 

@@ -19,11 +19,11 @@ def _train_and_stream(tmp):
     """Train 1 step, save; then stream the generate request in-process with the trainer's model."""
     import warnings
 
+    from megatron_video.generation.wan_io import wan_text_conditions
     from megatron_video.testing.wan import tiny_wan_config
     from megatron_video.training.batches.fixed import sample_generator
     from megatron_video.training.config import token_grid_of
-    from megatron_video.training.generation import trainer_generator
-    from megatron_video.training.generation_wan import wan_text_conditions
+    from megatron_video.training.generate import trainer_generator
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
@@ -31,7 +31,9 @@ def _train_and_stream(tmp):
     t = Trainer(cfg, progress=False)
     try:
         t.run()
-        (cond, second), null = wan_text_conditions(f"{tmp}/umt5", cfg, PROMPTS, t.device)
+        (cond, second), null = wan_text_conditions(
+            f"{tmp}/umt5", cfg.data.caption_len, cfg.data.text_embed_dim, PROMPTS, t.device
+        )
         _, Hp, Wp = token_grid_of(cfg)
         C = cfg.vae.latent_channels * 4
 
@@ -63,17 +65,17 @@ def _generate_on_every_rank(argv):
     import contextlib
     import io
 
-    from megatron_video.training import generation
+    from megatron_video.training import generate
     from megatron_video.training.cli import main
 
-    real, results = generation.generate, []
-    generation.generate = lambda *a, **k: results.append(real(*a, **k)) or results[-1]
+    real, results = generate.generate, []
+    generate.generate = lambda *a, **k: results.append(real(*a, **k)) or results[-1]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             rc = main(argv)
     finally:
-        generation.generate = real
+        generate.generate = real
     return rc, err.getvalue(), results[0].get("tokens") if results else None
 
 
@@ -92,7 +94,7 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
         tiny_wan_config,
         write_random_latent_shards,
     )
-    from megatron_video.training import generation
+    from megatron_video.training import generate
     from megatron_video.training.cli import main
 
     save_tiny_wan_vae(tmp_path / "vae")
@@ -101,9 +103,9 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     ref = pool4.run(_train_and_stream, str(tmp_path), ranks_per_node=2)[0]
 
     results = []
-    real = generation.generate
+    real = generate.generate
     monkeypatch.setattr(
-        generation, "generate", lambda *a, **k: results.append(real(*a, **k)) or results[-1]
+        generate, "generate", lambda *a, **k: results.append(real(*a, **k)) or results[-1]
     )
     out = tmp_path / "gen" / "video"
     argv = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", PROMPTS[0]]
@@ -182,7 +184,7 @@ def test_image_needs_a_ti2v_trained_wan_ar(tmp_path):
 
     from megatron_video.testing.wan import tiny_wan_config
     from megatron_video.training.families import get_family
-    from megatron_video.training.generation import _check_request
+    from megatron_video.training.generate import _check_request
 
     cfg = tiny_wan_config("wan_ar", tmp_path, tmp_path / "shards")
     cfg.data.i2v_probability = 0.0
@@ -199,21 +201,21 @@ def test_bad_window_or_sink_is_refused_before_the_model_is_built(tmp_path, monke
     import pytest
 
     from megatron_video.testing.wan import tiny_wan_config
-    from megatron_video.training import generation
+    from megatron_video.training import generate
 
     cfg = tiny_wan_config("wan_ar", tmp_path, tmp_path / "shards")
     cfg.model.frames_per_block = 2
-    monkeypatch.setattr(generation, "read_checkpoint_config", lambda c: (cfg, tmp_path, 1))
+    monkeypatch.setattr(generate, "read_checkpoint_config", lambda c: (cfg, tmp_path, 1))
 
     def built(*a, **k):
         raise AssertionError("checked too late: the model / encoders were loaded")
 
-    monkeypatch.setattr(generation, "_conditions", built)
-    monkeypatch.setattr(generation, "_load_model", built)
+    monkeypatch.setattr(generate, "_conditions", built)
+    monkeypatch.setattr(generate, "_load_model", built)
     for kw, needle in [
         (dict(sink=1), r"--sink \(1\) must be a non-negative multiple of model.frames_per_block"),
         (dict(window=3), r"--window \(3\) must be a non-negative multiple"),
         (dict(window=-2), r"--window \(-2\)"),
     ]:
         with pytest.raises(ValueError, match=needle):
-            generation.generate(tmp_path, "a prompt", 29, **kw)
+            generate.generate(tmp_path, "a prompt", 29, **kw)

@@ -117,7 +117,7 @@ def _run_cases(family: str, tmp: str, cases: dict) -> dict:
     weights (each layout derives them from its own initial weights, checked equal)."""
     import warnings
 
-    from megatron_video.training import generation
+    from megatron_video.training import generate
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
@@ -135,7 +135,7 @@ def _run_cases(family: str, tmp: str, cases: dict) -> dict:
             )
             loss = trainer.forward_backward(0)
             sample = (
-                generation.sample_tokens(trainer, 1)
+                generate.sample_tokens(trainer, 1)
                 if trainer.tcfg.pipeline_model_parallel_size == 1
                 else None
             )

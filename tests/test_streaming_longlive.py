@@ -184,26 +184,27 @@ def test_generate_recache_flag_reaches_the_stream(tmp_path, monkeypatch):
     ``Generator.ar_blocks`` -> ``stream_autoregressive(recache=)``; default ours; a bad value
     is a ValueError naming ``--recache`` before the model is built."""
     from megatron_video.generation import streaming
+    from megatron_video.generation.generator import Generator
     from megatron_video.testing.wan import tiny_wan_config
-    from megatron_video.training import generation, trainer
+    from megatron_video.training import generate, trainer
     from megatron_video.training.cli import main
     from megatron_video.training.families import get_family
 
     seen = []
     monkeypatch.setattr(trainer, "init_distributed", lambda: False)
-    monkeypatch.setattr(generation, "generate", lambda *a, **k: seen.append(k["recache"]) or {})
+    monkeypatch.setattr(generate, "generate", lambda *a, **k: seen.append(k["recache"]) or {})
     argv = ["generate", "--checkpoint", "x", "--prompt", "p", "--frames", "9"]
     assert main(argv + ["--recache", "longlive"]) == 0 and main(argv) == 0
     assert seen == ["longlive", "block_causal"]
 
     cfg = tiny_wan_config("wan_ar", tmp_path, tmp_path / "shards")
     monkeypatch.setattr(streaming, "stream_autoregressive", lambda *a, **k: k["recache"])
-    gen = generation.Generator(None, cfg, get_family("wan_ar"), None)
+    gen = Generator(None, generate.sample_spec(cfg, get_family("wan_ar")), None)
     assert gen.ar_blocks(None, None, None, 2, recache="longlive") == "longlive"
     assert gen.ar_blocks(None, None, None, 2) == "block_causal"
 
     monkeypatch.undo()
-    monkeypatch.setattr(generation, "read_checkpoint_config", lambda c: (cfg, tmp_path, 1))
-    monkeypatch.setattr(generation, "_load_model", lambda *a: pytest.fail("checked too late"))
+    monkeypatch.setattr(generate, "read_checkpoint_config", lambda c: (cfg, tmp_path, 1))
+    monkeypatch.setattr(generate, "_load_model", lambda *a: pytest.fail("checked too late"))
     with pytest.raises(ValueError, match=r"--recache \('lolive'\) must be one of"):
-        generation.generate(tmp_path, "a prompt", 9, recache="lolive")
+        generate.generate(tmp_path, "a prompt", 9, recache="lolive")

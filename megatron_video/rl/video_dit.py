@@ -1,5 +1,5 @@
 """Flow-GRPO of the project's DiT (``video_dit`` with ``diffusion.objective: flow``) on the model
-call of the CP sampler (``training.generation``'s ``t2v_tokens``: ``model(x, t, caption_ids,
+call of the CP sampler (``generation.generator``'s ``t2v_tokens``: ``model(x, t, caption_ids,
 caption_mask, geometry, drop)`` on this rank's tokens). The noise is drawn in token space
 (``[N, patch_dim]`` per rollout, keyed like ``rl.wan``) and cut to the rank's ``local_ids``; the
 null condition of CFG is the model's own (``drop``). Map: docs/wan.md, "Reinforcement learning

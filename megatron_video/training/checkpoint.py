@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..compat.manifest import MANIFEST_FILE, write_manifest
 from ..compat.manifest import manifest_files as _files
 from ..compat.manifest import sha256_file as _sha256
-from ..parallel import comm
+from ..parallel.comm import agree_or_raise
 from ..parallel.fsdp import load_model_state, load_optimizer_state, optimizer_state_ids
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "set_rng_state",
     "safe_read_index",
     "safe_read_common",
-    "agree_or_raise",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -363,39 +362,6 @@ def _verify_share(path: Path, rank: int, world: int) -> Optional[str]:
         if f.stat().st_size != files[name]["bytes"] or _sha256(f) != files[name]["sha256"]:
             return f"file {name} does not match the manifest (truncated or modified)"
     return None
-
-
-def agree_or_raise(reason: Optional[str], what: str) -> None:
-    """Collective over the world: raise ``ValueError`` on every rank if any rank has a ``reason``
-    (its own reason where it has one), so a refusal seen by one rank never leaves the others
-    waiting in a later collective. One traced ``all_reduce`` (tag ``"agree"``)."""
-    flag = torch.tensor([0.0 if reason is None else 1.0])  # a host flag (comm.host_group)
-    comm.all_reduce(flag, None, tag="agree")
-    if flag.item():
-        src, first = _first_reason(reason)  # only after a refusal: two more host collectives
-        raise ValueError(
-            f"{what}: {reason}"
-            if reason
-            else f"{what}: refused on another rank (rank {src}: {first})"
-        )
-
-
-REASON_BYTES = 4096  # the refusal text shared with the other ranks (UTF-8, cut there)
-
-
-def _first_reason(reason: Optional[str]) -> Tuple[int, str]:
-    """``(rank, reason)`` of the lowest rank with a reason, on every rank (collective over the
-    world), so the ranks that did not fail name the cause too."""
-    rank, world = comm.group_rank(None), comm.group_size(None)
-    src = torch.tensor([float(rank if reason is not None else world)])
-    comm.all_reduce(src, None, op=dist.ReduceOp.MIN, tag="agree.rank")
-    src = int(src.item())
-    buf = torch.zeros(REASON_BYTES, dtype=torch.uint8)
-    if rank == src:
-        data = (reason or "").encode()[:REASON_BYTES]
-        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    comm.broadcast(buf, None, src=src, tag="agree.reason")
-    return src, bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -449,9 +449,10 @@ def _generate(args) -> int:
     import torch.distributed as dist
 
     from megatron_video.compat import destroy_model_parallel
+    from megatron_video.generation.video_out import parse_switch
     from megatron_video.parallel.topology import destroy_video_parallel
 
-    from .generation import generate, parse_switch
+    from .generate import generate
     from .trainer import init_distributed
 
     switches = [parse_switch(s) for s in args.switch]

@@ -26,7 +26,6 @@ from megatron_video.mmsp import rl
 from megatron_video.parallel import comm
 from megatron_video.rl.grpo import token_normalisers
 
-from . import checkpoint as ckpt
 from .batches.protocol import checked_step_batches
 from .model_factory import build_model
 from .trainer import Trainer
@@ -158,7 +157,7 @@ class GRPOTrainer(Trainer):
                     groups.append((i, frames, prompt, visual, ro, rewards))
         except ValueError as e:
             reason = str(e)
-        ckpt.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
+        comm.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
         return groups
 
     def _update(self, groups: List[tuple]) -> torch.Tensor:

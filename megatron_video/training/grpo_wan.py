@@ -27,7 +27,6 @@ from megatron_video.rl.flow_grpo import select_steps
 from megatron_video.rl.rewards import score
 from megatron_video.rl.wan import wan_grpo_backward, wan_rollout, wan_videos
 
-from . import checkpoint as ckpt
 from .batches.clips import fixed_latent_shape
 from .batches.fixed import rank_token_ids
 from .batches.protocol import checked_step_batches
@@ -81,7 +80,7 @@ class FlowGRPOTrainer(GRPOTrainer):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         groups, reason = self._flow_rollouts(step, dtype)
-        ckpt.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
+        comm.agree_or_raise(reason, f"GRPO step {step}")  # every rank raises, none waits
         r = torch.cat([g[1] for g in groups]) if groups else torch.zeros(0, dtype=torch.float64)
         counts = torch.tensor([len(groups), r.sum(), (r * r).sum(), r.numel()], dtype=torch.float64)
         comm.all_reduce(counts, self.dp_group, tag="rl.counts")

@@ -1,16 +1,15 @@
-"""Run outputs: ``metrics.json``, ``loss.png`` (matplotlib) and ``sample.gif`` (pillow)."""
+"""Run outputs: ``metrics.json`` and ``loss.png`` (matplotlib); the GIFs: ``generation.video_out``."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from typing import Dict, Sequence
 
 import numpy as np
-import torch
 
-__all__ = ["write_metrics", "plot_loss", "write_gif", "video_to_frames"]
+__all__ = ["write_metrics", "plot_loss"]
 
 
 def write_metrics(path, metrics: Dict) -> Path:
@@ -48,43 +47,4 @@ def plot_loss(
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return Path(path)
-
-
-def video_to_frames(video: torch.Tensor, scale: int = 4) -> List[np.ndarray]:
-    """``[3, T, H, W]`` in ``[-1, 1]`` -> T uint8 frames ``[H*scale, W*scale, 3]``."""
-    v = ((video.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    v = v.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3]
-    return [np.kron(f, np.ones((scale, scale, 1), dtype=np.uint8)) for f in v]
-
-
-def write_gif(
-    path,
-    videos: Sequence[torch.Tensor],
-    labels: Sequence[Union[str, Sequence[str]]] = (),
-    scale: int = 4,
-    fps: int = 8,
-) -> Path:
-    """Side-by-side GIF of equally long videos ``[3, T, H, W]``, a caption strip above each: a
-    label is one string, or one per frame (e.g. the prompt in force at each frame)."""
-    from PIL import Image, ImageDraw
-
-    columns = [video_to_frames(v, scale) for v in videos]
-    T = min(len(c) for c in columns)
-    h, w = columns[0][0].shape[:2]
-    pad, strip = 4, 14
-    frames = []
-    for t in range(T):
-        canvas = Image.new(
-            "RGB", (len(columns) * (w + pad) + pad, h + strip + 2 * pad), (24, 24, 24)
-        )
-        draw = ImageDraw.Draw(canvas)
-        for i, col in enumerate(columns):
-            x = pad + i * (w + pad)
-            canvas.paste(Image.fromarray(col[t]), (x, strip + pad))
-            if i < len(labels):
-                label = labels[i] if isinstance(labels[i], str) else labels[i][t]
-                draw.text((x, 2), label, fill=(230, 230, 230))
-        frames.append(canvas)
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
     return Path(path)

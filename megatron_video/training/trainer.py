@@ -31,7 +31,7 @@ from megatron_video.parallel import comm
 from megatron_video.parallel.topology import destroy_video_parallel, init_video_parallel
 
 from . import checkpoint as ckpt
-from . import generation
+from . import generate
 from .batches import RankCoords, checked_step_batches, rank_data
 from .batches.fixed import MicroBatch
 from .config import Config, config_to_dict, validate
@@ -440,7 +440,7 @@ class Trainer:
             data_state=self._data_state(step),
             extra_files={
                 **self.family.checkpoint_files(self.config, self.tcfg.params_dtype),
-                **generation.config_file(self.config),  # what `megatron-video generate` builds
+                **generate.config_file(self.config),  # what `megatron-video generate` builds
             },
         )
 
@@ -456,7 +456,7 @@ class Trainer:
                 self.batches.restore_data_state(ckpt.read_data_state(directory, step, "ledger"))
             except ValueError as e:
                 reason = str(e)
-            ckpt.agree_or_raise(
+            comm.agree_or_raise(
                 reason, "data-loader resume refused"
             )  # every rank raises, none hangs
         return step
@@ -524,7 +524,7 @@ class Trainer:
         sample, sample_wall = None, 0.0
         if t.sample:
             s0 = time.time()
-            sample = generation.training_sample(self)
+            sample = generate.training_sample(self)
             sample_wall = time.time() - s0
             self._beat(t.steps)
         metrics: Dict = {}
@@ -593,7 +593,9 @@ class Trainer:
         )
 
     def _write_outputs(self, history, train_wall, sample_wall, sample, out_dir, writer) -> Dict:
-        from .outputs import plot_loss, write_gif, write_metrics
+        from megatron_video.generation.video_out import write_gif
+
+        from .outputs import plot_loss, write_metrics
 
         c, p = self.config, self.config.parallel
         losses = [h["loss"] for h in history]
@@ -636,7 +638,7 @@ class Trainer:
                 losses,
                 title=f"{c.model.family} (CP={self.cp_size}: U{p.ulysses_size} x R{p.ring_size})",
             )
-        if isinstance(sample, dict):  # the Wan families: latents (generation.wan_training_sample)
+        if isinstance(sample, dict):  # the Wan families: latents (generate.wan_training_sample)
             torch.save(sample["latents"], out_dir / "sample_latents.pt")
             metrics["sample"] = {
                 "frames": sample["frames"],

@@ -14,7 +14,7 @@ from .collectives import (
     gather_from_group,
     scatter,
 )
-from .cross_rank import check_same_shape, check_same_values, shape_check_scope
+from .cross_rank import agree_or_raise, check_same_shape, check_same_values, shape_check_scope
 from .groups import drop_host_groups, group_rank, group_ranks, group_size, host_group
 from .ring import RingExchange, ring_shift
 from .tracer import CommEvent, CommTracer, record_skipped
@@ -43,4 +43,5 @@ __all__ = [
     "all_to_all_v",
     "exchange_counts",
     "check_same_values",
+    "agree_or_raise",
 ]

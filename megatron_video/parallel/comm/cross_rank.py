@@ -1,21 +1,24 @@
 """Cross-rank agreement checks before any data collective, so a mismatch raises on every rank
 instead of hanging: ``check_same_shape`` (inside ``shape_check_scope``: once per distinct call)
-and ``check_same_values``. Both travel over ``host_group`` and are traced as ``shape_check``."""
+and ``check_same_values``, both over ``host_group`` and traced as ``shape_check``; and
+``agree_or_raise`` (a refusal on one rank raises on every rank: checkpoint checks, GRPO steps),
+traced as ``agree``."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce, broadcast
 from .groups import group_rank, group_size, host_group
 from .tracer import _record
 
-__all__ = ["check_same_shape", "shape_check_scope", "check_same_values"]
+__all__ = ["check_same_shape", "shape_check_scope", "check_same_values", "agree_or_raise"]
 
 
 _DTYPES = [
@@ -134,3 +137,36 @@ def check_same_values(values: Dict[str, torch.Tensor], group, where: str = "") -
                 f"ranks of the group (group rank {r} vs group rank 0); every rank must "
                 f"pass the same values"
             )
+
+
+def agree_or_raise(reason: Optional[str], what: str) -> None:
+    """Collective over the world: raise ``ValueError`` on every rank if any rank has a ``reason``
+    (its own reason where it has one), so a refusal seen by one rank never leaves the others
+    waiting in a later collective. One traced ``all_reduce`` (tag ``"agree"``)."""
+    flag = torch.tensor([0.0 if reason is None else 1.0])  # a host flag (host_group)
+    all_reduce(flag, None, tag="agree")
+    if flag.item():
+        src, first = _first_reason(reason)  # only after a refusal: two more host collectives
+        raise ValueError(
+            f"{what}: {reason}"
+            if reason
+            else f"{what}: refused on another rank (rank {src}: {first})"
+        )
+
+
+REASON_BYTES = 4096  # the refusal text shared with the other ranks (UTF-8, cut there)
+
+
+def _first_reason(reason: Optional[str]) -> Tuple[int, str]:
+    """``(rank, reason)`` of the lowest rank with a reason, on every rank (collective over the
+    world), so the ranks that did not fail name the cause too."""
+    rank, world = group_rank(None), group_size(None)
+    src = torch.tensor([float(rank if reason is not None else world)])
+    all_reduce(src, None, op=dist.ReduceOp.MIN, tag="agree.rank")
+    src = int(src.item())
+    buf = torch.zeros(REASON_BYTES, dtype=torch.uint8)
+    if rank == src:
+        data = (reason or "").encode()[:REASON_BYTES]
+        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    broadcast(buf, None, src=src, tag="agree.reason")
+    return src, bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
