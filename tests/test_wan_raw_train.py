@@ -225,7 +225,8 @@ def test_one_step_from_raw_equals_precomputed_shards(pool4, root, family, bucket
     msg = (
         f"{family} buckets={buckets}: loss raw {raw:.8f} shards {ref:.8f} |d| {abs(raw - ref):.1e}"
     )
-    if not buckets:  # control: without the halo, the later ranks' latents (and the loss) differ
+    if family == "wan" and not buckets:  # control: without the halo, the later ranks' latents
+        # (and the loss) differ (per family and VAE: test_rank_latents_equal_full_clip_encoding)
         cfg = _config(root, family, **CP4)
         cfg.vae.halo_latents = 0
         bare = pool4.run(_trainer_step, cfg, ranks_per_node=2)[0]
