@@ -80,3 +80,22 @@ def test_marked_tests_that_import_megatron_fail_without_it(tmp_path):
         assert f"ERROR {test}" in out or f"FAILED {test}" in out, out
     assert "remove the mark" in out, out
     assert "test_unmarked" not in out, out  # not even imported
+
+
+def test_ci_split_names_existing_tests_and_one_environment_each():
+    """``.ci/one_env_split.txt``: each line ``env1|env2 NODE`` names a test function that exists,
+    once (a stale name would silently run a test in both environments, or in neither)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / ".ci" / "one_env_split.txt").read_text().splitlines()
+    entries = [ln.split() for ln in lines if ln.strip() and not ln.startswith("#")]
+    assert entries and all(len(e) == 2 and e[0] in ("env1", "env2") for e in entries), entries
+    nodes = [node for _, node in entries]
+    assert len(nodes) == len(set(nodes)), nodes
+    for node in nodes:
+        path, name = node.split("::")
+        tree = ast.parse((root / path).read_text())
+        names = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}
+        assert name in names, f"{node}: no such test"

@@ -2,7 +2,7 @@
 
 Each ``examples/configs/*.yaml`` runs as its comment's ``megatron-video train ... --nproc 4
 --ranks-per-node 2 --cpu`` does (the trainer on 4 gloo ranks, 2 simulated nodes), scaled down only
-in steps (2, then resumed to 3), sampling off and its output folder: the first run saves its final
+in steps (1, then resumed to 2), sampling off and its output folder: the first run saves its final
 checkpoint (where ``VideoQABatches`` once had no ``data_state``), the second resumes at step 2 and
 runs step 3 only. Full-size configs, if any, live under ``examples/configs/full/`` and are only
 validated (parsed, shapes checked), as are the examples of ``VALIDATED_ONLY`` (too slow for this
@@ -45,7 +45,7 @@ def _run(path, overrides):
 
     warnings.filterwarnings("ignore")
     out = []
-    for steps in (2, 3):
+    for steps in (1, 2):
         cfg = load_config(path, list(overrides) + [f"train.steps={steps}", "train.sample=false"])
         t = Trainer(cfg, progress=False)
         before, ran, step_fn = ckpt.latest_step(t.checkpoint_dir), [], t.train_step
@@ -116,12 +116,12 @@ def test_example_trains_saves_and_resumes(path, pool4, tmp_path):
         overrides.append(f"data.path={_demo_data(cfg, tmp_path / 'data')}")
     if cfg.data.source == "shards":
         overrides.append(f"data.shards={_latent_shards(cfg, tmp_path / 'shards')}")
-    ckpt2 = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    ckpt1 = tmp_path / "run" / "checkpoints" / "iter_0000001"
     for first, second in pool4.run(_run, str(path), overrides):
-        assert first[:4] == (None, [0, 1], 2, [])  # trained 2 steps, saved the final checkpoint
-        assert second[:3] == (2, [2], 3)  # resumed from it, ran step 3 only, saved it
+        assert first[:4] == (None, [0], 1, [])  # trained 1 step, saved the final checkpoint
+        assert second[:3] == (1, [1], 2)  # resumed from it, ran step 2 only, saved it
         # the console rank says where it resumed from
-        resumed = [f"[megatron-video] resumed from iteration 2 ({ckpt2})"]
+        resumed = [f"[megatron-video] resumed from iteration 1 ({ckpt1})"]
         assert second[3] == (resumed if second[4] else []), second
     if path.stem == "demo":
         _generate_as_documented(tmp_path)

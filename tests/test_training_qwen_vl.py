@@ -16,6 +16,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +144,12 @@ def _energon_setup(root):
     ]
 
 
+@pytest.fixture(scope="module")
+def energon_qa(tmp_path_factory):
+    """``_energon_setup`` once for the SFT and GRPO steps (neither changes the folders)."""
+    return _energon_setup(tmp_path_factory.mktemp("qwen_energon"))
+
+
 def _train_energon(tmp, overrides):
     import warnings
 
@@ -171,12 +178,11 @@ def _train_energon(tmp, overrides):
         t.close()
 
 
-def test_qwen_vl_trains_from_energon_each_rank_decoding_its_frames(pool4, tmp_path):
+def test_qwen_vl_trains_from_energon_each_rank_decoding_its_frames(pool4, energon_qa, tmp_path):
     """One step at U2 x R2 from a 2-clip energon dataset: finite loss; every rank's pixel rows are
     the full samples' rows of the temporal patches the model encodes there (the second clip's
     shards rotate), and it decodes at most its share of the source frames."""
-    overrides = _energon_setup(tmp_path)
-    res = pool4.run(_train_energon, str(tmp_path / "w"), overrides)
+    res = pool4.run(_train_energon, str(tmp_path / "w"), energon_qa)
     loss = res[0][0]["history"][0]["loss"]
     assert torch.isfinite(torch.tensor(loss)) and res[0][0]["parallel"]["cp"] == 4
     assert all(r[3] for r in res), [r[3] for r in res]
@@ -189,8 +195,6 @@ def test_qwen_vl_trains_from_energon_each_rank_decoding_its_frames(pool4, tmp_pa
 
 def test_qwen_vl_energon_refuses_a_mismatched_folder(tmp_path):
     import json
-
-    import pytest
 
     from megatron_video.data.qwen_video_qa import plan_video
     from megatron_video.training.config import load_config, validate
@@ -256,12 +260,11 @@ def _grpo_energon(tmp, overrides):
         t.close()
 
 
-def test_qwen_vl_grpo_from_energon_each_rank_decoding_its_frames(pool4, tmp_path):
+def test_qwen_vl_grpo_from_energon_each_rank_decoding_its_frames(pool4, energon_qa, tmp_path):
     """One GRPO step at U2 x R2 on the 2-clip energon dataset (2 responses each): finite loss; the
     reward gets each clip's caption as ``answer`` and ``decode`` the folder's tokenizer; each rank
     decodes at most its share of each clip's frames (each prompt's video sharded alone)."""
-    overrides = _energon_setup(tmp_path)
-    res = pool4.run(_grpo_energon, str(tmp_path / "w"), overrides)
+    res = pool4.run(_grpo_energon, str(tmp_path / "w"), energon_qa)
     hist = next(r[0] for r in res if r[0])["history"]
     assert len(hist) == 1 and torch.isfinite(torch.tensor(hist[0]["loss"])), hist
     assert sorted(r[2] for r in res) == [2, 2, 4, 4]  # 6 temporal patches a clip over 4 ranks

@@ -307,13 +307,30 @@ def _decode(path):
     return (x.float() / 127.5 - 1).permute(3, 0, 1, 2)
 
 
+def _train_on_shards(config: str, shards: str, out: str) -> list:
+    """Rank side: 2 steps of the trainer on ``config`` reading ``shards``; the logged losses."""
+    import warnings
+
+    from megatron_video.training.config import load_config
+    from megatron_video.training.trainer import Trainer
+
+    warnings.filterwarnings("ignore")
+    over = [f"data.shards={shards}", "train.steps=2", "train.progress=false", f"output={out}"]
+    t = Trainer(load_config(config, over), progress=False, cpu=True)
+    try:
+        metrics = t.run()
+        return [h["loss"] for h in metrics["history"]] if t.is_logger else None
+    finally:
+        t.close()
+
+
 @pytest.mark.process_launch
-def test_precompute_wan_vae_umt5_then_train_cli(tmp_path):
+def test_precompute_wan_vae_umt5_then_train(pool4, tmp_path):
     """``megatron-video precompute`` with a tiny ``AutoencoderKLWan`` (``vae.diffusers``) and a
     tiny UMT5 (``--text-encoder``), 2 SP halo windows per clip: the latents equal the full-clip
-    Wan encoding normalised by its latents_mean / std, the embeddings the UMT5's; then
-    ``megatron-video train`` of examples/configs/wan_tiny.yaml on 4 ranks trains on them."""
-    import json
+    Wan encoding normalised by its latents_mean / std, the embeddings the UMT5's; then the trainer
+    of examples/configs/wan_tiny.yaml on 4 ranks (the pool's: the command line's launch is
+    tested in tests/test_examples.py) trains on them."""
 
     from megatron_video.data.energon_video import prepare_dataset, write_procedural_videos
     from megatron_video.data.shards import ShardReader
@@ -346,14 +363,9 @@ def test_precompute_wan_vae_umt5_then_train_cli(tmp_path):
         assert s["latent"].shape == (4, 8, 4, 4) and s["meta"]["encoder"] == "wan_vae"
         assert torch.allclose(s["latent"], ref, atol=1e-4, rtol=0)
         assert torch.equal(s["text_mask"], mask[0]) and torch.allclose(s["text_emb"], emb[0])
-    out = tmp_path / "run"
-    _cli(
-        ["train", "--cpu", "--config", config, "--nproc", "4", "--ranks-per-node", "2"]
-        + ["--output", str(out), f"data.shards={shards}", "train.steps=3", "train.progress=false"],
-        REPO_ROOT,
-    )
-    history = json.loads((out / "metrics.json").read_text())["history"]
-    assert len(history) == 3 and all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in history)
+    run = str(tmp_path / "run")
+    losses = pool4.run(_train_on_shards, config, str(shards), run, ranks_per_node=2)[0]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), losses
 
 
 # ---------------------------------------------------------------------------------------------
