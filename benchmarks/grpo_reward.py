@@ -1,10 +1,12 @@
-"""Does Flow-GRPO raise the shipped reward? ``video_dit`` GRPO at U2 x R2 on 4 CPU ranks.
+"""Does Flow-GRPO raise the shipped reward? GRPO of the demo's model at U2 x R2 on 4 CPU ranks.
 
 The demo's model (``examples/configs/demo.yaml``: 4 layers, hidden 96, 4 heads, LoRA 16, patch 1,
-29 frames of 32 x 32 -> 8 latent frames of 4 x 4, the shipped VAE ``examples/vae/demo_vae.pt``)
-as ``video_dit`` with flow matching (the demo's ``ar_dit`` has no GRPO trainer yet: its rollouts
-stream through the KV cache), from the seed's weights, trained by ``train.objective: grpo``
-(``training.grpo_dit``) on ``--num-samples`` procedural clips (cycled, so every step scores the
+29 frames of 32 x 32 -> 8 latent frames of 4 x 4, the shipped VAE ``examples/vae/demo_vae.pt``),
+``--family ar_dit`` (the demo's own: 4 blocks of 2 latent frames, rollouts streamed block by block
+through the KV cache, ``training.grpo_wan_ar.ARDiTGRPOTrainer``) from the ``make demo`` checkpoint
+(``--init-from``, default ``runs/demo``: ``model.init_from``), or ``--family video_dit`` (full
+attention, ``training.grpo_dit``) from the seed's weights, trained by ``train.objective: grpo``
+on ``--num-samples`` procedural clips (cycled, so every step scores the
 same captions and the steps' means compare) with a shipped reward (``--reward``, default
 ``megatron_video.rl.rewards:latent_colour``: the generated latents' channel means against the
 captioned clip's; ``dominant_colour``: the decoded video's colour against the caption's word), 4
@@ -14,7 +16,8 @@ Writes ``<out>/grpo_reward.json`` (the settings, the per-step reward / KL / clip
 mean reward of the first and last ``--window`` steps, their difference over its standard error)
 and ``<out>/reward.png`` (matplotlib: reward per step, its ``--window``-step moving mean, the KL).
 
-    python benchmarks/grpo_reward.py [--steps 100 --out runs/grpo_reward]
+    make demo   # (or megatron-video demo --cpu): runs/demo, the checkpoint ar_dit starts from
+    python benchmarks/grpo_reward.py [--family ar_dit --steps 100 --out runs/grpo_reward]
 """
 
 from __future__ import annotations
@@ -28,17 +31,23 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 
+def _model(a) -> dict:
+    """The demo's model: ``ar_dit`` from ``a.init_from`` or ``video_dit`` from the seed."""
+    m = dict(
+        family=a.family, num_layers=4, hidden_size=96, num_attention_heads=4, lora_rank=16,
+        patch_size=[1, 1, 1],
+    )  # fmt: skip
+    if a.family == "ar_dit":
+        m.update(
+            frames_per_block=2, init_from=os.path.abspath(a.init_from) if a.init_from else None
+        )
+    return m
+
+
 def config_dict(a) -> dict:
-    """The job: the demo's model and data as ``video_dit`` + flow, GRPO with ``a``'s settings."""
+    """The job: the demo's model and data (``--family``) + flow, GRPO with ``a``'s settings."""
     return dict(
-        model=dict(
-            family="video_dit",
-            num_layers=4,
-            hidden_size=96,
-            num_attention_heads=4,
-            lora_rank=16,
-            patch_size=[1, 1, 1],
-        ),
+        model=_model(a),
         parallel=dict(context_parallel_size=4, ulysses_size=2, ring_size=2, ranks_per_node=2),
         data=dict(
             source="synthetic", num_frames=29, height=32, width=32, num_samples=a.num_samples
@@ -73,15 +82,16 @@ def config_dict(a) -> dict:
     )
 
 
-def _train(cfg: dict) -> dict:
-    """One rank of the job (``Trainer.run``); the logger's history."""
+def _train(cfg: dict, progress: bool = False) -> dict:
+    """One rank of the job (``Trainer.run``); the logger's history (``progress``: its bar, the
+    reward and KL of each step, on stderr)."""
     import warnings
 
     from megatron_video.training.config import config_from_dict
     from megatron_video.training.trainer import Trainer
 
     warnings.filterwarnings("ignore")
-    t = Trainer(config_from_dict(cfg), progress=False)
+    t = Trainer(config_from_dict(cfg), progress=progress)
     try:
         metrics = t.run()
         keys = ("step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "grad_norm")
@@ -110,7 +120,7 @@ def summary(rewards, window: int) -> dict:
     )
 
 
-def plot(history, window: int, path: str) -> None:
+def plot(history, window: int, path: str, family: str = "video_dit") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +139,8 @@ def plot(history, window: int, path: str) -> None:
     ax2.plot(steps, [h["kl"] for h in history], "r-", alpha=0.4, label="KL to the start")
     ax2.set_ylabel("KL", color="r")
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("Flow-GRPO of video_dit, U2 x R2, 4 CPU ranks")
+    start = "the make demo checkpoint" if family == "ar_dit" else "the seed"
+    ax.set_title(f"Flow-GRPO of {family} from {start}, U2 x R2, 4 CPU ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -143,6 +154,12 @@ def main():
         help="show the known environment warnings (held back in one line by default)",
     )
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--family", default="ar_dit", choices=("ar_dit", "video_dit"))
+    ap.add_argument(
+        "--init-from",
+        default="runs/demo",
+        help="ar_dit: the make demo run (model.init_from; '': the seed's weights)",
+    )
     ap.add_argument(
         "--reward",
         default="latent_colour",
@@ -161,27 +178,39 @@ def main():
     ap.add_argument("--sampling-steps", type=int, default=4)
     ap.add_argument("--noise-level", type=float, default=1.0)
     ap.add_argument("--shift", type=float, default=3.0, help="diffusion.flow_shift")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="Adam's (default 5e-4 for ar_dit from the checkpoint: at 2e-3 Adam's first steps, "
+        "lr on every weight, threw the trained model off, KL 0.08 after one step; 2e-3 for "
+        "video_dit from the seed)",
+    )
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl-coef", type=float, default=0.004)
     ap.add_argument("--train-steps", default="all", help="all | random | window")
     ap.add_argument("--train-step-count", type=int, default=1, help="with random / window")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress", action="store_true", help="the trainer's bar (reward, KL)")
     ap.add_argument("--out", default="runs/grpo_reward")
     a = ap.parse_args()
+    if a.lr is None:
+        a.lr = 5e-4 if a.family == "ar_dit" else 2e-3
+    if not 2 <= a.window <= a.steps // 2:
+        ap.error(f"--window ({a.window}) must be in [2, --steps / 2 = {a.steps // 2}]")
     from megatron_video.testing import WorkerPool
 
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     cfg = config_dict(a)
     with WorkerPool(4, ranks_per_node=2, timeout=7200) as pool:
-        got = next(r for r in pool.run(_train, cfg, ranks_per_node=2) if r["logger"])
+        got = next(r for r in pool.run(_train, cfg, a.progress, ranks_per_node=2) if r["logger"])
     hist = got["history"]
     res = dict(config=cfg, history=hist, **summary([h["reward_mean"] for h in hist], a.window))
     res["kl_max"] = max(h["kl"] for h in hist)
     with open(os.path.join(a.out, "grpo_reward.json"), "w") as f:
         json.dump(res, f, indent=1)
-    plot(hist, a.window, os.path.join(a.out, "reward.png"))
+    plot(hist, a.window, os.path.join(a.out, "reward.png"), a.family)
     print(
         f"{len(hist)} steps: mean reward of the first {a.window} {res['first_mean']:.4f}, of the "
         f"last {a.window} {res['last_mean']:.4f}, rise {res['rise']:.4f} "

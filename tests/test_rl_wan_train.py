@@ -108,6 +108,8 @@ def test_layouts_and_dp_give_the_same_steps(trained):
         (dict(data=dict(num_frames=9)), r"data.num_frames \(9\) must give latent token frames"),
         (dict(family="video_dit"), r"'video_dit' has no GRPO: diffusion.objective 'edm' has no"),
         (dict(family="wan_ar", rl=dict(group_size=1)), r"rl.group_size \(1\) must be >= 2"),
+        (dict(rl=dict(window=2)), r"rl.window \(2\) must be None for model.family 'wan'"),
+        (dict(family="wan_ar", rl=dict(sink=-1)), r"rl.sink \(-1\) must be >= 0"),
         (dict(train=dict(objective="supervised"), rl=dict()), r"read with train.objective 'grpo'"),
     ],
 )

@@ -184,6 +184,12 @@ AR4 = [
             r"model.hidden_size \(42\) must be divisible by model.num_attention_heads",
         ),
         (
+            ["model.family=ar_dit", "model.init_from=/nonexistent_run"],
+            1,
+            r"model.init_from \('/nonexistent_run'\) must be a megatron-video train run folder "
+            r".*examples/configs/demo.yaml",
+        ),
+        (
             ["vae.weights=/nonexistent.pt"],
             1,
             r"vae.weights \('/nonexistent.pt'\) must be an existing file",

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..attention.masks import RuleMask
+from ..attention.masks import EMPTY, FULL, PARTIAL, AttentionMask, RuleMask
 from ..layouts.balanced_sp import BalancedSPLayout
 from ..ops.masks import TokenIds
 from ..parallel import comm
@@ -20,6 +20,7 @@ from .flow_matching import expand_block_timesteps, fm_interpolate, fm_target, sa
 
 __all__ = [
     "TeacherForcingMask",
+    "WindowedTeacherForcingMask",
     "TeacherForcingOutput",
     "TeacherForcingObjective",
     "local_frame_tokens",
@@ -49,6 +50,58 @@ class TeacherForcingMask(RuleMask):
 
     def __repr__(self) -> str:
         return f"TeacherForcingMask({self.layout!r})"
+
+
+class WindowedTeacherForcingMask(AttentionMask):
+    """The teacher-forcing mask with a sink and a window (``generation.streaming.WindowRule``'s,
+    in latent frames, multiples of ``frames_per_block``; ``window`` None: all): a query of block
+    ``k`` (either side) attends the clean blocks ``m < k`` with ``m < sink / nb`` or
+    ``m >= k - window / nb``, a clean query its own clean block too, a noisy query its own noisy
+    block. It is the conditioning of the streaming generator's KV cache (a clean block's cached
+    keys / values were computed attending to the frames kept for it), so a teacher-forced forward
+    under it equals the stream's velocities. Dense per tile (no C++ rule)."""
+
+    default_scheme = "contiguous"
+
+    def __init__(self, layout: BalancedSPLayout, sink: int = 0, window: Optional[int] = None):
+        nb = layout.frames_per_block
+        for name, v in (("sink", sink), ("window", window)):
+            if v is not None and (not isinstance(v, int) or v < 0 or v % nb):
+                raise ValueError(
+                    f"{name} ({v!r}) must be a non-negative multiple of frames_per_block ({nb})"
+                )
+        self.layout, self.tile_hint = layout, layout.unit_tokens
+        self.sink_blocks = sink // nb
+        self.window_blocks = layout.num_blocks if window is None else window // nb
+        side, _, block = layout.identity_tables()
+        self._side, self._block = side, block
+
+    def pair(self, q, k):
+        side, block = self._side.to(q.device), self._block.to(q.device)
+        qs, qb, ks, kb = side[q], block[q], side[k], block[k]
+        kept = (kb < qb) & ((kb < self.sink_blocks) | (kb >= qb - self.window_blocks))
+        own = kb == qb
+        return ((ks == 0) & (kept | (own & (qs == 0)))) | ((ks == 1) & (qs == 1) & own)
+
+    def dense(self, q_ids, k_ids):
+        return self.pair(q_ids.long()[:, None], k_ids.long()[None, :])
+
+    def tile_status(self, q_ids, k_ids, q_tile, k_tile):
+        d = self.dense(q_ids, k_ids)
+        qe = range(0, q_ids.numel(), q_tile)
+        ke = range(0, k_ids.numel(), k_tile)
+        out = torch.empty(len(qe), len(ke), dtype=torch.uint8)
+        for i, a in enumerate(qe):
+            for j, c in enumerate(ke):
+                t = d[a : a + q_tile, c : c + k_tile]
+                out[i, j] = EMPTY if not bool(t.any()) else FULL if bool(t.all()) else PARTIAL
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowedTeacherForcingMask({self.layout!r}, sink_blocks={self.sink_blocks}, "
+            f"window_blocks={self.window_blocks})"
+        )
 
 
 def local_frame_tokens(layout: BalancedSPLayout, rank: int, tokens: Tensor) -> Tensor:

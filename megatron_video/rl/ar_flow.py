@@ -13,12 +13,14 @@ block, so every CP layout samples the same video.
 
 Loss: denoising step ``i`` of every block at once in ONE teacher-forced forward on the Balanced SP
 layout (``ar_models.recompute_velocity``: ``[clean ; noisy]``, the clean half the rollout's
-finished blocks at timestep 0, the noisy half every block's state at step ``i``; the
-teacher-forcing mask lets noisy block ``j`` see the clean blocks before it and itself, the clean
-blocks block-causally) -- the same conditioning as the stream's cache when the window covers the
-video (``streaming``'s module note), with gradients through the context too. Memory: one forward
-per trained step, freed after its backward. A window shorter than the video is refused (the
-teacher-forced loss would condition on more than the rollout did).
+finished blocks at timestep 0, the noisy half every block's state at step ``i``), with gradients
+through the context too. Memory: one forward per trained step, freed after its backward.
+Conditioning: the forward sees exactly what the rollout's cache held. Noisy block ``j`` attends
+the clean blocks the rule kept for it and itself; a clean block attends the clean blocks kept for
+it and itself (its cached keys / values were computed so, when it was appended). With the window
+covering the video that is the teacher-forcing mask; with a sink / window shorter than the video
+(``rule``) it is ``diffusion.teacher_forcing.WindowedTeacherForcingMask`` of the same sink and
+window, so the trained step's log-probability at the rollout's weights equals the rollout's.
 Map: docs/wan.md, "Reinforcement learning (Flow-GRPO)".
 """
 
@@ -32,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..diffusion.cfg import guided_denoise
-from ..diffusion.teacher_forcing import local_frame_tokens
+from ..diffusion.teacher_forcing import WindowedTeacherForcingMask, local_frame_tokens
 from ..generation.ar_models import block_model, recompute_velocity
 from ..generation.streaming import WindowRule, padded_block_tokens, stream_autoregressive
 from ..parallel import comm
@@ -50,7 +52,7 @@ class ARRollout:
     ``states`` (``N + 1`` tensors ``[G, L/2, D]``: every block's noisy tokens at step ``i``),
     ``clean [G, L/2, D]`` (the finished blocks), ``logprobs [G, J, N]``, ``timesteps``, the full
     ``video [G, F*S, D]`` (every rank), the grid ``(height, width)``, ``cond`` / ``null`` /
-    ``guidance_scale`` and the CP ``group``."""
+    ``guidance_scale``, the CP ``group`` and the stream's ``rule`` (sink / window)."""
 
     states: List[Tensor]
     clean: Tensor
@@ -64,6 +66,7 @@ class ARRollout:
     null: Any
     guidance_scale: float
     group: Any
+    rule: WindowRule
 
     @property
     def num_steps(self) -> int:
@@ -74,12 +77,11 @@ def _cp(groups):
     return (1, 0, None) if groups is None else (groups.cp_size, groups.cp_rank, groups.cp_group)
 
 
-def _check_window(rule: WindowRule, frames: int) -> None:
-    if rule.window is not None and rule.window < frames - rule.frames_per_block:
+def _check_rule(rule: WindowRule, nb: int) -> None:
+    if rule.frames_per_block != nb:
         raise ValueError(
-            f"window ({rule.window}) must be None or >= the rollout's latent frames less one "
-            f"block ({frames - rule.frames_per_block}) with GRPO (the teacher-forced loss "
-            f"conditions each block on every earlier one)"
+            f"rule.frames_per_block ({rule.frames_per_block}) must equal the layout's "
+            f"frames_per_block ({nb})"
         )
 
 
@@ -136,12 +138,13 @@ def ar_rollout(
     """``group_size`` streamed SDE rollouts of one condition (``cond``: the family's, batch 1,
     the same on every rank; collective over ``groups``) of ``layout``'s video (a
     ``BalancedSPLayout`` of the CP size), token ``grid = (height, width)``, ``D`` channels of
-    the model's patch tokens. Checks ``group_size``, ``noise_level``, ``num_steps`` and the
-    window before any collective."""
+    the model's patch tokens; ``rule``: the stream's sink / window (None: all earlier frames; the
+    loss then conditions as the cache did, module note). Checks ``group_size``, ``noise_level``,
+    ``num_steps`` and the rule before any collective."""
     check_rollout(group_size, noise_level, num_steps)
-    nb, S, F = layout.frames_per_block, layout.tokens_per_frame, layout.num_latent_frames
-    rule = rule or WindowRule(nb, 0, F - nb)
-    _check_window(rule, F)
+    nb, S = layout.frames_per_block, layout.tokens_per_frame
+    rule = rule or WindowRule(nb)
+    _check_rule(rule, nb)
     G, D, (N, rank, group) = group_size, _channels(model), _cp(groups)
     n = nb * S
     T = padded_block_tokens(n, N)
@@ -192,6 +195,7 @@ def ar_rollout(
         rows[1],
         guidance_scale,
         group,
+        rule,
     )
 
 
@@ -209,9 +213,18 @@ def _channels(model) -> int:
     return cfg.in_channels * math.prod(cfg.patch_size)
 
 
+def _mask(ro: ARRollout):
+    """The rollout's conditioning (module note): None (the teacher-forcing mask) when the window
+    covers the video, else the windowed teacher-forcing mask of the rule."""
+    rule, L = ro.rule, ro.layout
+    if rule.window is None or rule.window >= L.num_latent_frames - L.frames_per_block:
+        return None
+    return WindowedTeacherForcingMask(L, rule.sink, rule.window)
+
+
 def _velocity(model, ro: ARRollout):
     """The teacher-forced velocity of the noisy half (CFG as in the rollout)."""
-    v = recompute_velocity(model, ro.layout, ro.rank, ro.grid[0], ro.grid[1])
+    v = recompute_velocity(model, ro.layout, ro.rank, ro.grid[0], ro.grid[1], _mask(ro))
     if ro.null is None or ro.guidance_scale == 1.0:
         return v
     return lambda x, t, c: guided_denoise(v, x, t, c, ro.null, ro.guidance_scale)

@@ -37,12 +37,16 @@ class RLConfig:
     train_steps: str = "all"  # all | random (DanceGRPO) | window (MixGRPO)
     train_step_count: int = 1  # steps trained per rollout with random / window
     guidance_scale: float = 1.0  # CFG in rollouts (1: none)
+    # AR families (rl.ar_flow): the stream's KV cache keeps the first ``sink`` latent frames and the
+    # ``window`` frames before a block (null: all); whole blocks (generation.streaming.WindowRule)
+    sink: int = 0
+    window: Optional[int] = None
 
     def __post_init__(self):
         def bad(name, rule):
             raise ValueError(f"rl.{name} ({getattr(self, name)!r}) must be {rule}")
 
-        ints = ("group_size", "max_new_tokens", "seed", "mini_batches")
+        ints = ("group_size", "max_new_tokens", "seed", "mini_batches", "sink")
         for name in ints + ("sampling_steps", "train_step_count"):
             if not _is_int(getattr(self, name)):
                 bad(name, "an integer")
@@ -54,6 +58,10 @@ class RLConfig:
             bad("mini_batches", ">= 1 (optimizer updates per rollout batch)")
         if self.sampling_steps < 1:
             bad("sampling_steps", ">= 1")
+        if self.sink < 0:
+            bad("sink", ">= 0 (latent frames)")
+        if self.window is not None and not (_is_int(self.window) and self.window >= 0):
+            bad("window", "null or an integer >= 0 (latent frames)")
         if self.train_steps not in ("all", "random", "window"):
             bad("train_steps", "'all', 'random' or 'window'")
         if not 1 <= self.train_step_count <= self.sampling_steps:

@@ -18,11 +18,32 @@ def _check_objective(config) -> None:
         )
 
 
-def check_flow_rl(config, placed: bool = False) -> None:
+def _check_window(config, autoregressive: bool) -> None:
+    """``rl.sink`` / ``rl.window``: the AR families' streamed rollouts only, whole blocks."""
+    rl, nb = config.rl, config.model.frames_per_block
+    for name, value, off in (("sink", rl.sink, 0), ("window", rl.window, None)):
+        if value == off:
+            continue
+        if not autoregressive:
+            raise ValueError(
+                f"rl.{name} ({value!r}) must be {off!r} for model.family "
+                f"{config.model.family!r} (the KV cache's sink / window of the AR families' "
+                f"streamed rollouts)"
+            )
+        if value % nb:
+            raise ValueError(
+                f"rl.{name} ({value}) must be a multiple of model.frames_per_block ({nb}) "
+                f"(whole blocks)"
+            )
+
+
+def check_flow_rl(config, placed: bool = False, autoregressive: bool = False) -> None:
     """The rules of ``train.objective: grpo`` for the flow families that have it (``wan``,
-    ``video_dit`` with ``diffusion.objective: flow``): ``ValueError`` naming the field.
-    ``placed``: the family places this config's clips by token (``batches.placed``)."""
+    ``video_dit`` with ``diffusion.objective: flow``, the AR ``wan_ar`` / ``ar_dit``):
+    ``ValueError`` naming the field. ``placed``: the family places this config's clips by token
+    (``batches.placed``); ``autoregressive``: ``rl.sink`` / ``rl.window`` are read."""
     _check_objective(config)
+    _check_window(config, autoregressive)
     p, d = config.parallel, config.data
     if p.pipeline_model_parallel_size > 1:
         raise ValueError(

@@ -1,7 +1,8 @@
 """``train.objective: grpo`` for ``wan_ar``: the step of ``training.grpo_wan.FlowGRPOTrainer`` with
 the AR binding (``rl.ar_flow``): per caption ``rl.group_size`` rollouts streamed block by block
-through the KV-cache generator under the model's CP layout (the window covers the trained video),
-the trained denoising steps re-run teacher-forced on the trainer's Balanced SP layout. The clean
+through the KV-cache generator under the model's CP layout (the cache keeps ``rl.sink`` /
+``rl.window``'s frames, default all), the trained denoising steps re-run teacher-forced on the
+trainer's Balanced SP layout under the same conditioning (``rl.ar_flow``'s note). The clean
 latents the reward sees are gathered from the layout's tokens. Map: docs/wan.md, "Reinforcement
 learning (Flow-GRPO)". ``ar_dit``: ``ARDiTGRPOTrainer`` (caption ids, the project VAE's videos).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_video.generation.streaming import WindowRule
 from megatron_video.rl.ar_flow import ar_grpo_backward, ar_rollout
 
 from .grpo_wan import FlowGRPOTrainer
@@ -44,6 +46,7 @@ class WanARGRPOTrainer(FlowGRPOTrainer):
             position=f"{step}:{mb.indices[j]}",  # new noise every step
             null_cond=null if rl.guidance_scale != 1 else None,
             guidance_scale=rl.guidance_scale,
+            rule=WindowRule(cfg.model.frames_per_block, rl.sink, rl.window),
             dtype=dtype,
         )
 

@@ -48,7 +48,7 @@ class DiffusionFamily(FamilySpec):
         from ..family_spec import rl_families
 
         if dict(self.trainers).get("grpo") and config.objective == "flow":
-            return check_flow_rl(config, tokens_placed(config, self))
+            return check_flow_rl(config, tokens_placed(config, self), self.autoregressive)
         refuse_rl(self.name, config.objective, self.autoregressive, rl_families())
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
@@ -63,9 +63,14 @@ class DiffusionFamily(FamilySpec):
         vp_stage=None,
         config: Config = None,
     ):
-        return self.model(
+        model = self.model(
             tcfg, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
         )
+        if config is not None and config.model.init_from is not None:  # collective
+            from ..checkpoint import load_model_weights
+
+            load_model_weights(_init_from(config), model)
+        return model
 
     def megatron_lm_config(self, base, config: Config):
         """``base`` plus only the video fields (``model_factory.video_transformer_config``)."""
@@ -176,8 +181,19 @@ def _check_stdit(config: Config, world_size: int) -> None:
         )
 
 
+def _init_from(config: Config):
+    """``model.init_from`` (``ar_dit``): a run folder of the same model (e.g. ``make demo``'s
+    ``runs/demo``) or its ``checkpoints`` folder; its newest checkpoint's weights start the model
+    (GRPO's policy and reference)."""
+    from .video_llava import _init_from_dir  # the one rule of a run folder
+
+    return _init_from_dir(config.model.init_from, "examples/configs/demo.yaml")
+
+
 def _check_ar_dit(config: Config, world_size: int) -> None:
     m, p, d = config.model, config.parallel, config.data
+    if m.init_from is not None:
+        _init_from(config)
     F, h, w = latent_shape(config)
     pt, ph, pw = m.patch_size
     if pt != 1:
@@ -278,5 +294,6 @@ AR_DIT = register_family(
         check=_check_ar_dit,
         packed_kind="teacher_forcing",
         trainers=(("grpo", "megatron_video.training.grpo_wan_ar:ARDiTGRPOTrainer"),),
+        model_fields=("init_from",),
     )
 )

@@ -114,9 +114,10 @@ def _check(config: Config, world_size: int) -> None:
         _init_from_dir(m.init_from)
 
 
-def _init_from_dir(path):
+def _init_from_dir(path, example: str = "examples/configs/video_llava.yaml"):
     """``model.init_from``: a ``megatron-video train`` run folder or its ``checkpoints`` folder
-    (the newest checkpoint's weights start the model; ``ValueError`` when it holds none)."""
+    (the newest checkpoint's weights start the model; ``ValueError`` when it holds none, naming
+    ``example``, a config whose run makes one)."""
     from pathlib import Path
 
     from ..checkpoint import latest_step
@@ -125,8 +126,7 @@ def _init_from_dir(path):
     if latest_step(folder) is None:
         raise ValueError(
             f"model.init_from ({str(path)!r}) must be a megatron-video train run folder or its "
-            f"checkpoints folder holding a complete checkpoint (e.g. of "
-            f"examples/configs/video_llava.yaml)"
+            f"checkpoints folder holding a complete checkpoint (e.g. of {example})"
         )
     return folder
 

@@ -305,7 +305,7 @@ class WanFamily(DiffusionFamily):
         """``train.objective: grpo``: Flow-GRPO (``rl.rules``; ``wan_ar``: streamed rollouts)."""
         from megatron_video.rl.rules import check_flow_rl
 
-        check_flow_rl(config, tokens_placed(config, self))
+        check_flow_rl(config, tokens_placed(config, self), self.autoregressive)
 
     def transformer_config(self, config: Config, has_gpu: bool = False) -> WanConfig:
         return wan_transformer_config(config, has_gpu)
