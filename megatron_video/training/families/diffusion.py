@@ -190,10 +190,16 @@ def _init_from(config: Config):
     return _init_from_dir(config.model.init_from, "examples/configs/demo.yaml")
 
 
+def _check_ar_dit_family(config: Config, world_size: int) -> None:
+    """``ar_dit``'s rules: its ``model.init_from`` (a run folder) and the AR rules it shares with
+    ``wan_ar`` (whose ``model.init_from`` is a diffusers folder: ``families/wan.py``)."""
+    if config.model.init_from is not None:
+        _init_from(config)
+    _check_ar_dit(config, world_size)
+
+
 def _check_ar_dit(config: Config, world_size: int) -> None:
     m, p, d = config.model, config.parallel, config.data
-    if m.init_from is not None:
-        _init_from(config)
     F, h, w = latent_shape(config)
     pt, ph, pw = m.patch_size
     if pt != 1:
@@ -291,7 +297,7 @@ AR_DIT = register_family(
         layer_type="full",
         autoregressive=True,
         model=ARVideoDiT,
-        check=_check_ar_dit,
+        check=_check_ar_dit_family,
         packed_kind="teacher_forcing",
         trainers=(("grpo", "megatron_video.training.grpo_wan_ar:ARDiTGRPOTrainer"),),
         model_fields=("init_from",),
