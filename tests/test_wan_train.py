@@ -271,13 +271,21 @@ def test_bad_config_names_the_field(root, family, fields, message):
 
 
 def test_other_families_refuse_wan_fields(root):
+    """A Wan transformer folder as ``model.init_from``: ``video_dit`` has no such field;
+    ``ar_dit`` reads a run folder of its own (``make demo``'s) and names what it needs."""
     from megatron_video.testing.configs import tiny_config
     from megatron_video.training.config import validate
 
+    cfg = tiny_config("video_dit", str(root))
+    cfg.model.init_from = str(root / "transformer")
+    with pytest.raises(
+        ValueError, match=r"model.init_from \('.*'\) is not a field of model.family 'video_dit'"
+    ):
+        validate(cfg, 1)
     cfg = tiny_config("ar_dit", str(root))
     cfg.model.init_from = str(root / "transformer")
     with pytest.raises(
-        ValueError, match=r"model.init_from \('.*'\) is not a field of model.family 'ar_dit'"
+        ValueError, match=r"model.init_from \('.*'\) must be a megatron-video train"
     ):
         validate(cfg, 1)
 
