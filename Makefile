@@ -9,12 +9,10 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-# Re-install only when the pinned requirements or the build description change. --no-compile: the
-# ~14,000 modules of the dependencies are not byte-compiled up front (about 40 s of CPU); Python
-# compiles the few each process imports on first use.
+# Re-install only when the pinned requirements or the build description change.
 $(STAMP): requirements/requirements.txt requirements/constraints.txt setup.py pyproject.toml $(wildcard csrc/*)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements/requirements.txt -c requirements/constraints.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/requirements.txt -c requirements/constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	@touch $(STAMP)
 
