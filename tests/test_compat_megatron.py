@@ -8,11 +8,12 @@ first-principles generators. The last tests check the pure helpers in this proce
 """
 
 import math
+import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import types
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -141,23 +142,6 @@ def _init(**kw):
 
 def _randn(seed, *shape, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-@contextmanager
-def _children_allowed():
-    """Megatron's checkpoint writer forks helper processes; pool workers are daemonic (which may
-    not have children), torchrun workers are not. Lift the flag only around save, and stop the
-    results-queue Manager process Megatron caches, so a killed worker cannot orphan it."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    try:
-        with _may_fork_writers():
-            yield
-    finally:
-        manager = getattr(filesystem_async._results_queue, "_manager", None)
-        if manager is not None:
-            manager.shutdown()
-            filesystem_async._results_queue = None  # back to its initial (not started) value
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,6 +382,7 @@ def _checkpoint_round_trip(ckpt_dir):
     one more identical step."""
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     _init(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(5)
@@ -413,10 +398,13 @@ def _checkpoint_round_trip(ckpt_dir):
         _train_step(ddp, opt, *_step_data(step, dp_index))
 
     model_sd = layer.sharded_state_dict()
-    with _children_allowed():
+    with _may_fork_writers():  # our save path: forks allowed, a thread results queue
         dist_checkpointing.save(
             {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, ckpt_dir
         )
+    # the writer's results came through a thread queue: no spawned Manager outlives the save
+    assert isinstance(filesystem_async._results_queue, queue.Queue)
+    assert not multiprocessing.active_children(), multiprocessing.active_children()
     model_sd2 = layer2.sharded_state_dict()
     loaded = dist_checkpointing.load(
         {"model": model_sd2, "optimizer": opt2.sharded_state_dict(model_sd2, is_loading=True)},

@@ -193,15 +193,14 @@ def _command(name: str, out: Path, *extra: str):
     return cmd + BLOCKS["cpu"] + scaled + list(extra), env
 
 
-def _runs(*runs) -> list:
+def _runs(logs: Path, *runs) -> list:
     """Each ``(name, out, extra, may_fail)`` of ``runs``, one after another in one torchrun (the
-    shim's ``--runs``: each rank imports once and forks a fresh child per run); each run's
-    result."""
+    shim's ``--runs``: each rank imports once and forks a fresh child per run; their logs and
+    plan under ``logs``); each run's result."""
     cmds = [_command(name, out, *extra) for name, out, extra, _ in runs]
     shim = cmds[0][0].index(str(SHIM))
     prefix, env = cmds[0][0][: shim + 1], cmds[0][1]
     assert all(c[: shim + 1] == prefix and e == env for c, e in cmds), "one torchrun line"
-    logs = Path(runs[0][1]).parent / f"logs_{Path(runs[0][1]).name}"
     logs.mkdir(parents=True)
     plan = [
         {"argv": c[shim + 1 :], "log": str(logs / f"{i}_{r[0]}"), "may_fail": r[3]}
@@ -251,7 +250,7 @@ def launches(wan_shards, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mlm")
     plans = [_dit_plan(root / "dit"), _family_plan(root / "families", wan_shards)]
     plans.append(_mixed_plan(root / "mixed"))
-    results = iter(_runs(*[run for _, runs, _ in plans for run in runs]))
+    results = iter(_runs(root / "logs", *[run for _, runs, _ in plans for run in runs]))
     return {name: shape([next(results) for _ in runs]) for name, runs, shape in plans}
 
 

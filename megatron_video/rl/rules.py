@@ -86,12 +86,10 @@ def check_flow_rl(config, placed: bool = False, autoregressive: bool = False) ->
         )
 
 
-def refuse_rl(family: str, objective: str, autoregressive: bool, rl_families) -> None:
+def refuse_rl(family: str, objective: str, rl_families) -> None:
     """``ValueError``: ``train.objective: grpo`` is not built for this diffusion family (or its
     objective), and why (``rl_families``: the families that have it)."""
-    if autoregressive:
-        why = "its trainer is not wired (rl.ar_flow streams the AR families' rollouts)"
-    elif objective == "edm":
+    if objective == "edm":
         why = (
             "diffusion.objective 'edm' has no stochastic sampler with a Gaussian per-step "
             "log-probability (EDM's Heun / Euler samplers are deterministic; their churn "

@@ -22,13 +22,13 @@ import contextlib
 import functools
 import importlib
 import inspect
-import queue
 import runpy
 import sys
 from typing import List, Tuple
 
 import torch
 
+from megatron_video.compat.checkpoint_writer import use_thread_results_queue
 from megatron_video.compat.cpu_torch import _CPU_STREAM, CpuCuda, CpuTorch
 
 __all__ = ["apply", "applied"]
@@ -149,13 +149,9 @@ def apply() -> List[Tuple[str, str]]:
             "megatron.training.initialize._warmup_jit_function",
             "JIT warm-up of fused kernels on 'cuda' tensors (CUDA generator)",
         )
-    writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    if "--async-save" not in sys.argv and getattr(writer, "_results_queue", ()) is None:
-        # Not a CUDA assumption but a test-time cost: the torch_dist writer collects its results
-        # through a queue of a multiprocessing Manager it starts with "spawn" on the first save,
-        # which re-imports the entry script (torch, Megatron: ~5 s of CPU per rank, per job). A
-        # synchronous save writes from threads of this process: a thread queue carries the same.
-        writer._results_queue = queue.Queue()
+    if "--async-save" not in sys.argv and use_thread_results_queue():
+        # Not a CUDA assumption but a test-time cost (compat/checkpoint_writer.py): synchronous
+        # saves collect the writer's results in a thread queue instead of a spawned Manager.
         _note(
             "megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
             "a spawned Manager's queue on the first save (a thread queue: saves are synchronous)",

@@ -31,9 +31,23 @@ def _init_from_ignored():
 
 
 def _optimizer_state_dropped():
+    """Silently: the state loads, then Adam's moments are zeroed (its step count and the rest
+    kept, so the next step runs and only its values tell)."""
+    import torch
+
     from megatron_video.training import checkpoint
 
-    return checkpoint, "load_optimizer_state", lambda optimizer, state: None
+    load = checkpoint.load_optimizer_state
+
+    def dropped(optimizer, state):
+        load(optimizer, state)
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for moments in opt.optimizer.state.values():
+                for v in moments.values():
+                    if isinstance(v, torch.Tensor) and v.dim():
+                        v.zero_()
+
+    return checkpoint, "load_optimizer_state", dropped
 
 
 def _stale_cache():

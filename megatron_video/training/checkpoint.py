@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..compat.checkpoint_writer import use_thread_results_queue
 from ..compat.manifest import MANIFEST_FILE, write_manifest
 from ..compat.manifest import manifest_files as _files
 from ..compat.manifest import sha256_file as _sha256
@@ -129,7 +130,9 @@ def _rng_sharded(world: int, rank: int) -> dict:
 @contextmanager
 def _may_fork_writers():
     """Megatron's checkpoint writer forks helper processes, which a daemonic process (e.g. a test
-    worker) may not have; lift the flag for the duration of the save only."""
+    worker) may not have; lift the flag for the duration of the save only. Our saves are
+    synchronous: the writer's results go through a thread queue, not a spawned Manager."""
+    use_thread_results_queue()
     proc = multiprocessing.current_process()
     was = proc.daemon
     proc.daemon = False

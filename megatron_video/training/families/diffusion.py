@@ -49,7 +49,7 @@ class DiffusionFamily(FamilySpec):
 
         if dict(self.trainers).get("grpo") and config.objective == "flow":
             return check_flow_rl(config, tokens_placed(config, self), self.autoregressive)
-        refuse_rl(self.name, config.objective, self.autoregressive, rl_families())
+        refuse_rl(self.name, config.objective, rl_families())
 
     def transformer_config(self, config: Config, has_gpu: bool = False):
         """``model_factory.transformer_config``."""
