@@ -121,9 +121,10 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     # the GIF's caption: the prompt in force at each frame (the second from frame SWITCH on)
     assert results[0]["captions"] == [PROMPTS[0]] * SWITCH + [PROMPTS[1]] * (FRAMES - SWITCH)
     got = results[0]["tokens"]
+    # fp32: measured 1.1e-6 here and at CP 2 / CP 4 below; the bound is 10x that
     err = float((got - ref).abs().max())
     print(f"generate vs in-process streaming (CP 1 vs CP 2, fp32): max |diff| {err:.2e}")
-    assert got.shape == ref.shape == (1, 6 * 2 * 3, 16) and err <= 1e-4, err
+    assert got.shape == ref.shape == (1, 6 * 2 * 3, 16) and err <= 1e-5, err
 
     i = argv.index("--output")  # the command under torchrun: CP over the whole world
     cp_argv = argv[: i + 1] + [str(out) + "_cp2"] + argv[i + 2 :]
@@ -135,7 +136,7 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     assert rc == rc1 == 0, msg
     err2 = float((cp2 - got).abs().max())
     print(f"generate at CP 2 (Ulysses 2) vs CP 1 (fp32): max |diff| {err2:.2e}")
-    assert cp2.shape == got.shape and err2 <= 1e-4 and other is None, err2  # rank 0 writes
+    assert cp2.shape == got.shape and err2 <= 1e-5 and other is None, err2  # rank 0 writes
     with av.open(str(out) + "_cp2.mp4") as c:
         assert sum(1 for _ in c.decode(video=0)) == FRAMES
     # a world of 4 does not divide a block's 6 tokens: each block is padded to 8 (the padding
@@ -145,7 +146,7 @@ def test_generate_wan_ar_end_to_end(pool4, tmp_path, monkeypatch):
     assert rc == 0 and all(o[0] == 0 for o in others), msg
     err4 = float((cp4 - got).abs().max())
     print(f"generate at CP 4 (6-token blocks padded to 8) vs CP 1 (fp32): max |diff| {err4:.2e}")
-    assert cp4.shape == got.shape and err4 <= 1e-4, err4
+    assert cp4.shape == got.shape and err4 <= 1e-5, err4
 
     # --image: latent frame 0 is the image encoded by diffusers' own VAE (normalised, patchified
     # here), held through block 0; the later frames follow from it

@@ -1,7 +1,8 @@
 """The mutation check: each named breakage of ``megatron_video/testing/mutations.py`` (resume
-restarts from scratch, ``model.init_from`` ignored, the optimizer's state dropped on load, the
-stale-cache hook on, the ledger replaying a clip) makes every test guarding it fail. The guards
-pass on the unbroken code in the suite itself; here one pytest process runs them all broken."""
+restarts from scratch, ``model.init_from`` ignored, Adam's moments zeroed as the optimizer's state
+loads, the stale-cache hook on, the ledger replaying a clip) makes every test guarding it fail.
+The guards pass on the unbroken code in the suite itself; here one pytest process runs them all
+broken."""
 
 import os
 import subprocess
@@ -36,6 +37,18 @@ def test_breakage_applies_and_restores(name):
     assert getattr(owner, attr) == before
 
 
+def _why(failure) -> str:
+    """A failure's message; for a pool task's ``RankError``, the first rank's own error line."""
+    message = (failure.get("message") or "").splitlines()[:1] or [""]
+    if "RankError" in message[0]:
+        lines = (failure.text or "").splitlines()
+        errors = [
+            ln.lstrip("E ").strip() for ln in lines if "Error" in ln and "RankError" not in ln
+        ]
+        message += errors[:1]
+    return " / ".join(message)[:400]
+
+
 @pytest.mark.process_launch
 def test_every_breakage_is_caught(tmp_path):
     """All guards in one pytest process (one worker pool), each under its breakage: each fails."""
@@ -54,7 +67,7 @@ def test_every_breakage_is_caught(tmp_path):
         outcome = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
         cases[f"{module}::{case.get('name')}"] = outcome
         for c in case.iter("failure"):  # what each guard reported (pytest -s shows it)
-            print(f"{module}::{case.get('name')}: {(c.get('message') or '')[:300]}")
+            print(f"{module}::{case.get('name')}: {_why(c)}")
     for name, guards in mutations.GUARDS.items():
         for guard in guards:
             got = {k: v for k, v in cases.items() if k == guard or k.split("[")[0] == guard}

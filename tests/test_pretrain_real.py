@@ -348,7 +348,9 @@ def test_dit_tp2cp2_equals_cp4(dit_runs):
     dit_cp4, tp = dit_runs["first"], dit_runs["tp2cp2"]
     assert sorted(tp["losses"]) == list(range(1, 9))
     for i, loss in dit_cp4["losses"].items():
-        assert tp["losses"][i] == pytest.approx(loss, rel=1e-4, abs=1e-5), i
+        # Megatron-LM prints 7 significant digits; measured: equal, or one unit of the last digit
+        # apart (rel 9.9e-7); the bound is 10x that
+        assert tp["losses"][i] == pytest.approx(loss, rel=1e-5), i
 
 
 @pytest.fixture(scope="module")

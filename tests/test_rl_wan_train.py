@@ -90,7 +90,9 @@ def test_layouts_and_dp_give_the_same_steps(trained):
     a, b = trained["u2xr2"]["history"], trained["u2_dp2"]["history"]
     for x, y in zip(a, b):
         for k in ("loss", "reward_mean", "kl", "clip_frac", "grad_norm"):
-            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-7), (k, x, y)
+            # measured: rel 3.7e-7 (kl), 1.6e-8 (reward), 0 for the rest (fp32 reductions in
+            # another order); the bound is under 10x the largest
+            assert x[k] == pytest.approx(y[k], rel=3.5e-6, abs=1e-9), (k, x, y)
 
 
 @pytest.mark.parametrize(

@@ -369,7 +369,7 @@ def test_precompute_wan_vae_umt5_then_train(pool4, tmp_path):
             ref = encode(_decode(src)[None])[0]
         emb, mask = text([s["caption"]])
         assert s["latent"].shape == (4, 8, 4, 4) and s["meta"]["encoder"] == "wan_vae"
-        assert torch.allclose(s["latent"], ref, atol=1e-4, rtol=0)
+        assert torch.equal(s["latent"], ref)  # measured bitwise equal in both environments
         assert torch.equal(s["text_mask"], mask[0]) and torch.allclose(s["text_emb"], emb[0])
     run = str(tmp_path / "run")
     losses = pool4.run(_train_on_shards, config, str(shards), run, ranks_per_node=2)[0]
