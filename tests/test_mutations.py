@@ -5,6 +5,7 @@ The guards pass on the unbroken code in the suite itself; here one pytest proces
 broken."""
 
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -43,7 +44,9 @@ def _why(failure) -> str:
     if "RankError" in message[0]:
         lines = (failure.text or "").splitlines()
         errors = [
-            ln.lstrip("E ").strip() for ln in lines if "Error" in ln and "RankError" not in ln
+            re.sub(r"^E\s+", "", ln).strip()
+            for ln in lines
+            if "Error" in ln and "RankError" not in ln
         ]
         message += errors[:1]
     return " / ".join(message)[:400]

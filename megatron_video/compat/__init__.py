@@ -1,7 +1,9 @@
 """Compatibility layer: CPU mode for Megatron-Core's CUDA assumptions and API feature detection.
 
-This is the only place in megatron_video that patches Megatron (see ``cpu_mode``), only when no GPU
-is present and only when asked (``ensure_cpu_mode()`` or ``megatron-video ... --cpu``).
+This is the only place in megatron_video that patches Megatron: ``cpu_mode``, only when no GPU is
+present and only when asked (``ensure_cpu_mode()`` or ``megatron-video ... --cpu``); and
+``checkpoint_writer``, on every device, which gives the checkpoint writer a thread queue for our
+synchronous saves (no spawned Manager process per rank).
 """
 
 from .cp_comm_type import (
